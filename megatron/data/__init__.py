@@ -1,0 +1,1 @@
+"""Data pipeline: Megatron's mmap indexed dataset, GPT samples, blending and samplers."""

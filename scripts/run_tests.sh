@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# README command 2: install what the tests need, check style, run the whole test suite.
+# Extra arguments go to pytest (e.g. `bash scripts/run_tests.sh tests/data -k gpt`).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+python=$(bash scripts/setup_env.sh test | tail -n 1)
+
+echo "[tests] ruff check and format check"
+"$python" -m ruff check .
+"$python" -m ruff format --check .
+
+echo "[tests] pytest"
+status=0
+"$python" -m pytest "$@" || status=$?
+if [ "$status" -eq 5 ]; then
+  # pytest's "no tests collected": a filter that matched nothing, or a broken test tree.
+  echo "[tests] error: pytest collected no tests (exit 5); check the paths or -k filter" >&2
+  exit 1
+fi
+exit "$status"

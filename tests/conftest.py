@@ -1,0 +1,111 @@
+"""Shared fixtures: the real GPT-2 files, the reference tokenizer, the megatron-core oracle."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+import pytest
+
+REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
+VOCAB_FILE = os.path.join(REPO_ROOT, "dataset", "gpt2-vocab.json")
+MERGE_FILE = os.path.join(REPO_ROOT, "dataset", "gpt2-merges.txt")
+# The released megatron-core whose writer, helpers and GPTDataset our outputs must equal.
+MEGATRON_CORE_VERSION = "0.16.1"
+ORACLE_DIR = os.path.join(REPO_ROOT, ".cache", f"megatron-core-{MEGATRON_CORE_VERSION}")
+
+
+@pytest.fixture(scope="session")
+def gpt2_files() -> tuple[str, str]:
+    """Paths of the vendored GPT-2 vocab and merges files."""
+    return VOCAB_FILE, MERGE_FILE
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """Our GPT-2 tokenizer on the real vocabulary (built once per session)."""
+    from megatron.tokenizer import GPT2BPETokenizer
+
+    return GPT2BPETokenizer(VOCAB_FILE, MERGE_FILE)
+
+
+@pytest.fixture(scope="session")
+def reference_bpe():
+    """The pure-Python reference GPT-2 BPE (the oracle)."""
+    from tests.tokenizer.reference_bpe import ReferenceGPT2BPE
+
+    return ReferenceGPT2BPE(VOCAB_FILE, MERGE_FILE)
+
+
+def ensure_megatron_core_oracle() -> str:
+    """Unpack the megatron-core wheel into .cache/ (fetched from PyPI once); returns its dir.
+
+    It is kept out of site-packages because it shares the top-level `megatron` package name
+    with this project; oracle code runs in a subprocess with PYTHONPATH pointing here.
+    """
+    marker = os.path.join(ORACLE_DIR, "megatron", "core", "datasets", "helpers.py")
+    if os.path.isfile(marker):
+        return ORACLE_DIR
+    with tempfile.TemporaryDirectory(
+        dir=os.path.dirname(ORACLE_DIR) if os.path.isdir(os.path.dirname(ORACLE_DIR)) else None
+    ) as scratch:
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            scratch,
+            f"megatron-core=={MEGATRON_CORE_VERSION}",
+        ]
+        result = subprocess.run(command, capture_output=True, text=True)
+        wheels = glob.glob(os.path.join(scratch, "megatron_core-*.whl"))
+        if result.returncode != 0 or not wheels:
+            pytest.fail(
+                f"could not fetch megatron-core {MEGATRON_CORE_VERSION}, the oracle for the "
+                f"format tests: {' '.join(command)} failed:\n{result.stderr[-2000:]}"
+            )
+        unpacked = os.path.join(scratch, "unpacked")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            wheel.extractall(unpacked)
+        os.makedirs(os.path.dirname(ORACLE_DIR), exist_ok=True)
+        if not os.path.isfile(marker):
+            os.replace(unpacked, ORACLE_DIR)
+    return ORACLE_DIR
+
+
+def run_cli(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python {script} {args}` in the repository root, as a user would; never raises."""
+    return subprocess.run(
+        [sys.executable, script, *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+def run_oracle(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run a script with megatron-core (not this project) importable as `megatron`."""
+    oracle = ensure_megatron_core_oracle()
+    env = dict(os.environ, PYTHONPATH=oracle, PYTHONWARNINGS="ignore")
+    result = subprocess.run(
+        [sys.executable, script, *args],
+        cwd=oracle,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if result.returncode != 0:
+        pytest.fail(
+            f"oracle script {script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
+    return result
