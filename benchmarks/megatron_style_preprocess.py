@@ -1,0 +1,104 @@
+"""The baseline: Megatron-LM's preprocess_data.py loop with its pure-Python GPT-2 BPE.
+
+This reproduces what Megatron does for a JSON-lines corpus, step for step: a
+`multiprocessing.Pool` whose workers `json.loads` each line and tokenize it with the
+word-cached pure-Python BPE (`tests/tokenizer/reference_bpe.py`, the same algorithm as
+Megatron's `gpt2_tokenization.py`), `pool.imap(encode, lines, 25)`, and the main process
+adding each document to the `.bin/.idx` builder. It writes the same format, so its output
+must be byte-identical to `tools/preprocess_data.py`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
+sys.path.insert(0, REPO_ROOT)
+
+from megatron.data.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
+from tests.tokenizer.reference_bpe import ReferenceGPT2BPE  # noqa: E402
+
+
+class Encoder:
+    """Megatron's per-process encoder: one tokenizer per worker, built in the initializer."""
+
+    tokenizer: ReferenceGPT2BPE
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def initializer(self) -> None:
+        """Build the worker's tokenizer (Megatron's `Encoder.initializer`)."""
+        Encoder.tokenizer = ReferenceGPT2BPE(self.args.vocab_file, self.args.merge_file)
+
+    def encode(self, json_line: str) -> tuple[dict, dict, int]:
+        """Megatron's `Encoder.encode`: token ids and sentence lengths of every key."""
+        data = json.loads(json_line)
+        ids, lens = {}, {}
+        for key in self.args.json_keys:
+            doc_ids: list[int] = []
+            sentence_lens: list[int] = []
+            for sentence in [data[key]]:
+                sentence_ids = Encoder.tokenizer.encode(sentence)
+                if len(sentence_ids) > 0:
+                    doc_ids.extend(sentence_ids)
+                    sentence_lens.append(len(sentence_ids))
+            if len(doc_ids) > 0 and self.args.append_eod:
+                doc_ids.append(Encoder.tokenizer.encoder["<|endoftext|>"])
+                sentence_lens[-1] += 1
+            ids[key], lens[key] = doc_ids, sentence_lens
+        return ids, lens, len(json_line)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Convert --input to --output-prefix the way Megatron-LM does."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--input", required=True)
+    parser.add_argument("--output-prefix", required=True)
+    parser.add_argument("--json-keys", nargs="+", default=["text"])
+    parser.add_argument("--vocab-file", default=os.path.join(REPO_ROOT, "dataset/gpt2-vocab.json"))
+    parser.add_argument("--merge-file", default=os.path.join(REPO_ROOT, "dataset/gpt2-merges.txt"))
+    parser.add_argument("--append-eod", action="store_true")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--log-interval", type=int, default=1000)
+    args = parser.parse_args(argv)
+
+    encoder = Encoder(args)
+    vocab_size = len(json.load(open(args.vocab_file, encoding="utf-8")))
+    dtype = DType.optimal_dtype(vocab_size)
+    start = time.time()
+    # The platform's default start method, as Megatron uses (fork on Linux).
+    with (
+        open(args.input, encoding="utf-8") as lines,
+        multiprocessing.Pool(args.workers, initializer=encoder.initializer) as pool,
+    ):
+        builders = {
+            key: IndexedDatasetBuilder(f"{args.output_prefix}_{key}_document.bin", dtype=dtype)
+            for key in args.json_keys
+        }
+        total_bytes = 0
+        for i, (doc, sentence_lens, num_bytes) in enumerate(
+            pool.imap(encoder.encode, lines, 25), start=1
+        ):
+            total_bytes += num_bytes
+            for key in doc:
+                builders[key].add_document(doc[key], sentence_lens[key])
+            if i % args.log_interval == 0:
+                elapsed = time.time() - start
+                print(
+                    f"Processed {i} documents ({i / elapsed:.1f} docs/s, "
+                    f"{total_bytes / elapsed / 1e6:.2f} MB/s).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        for key, builder in builders.items():
+            builder.finalize(f"{args.output_prefix}_{key}_document.idx")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Command-line tools: preprocess, merge, check, build corpora. They import megatron, not back."""
