@@ -1,0 +1,338 @@
+"""GPT pretraining samples cut from an indexed dataset, with Megatron's exact index mappings.
+
+A split (train/valid/test) is a contiguous range of documents. To serve `num_samples`
+samples of `seq_length + 1` tokens, the range is repeated for as many epochs as needed and
+three arrays are built (and cached as .npy files):
+
+- doc_idx: the documents of every epoch, shuffled (the last epoch shuffled separately when
+  it is needed for less than 80% of its samples, so that its documents do not crowd out
+  earlier epochs in the global shuffle: Megatron's "separate last epoch" rule);
+- sample_idx: where each sample starts, as (position in doc_idx, token offset), computed by
+  the C++ helper `build_sample_idx`; sample i spans tokens start_i .. start_{i+1} inclusive,
+  so consecutive samples share one token (the last label of one is the first input of next);
+- shuffle_idx: a permutation of the samples (again with the last epoch kept apart).
+
+Same data, split, sample count, sequence length and seed give the same samples, run after run,
+identical to Megatron-LM and Megatron-DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+
+import numpy as np
+import torch
+
+from megatron.config import DataConfig
+from megatron.data.blendable_dataset import BlendableDataset, parse_data_path, samples_per_dataset
+from megatron.data.cpp_helpers import load_helpers
+from megatron.data.index_cache import load_or_build_arrays
+from megatron.data.indexed_dataset import IndexedDataset, make_dataset
+from megatron.utils import print_rank_0
+
+# Below this share of an epoch's samples, the last epoch gets its own shuffle.
+SEPARATE_LAST_EPOCH_THRESHOLD = 0.80
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def get_train_valid_test_split_(splits_string: str, size: int) -> list[int]:
+    """Document boundaries [0, a, b, size] for `--split` weights such as '949,50,1'."""
+    separator = "," if "," in splits_string else "/"
+    try:
+        splits = [float(s) for s in splits_string.split(separator)]
+    except ValueError:
+        raise ValueError(
+            f"--split {splits_string!r}: expected up to three numbers separated by ',' or '/', "
+            "such as 949,50,1"
+        ) from None
+    if len(splits) > 3 or not all(math.isfinite(s) and s >= 0 for s in splits) or sum(splits) <= 0:
+        raise ValueError(
+            f"--split {splits_string!r}: expected up to three non-negative weights with a "
+            "positive sum, such as 949,50,1"
+        )
+    splits = (splits + [0.0, 0.0])[:3]
+    total = sum(splits)
+    bounds = [0]
+    for weight in splits:
+        bounds.append(bounds[-1] + int(round(weight / total * float(size))))
+    # Rounding may overshoot or fall short; Megatron moves every boundary by the difference.
+    difference = bounds[-1] - size
+    return [bounds[0]] + [bound - difference for bound in bounds[1:]]
+
+
+def train_valid_test_num_samples(
+    global_batch_size: int,
+    eval_iters: int,
+    eval_interval: int,
+    train_iters: int | None = None,
+    train_samples: int | None = None,
+) -> list[int]:
+    """Samples each split must provide for a run, as Megatron computes them."""
+    if train_samples is None:
+        if train_iters is None:
+            raise ValueError("give --train-iters or --train-samples")
+        train_samples = train_iters * global_batch_size
+    else:
+        train_iters = train_samples // global_batch_size
+    evaluations = train_iters // eval_interval + 1
+    return [
+        train_samples,
+        evaluations * eval_iters * global_batch_size,
+        eval_iters * global_batch_size,
+    ]
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """`num_samples` (or more) samples of seq_length + 1 tokens from a range of documents."""
+
+    def __init__(
+        self,
+        name: str,
+        data_prefix: str,
+        documents: np.ndarray,
+        indexed_dataset: IndexedDataset,
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+        data_cache_path: str | None = None,
+        group: torch.distributed.ProcessGroup | None = None,
+    ) -> None:
+        self.name = name
+        self.indexed_dataset = indexed_dataset
+        if len(documents) == 0:
+            raise ValueError(f"{data_prefix}: the {name} split has no documents")
+        if documents.min() < 0 or documents.max() >= len(indexed_dataset):
+            raise ValueError(f"{data_prefix}: {name} documents out of range")
+        self.doc_idx, self.sample_idx, self.shuffle_idx = build_index_mappings(
+            name,
+            data_prefix,
+            documents,
+            indexed_dataset.sizes,
+            num_samples,
+            seq_length,
+            seed,
+            data_cache_path,
+            group,
+        )
+
+    def __len__(self) -> int:
+        # sample i is [sample_idx[i], sample_idx[i + 1]], hence one row fewer.
+        return self.shuffle_idx.shape[0]
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        """{'text': seq_length + 1 token ids (int64)} of sample `idx`."""
+        idx = int(self.shuffle_idx[idx])
+        doc_first, offset_first = (int(v) for v in self.sample_idx[idx])
+        doc_last, offset_last = (int(v) for v in self.sample_idx[idx + 1])
+        if doc_first == doc_last:
+            sample = self.indexed_dataset.get(
+                self.doc_idx[doc_first], offset=offset_first, length=offset_last - offset_first + 1
+            )
+        else:
+            parts = [self.indexed_dataset.get(self.doc_idx[doc_first], offset=offset_first)]
+            parts += [
+                self.indexed_dataset.get(self.doc_idx[i]) for i in range(doc_first + 1, doc_last)
+            ]
+            parts.append(self.indexed_dataset.get(self.doc_idx[doc_last], length=offset_last + 1))
+            sample = np.concatenate(parts)
+        return {"text": np.array(sample, dtype=np.int64)}
+
+
+def build_index_mappings(
+    name: str,
+    data_prefix: str,
+    documents: np.ndarray,
+    sizes: np.ndarray,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+    data_cache_path: str | None = None,
+    group: torch.distributed.ProcessGroup | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """doc_idx, sample_idx and shuffle_idx, loaded from the cache or built once and cached."""
+    tokens_per_epoch = int(np.sum(sizes[documents], dtype=np.int64))
+    if tokens_per_epoch <= 1:
+        raise ValueError(
+            f"{data_prefix}: the {name} split (documents {documents[0]}..{documents[-1]}) has "
+            f"{tokens_per_epoch} tokens; at least 2 are needed to make a sample"
+        )
+    num_epochs = _num_epochs(tokens_per_epoch, seq_length, num_samples)
+    description = {
+        "class": "GPTDataset",
+        "format": 1,
+        "data_prefix": os.path.abspath(data_prefix),
+        "split": name,
+        "documents": [int(documents[0]), int(documents[-1]) + 1],
+        "num_documents_in_dataset": len(sizes),
+        "tokens_per_epoch": tokens_per_epoch,
+        "num_samples": num_samples,
+        "seq_length": seq_length,
+        "seed": seed,
+    }
+    digest = hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()[:10]
+    folder = data_cache_path or os.path.dirname(os.path.abspath(data_prefix))
+    stem = os.path.join(
+        folder,
+        f"{os.path.basename(data_prefix)}_{name}_indexmap_{num_samples}ns_{seq_length}sl_"
+        f"{seed}s_{digest}",
+    )
+
+    def build() -> dict[str, np.ndarray]:
+        start = time.time()
+        arrays = _build_arrays(
+            documents, sizes, num_samples, seq_length, seed, tokens_per_epoch, num_epochs
+        )
+        print_rank_0(f" > built {name} index mappings in {time.time() - start:.2f} s")
+        return arrays
+
+    arrays = load_or_build_arrays(
+        stem,
+        ("doc_idx", "sample_idx", "shuffle_idx"),
+        build,
+        json.dumps(description, indent=2),
+        group,
+    )
+    print_rank_0(
+        f"    {name}: {arrays['shuffle_idx'].shape[0]} samples over {num_epochs} "
+        f"epoch(s) of {len(documents)} documents, cached as {stem}_*.npy"
+    )
+    return arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
+
+
+def _num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """Epochs needed so that (epochs * tokens - 1) // seq_length >= num_samples."""
+    needed_tokens = num_samples * seq_length + 1
+    return max(1, -(-needed_tokens // tokens_per_epoch))
+
+
+def _build_arrays(
+    documents: np.ndarray,
+    sizes: np.ndarray,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+    tokens_per_epoch: int,
+    num_epochs: int,
+) -> dict[str, np.ndarray]:
+    separate_last_epoch = False
+    samples_before_last = 0
+    if num_epochs > 1:
+        samples_before_last = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+        last_epoch_samples = num_samples - samples_before_last
+        samples_per_epoch = (tokens_per_epoch - 1) // seq_length
+        separate_last_epoch = last_epoch_samples < int(
+            SEPARATE_LAST_EPOCH_THRESHOLD * samples_per_epoch
+        )
+    rng = np.random.RandomState(seed=seed)
+    doc_idx = _build_doc_idx(documents, num_epochs, rng, separate_last_epoch)
+    sample_idx = load_helpers().build_sample_idx(
+        np.ascontiguousarray(sizes, dtype=np.int32),
+        doc_idx,
+        seq_length,
+        num_epochs,
+        tokens_per_epoch,
+    )
+    total = sample_idx.shape[0] - 1
+    shuffled_first = samples_before_last if separate_last_epoch else total
+    shuffle_idx = _build_shuffle_idx(shuffled_first, total, rng)
+    return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
+
+
+def _build_doc_idx(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_last_epoch: bool
+) -> np.ndarray:
+    """Every epoch's documents, shuffled together (or the last epoch shuffled on its own)."""
+    if not separate_last_epoch or num_epochs == 1:
+        doc_idx = np.tile(documents.astype(np.int32), num_epochs)
+        rng.shuffle(doc_idx)
+        return doc_idx
+    first = _build_doc_idx(documents, num_epochs - 1, rng, False)
+    last = _build_doc_idx(documents, 1, rng, False)
+    return np.concatenate((first, last))
+
+
+def _build_shuffle_idx(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
+    """A permutation of [0, num_samples) followed by one of [num_samples, total_size)."""
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def build_train_valid_test_datasets(
+    config: DataConfig,
+    train_valid_test_num_samples: list[int],
+    group: torch.distributed.ProcessGroup | None = None,
+) -> tuple[torch.utils.data.Dataset | None, ...]:
+    """Train, valid and test datasets for `--data-path` (blended when weights are given).
+
+    `group` holds the ranks that build datasets together (rank 0 of it writes the index
+    cache while the others wait); the default is all ranks.
+    """
+    prefixes, weights = parse_data_path(config.data_path)
+    if len(prefixes) == 1:
+        return _build_splits(prefixes[0], config, train_valid_test_num_samples, group)
+    per_dataset = samples_per_dataset(weights, train_valid_test_num_samples)
+    splits = [
+        _build_splits(prefix, config, counts, group)
+        for prefix, counts in zip(prefixes, per_dataset)
+    ]
+    blended = []
+    for index, size in enumerate(train_valid_test_num_samples):
+        parts = [datasets[index] for datasets in splits]
+        if all(part is None for part in parts):
+            blended.append(None)
+            continue
+        if any(part is None for part in parts):
+            empty = [p for p, part in zip(prefixes, parts) if part is None]
+            raise ValueError(
+                f"--split {config.split!r} leaves the {SPLIT_NAMES[index]} split of "
+                f"{', '.join(empty)} empty, so it cannot be blended; change --split"
+            )
+        blended.append(BlendableDataset(parts, weights, size))
+    return tuple(blended)
+
+
+def _build_splits(
+    prefix: str,
+    config: DataConfig,
+    num_samples: list[int],
+    group: torch.distributed.ProcessGroup | None,
+) -> tuple[GPTDataset | None, ...]:
+    indexed = make_dataset(prefix, config.data_impl, skip_warmup=not config.mmap_warmup)
+    # Like Megatron, GPT samples treat each sequence of the index as a document.
+    num_documents = len(indexed)
+    bounds = get_train_valid_test_split_(config.split, num_documents)
+    print_rank_0(f" > {prefix}: {num_documents} documents, split {config.split!r}:")
+    datasets = []
+    for index, name in enumerate(SPLIT_NAMES):
+        start, stop = bounds[index], bounds[index + 1]
+        print_rank_0(
+            f"    {name}: document indices in [{start}, {stop}) total of {stop - start} documents"
+        )
+        if stop <= start:
+            datasets.append(None)
+            continue
+        documents = np.arange(start, stop, dtype=np.int32)
+        datasets.append(
+            GPTDataset(
+                name,
+                prefix,
+                documents,
+                indexed,
+                num_samples[index],
+                config.seq_length,
+                config.seed,
+                config.data_cache_path,
+                group,
+            )
+        )
+    return tuple(datasets)
