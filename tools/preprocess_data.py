@@ -134,7 +134,8 @@ def _init_worker(config: EncoderConfig) -> None:
 
 
 def _start_method() -> str:
-    return "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    # fork only on Linux: elsewhere (macOS) it is unsafe, and Python defaults to spawn.
+    return "fork" if sys.platform.startswith("linux") else "spawn"
 
 
 def _encode_batch(file_index: int, first_line: int, lines: list[bytes]) -> EncodedBatch:
