@@ -351,3 +351,46 @@ def test_missing_vocab_file(tmp_path):
     assert f"--vocab-file {vocab}" in result.stderr
     assert "Traceback" not in result.stderr
     assert sorted(os.listdir(tmp_path)) == ["ok.jsonl"]
+
+
+def test_spawn_workers_write_the_same_bytes(corpus, tmp_path):
+    """The spawn start method (used off Linux) builds each worker's encoder itself and
+    produces the same files as fork."""
+    from tools import preprocess_data
+
+    outputs = {}
+    for method in ("fork", "spawn"):
+        prefix = str(tmp_path / method)
+        args = preprocess_data.get_args(
+            [
+                "--input",
+                *corpus["inputs"],
+                "--output-prefix",
+                prefix,
+                "--workers",
+                "2",
+                "--append-eod",
+                "--json-keys",
+                "text",
+                "title",
+            ]
+        )
+        config = preprocess_data.EncoderConfig(
+            json_keys=args.json_keys,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
+            append_eod=True,
+        )
+        level_outputs = {
+            key: preprocess_data.OutputDataset(f"{prefix}_{key}_document", np.uint16)
+            for key in args.json_keys
+        }
+        writer = preprocess_data.BatchWriter(level_outputs, args)
+        preprocess_data._WORKER_ENCODER = None  # spawn workers must build their own
+        preprocess_data.encode_in_order(args, config, method, writer)
+        for output in level_outputs.values():
+            output.commit()
+        outputs[method] = [
+            _read(f"{prefix}_{key}_document{s}") for key in args.json_keys for s in (".bin", ".idx")
+        ]
+    assert outputs["fork"] == outputs["spawn"]
