@@ -18,11 +18,11 @@ import json
 import os
 import sys
 import sysconfig
-import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from tools.progress import format_duration  # noqa: E402
+from megatron.atomic_files import atomic_outputs  # noqa: E402
+from tools.progress import Progress  # noqa: E402
 
 DEFAULT_EXCLUDES = ["site-packages/*", "*/site-packages/*", "*/__pycache__/*", "__pycache__/*"]
 
@@ -85,6 +85,10 @@ def find_files(root: str, extensions: list[str], excludes: list[str]) -> list[st
     return sorted(found)
 
 
+class NothingToWriteError(ValueError):
+    """No file qualified, so no output is published."""
+
+
 def convert(args: argparse.Namespace) -> dict[str, int]:
     """Write the JSON lines; returns counts of written and skipped files."""
     jobs = [
@@ -95,11 +99,11 @@ def convert(args: argparse.Namespace) -> dict[str, int]:
     total_bytes = sum(os.path.getsize(os.path.join(root, path)) for root, path in jobs)
     counts = {"written": 0, "bytes": 0, "empty": 0, "too_large": 0, "not_utf8": 0}
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    partial = f"{args.output}.partial-{os.getpid()}"
-    start, seen_bytes = time.time(), 0
-    try:
+    progress = Progress(total_bytes, args.log_interval)
+    seen_bytes = 0
+    with atomic_outputs(args.output) as (partial,):
         with open(partial, "w", encoding="utf-8") as out:
-            for number, (root, path) in enumerate(jobs, start=1):
+            for root, path in jobs:
                 data = open(os.path.join(root, path), "rb").read()
                 seen_bytes += len(data)
                 text, reason = _decode_file(data, args.max_file_bytes)
@@ -115,20 +119,12 @@ def convert(args: argparse.Namespace) -> dict[str, int]:
                     out.write(json.dumps(record, ensure_ascii=False) + "\n")
                     counts["written"] += 1
                     counts["bytes"] += len(data)
-                if number % args.log_interval == 0 or number == len(jobs):
-                    elapsed = max(time.time() - start, 1e-9)
-                    eta = elapsed * (total_bytes - seen_bytes) / max(seen_bytes, 1)
-                    print(
-                        f"{number}/{len(jobs)} files ({number / elapsed:.0f} files/s, "
-                        f"{seen_bytes / elapsed / 1e6:.1f} MB/s), ETA {format_duration(eta)}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-        if counts["written"]:
-            os.replace(partial, args.output)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
+                progress.update(1, len(data), seen_bytes)
+        if not counts["written"]:
+            raise NothingToWriteError(
+                f"no {' '.join(args.extensions)} files with text under "
+                f"{' '.join(args.input_dir)}; nothing written"
+            )
     return counts
 
 
@@ -147,13 +143,10 @@ def _decode_file(data: bytes, max_bytes: int) -> tuple[str, str | None]:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     args = get_args(argv)
-    counts = convert(args)
-    if counts["written"] == 0:
-        print(
-            f"error: no {' '.join(args.extensions)} files with text under "
-            f"{' '.join(args.input_dir)}; nothing written",
-            file=sys.stderr,
-        )
+    try:
+        counts = convert(args)
+    except NothingToWriteError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 1
     print(
         f"wrote {args.output}: {counts['written']} documents, {counts['bytes'] / 1e6:.1f} MB "

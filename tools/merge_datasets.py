@@ -19,6 +19,7 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from megatron.atomic_files import atomic_outputs  # noqa: E402
 from megatron.data.indexed_dataset import (  # noqa: E402
     IndexedDataset,
     IndexedDatasetBuilder,
@@ -95,27 +96,21 @@ def merge(prefixes: list[str], output_prefix: str) -> IndexedDatasetBuilder:
                 f"{first.dtype.name}; datasets made with different vocabularies cannot be merged"
             )
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    suffix = f".partial-{os.getpid()}"
-    bin_path, idx_path = output_prefix + ".bin", output_prefix + ".idx"
-    builder = IndexedDatasetBuilder(bin_path + suffix, dtype=first.dtype)
     start = time.time()
-    try:
-        for number, prefix in enumerate(prefixes, start=1):
-            builder.add_index(prefix)
-            elapsed = max(time.time() - start, 1e-9)
-            print(
-                f"merged {number}/{len(prefixes)}: {prefix} ({builder.num_documents} documents, "
-                f"{builder.num_tokens} tokens so far, {elapsed:.1f} s)",
-                file=sys.stderr,
-            )
-        builder.finalize(idx_path + suffix)
-        os.replace(bin_path + suffix, bin_path)
-        os.replace(idx_path + suffix, idx_path)
-    finally:
-        builder.close()
-        for path in (bin_path + suffix, idx_path + suffix):
-            if os.path.exists(path):
-                os.remove(path)
+    with atomic_outputs(output_prefix + ".bin", output_prefix + ".idx") as (bin_path, idx_path):
+        builder = IndexedDatasetBuilder(bin_path, dtype=first.dtype)
+        try:
+            for number, prefix in enumerate(prefixes, start=1):
+                builder.add_index(prefix)
+                elapsed = max(time.time() - start, 1e-9)
+                print(
+                    f"merged {number}/{len(prefixes)}: {prefix} ({builder.num_documents} "
+                    f"documents, {builder.num_tokens} tokens so far, {elapsed:.1f} s)",
+                    file=sys.stderr,
+                )
+            builder.finalize(idx_path)
+        finally:
+            builder.close()
     return builder
 
 

@@ -22,6 +22,7 @@ from collections import deque
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from megatron.atomic_files import discard, partial_path, publish  # noqa: E402
 from megatron.data.document_encoder import (  # noqa: E402
     DocumentEncoder,
     EncodedBatch,
@@ -148,29 +149,19 @@ class OutputDataset:
 
     def __init__(self, prefix: str, dtype: type) -> None:
         self.prefix = prefix
-        suffix = f".partial-{os.getpid()}"
-        self.final_paths = (prefix + ".bin", prefix + ".idx")
-        self.partial_paths = tuple(path + suffix for path in self.final_paths)
+        self.final_paths = [prefix + ".bin", prefix + ".idx"]
+        self.partial_paths = [partial_path(path) for path in self.final_paths]
         self.builder = IndexedDatasetBuilder(self.partial_paths[0], dtype=dtype)
 
     def commit(self) -> None:
         """Write the index, flush both files to disk, then give them their final names."""
         self.builder.finalize(self.partial_paths[1])
-        for path in self.partial_paths:
-            descriptor = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
-        for partial, final in zip(self.partial_paths, self.final_paths):
-            os.replace(partial, final)
+        publish(self.partial_paths, self.final_paths)
 
     def discard(self) -> None:
         """Remove the temporary files; the final names were never touched."""
         self.builder.close()
-        for path in self.partial_paths:
-            if os.path.exists(path):
-                os.remove(path)
+        discard(self.partial_paths)
 
 
 class BatchWriter:

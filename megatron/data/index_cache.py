@@ -14,6 +14,8 @@ from collections.abc import Callable
 import numpy as np
 import torch.distributed as dist
 
+from megatron.atomic_files import atomic_outputs
+
 
 def cache_paths(stem: str, names: tuple[str, ...]) -> dict[str, str]:
     """The .npy path of every array name."""
@@ -21,14 +23,8 @@ def cache_paths(stem: str, names: tuple[str, ...]) -> dict[str, str]:
 
 
 def _save_atomically(path: str, write: Callable) -> None:
-    partial = f"{path}.partial-{os.getpid()}"
-    try:
-        with open(partial, "wb") as stream:
-            write(stream)
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
+    with atomic_outputs(path) as (partial,), open(partial, "wb") as stream:
+        write(stream)
 
 
 def save_arrays(stem: str, arrays: dict[str, np.ndarray], description: str) -> None:
