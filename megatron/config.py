@@ -46,3 +46,143 @@ class DataConfig:
             num_workers=getattr(args, "num_workers", 2),
             dataloader_type=getattr(args, "dataloader_type", "single") or "single",
         )
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of the GPT model, plus how its layers are split and recomputed.
+
+    Field names follow Megatron's flags (`--hidden-size` -> `hidden_size`); the tensor- and
+    pipeline-parallel sizes come from `megatron.core.parallel_state`, not from here.
+    """
+
+    num_layers: int
+    """Transformer layers (`--num-layers`)."""
+    hidden_size: int
+    """Model width h (`--hidden-size`)."""
+    num_attention_heads: int
+    """Attention heads; must be divisible by the tensor-parallel size."""
+    vocab_size: int
+    """Embedding rows: the tokenizer's vocab padded by `--make-vocab-size-divisible-by` x TP."""
+    max_position_embeddings: int
+    """Rows of the learned position table; the longest sequence the model accepts."""
+    ffn_hidden_size: int | None = None
+    """MLP width (`--ffn-hidden-size`); default 4h."""
+    kv_channels: int | None = None
+    """Per-head width (`--kv-channels`); default h / heads."""
+    hidden_dropout: float = 0.1
+    """Dropout on embeddings and on each residual branch (`--hidden-dropout`)."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities (`--attention-dropout`)."""
+    layernorm_epsilon: float = 1e-5
+    """Layer norm epsilon (`--layernorm-epsilon`)."""
+    init_method_std: float = 0.02
+    """Std of the normal init; output layers use std / sqrt(2 L) (`--init-method-std`)."""
+    activation: str = "gelu_tanh"
+    """`gelu_tanh` (Megatron's fused bias-GeLU and `--openai-gelu`) or `gelu` (exact erf)."""
+    position_embedding_type: str = "learned_absolute"
+    """`learned_absolute` (GPT-2) or `rope` (`--use-rotary-position-embeddings`)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that rotary embeddings rotate (`--rotary-percent`)."""
+    attention_backend: str = "sdpa"
+    """`sdpa` (torch's fused attention), `flash` (flash kernels only) or `unfused` (explicit)."""
+    apply_query_key_layer_scaling: bool = False
+    """Scale scores by 1/layer_number before an fp32 softmax (`unfused` only; fp16 safety)."""
+    params_dtype: str = "float32"
+    """Parameter dtype: `float32`, `bfloat16` or `float16`."""
+    sequence_parallel: bool = False
+    """Split layer norm and dropout regions along the sequence (`--sequence-parallel`)."""
+    use_cpu_initialization: bool = False
+    """Draw full weights on the CPU, then split: results independent of TP size."""
+    recompute_granularity: str | None = None
+    """`full` (whole layers) or `selective` (attention core only); None keeps activations."""
+    recompute_method: str = "uniform"
+    """`uniform` (every group of N layers) or `block` (only the first N layers)."""
+    recompute_num_layers: int = 1
+    """N of `recompute_method` (`--recompute-num-layers`, `--checkpoint-num-layers`)."""
+    distribute_saved_activations: bool = False
+    """Keep 1/tp of each recomputed layer's input on every TP rank."""
+    parallel_output: bool = True
+    """Return logits split over the vocabulary (True for training) or gathered."""
+
+    def __post_init__(self) -> None:
+        """Fill the derived defaults and reject impossible shapes."""
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"--hidden-size ({self.hidden_size}) is not divisible by "
+                    f"--num-attention-heads ({self.num_attention_heads}); set --kv-channels"
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        choices = {
+            "activation": ("gelu_tanh", "gelu"),
+            "position_embedding_type": ("learned_absolute", "rope"),
+            "attention_backend": ("sdpa", "flash", "unfused"),
+            "params_dtype": ("float32", "bfloat16", "float16"),
+            "recompute_granularity": (None, "full", "selective"),
+            "recompute_method": ("uniform", "block"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"ModelConfig.{name} must be one of {allowed}, not {getattr(self, name)!r}"
+                )
+
+    @property
+    def projection_size(self) -> int:
+        """Total attention width: heads x kv_channels."""
+        return self.num_attention_heads * self.kv_channels
+
+    @property
+    def torch_dtype(self):
+        """`params_dtype` as a torch.dtype."""
+        import torch
+
+        return getattr(torch, self.params_dtype)
+
+    @classmethod
+    def from_args(cls, args: Namespace) -> ModelConfig:
+        """Build from Megatron-style parsed arguments (after validation)."""
+        get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+        if get("use_flash_attn") or get("use_flash_attn_v2"):
+            backend = "flash"
+        elif get("apply_query_key_layer_scaling") and get("fp16"):
+            backend = "unfused"
+        else:
+            backend = "sdpa"
+        granularity = get("recompute_granularity")
+        if get("checkpoint_activations") and granularity is None:
+            granularity = "full"
+        return cls(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            vocab_size=args.padded_vocab_size,
+            max_position_embeddings=args.max_position_embeddings,
+            ffn_hidden_size=get("ffn_hidden_size"),
+            kv_channels=get("kv_channels"),
+            hidden_dropout=get("hidden_dropout", 0.1),
+            attention_dropout=get("attention_dropout", 0.1),
+            layernorm_epsilon=get("layernorm_epsilon", 1e-5),
+            init_method_std=get("init_method_std", 0.02),
+            activation="gelu_tanh"
+            if get("openai_gelu") or get("bias_gelu_fusion", True)
+            else "gelu",
+            position_embedding_type=(
+                "rope" if get("use_rotary_position_embeddings") else "learned_absolute"
+            ),
+            rotary_percent=get("rotary_percent", 1.0),
+            attention_backend=backend,
+            apply_query_key_layer_scaling=bool(get("apply_query_key_layer_scaling")),
+            params_dtype="bfloat16" if get("bf16") else "float16" if get("fp16") else "float32",
+            sequence_parallel=bool(get("sequence_parallel")),
+            use_cpu_initialization=bool(get("use_cpu_initialization")),
+            recompute_granularity=granularity,
+            recompute_method=get("recompute_method") or "uniform",
+            recompute_num_layers=get("recompute_num_layers") or get("checkpoint_num_layers") or 1,
+            distribute_saved_activations=bool(
+                get("distribute_saved_activations") or get("partition_activations")
+            ),
+        )

@@ -1,0 +1,1 @@
+"""Model-parallel building blocks: process groups and tensor-parallel layers."""

@@ -1,0 +1,243 @@
+"""Linear and embedding layers whose weights are split across tensor-parallel ranks.
+
+`ColumnParallelLinear` splits the output features (Y = X [A_1 .. A_p]), `RowParallelLinear`
+the input features (Y = sum_i X_i A_i), `VocabParallelEmbedding` the vocabulary rows. Each
+returns what its dense twin returns when the shards are put back together, which the tests
+check against `torch.nn.Linear` / `torch.nn.Embedding`.
+
+Weights are created on the current default device (use `with torch.device(...)`). With
+`use_cpu_initialization` the full master weight is drawn on the CPU and this rank keeps its
+slice, so the model does not depend on the tensor-parallel size; otherwise each rank draws its
+own shard from the model-parallel RNG stream (with one rank, both are the same draw).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import (
+    all_reduce_sum_over_tensor_parallel,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+InitMethod = Callable[[torch.Tensor], torch.Tensor]
+
+
+def divide(numerator: int, denominator: int, what: str = "size") -> int:
+    """Exact integer division, or an error naming the sizes."""
+    if numerator % denominator != 0:
+        raise ValueError(
+            f"{what} {numerator} is not divisible by --tensor-model-parallel-size {denominator}"
+        )
+    return numerator // denominator
+
+
+def set_tensor_model_parallel_attributes(param: nn.Parameter, partition_dim: int, stride: int):
+    """Mark a split parameter (DeepSpeed and checkpoint tools read these attributes)."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+
+
+def mark_sequence_parallel(param: nn.Parameter) -> None:
+    """Sum this replicated parameter's gradient over TP ranks as soon as it is computed.
+
+    Under sequence parallelism each rank sees only its part of the sequence, so the gradient
+    of a replicated parameter (layer norm, row-parallel bias) is partial on every rank.
+    """
+    param.sequence_parallel = True
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        param.register_hook(lambda grad: all_reduce_sum_over_tensor_parallel(grad.clone()))
+
+
+def _new_parameter(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype))
+
+
+def _initialize_weight(
+    weight: nn.Parameter,
+    full_shape: tuple[int, int],
+    partition_dim: int,
+    init_method: InitMethod,
+    stride: int,
+    use_cpu_initialization: bool,
+) -> None:
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    if world == 1:
+        with torch.no_grad():
+            init_method(weight)
+        return
+    if not use_cpu_initialization:
+        with torch.no_grad(), get_cuda_rng_tracker().fork():
+            init_method(weight)
+        return
+    master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
+    init_method(master)
+    # With stride s, each rank owns every world-th of the s*world interleaved blocks.
+    block = weight.size(partition_dim) // stride
+    blocks = torch.split(master, block, dim=partition_dim)
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        weight.copy_(torch.cat(blocks[rank::world], dim=partition_dim))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = XA + b with A split by output columns; returns (output, bias or None)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        init_method: InitMethod,
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        use_cpu_initialization: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        stride: int = 1,
+    ) -> None:
+        super().__init__()
+        world = parallel_state.get_tensor_model_parallel_world_size()
+        self.output_size_per_partition = divide(output_size, world, "output size")
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel and world > 1
+        if self.sequence_parallel and gather_output:
+            raise ValueError(
+                "a column-parallel layer cannot gather its output under sequence parallelism"
+            )
+        self.weight = _new_parameter((self.output_size_per_partition, input_size), params_dtype)
+        _initialize_weight(
+            self.weight, (output_size, input_size), 0, init_method, stride, use_cpu_initialization
+        )
+        set_tensor_model_parallel_attributes(self.weight, 0, stride)
+        if bias:
+            self.bias = nn.Parameter(
+                torch.zeros(self.output_size_per_partition, dtype=params_dtype)
+            )
+            set_tensor_model_parallel_attributes(self.bias, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[s(/tp under SP), b, in] -> [s, b, out/tp] (or [s, b, out] with gather_output)."""
+        if self.sequence_parallel:
+            total_input = gather_from_sequence_parallel_region(input_)
+        else:
+            total_input = copy_to_tensor_model_parallel_region(input_)
+        bias = None if self.skip_bias_add else self.bias
+        output = F.linear(total_input, self.weight, bias)
+        if self.gather_output:
+            output = gather_from_tensor_model_parallel_region(output)
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = XA + b with A split by input rows; the bias is added after the reduction."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        init_method: InitMethod,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        use_cpu_initialization: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        stride: int = 1,
+    ) -> None:
+        super().__init__()
+        world = parallel_state.get_tensor_model_parallel_world_size()
+        self.input_size_per_partition = divide(input_size, world, "input size")
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel and world > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError(
+                "a row-parallel layer under sequence parallelism needs a parallel input"
+            )
+        self.weight = _new_parameter((output_size, self.input_size_per_partition), params_dtype)
+        _initialize_weight(
+            self.weight, (output_size, input_size), 1, init_method, stride, use_cpu_initialization
+        )
+        set_tensor_model_parallel_attributes(self.weight, 1, stride)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype))
+            if self.sequence_parallel:
+                mark_sequence_parallel(self.bias)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[s, b, in/tp] -> [s(/tp under SP), b, out], summed over tensor-parallel ranks."""
+        if not self.input_is_parallel:
+            input_ = scatter_to_tensor_model_parallel_region(input_)
+        partial = F.linear(input_, self.weight)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(partial)
+        else:
+            output = reduce_from_tensor_model_parallel_region(partial)
+        if self.skip_bias_add or self.bias is None:
+            return output, self.bias
+        return output + self.bias, None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split by vocabulary rows; each rank looks up the ids it owns."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        init_method: InitMethod,
+        use_cpu_initialization: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        world = parallel_state.get_tensor_model_parallel_world_size()
+        self.num_embeddings = num_embeddings
+        per_partition = divide(num_embeddings, world, "padded vocabulary size")
+        self.vocab_start_index = parallel_state.get_tensor_model_parallel_rank() * per_partition
+        self.vocab_end_index = self.vocab_start_index + per_partition
+        self.weight = _new_parameter((per_partition, embedding_dim), params_dtype)
+        _initialize_weight(
+            self.weight, (num_embeddings, embedding_dim), 0, init_method, 1, use_cpu_initialization
+        )
+        set_tensor_model_parallel_attributes(self.weight, 0, 1)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Ids of any shape -> embeddings of shape [*ids.shape, h], summed over TP ranks."""
+        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+        embeddings = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(embeddings)
+
+
+def linear_with_vocab_parallel_weight(
+    input_: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool, gather_output: bool
+) -> torch.Tensor:
+    """Logits against a vocab-split (tied) embedding: [s(/tp), b, h] -> [s, b, v/tp or v]."""
+    if sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        input_ = gather_from_sequence_parallel_region(input_)
+    else:
+        input_ = copy_to_tensor_model_parallel_region(input_)
+    logits = F.linear(input_, weight)
+    if gather_output:
+        logits = gather_from_tensor_model_parallel_region(logits)
+    return logits

@@ -1,0 +1,247 @@
+"""Every collective the model uses, as autograd functions over the tensor-parallel group.
+
+Model code calls these named regions and never `torch.distributed` directly. Each forward
+collective has its transpose as the backward: an all-reduce's backward is the identity, an
+all-gather's backward is a reduce-scatter (or a split), and so on. With one tensor-parallel
+rank (or no distributed setup) every function is the identity.
+
+Layouts: tensor-parallel splits act on the last dimension; sequence-parallel splits act on
+the first dimension of Megatron's `[s, b, h]` activations.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+# torch >= 2.10 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _tp_size() -> int:
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    if _tp_size() == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    dist.all_reduce(tensor, group=parallel_state.get_tensor_model_parallel_group())
+    return tensor
+
+
+def _split_last_dim(tensor: torch.Tensor) -> torch.Tensor:
+    world = _tp_size()
+    if world == 1:
+        return tensor
+    chunk = tensor.size(-1) // world
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    return tensor[..., rank * chunk : (rank + 1) * chunk].contiguous()
+
+
+def _gather_last_dim(tensor: torch.Tensor) -> torch.Tensor:
+    world = _tp_size()
+    if world == 1:
+        return tensor
+    # Gather along dim 0 (contiguous per rank), then move the rank blocks to the last dim.
+    gathered = _gather_first_dim(tensor.movedim(-1, 0).contiguous())
+    return gathered.movedim(0, -1).contiguous()
+
+
+def _split_first_dim(tensor: torch.Tensor) -> torch.Tensor:
+    world = _tp_size()
+    if world == 1:
+        return tensor
+    if tensor.size(0) % world != 0:
+        raise ValueError(
+            f"sequence length {tensor.size(0)} is not divisible by "
+            f"--tensor-model-parallel-size {world} (needed by --sequence-parallel)"
+        )
+    chunk = tensor.size(0) // world
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    return tensor[rank * chunk : (rank + 1) * chunk].contiguous()
+
+
+def _gather_first_dim(tensor: torch.Tensor) -> torch.Tensor:
+    world = _tp_size()
+    if world == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    output = torch.empty(
+        (tensor.size(0) * world, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
+    )
+    _all_gather_single(output, tensor, group=parallel_state.get_tensor_model_parallel_group())
+    return output
+
+
+def _reduce_scatter_first_dim(tensor: torch.Tensor) -> torch.Tensor:
+    world = _tp_size()
+    if world == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    output = torch.empty(
+        (tensor.size(0) // world, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
+    )
+    _reduce_scatter_single(output, tensor, group=parallel_state.get_tensor_model_parallel_group())
+    return output
+
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad)
+
+
+class _ReduceFromTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):
+        return _all_reduce(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _ScatterToTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):
+        return _split_last_dim(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last_dim(grad)
+
+
+class _GatherFromTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):
+        return _gather_last_dim(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last_dim(grad)
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):
+        return _split_first_dim(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first_dim(grad)
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, tensor_parallel_output_grad):
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return _gather_first_dim(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # A gathered input feeding a tensor-parallel layer gets partial gradients on each
+        # rank, which must be summed; one feeding replicated math already has the full one.
+        if ctx.tensor_parallel_output_grad:
+            return _reduce_scatter_first_dim(grad), None
+        return _split_first_dim(grad), None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):
+        return _reduce_scatter_first_dim(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first_dim(grad)
+
+
+def copy_to_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+    """Identity forward; all-reduce the gradient over the tensor-parallel group."""
+    return _CopyToTensorParallelRegion.apply(tensor)
+
+
+def reduce_from_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+    """All-reduce (sum) forward over the tensor-parallel group; identity backward."""
+    return _ReduceFromTensorParallelRegion.apply(tensor)
+
+
+def scatter_to_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+    """Keep this rank's slice of the last dimension; gather the gradient."""
+    return _ScatterToTensorParallelRegion.apply(tensor)
+
+
+def gather_from_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+    """All-gather along the last dimension; split the gradient."""
+    return _GatherFromTensorParallelRegion.apply(tensor)
+
+
+def scatter_to_sequence_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+    """Keep this rank's slice of the sequence (first) dimension; gather the gradient."""
+    return _ScatterToSequenceParallelRegion.apply(tensor)
+
+
+def gather_from_sequence_parallel_region(
+    tensor: torch.Tensor, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
+    """All-gather along the sequence dimension; reduce-scatter (or split) the gradient."""
+    return _GatherFromSequenceParallelRegion.apply(tensor, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+    """Reduce-scatter along the sequence dimension; all-gather the gradient."""
+    return _ReduceScatterToSequenceParallelRegion.apply(tensor)
+
+
+def all_reduce_max_over_tensor_parallel(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place max over the tensor-parallel group (no autograd; for numerics like logit max)."""
+    if _tp_size() > 1:
+        dist.all_reduce(
+            tensor, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
+        )
+    return tensor
+
+
+def all_reduce_sum_over_tensor_parallel(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place sum over the tensor-parallel group (no autograd)."""
+    if _tp_size() > 1:
+        dist.all_reduce(tensor, group=parallel_state.get_tensor_model_parallel_group())
+    return tensor
+
+
+def broadcast_from_tensor_parallel_src(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place broadcast from the first rank of the tensor-parallel group (no autograd)."""
+    if _tp_size() > 1:
+        dist.broadcast(
+            tensor,
+            src=parallel_state.get_tensor_model_parallel_src_rank(),
+            group=parallel_state.get_tensor_model_parallel_group(),
+        )
+    return tensor
+
+
+def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's equal 1-D share of a flattened tensor (for partitioned activations)."""
+    flat = tensor.reshape(-1)
+    world = _tp_size()
+    if world == 1:
+        return flat
+    if flat.numel() % world != 0:
+        raise ValueError(
+            f"cannot partition an activation of {flat.numel()} elements over "
+            f"--tensor-model-parallel-size {world}"
+        )
+    return _split_first_dim(flat)
+
+
+def gather_split_1d_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Reassemble the flat tensor split by `split_tensor_into_1d_equal_chunks`."""
+    return _gather_first_dim(tensor)

@@ -1,0 +1,147 @@
+"""Causal attention kernels over one rank's heads, and rotary position embeddings.
+
+Three interchangeable backends compute softmax(q k^T / sqrt(d)) v with the causal mask:
+- `sdpa`: `torch.nn.functional.scaled_dot_product_attention`, which picks flash or
+  memory-efficient kernels on GPU and a fused C++ kernel on CPU (the default);
+- `flash`: the `flash_attn` package when installed, else SDPA restricted to its flash
+  backend; fails at construction when no flash kernel can run;
+- `unfused`: Megatron's explicit math (baddbmm, fp32 softmax with query-key layer scaling,
+  masked fill, dropout), which the others are tested against.
+
+Attention dropout drops whole-head probabilities on tensor-parallel ranks that hold
+different heads, so it draws from the model-parallel RNG stream (see `random.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+
+def flash_attention_status() -> tuple[bool, str]:
+    """Whether flash attention can run here, and which implementation (or why not)."""
+    if not torch.cuda.is_available():
+        return False, "flash attention needs a CUDA GPU; this machine has none"
+    if importlib.util.find_spec("flash_attn") is not None:
+        return True, "flash_attn package"
+    major, _ = torch.cuda.get_device_capability()
+    if major < 8:
+        return False, f"torch's flash kernel needs compute capability >= 8.0, GPU has {major}.x"
+    return True, "torch SDPA flash backend"
+
+
+class CoreAttention(nn.Module):
+    """[b, np, s, hn] query/key/value -> [s, b, np * hn] context, causal (or masked)."""
+
+    def __init__(self, config: ModelConfig, layer_number: int) -> None:
+        super().__init__()
+        self.backend = config.attention_backend
+        self.dropout_p = config.attention_dropout
+        self.sequence_parallel = config.sequence_parallel
+        self.layer_number = max(1, layer_number)
+        self.scale = 1.0 / math.sqrt(config.kv_channels)
+        self.apply_query_key_layer_scaling = config.apply_query_key_layer_scaling
+        if self.backend == "flash":
+            available, detail = flash_attention_status()
+            if not available:
+                raise RuntimeError(f"--use-flash-attn: {detail}")
+            self.use_flash_attn_package = detail == "flash_attn package"
+
+    def _dropout_rng(self) -> contextlib.AbstractContextManager:
+        # Under sequence parallelism the whole layer already runs on the model-parallel stream.
+        if self.sequence_parallel or not self.training or self.dropout_p == 0.0:
+            return contextlib.nullcontext()
+        return get_cuda_rng_tracker().fork()
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`mask`: None for plain causal, or bool [b|1, 1, s, s] with True = may not attend."""
+        dropout_p = self.dropout_p if self.training else 0.0
+        with self._dropout_rng():
+            if self.backend == "unfused":
+                context = self._unfused(query, key, value, mask, dropout_p)
+            elif self.backend == "flash" and self.use_flash_attn_package and mask is None:
+                context = self._flash_attn_package(query, key, value, dropout_p)
+            else:
+                context = self._sdpa(query, key, value, mask, dropout_p)
+        b, np_, s, hn = context.shape
+        return context.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)  # [s, b, np * hn]
+
+    def _sdpa(self, query, key, value, mask, dropout_p):
+        kwargs = dict(dropout_p=dropout_p, scale=self.scale)
+        if mask is None:
+            kwargs["is_causal"] = True
+        else:
+            kwargs["attn_mask"] = ~mask  # SDPA's bool mask marks what may be attended
+        if self.backend != "flash":
+            return F.scaled_dot_product_attention(query, key, value, **kwargs)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(query, key, value, **kwargs)
+
+    def _flash_attn_package(self, query, key, value, dropout_p):
+        from flash_attn import flash_attn_func
+
+        # flash_attn wants [b, s, np, hn].
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        out = flash_attn_func(q, k, v, dropout_p, softmax_scale=self.scale, causal=True)
+        return out.transpose(1, 2)
+
+    def _unfused(self, query, key, value, mask, dropout_p):
+        b, np_, s, hn = query.shape
+        coeff = float(self.layer_number) if self.apply_query_key_layer_scaling else 1.0
+        # [b * np, s, s]; dividing by coeff here and multiplying back in fp32 keeps fp16 finite.
+        scores = torch.baddbmm(
+            torch.empty(b * np_, s, s, dtype=query.dtype, device=query.device),
+            query.reshape(b * np_, s, hn),
+            key.reshape(b * np_, s, hn).transpose(1, 2),
+            beta=0.0,
+            alpha=self.scale / coeff,
+        ).view(b, np_, s, s)
+        if mask is None:
+            mask = torch.ones(s, s, dtype=torch.bool, device=query.device).triu(1)
+        scores = (scores.float() * coeff).masked_fill(mask, -10000.0)
+        probs = torch.softmax(scores, dim=-1).to(query.dtype)
+        probs = F.dropout(probs, dropout_p, training=dropout_p > 0)
+        return torch.matmul(probs, value)  # [b, np, s, hn]
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position angles for the first `rotary_percent` of each head's channels."""
+
+    def __init__(self, kv_channels: int, rotary_percent: float, base: float = 10000.0) -> None:
+        super().__init__()
+        self.dim = int(kv_channels * rotary_percent)
+        if self.dim % 2 != 0 or self.dim == 0:
+            raise ValueError(
+                f"--rotary-percent {rotary_percent} of --kv-channels {kv_channels} gives "
+                f"{self.dim} rotary channels; it must be a positive even number"
+            )
+        inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, seq_length: int) -> torch.Tensor:
+        """Angles [s, 1, 1, dim] for positions 0..s-1."""
+        positions = torch.arange(seq_length, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq)
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+
+def apply_rotary_pos_emb(tensor: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate the first `angles.size(-1)` channels of [s, b, np, hn] by the angles."""
+    dim = angles.size(-1)
+    rotated, passed = tensor[..., :dim], tensor[..., dim:]
+    first, second = rotated.chunk(2, dim=-1)
+    half_turned = torch.cat((-second, first), dim=-1)
+    cos, sin = angles.cos().to(tensor.dtype), angles.sin().to(tensor.dtype)
+    return torch.cat((rotated * cos + half_turned * sin, passed), dim=-1)

@@ -1,0 +1,69 @@
+"""Token and position embeddings: ids [b, s] -> activations [s, b, h]."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.core.tensor_parallel import (
+    VocabParallelEmbedding,
+    get_cuda_rng_tracker,
+    scatter_to_sequence_parallel_region,
+)
+from megatron.model.utils import init_method_normal
+
+
+class Embedding(nn.Module):
+    """Vocab-parallel word embeddings plus learned positions, then dropout.
+
+    State-dict names are Megatron's: `word_embeddings.weight`, `position_embeddings.weight`.
+    The word embedding is also the output layer (tied logits).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        init_method = init_method_normal(config.init_method_std)
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size,
+            config.hidden_size,
+            init_method,
+            use_cpu_initialization=config.use_cpu_initialization,
+            params_dtype=config.torch_dtype,
+        )
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(
+                config.max_position_embeddings, config.hidden_size, dtype=config.torch_dtype
+            )
+            with torch.no_grad():
+                init_method(self.position_embeddings.weight)
+        else:
+            self.position_embeddings = None
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[b, s] ids (and positions; default 0..s-1) -> [s(/tp under SP), b, h]."""
+        embeddings = self.word_embeddings(input_ids)  # [b, s, h]
+        if self.position_embeddings is not None:
+            seq_length = input_ids.size(1)
+            if seq_length > self.config.max_position_embeddings:
+                raise ValueError(
+                    f"sequence of {seq_length} tokens is longer than "
+                    f"--max-position-embeddings {self.config.max_position_embeddings}"
+                )
+            if position_ids is None:
+                position_ids = torch.arange(seq_length, device=input_ids.device).unsqueeze(0)
+            embeddings = embeddings + self.position_embeddings(position_ids)
+        embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
+        rng = contextlib.nullcontext()
+        if self.config.sequence_parallel:
+            embeddings = scatter_to_sequence_parallel_region(embeddings)
+            # Each rank now holds a different part of the sequence: independent dropout.
+            rng = get_cuda_rng_tracker().fork() if self.training else rng
+        with rng:
+            return F.dropout(embeddings, self.config.hidden_dropout, self.training)

@@ -1,0 +1,90 @@
+"""GPT-2: embeddings, the transformer stack, and logits tied to the word embeddings.
+
+    model = GPTModel(config)
+    loss = model(tokens, labels=labels)          # per-token loss [b, s], fp32
+    logits = model(tokens)                       # [b, s, vocab / tp] (or vocab)
+
+The module tree reproduces Megatron's state-dict names
+(`language_model.embedding.word_embeddings.weight`,
+`language_model.encoder.layers.0.self_attention.query_key_value.weight`, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.core.tensor_parallel import (
+    linear_with_vocab_parallel_weight,
+    vocab_parallel_cross_entropy,
+)
+from megatron.model.embedding import Embedding
+from megatron.model.transformer import ParallelTransformer
+
+
+class TransformerLanguageModel(nn.Module):
+    """`embedding` + `encoder` (the layer stack and its final layer norm)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embedding = Embedding(config)
+        self.encoder = ParallelTransformer(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """[b, s] ids -> final hidden states [s(/tp), b, h]."""
+        return self.encoder(self.embedding(input_ids, position_ids), attention_mask)
+
+
+def logits_from_hidden(
+    hidden: torch.Tensor, word_embeddings_weight: torch.Tensor, config: ModelConfig
+) -> torch.Tensor:
+    """[s(/tp), b, h] -> [s, b, vocab/tp], or [s, b, vocab] unless `parallel_output`."""
+    return linear_with_vocab_parallel_weight(
+        hidden,
+        word_embeddings_weight,
+        sequence_parallel=config.sequence_parallel,
+        gather_output=not config.parallel_output,
+    )
+
+
+def loss_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[s, b, vocab/tp] logits and [b, s] labels -> per-token fp32 loss [b, s]."""
+    return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1)).transpose(0, 1)
+
+
+class GPTModel(nn.Module):
+    """The GPT-2 language model (one implementation; `pipeline.py` rearranges its layers)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.language_model = TransformerLanguageModel(config)
+
+    def word_embeddings_weight(self) -> torch.Tensor:
+        """The (vocab-split) embedding matrix, shared with the output layer."""
+        return self.language_model.embedding.word_embeddings.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Per-token loss [b, s] when `labels` are given, else logits [b, s, vocab(/tp)].
+
+        `attention_mask`: None for causal attention, or bool [b|1, 1, s, s], True = masked.
+        """
+        hidden = self.language_model(input_ids, position_ids, attention_mask)
+        logits = logits_from_hidden(hidden, self.word_embeddings_weight(), self.config)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [b, s, vocab(/tp)]
+        if not self.config.parallel_output:
+            raise ValueError("the loss needs vocab-parallel logits (parallel_output=True)")
+        return loss_from_logits(logits, labels)

@@ -1,0 +1,137 @@
+"""GPT-2 as a DeepSpeed `PipelineModule`, built from the same layer classes as `GPTModel`.
+
+The layer sequence is: tied embedding ("embed"), the transformer layers, the final layer
+norm, and the tied embedding again computing the logits; DeepSpeed keeps the two copies of
+the word embedding in sync across the first and last stages. Inputs are
+`((tokens, position_ids), (labels, loss_mask))` per micro-batch, as Megatron-DeepSpeed's
+`get_batch_pipe` yields them. Attention is causal; custom attention masks
+(`--reset-attention-mask`) are not carried between stages.
+
+This is one of the few modules that import DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from megatron.config import ModelConfig
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import checkpoint
+from megatron.model.embedding import Embedding
+from megatron.model.gpt_model import logits_from_hidden, loss_from_logits
+from megatron.model.transformer import ParallelTransformerLayer
+from megatron.model.utils import LayerNorm
+
+EMBEDDING_KEY = "embed"
+
+
+class EmbeddingPipe(Embedding):
+    """The embedding stage: (tokens, position_ids) -> hidden [s, b, h]."""
+
+    def forward(self, inputs: tuple[torch.Tensor, ...] | torch.Tensor) -> torch.Tensor:
+        """Accept the micro-batch inputs as DeepSpeed hands them over."""
+        if isinstance(inputs, torch.Tensor):
+            return super().forward(inputs)
+        tokens, position_ids = inputs[0], inputs[1] if len(inputs) > 1 else None
+        return super().forward(tokens, position_ids)
+
+
+class ParallelTransformerLayerPipe(ParallelTransformerLayer):
+    """A transformer layer taking and returning one tensor (DeepSpeed's stage interface).
+
+    The class name is the one DeepSpeed's `GPTModelPipe` recompute rule looks for.
+    """
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[s(/tp), b, h] -> [s(/tp), b, h], causal attention."""
+        return super().forward(hidden, None)
+
+
+class LayerNormPipe(LayerNorm):
+    """The final layer norm as a pipeline layer."""
+
+
+def _logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    return logits_from_hidden(hidden, embedding.word_embeddings.weight, embedding.config)
+
+
+def masked_mean_loss(
+    logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor] | torch.Tensor
+) -> torch.Tensor:
+    """Mean per-token loss over the positions where `loss_mask` is 1 (all if no mask)."""
+    if isinstance(labels, torch.Tensor):
+        return loss_from_logits(logits, labels).mean()
+    targets, loss_mask = labels
+    losses = loss_from_logits(logits, targets)
+    loss_mask = loss_mask.float()
+    return (losses * loss_mask).sum() / loss_mask.sum()
+
+
+class GPTModelPipe(PipelineModule):
+    """GPT-2 split into pipeline stages over the groups of `parallel_state`.
+
+    The class name matters: DeepSpeed recomputes only `ParallelTransformerLayerPipe` layers
+    of a `GPTModelPipe` when activation checkpointing is on.
+    """
+
+    def __init__(self, config: ModelConfig, partition_method: str = "type:transformer") -> None:
+        # DeepSpeed records the tied attribute from the first spec with the key.
+        tied = "word_embeddings.weight"
+        specs = [TiedLayerSpec(EMBEDDING_KEY, EmbeddingPipe, config, tied_weight_attr=tied)]
+        specs += [
+            LayerSpec(ParallelTransformerLayerPipe, config, number)
+            for number in range(1, config.num_layers + 1)
+        ]
+        specs.append(LayerSpec(LayerNormPipe, config))
+        specs.append(
+            TiedLayerSpec(
+                EMBEDDING_KEY,
+                EmbeddingPipe,
+                config,
+                forward_fn=_logits,
+                tied_weight_attr=tied,
+            )
+        )
+        topology = PipeModelDataParallelTopology(
+            num_pp=parallel_state.get_pipeline_model_parallel_world_size(),
+            num_mp=parallel_state.get_tensor_model_parallel_world_size(),
+            num_dp=parallel_state.get_data_parallel_world_size(),
+        )
+        recompute = config.recompute_granularity == "full"
+        super().__init__(
+            layers=specs,
+            loss_fn=masked_mean_loss,
+            topology=topology,
+            partition_method=partition_method,
+            activation_checkpoint_interval=config.recompute_num_layers if recompute else 0,
+            activation_checkpoint_func=lambda function, *inputs: checkpoint(
+                function, config.distribute_saved_activations, *inputs
+            ),
+        )
+
+
+def gpt_to_pipeline_name(name: str, num_layers: int) -> str:
+    """Map a `GPTModel` state-dict key to the matching `GPTModelPipe` key."""
+    if name.startswith("language_model.embedding."):
+        return f"tied_modules.{EMBEDDING_KEY}." + name.removeprefix("language_model.embedding.")
+    match = re.match(r"language_model\.encoder\.layers\.(\d+)\.(.+)", name)
+    if match:
+        return f"{int(match.group(1)) + 1}.{match.group(2)}"
+    if name.startswith("language_model.encoder.final_layernorm."):
+        return f"{num_layers + 1}." + name.removeprefix("language_model.encoder.final_layernorm.")
+    raise KeyError(f"no pipeline counterpart for parameter {name!r}")
+
+
+def load_gpt_state_dict_into_pipeline(
+    pipeline: GPTModelPipe, state_dict: dict[str, torch.Tensor], num_layers: int
+) -> None:
+    """Copy the local stage's parameters from a (same-TP) `GPTModel` state dict."""
+    local = pipeline.state_dict()
+    for name, tensor in state_dict.items():
+        pipe_name = gpt_to_pipeline_name(name, num_layers)
+        if pipe_name in local:
+            local[pipe_name].copy_(tensor)

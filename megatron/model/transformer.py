@@ -1,0 +1,220 @@
+"""The pre-LN GPT-2 transformer: attention and MLP blocks, layers, and the layer stack.
+
+Activations are `[s, b, h]` (sequence first, as Megatron), which lets sequence parallelism
+split the first dimension. Module and parameter names are Megatron's, so state dicts load in
+Megatron tools: `layers.{i}.input_layernorm`, `.self_attention.query_key_value`,
+`.self_attention.dense`, `.post_attention_layernorm`, `.mlp.dense_h_to_4h`,
+`.mlp.dense_4h_to_h`, and `final_layernorm`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    checkpoint,
+    get_cuda_rng_tracker,
+)
+from megatron.core.tensor_parallel.layers import divide
+from megatron.model.attention import CoreAttention, RotaryEmbedding, apply_rotary_pos_emb
+from megatron.model.utils import LayerNorm, init_method_normal, scaled_init_method_normal
+
+
+def _linear_kwargs(config: ModelConfig) -> dict:
+    return dict(
+        sequence_parallel=config.sequence_parallel,
+        use_cpu_initialization=config.use_cpu_initialization,
+        params_dtype=config.torch_dtype,
+    )
+
+
+def bias_dropout_add(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
+) -> torch.Tensor:
+    """residual + dropout(x + bias): the end of each residual branch."""
+    if bias is not None:
+        x = x + bias
+    return residual + F.dropout(x, p=p, training=training)
+
+
+class ParallelMLP(nn.Module):
+    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel); returns (output, bias)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
+        self.dense_h_to_4h = ColumnParallelLinear(
+            config.hidden_size,
+            config.ffn_hidden_size,
+            init_method_normal(config.init_method_std),
+            skip_bias_add=True,
+            **_linear_kwargs(config),
+        )
+        self.dense_4h_to_h = RowParallelLinear(
+            config.ffn_hidden_size,
+            config.hidden_size,
+            scaled_init_method_normal(config.init_method_std, config.num_layers),
+            input_is_parallel=True,
+            skip_bias_add=True,
+            **_linear_kwargs(config),
+        )
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[s, b, h] -> ([s, b, h], bias to add after dropout's input)."""
+        intermediate, bias = self.dense_h_to_4h(hidden)  # [s, b, ffn / tp]
+        intermediate = F.gelu(intermediate + bias, approximate=self.approximate)
+        return self.dense_4h_to_h(intermediate)
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention over this rank's heads; returns (output, bias)."""
+
+    def __init__(self, config: ModelConfig, layer_number: int) -> None:
+        super().__init__()
+        world = parallel_state.get_tensor_model_parallel_world_size()
+        self.heads_per_partition = divide(
+            config.num_attention_heads, world, "--num-attention-heads"
+        )
+        self.kv_channels = config.kv_channels
+        self.recompute_core = config.recompute_granularity == "selective"
+        self.distribute_saved_activations = config.distribute_saved_activations
+        # Per-head interleaved rows [np, 3, hn] (checkpoint version 3.0): a column split
+        # gives each rank whole heads with their q, k and v together.
+        self.query_key_value = ColumnParallelLinear(
+            config.hidden_size,
+            3 * config.projection_size,
+            init_method_normal(config.init_method_std),
+            **_linear_kwargs(config),
+        )
+        self.core_attention = CoreAttention(config, layer_number)
+        self.rotary = (
+            RotaryEmbedding(config.kv_channels, config.rotary_percent)
+            if config.position_embedding_type == "rope"
+            else None
+        )
+        self.dense = RowParallelLinear(
+            config.projection_size,
+            config.hidden_size,
+            scaled_init_method_normal(config.init_method_std, config.num_layers),
+            input_is_parallel=True,
+            skip_bias_add=True,
+            **_linear_kwargs(config),
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[s(/tp), b, h] -> ([s(/tp), b, h], dense bias)."""
+        mixed, _ = self.query_key_value(hidden)  # [s, b, np * 3 * hn]
+        s, b = mixed.shape[:2]
+        mixed = mixed.view(s, b, self.heads_per_partition, 3 * self.kv_channels)
+        query, key, value = mixed.split(self.kv_channels, dim=-1)  # each [s, b, np, hn]
+        if self.rotary is not None:
+            angles = self.rotary(s)
+            query, key = apply_rotary_pos_emb(query, angles), apply_rotary_pos_emb(key, angles)
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
+        if self.recompute_core and self.training:
+            context = checkpoint(
+                self._core, self.distribute_saved_activations, query, key, value, attention_mask
+            )
+        else:
+            context = self.core_attention(query, key, value, attention_mask)  # [s, b, np*hn]
+        return self.dense(context)
+
+    def _core(self, query, key, value, attention_mask):
+        return self.core_attention(query, key, value, attention_mask)
+
+
+class ParallelTransformerLayer(nn.Module):
+    """x + attn(LN(x)), then x + mlp(LN(x)), each branch ending in bias-dropout-add."""
+
+    def __init__(self, config: ModelConfig, layer_number: int) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = config.sequence_parallel
+        self.input_layernorm = LayerNorm(config)
+        self.self_attention = ParallelAttention(config, layer_number)
+        self.post_attention_layernorm = LayerNorm(config)
+        self.mlp = ParallelMLP(config)
+
+    def forward(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[s(/tp), b, h] -> [s(/tp), b, h]."""
+        # Sequence-split activations drop out independently on each TP rank.
+        rng = (
+            get_cuda_rng_tracker().fork()
+            if self.sequence_parallel and self.training
+            else contextlib.nullcontext()
+        )
+        with rng:
+            attention_out, attention_bias = self.self_attention(
+                self.input_layernorm(hidden), attention_mask
+            )
+            hidden = bias_dropout_add(
+                attention_out, attention_bias, hidden, self.hidden_dropout, self.training
+            )
+            mlp_out, mlp_bias = self.mlp(self.post_attention_layernorm(hidden))
+            return bias_dropout_add(mlp_out, mlp_bias, hidden, self.hidden_dropout, self.training)
+
+
+class ParallelTransformer(nn.Module):
+    """`num_layers` layers then the final layer norm, with optional full recomputation."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_numbers: range | None = None,
+        post_layer_norm: bool = True,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        numbers = layer_numbers or range(1, config.num_layers + 1)
+        self.layers = nn.ModuleList(ParallelTransformerLayer(config, n) for n in numbers)
+        if post_layer_norm:
+            self.final_layernorm = LayerNorm(config)
+
+    def _recomputed_layers(self, hidden, attention_mask):
+        config = self.config
+        group = config.recompute_num_layers
+        for start in range(0, len(self.layers), group):
+            chunk = self.layers[start : start + group]
+            recompute = config.recompute_method == "uniform" or start < group
+            if recompute:
+                hidden = checkpoint(
+                    _run_layers(chunk), config.distribute_saved_activations, hidden, attention_mask
+                )
+            else:
+                hidden = _run_layers(chunk)(hidden, attention_mask)
+        return hidden
+
+    def forward(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[s(/tp), b, h] -> [s(/tp), b, h], final layer norm applied when present."""
+        if self.config.recompute_granularity == "full" and self.training:
+            hidden = self._recomputed_layers(hidden, attention_mask)
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden, attention_mask)
+        if hasattr(self, "final_layernorm"):
+            hidden = self.final_layernorm(hidden)
+        return hidden
+
+
+def _run_layers(layers: nn.ModuleList):
+    def run(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        for layer in layers:
+            hidden = layer(hidden, attention_mask)
+        return hidden
+
+    return run
