@@ -124,6 +124,11 @@ class ModelConfig:
             "recompute_granularity": (None, "full", "selective"),
             "recompute_method": ("uniform", "block"),
         }
+        if self.distribute_saved_activations and self.sequence_parallel:
+            raise ValueError(
+                "--distribute-saved-activations (--partition-activations) cannot be combined "
+                "with --sequence-parallel: sequence-parallel activations are already split"
+            )
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(

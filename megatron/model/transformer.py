@@ -85,7 +85,6 @@ class ParallelAttention(nn.Module):
         )
         self.kv_channels = config.kv_channels
         self.recompute_core = config.recompute_granularity == "selective"
-        self.distribute_saved_activations = config.distribute_saved_activations
         # Per-head interleaved rows [np, 3, hn] (checkpoint version 3.0): a column split
         # gives each rank whole heads with their q, k and v together.
         self.query_key_value = ColumnParallelLinear(
@@ -122,9 +121,8 @@ class ParallelAttention(nn.Module):
             query, key = apply_rotary_pos_emb(query, angles), apply_rotary_pos_emb(key, angles)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
         if self.recompute_core and self.training:
-            context = checkpoint(
-                self._core, self.distribute_saved_activations, query, key, value, attention_mask
-            )
+            # Never distributed: the query holds this rank's own heads, not a replicated input.
+            context = checkpoint(self._core, False, query, key, value, attention_mask)
         else:
             context = self.core_attention(query, key, value, attention_mask)  # [s, b, np*hn]
         return self.dense(context)
@@ -184,17 +182,22 @@ class ParallelTransformer(nn.Module):
             self.final_layernorm = LayerNorm(config)
 
     def _recomputed_layers(self, hidden, attention_mask):
+        # uniform: recompute every group of N layers as one chunk; block: recompute each of
+        # the first N layers on its own and keep the activations of the rest (as Megatron).
         config = self.config
-        group = config.recompute_num_layers
-        for start in range(0, len(self.layers), group):
-            chunk = self.layers[start : start + group]
-            recompute = config.recompute_method == "uniform" or start < group
+        n = config.recompute_num_layers
+        if config.recompute_method == "uniform":
+            chunks = [(start, start + n, True) for start in range(0, len(self.layers), n)]
+        else:
+            chunks = [(i, i + 1, i < n) for i in range(len(self.layers))]
+        for start, stop, recompute in chunks:
+            run = _run_layers(self.layers[start:stop])
             if recompute:
                 hidden = checkpoint(
-                    _run_layers(chunk), config.distribute_saved_activations, hidden, attention_mask
+                    run, config.distribute_saved_activations, hidden, attention_mask
                 )
             else:
-                hidden = _run_layers(chunk)(hidden, attention_mask)
+                hidden = run(hidden, attention_mask)
         return hidden
 
     def forward(

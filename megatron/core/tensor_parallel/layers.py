@@ -14,6 +14,7 @@ own shard from the model-parallel RNG stream (with one rank, both are the same d
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -74,12 +75,8 @@ def _initialize_weight(
     use_cpu_initialization: bool,
 ) -> None:
     world = parallel_state.get_tensor_model_parallel_world_size()
-    if world == 1:
-        with torch.no_grad():
-            init_method(weight)
-        return
     if not use_cpu_initialization:
-        with torch.no_grad(), get_cuda_rng_tracker().fork():
+        with torch.no_grad(), get_cuda_rng_tracker().fork() if world > 1 else nullcontext():
             init_method(weight)
         return
     master = torch.empty(full_shape, dtype=torch.float32, device="cpu")

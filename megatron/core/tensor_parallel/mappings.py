@@ -239,7 +239,8 @@ def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor) -> torch.Tensor:
             f"cannot partition an activation of {flat.numel()} elements over "
             f"--tensor-model-parallel-size {world}"
         )
-    return _split_first_dim(flat)
+    # A copy, not a view: the point is to free the rest of the input's memory.
+    return _split_first_dim(flat).clone()
 
 
 def gather_split_1d_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -130,9 +130,9 @@ def use_deepspeed_checkpointing(
 ) -> None:
     """Route `checkpoint` and the RNG tracker to `deepspeed.checkpointing`, configured."""
     global _DEEPSPEED_CHECKPOINTING
-    import deepspeed.checkpointing
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
-    deepspeed.checkpointing.configure(
+    ds_checkpointing.configure(
         mpu,
         partition_activations=partition_activations,
         contiguous_checkpointing=contiguous_checkpointing,
@@ -141,7 +141,7 @@ def use_deepspeed_checkpointing(
         synchronize=synchronize,
         profile=profile,
     )
-    _DEEPSPEED_CHECKPOINTING = deepspeed.checkpointing
+    _DEEPSPEED_CHECKPOINTING = ds_checkpointing
 
 
 def use_builtin_checkpointing() -> None:

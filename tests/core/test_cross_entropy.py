@@ -1,0 +1,247 @@
+"""vocab_parallel_cross_entropy against F.cross_entropy on the gathered logits, tp 1, 2, 4.
+
+Every rank holds the same full logits and keeps its vocabulary slice; the per-token loss must
+equal `F.cross_entropy(full, target, reduction="none")` and, after backward with a random
+upstream gradient, this rank's logit gradient must equal the slice of the dense gradient.
+Cases: fp32, a padded vocabulary (50 real ids padded to 64), bf16 logits (the loss stays
+fp32), logits of magnitude 1e4 (still finite), and Megatron's label smoothing, checked
+against an autograd re-implementation of its formula and, at tp 1, finite differences.
+Worlds of 1, 2 and 4 ranks run with tp = world size, and the 4-rank world also with tp 2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from tests.core.spawn_checks import BODY
+
+# (world size, tp): tp = world, and tp 2 inside 4 ranks (two data-parallel replicas), where
+# a collective on the wrong group would be caught.
+LAYOUTS = [(1, 1), (2, 2), (4, 4), (4, 2)]
+LAYOUT_IDS = [f"world{world}-tp{tp}" for world, tp in LAYOUTS]
+SEQ, BATCH, VOCAB, REAL_VOCAB = 4, 3, 64, 50
+# Ids owned by every shard at tp 4 (16 ids each), both edges of each shard.
+TARGETS = [0, 15, 16, 31, 32, 47, 48, 63, 7, 20, 40, 55]
+# Only real ids (< 50); the last shard at tp 4 owns just 48 and 49 of them.
+PADDED_TARGETS = [0, 15, 16, 31, 32, 47, 48, 49, 7, 20, 40, 49]
+FP32 = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This tensor-parallel rank's slice of the vocabulary (last) dimension."""
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    return tensor.chunk(world, dim=-1)[parallel_state.get_tensor_model_parallel_rank()]
+
+
+def _random(*shape: int, seed: int) -> torch.Tensor:
+    """A random tensor, the same on a tensor-parallel group's ranks, not across replicas."""
+    seed += 1000 * parallel_state.get_data_parallel_rank()
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _reference(full: torch.Tensor, target: torch.Tensor, probe: torch.Tensor, smoothing=0.0):
+    """F.cross_entropy on the full fp32 logits: per-token loss and d(sum(probe*loss))/dlogits."""
+    full = full.detach().float().requires_grad_()
+    loss = F.cross_entropy(
+        full.view(-1, full.size(-1)),
+        target.view(-1),
+        reduction="none",
+        label_smoothing=smoothing,
+    ).view(target.shape)
+    (loss * probe).sum().backward()
+    return loss.detach(), full.grad
+
+
+def _megatron_smoothed_loss(full: torch.Tensor, target: torch.Tensor, label_smoothing: float):
+    """Megatron's label smoothing written with autograd ops: (1-s) nll - s mean(log p).
+
+    s = label_smoothing * V / (V - 1), so the target keeps 1 - label_smoothing of the mass.
+    """
+    vocab = full.size(-1)
+    smoothing = label_smoothing * vocab / (vocab - 1)
+    log_probs = torch.log_softmax(full.float(), dim=-1)
+    nll = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    return (1.0 - smoothing) * nll - smoothing * log_probs.mean(dim=-1)
+
+
+def _parallel(full: torch.Tensor, target: torch.Tensor, probe: torch.Tensor, smoothing=0.0):
+    """Our loss on this rank's slice, and that slice's gradient; the input must not change."""
+    local = _shard(full).detach().clone().requires_grad_()
+    before = local.detach().clone()
+    loss = vocab_parallel_cross_entropy(local, target, label_smoothing=smoothing)
+    assert loss.dtype == torch.float32 and loss.shape == target.shape
+    (loss * probe).sum().backward()
+    assert torch.equal(local.detach(), before), "the logits were modified in place"
+    assert local.grad.dtype == local.dtype
+    return loss.detach(), local.grad
+
+
+def _target(ids: list[int]) -> torch.Tensor:
+    """Target ids shaped [s, b]."""
+    return torch.tensor(ids).view(SEQ, BATCH)
+
+
+def _check_fp32(padded: bool) -> None:
+    """fp32 logits; with `padded`, only the first 50 of 64 ids are ever targets."""
+    full = _random(SEQ, BATCH, VOCAB, seed=1) * 3
+    target = _target(PADDED_TARGETS if padded else TARGETS)
+    if padded:
+        assert int(target.max()) < REAL_VOCAB
+    probe = _random(SEQ, BATCH, seed=2)
+    loss, grad = _parallel(full, target, probe)
+    ref_loss, ref_grad = _reference(full, target, probe)
+    torch.testing.assert_close(loss, ref_loss, **FP32)
+    torch.testing.assert_close(grad, _shard(ref_grad), **FP32)
+
+
+def _check_bf16() -> None:
+    """bf16 logits: fp32 loss equal to the reference on the same (rounded) values."""
+    full32 = _random(SEQ, BATCH, VOCAB, seed=3) * 3
+    full = full32.bfloat16()
+    target, probe = _target(TARGETS), _random(SEQ, BATCH, seed=4)
+    loss, grad = _parallel(full, target, probe)
+    assert grad.dtype == torch.bfloat16
+    ref_loss, ref_grad = _reference(full, target, probe)
+    # The math runs in fp32 on the bf16 values: the loss is as exact as fp32.
+    torch.testing.assert_close(loss, ref_loss, **FP32)
+    torch.testing.assert_close(grad.float(), _shard(ref_grad), atol=1e-2, rtol=1.6e-2)
+    # Against the unrounded fp32 logits only bf16's rounding of the inputs separates them.
+    ref32_loss, ref32_grad = _reference(full32, target, probe)
+    torch.testing.assert_close(loss, ref32_loss, atol=5e-2, rtol=1e-2)
+    torch.testing.assert_close(grad.float(), _shard(ref32_grad), atol=2e-2, rtol=5e-2)
+
+
+def _check_large_logits() -> None:
+    """Logits ~1e4: finite loss and gradient, equal to the (stable) reference."""
+    full = _random(SEQ, BATCH, VOCAB, seed=5) * 1e4
+    assert full.abs().max() > 1e4
+    target, probe = _target(TARGETS), _random(SEQ, BATCH, seed=6)
+    loss, grad = _parallel(full, target, probe)
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
+    ref_loss, ref_grad = _reference(full, target, probe)
+    assert (ref_loss > 1e3).any()  # the case really is large
+    torch.testing.assert_close(loss, ref_loss, atol=1e-2, rtol=1e-6)
+    torch.testing.assert_close(grad, _shard(ref_grad), **FP32)
+
+
+def _check_label_smoothing(padded: bool) -> None:
+    """Forward and backward against the autograd formula and F.cross_entropy's smoothing."""
+    label_smoothing = 0.1
+    full = _random(SEQ, BATCH, VOCAB, seed=7) * 3
+    target = _target(PADDED_TARGETS if padded else TARGETS)
+    probe = _random(SEQ, BATCH, seed=8)
+    loss, grad = _parallel(full, target, probe, smoothing=label_smoothing)
+
+    dense = full.clone().requires_grad_()
+    ref_loss = _megatron_smoothed_loss(dense, target, label_smoothing)
+    (ref_loss * probe).sum().backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **FP32)
+    torch.testing.assert_close(grad, _shard(dense.grad), **FP32)
+    # The same thing in torch's terms: its label_smoothing of s = eps * V / (V - 1).
+    torch_loss, _ = _reference(full, target, probe, smoothing=label_smoothing * VOCAB / (VOCAB - 1))
+    torch.testing.assert_close(loss, torch_loss, **FP32)
+    # And it really smooths: not the plain loss.
+    assert not torch.allclose(loss, _reference(full, target, probe)[0], atol=1e-3)
+
+
+CHECKS = {
+    "fp32": (_check_fp32, False),
+    "padded vocab": (_check_fp32, True),
+    "bf16": (_check_bf16,),
+    "large logits": (_check_large_logits,),
+    "label smoothing": (_check_label_smoothing, False),
+    "label smoothing padded vocab": (_check_label_smoothing, True),
+}
+
+
+SPAWN_WORLD_SIZES = sorted({world for world, _ in LAYOUTS})
+
+
+def spawn_body(checks, rank: int, world: int) -> None:
+    """Every cross-entropy case for each layout of this world size."""
+    for world_size, tp in LAYOUTS:
+        if world_size == world:
+            parallel_state.initialize_model_parallel(tp, 1)
+            for name, (fn, *args) in CHECKS.items():
+                checks.run(f"tp={tp} {name}", fn, *args)
+            parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def spawned(spawned_suite):
+    """This module's check outcomes by world size (from the session's spawned worlds)."""
+    return spawned_suite[__name__]
+
+
+@pytest.mark.parametrize("world, tp", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("case", ["fp32", "padded vocab"])
+def test_matches_cross_entropy_fp32(spawned, world, tp, case):
+    """Per-token loss and logit gradient == F.cross_entropy on the gathered logits."""
+    spawned[world].assert_ok(f"tp={tp} {case}")
+
+
+@pytest.mark.parametrize("world, tp", LAYOUTS, ids=LAYOUT_IDS)
+def test_bf16_logits_give_fp32_loss(spawned, world, tp):
+    """bf16 logits: fp32 loss, bf16 gradient, both close to the fp32 reference."""
+    spawned[world].assert_ok(f"tp={tp} bf16")
+
+
+@pytest.mark.parametrize("world, tp", LAYOUTS, ids=LAYOUT_IDS)
+def test_large_logits_stay_finite(spawned, world, tp):
+    """Logits of magnitude 1e4 give a finite loss and gradient equal to the reference."""
+    spawned[world].assert_ok(f"tp={tp} large logits")
+
+
+@pytest.mark.parametrize("world, tp", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("case", ["label smoothing", "label smoothing padded vocab"])
+def test_label_smoothing_matches_autograd_formula(spawned, world, tp, case):
+    """Smoothed loss and gradient == autograd on Megatron's formula over the whole vocab."""
+    spawned[world].assert_ok(f"tp={tp} {case}")
+
+
+@pytest.mark.parametrize("world", SPAWN_WORLD_SIZES)
+def test_spawned_body_ran_every_check(spawned, world):
+    """Nothing escaped the checks, and every check has a test."""
+    expected = {f"tp={tp} {name}" for w, tp in LAYOUTS if w == world for name in CHECKS}
+    assert spawned[world].names() == expected, spawned[world].per_rank[0].get(BODY)
+
+
+def _finite_difference_grad(fn, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Central differences of the scalar fn at x, one coordinate at a time."""
+    grad = torch.zeros_like(x)
+    flat, flat_grad = x.view(-1), grad.view(-1)
+    for i in range(flat.numel()):
+        saved = flat[i].item()
+        flat[i] = saved + eps
+        upper = fn(x)
+        flat[i] = saved - eps
+        lower = fn(x)
+        flat[i] = saved
+        flat_grad[i] = (upper - lower) / (2 * eps)
+    return grad
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+def test_gradient_matches_finite_differences_single_rank(label_smoothing):
+    """At tp 1 (no process groups) the analytic gradient equals central differences."""
+    parallel_state.destroy_model_parallel()
+    generator = torch.Generator().manual_seed(9)
+    logits = torch.randn(3, 2, 8, generator=generator, dtype=torch.float64)
+    target = torch.tensor([[0, 7], [3, 3], [5, 1]])
+    probe = torch.randn(3, 2, generator=generator, dtype=torch.float64)
+
+    def objective(x: torch.Tensor) -> float:
+        """The probed sum of losses at logits x."""
+        loss = vocab_parallel_cross_entropy(x, target, label_smoothing=label_smoothing)
+        return float((loss.double() * probe).sum())
+
+    x = logits.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(x, target, label_smoothing=label_smoothing)
+    (loss * probe).sum().backward()
+    numeric = _finite_difference_grad(objective, logits.clone(), eps=1e-2)
+    torch.testing.assert_close(x.grad, numeric, atol=2e-3, rtol=1e-3)
+    assert x.grad.abs().max() > 0.05

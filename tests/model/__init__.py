@@ -1,0 +1,1 @@
+"""Tests of the GPT-2 model: layout, numerics, tensor/sequence parallelism and the pipeline."""

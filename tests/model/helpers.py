@@ -1,0 +1,128 @@
+"""Shared pieces of the model tests: tiny configs, seeded runs, shard gathering, spawned worlds.
+
+A spawned world (`spawn_collect`) computes numbers on every rank and hands them back to the
+pytest process, which makes the assertions. Bodies never assert themselves, so a mismatch
+cannot leave one rank waiting in a collective that the others skipped; a body that raises
+ends the whole world at once (`torch.multiprocessing.spawn` kills the other ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron.config import ModelConfig
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.model import GPTModel
+from tests.distributed import run_distributed
+
+TINY = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=64,
+    max_position_embeddings=16,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+"""A two-layer GPT small enough to run forward and backward in milliseconds."""
+
+
+def tiny_config(**overrides: object) -> ModelConfig:
+    """`TINY` with some fields replaced."""
+    return ModelConfig(**{**TINY, **overrides})
+
+
+def build_model(config: ModelConfig, seed: int = 0) -> GPTModel:
+    """A GPTModel whose weights depend only on `seed` (and, without CPU init, on TP)."""
+    torch.manual_seed(seed)
+    return GPTModel(config)
+
+
+def random_batch(
+    batch: int, seq: int, vocab: int, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, labels) [batch, seq], labels being the tokens shifted by one."""
+    tokens = torch.randint(
+        0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed)
+    )
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def loss_and_grads(
+    model: GPTModel,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    rng_seed: int | None = None,
+    **forward_kwargs: object,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token loss [b, s] and each parameter's gradient of its mean (this rank's shards).
+
+    `rng_seed` reseeds the default and the model-parallel streams first, so two models run
+    with the same seed draw the same dropout masks.
+    """
+    model.zero_grad(set_to_none=True)
+    if rng_seed is not None:
+        model_parallel_cuda_manual_seed(rng_seed)
+    losses = model(tokens, labels=labels, **forward_kwargs)
+    losses.mean().backward()
+    grads = {name: param.grad.detach().clone() for name, param in model.named_parameters()}
+    return losses.detach(), grads
+
+
+def gather_shards(tensor: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+    """The full (unsplit) tensor of a tensor-parallel parameter's shard; others unchanged.
+
+    Uses the `partition_dim` attribute the parallel layers set (stride 1 everywhere here).
+    """
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    if world == 1 or not getattr(param, "tensor_model_parallel", False):
+        return tensor.detach().clone()
+    if param.partition_stride != 1:
+        raise ValueError(f"strided partitions are not handled (stride {param.partition_stride})")
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(
+        parts, tensor.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group()
+    )
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def full_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`loss_and_grads`' per-rank gradients put back together over the TP group."""
+    params = dict(model.named_parameters())
+    return {name: gather_shards(grad, params[name]) for name, grad in grads.items()}
+
+
+def gather_across_tensor_group(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every TP rank's copy of a same-shaped tensor (to compare them with each other)."""
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(
+        parts, tensor.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group()
+    )
+    return parts
+
+
+def _collect_entry(rank: int, world_size: int, body: Callable, out_dir: str, args: tuple) -> None:
+    """Spawned per rank: run `body` on one thread and save what it returns."""
+    torch.set_num_threads(1)  # the ranks share the machine's few cores
+    try:
+        results = body(rank, world_size, *args)
+    finally:
+        parallel_state.destroy_model_parallel()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def spawn_collect(body: Callable, world_size: int, *args: object) -> list[dict]:
+    """Run module-level `body(rank, world_size, *args)` on a gloo world; its results by rank."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        run_distributed(_collect_entry, world_size, body, out_dir, args)
+        return [
+            torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
+            for rank in range(world_size)
+        ]

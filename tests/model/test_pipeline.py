@@ -1,0 +1,259 @@
+"""GPTModelPipe under DeepSpeed's pipeline engine (gloo on CPU) against GPTModel.
+
+Two spawned worlds: 2 ranks (PP=2) and 4 ranks (TP=2 x PP=2). On every rank a GPTModel is
+built with the same seed at the same TP size as the pipeline, and its state dict is loaded
+into the local pipeline stage with `load_gpt_state_dict_into_pipeline`. Each world records
+the name mapping and the stage's parameter names, an `eval_batch` loss, one `train_batch`
+(two micro-batches, plain SGD, no clipping) with the updated weights and the next loss, and
+the same step done by hand on the GPTModel; the pytest tests compare them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.config import ModelConfig
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from tests.model.helpers import build_model, spawn_collect
+
+LAYERS = 4
+CONFIG = dict(
+    num_layers=LAYERS,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=64,
+    max_position_embeddings=16,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    use_cpu_initialization=True,
+)
+MICRO_BATCH, MICRO_BATCHES, SEQ = 2, 2, 8
+LR = 0.5
+EMBEDDING_KEYS = (
+    "language_model.embedding.word_embeddings.weight",
+    "language_model.embedding.position_embeddings.weight",
+)
+
+
+def micro_batches() -> list[tuple]:
+    """DeepSpeed pipeline inputs, all tensors: ((tokens, position_ids), (labels, loss_mask))."""
+    generator = torch.Generator().manual_seed(1)
+    batch = MICRO_BATCH * MICRO_BATCHES
+    tokens = torch.randint(0, CONFIG["vocab_size"], (batch, SEQ + 1), generator=generator)
+    loss_mask = (torch.rand(batch, SEQ, generator=generator) > 0.25).long()
+    positions = torch.arange(SEQ).expand(MICRO_BATCH, SEQ).contiguous()
+    return [
+        (
+            (tokens[i : i + MICRO_BATCH, :-1].contiguous(), positions),
+            (tokens[i : i + MICRO_BATCH, 1:].contiguous(), loss_mask[i : i + MICRO_BATCH]),
+        )
+        for i in range(0, batch, MICRO_BATCH)
+    ]
+
+
+def reference_loss(model: torch.nn.Module) -> torch.Tensor:
+    """Mean over the micro-batches of each one's loss-masked mean token loss, by hand."""
+    total = 0.0
+    for (tokens, positions), (labels, loss_mask) in micro_batches():
+        losses = model(tokens, position_ids=positions, labels=labels)
+        total = total + (losses * loss_mask).sum() / loss_mask.sum()
+    return total / MICRO_BATCHES
+
+
+def pipeline_body(rank: int, world: int, tp: int) -> dict[str, object]:
+    """One eval batch and one train step through DeepSpeed, and the same by hand."""
+    import deepspeed
+
+    from megatron.model.pipeline import (
+        GPTModelPipe,
+        gpt_to_pipeline_name,
+        load_gpt_state_dict_into_pipeline,
+    )
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    parallel_state.initialize_model_parallel(tp, 2)
+    model_parallel_cuda_manual_seed(3)
+    config = ModelConfig(**CONFIG)
+    reference = build_model(config)
+    reference_state = reference.state_dict()
+    mapping = {name: gpt_to_pipeline_name(name, LAYERS) for name in reference_state}
+    try:
+        gpt_to_pipeline_name("language_model.output_layer.weight", LAYERS)
+        unknown_name_error = None
+    except KeyError as error:
+        unknown_name_error = str(error)
+
+    pipe = GPTModelPipe(config)
+    local_keys = sorted(pipe.state_dict())
+    load_gpt_state_dict_into_pipeline(pipe, reference_state, LAYERS)
+    loaded = {
+        name: torch.equal(pipe.state_dict()[mapping[name]], tensor)
+        for name, tensor in reference_state.items()
+        if mapping[name] in local_keys
+    }
+
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=LR)
+    engine, *_ = deepspeed.initialize(
+        model=pipe,
+        optimizer=optimizer,
+        config={
+            "train_micro_batch_size_per_gpu": MICRO_BATCH,
+            "gradient_accumulation_steps": MICRO_BATCHES,
+            "gradient_clipping": 0.0,  # DeepSpeed's default clips at 1.0
+            "steps_per_print": 10**6,
+        },
+    )
+    pipe_eval = engine.eval_batch(iter(micro_batches()))
+    pipe_train = engine.train_batch(iter(micro_batches()))
+    pipe_next = engine.eval_batch(iter(micro_batches()))
+
+    reference.train()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    reference_optimizer.zero_grad()
+    reference_train = reference_loss(reference)
+    reference_train.backward()
+    reference_optimizer.step()
+    with torch.no_grad():
+        reference_next = reference_loss(reference.eval())
+        reference_eval = reference_train.detach()  # dropout is 0: the pre-step loss
+
+    pipe_state = pipe.state_dict()
+    updated = {
+        name: (pipe_state[mapping[name]].clone(), tensor.clone())
+        for name, tensor in reference.state_dict().items()
+        if mapping[name] in pipe_state and not name.endswith("position_embeddings.weight")
+    }
+    return {
+        "stage": parallel_state.get_pipeline_model_parallel_rank(),
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "mapping": mapping,
+        "unknown_name_error": unknown_name_error,
+        "local_keys": local_keys,
+        "loaded": loaded,
+        "pipe_eval": float(pipe_eval),
+        "pipe_train": float(pipe_train),
+        "pipe_next": float(pipe_next),
+        "reference_eval": reference_eval.item(),
+        "reference_next": reference_next.item(),
+        "updated": updated,
+        "first_position_table": (
+            pipe_state[mapping[EMBEDDING_KEYS[1]]].clone(),
+            reference.state_dict()[EMBEDDING_KEYS[1]].clone(),
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def pp2() -> list[dict]:
+    """Results of the PP=2 world (2 ranks), by rank."""
+    return spawn_collect(pipeline_body, 2, 1)
+
+
+@pytest.fixture(scope="module")
+def tp2pp2() -> list[dict]:
+    """Results of the TP=2 x PP=2 world (4 ranks), by rank."""
+    return spawn_collect(pipeline_body, 4, 2)
+
+
+@pytest.fixture(params=["pp2", "tp2pp2"])
+def world(request) -> list[dict]:
+    """Each world's results in turn."""
+    return request.getfixturevalue(request.param)
+
+
+def expected_mapping() -> dict[str, str]:
+    """GPTModel key -> GPTModelPipe key, written out for LAYERS layers.
+
+    Pipeline layer 0 is the tied embedding, 1..L the transformer layers, L+1 the final
+    layer norm, L+2 the tied embedding again (its parameters live under `tied_modules`).
+    """
+    mapping = {
+        EMBEDDING_KEYS[0]: "tied_modules.embed.word_embeddings.weight",
+        EMBEDDING_KEYS[1]: "tied_modules.embed.position_embeddings.weight",
+        "language_model.encoder.final_layernorm.weight": f"{LAYERS + 1}.weight",
+        "language_model.encoder.final_layernorm.bias": f"{LAYERS + 1}.bias",
+    }
+    for i in range(LAYERS):
+        for suffix in (
+            "input_layernorm.weight",
+            "input_layernorm.bias",
+            "self_attention.query_key_value.weight",
+            "self_attention.query_key_value.bias",
+            "self_attention.dense.weight",
+            "self_attention.dense.bias",
+            "post_attention_layernorm.weight",
+            "post_attention_layernorm.bias",
+            "mlp.dense_h_to_4h.weight",
+            "mlp.dense_h_to_4h.bias",
+            "mlp.dense_4h_to_h.weight",
+            "mlp.dense_4h_to_h.bias",
+        ):
+            mapping[f"language_model.encoder.layers.{i}.{suffix}"] = f"{i + 1}.{suffix}"
+    return mapping
+
+
+def owned_keys(stage: int) -> set[str]:
+    """GPTModel keys a stage holds: the embedding, its half of the layers, (last) final LN."""
+    per_stage = LAYERS // 2
+    layers = range(stage * per_stage, (stage + 1) * per_stage)
+    keys = set(EMBEDDING_KEYS)
+    keys |= {k for k in expected_mapping() if any(f".layers.{i}." in k for i in layers)}
+    if stage == 1:
+        keys |= {k for k in expected_mapping() if "final_layernorm" in k}
+    return keys
+
+
+# --- name mapping ---------------------------------------------------------------------------
+
+
+def test_gpt_to_pipeline_name_maps_every_key(pp2):
+    """Every GPTModel key maps to its pipeline key; unknown keys raise a KeyError naming them."""
+    results = pp2[0]
+    assert results["mapping"] == expected_mapping()
+    assert "language_model.output_layer.weight" in results["unknown_name_error"]
+
+
+def test_stage_parameter_names_are_the_mapped_keys(world):
+    """Each stage holds exactly the mapped keys of the layers it owns; nothing is unmapped."""
+    mapping = expected_mapping()
+    for results in world:
+        expected = {mapping[key] for key in owned_keys(results["stage"])}
+        assert set(results["local_keys"]) == expected, results["stage"]
+        assert set(results["loaded"]) == owned_keys(results["stage"])
+        assert all(results["loaded"].values())  # the loader copied every owned tensor
+    assert {results["stage"] for results in world} == {0, 1}
+
+
+# --- numerics -------------------------------------------------------------------------------
+
+
+def test_eval_batch_loss_equals_gpt_model_loss(world):
+    """The pipeline's eval loss (mean over micro-batches of masked means) equals GPTModel's."""
+    for results in world:
+        assert results["pipe_eval"] == pytest.approx(results["reference_eval"], abs=1e-5)
+
+
+def test_train_batch_step_equals_manual_sgd_step(world):
+    """One train_batch (2 micro-batches, SGD) equals the hand-made step on GPTModel."""
+    for results in world:
+        assert results["pipe_train"] == pytest.approx(results["reference_eval"], abs=1e-5)
+        assert results["pipe_next"] == pytest.approx(results["reference_next"], abs=1e-5)
+        assert results["reference_next"] < results["reference_eval"] - 0.05  # a real step
+        for name, (pipe_tensor, reference_tensor) in results["updated"].items():
+            torch.testing.assert_close(
+                pipe_tensor,
+                reference_tensor,
+                atol=1e-6,
+                rtol=1e-5,
+                msg=lambda m, name=name: f"{name}: {m}",
+            )
+
+
+def test_first_stage_position_table_is_trained(world):
+    """The position table that is used (first stage) receives the update."""
+    for results in world:
+        if results["stage"] == 0:
+            pipe_table, reference_table = results["first_position_table"]
+            torch.testing.assert_close(pipe_table, reference_table, atol=1e-6, rtol=1e-5)
