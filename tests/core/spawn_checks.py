@@ -28,6 +28,18 @@ from tests.distributed import run_distributed
 BODY = "<body>"
 
 
+def run_checks_per_layout(
+    checks: Checks, world: int, layouts: list[tuple[int, int]], table: dict[str, tuple]
+) -> None:
+    """Run every `table` check (name -> (fn, *args)) at each (world, tp) layout of `world`."""
+    for world_size, tp in layouts:
+        if world_size == world:
+            parallel_state.initialize_model_parallel(tp, 1)
+            for name, (fn, *args) in table.items():
+                checks.run(f"tp={tp} {name}", fn, *args)
+            parallel_state.destroy_model_parallel()
+
+
 class Checks:
     """The outcome of each named check run on this rank: "ok" or the error's traceback."""
 

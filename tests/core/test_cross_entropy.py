@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-from tests.core.spawn_checks import BODY
+from tests.core.spawn_checks import BODY, run_checks_per_layout
 
 # (world size, tp): tp = world, and tp 2 inside 4 ranks (two data-parallel replicas), where
 # a collective on the wrong group would be caught.
@@ -163,12 +163,7 @@ SPAWN_WORLD_SIZES = sorted({world for world, _ in LAYOUTS})
 
 def spawn_body(checks, rank: int, world: int) -> None:
     """Every cross-entropy case for each layout of this world size."""
-    for world_size, tp in LAYOUTS:
-        if world_size == world:
-            parallel_state.initialize_model_parallel(tp, 1)
-            for name, (fn, *args) in CHECKS.items():
-                checks.run(f"tp={tp} {name}", fn, *args)
-            parallel_state.destroy_model_parallel()
+    run_checks_per_layout(checks, world, LAYOUTS, CHECKS)
 
 
 @pytest.fixture(scope="module")

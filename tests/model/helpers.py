@@ -21,6 +21,22 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.model import GPTModel
 from tests.distributed import run_distributed
 
+LAYER_PARAMETERS = (
+    "input_layernorm.weight",
+    "input_layernorm.bias",
+    "self_attention.query_key_value.weight",
+    "self_attention.query_key_value.bias",
+    "self_attention.dense.weight",
+    "self_attention.dense.bias",
+    "post_attention_layernorm.weight",
+    "post_attention_layernorm.bias",
+    "mlp.dense_h_to_4h.weight",
+    "mlp.dense_h_to_4h.bias",
+    "mlp.dense_4h_to_h.weight",
+    "mlp.dense_4h_to_h.bias",
+)
+"""Megatron's parameter names inside one transformer layer, in Megatron's order."""
+
 TINY = dict(
     num_layers=2,
     hidden_size=32,

@@ -22,7 +22,13 @@ from megatron.config import ModelConfig
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.model import GPTModel, flops_per_token, model_size_report, num_parameters
 from megatron.model.attention import RotaryEmbedding, apply_rotary_pos_emb
-from tests.model.helpers import build_model, loss_and_grads, random_batch, tiny_config
+from tests.model.helpers import (
+    LAYER_PARAMETERS,
+    build_model,
+    loss_and_grads,
+    random_batch,
+    tiny_config,
+)
 
 GPT2_SMALL = dict(
     num_layers=12,
@@ -42,20 +48,7 @@ def _seeded_rng_streams():
 def layer_keys(i: int) -> list[str]:
     """Megatron's state-dict keys of transformer layer `i`, in Megatron's order."""
     prefix = f"language_model.encoder.layers.{i}."
-    names = [
-        "input_layernorm.weight",
-        "input_layernorm.bias",
-        "self_attention.query_key_value.weight",
-        "self_attention.query_key_value.bias",
-        "self_attention.dense.weight",
-        "self_attention.dense.bias",
-        "post_attention_layernorm.weight",
-        "post_attention_layernorm.bias",
-        "mlp.dense_h_to_4h.weight",
-        "mlp.dense_h_to_4h.bias",
-        "mlp.dense_4h_to_h.weight",
-        "mlp.dense_4h_to_h.bias",
-    ]
+    names = LAYER_PARAMETERS
     return [prefix + name for name in names]
 
 

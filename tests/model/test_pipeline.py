@@ -16,7 +16,7 @@ import torch
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from tests.model.helpers import build_model, spawn_collect
+from tests.model.helpers import LAYER_PARAMETERS, build_model, spawn_collect
 
 LAYERS = 4
 CONFIG = dict(
@@ -176,20 +176,7 @@ def expected_mapping() -> dict[str, str]:
         "language_model.encoder.final_layernorm.bias": f"{LAYERS + 1}.bias",
     }
     for i in range(LAYERS):
-        for suffix in (
-            "input_layernorm.weight",
-            "input_layernorm.bias",
-            "self_attention.query_key_value.weight",
-            "self_attention.query_key_value.bias",
-            "self_attention.dense.weight",
-            "self_attention.dense.bias",
-            "post_attention_layernorm.weight",
-            "post_attention_layernorm.bias",
-            "mlp.dense_h_to_4h.weight",
-            "mlp.dense_h_to_4h.bias",
-            "mlp.dense_4h_to_h.weight",
-            "mlp.dense_4h_to_h.bias",
-        ):
+        for suffix in LAYER_PARAMETERS:
             mapping[f"language_model.encoder.layers.{i}.{suffix}"] = f"{i + 1}.{suffix}"
     return mapping
 
