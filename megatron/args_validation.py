@@ -1,0 +1,191 @@
+"""`validate_args`: every inconsistency between flags is an error naming the flags and numbers.
+
+It also derives what Megatron derives (data-parallel size, default global batch, the
+recompute flags behind `--checkpoint-activations`, the distributed backend) so the rest of
+the program reads each fact from one place. `format_arguments` prints Megatron's sorted
+argument block.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+class ArgumentError(ValueError):
+    """Flags that contradict each other or the world size (message names them)."""
+
+
+def _require(args: argparse.Namespace, *flags: str) -> None:
+    missing = [flag for flag in flags if getattr(args, flag.lstrip("-").replace("-", "_")) is None]
+    if missing:
+        raise ArgumentError(f"missing required flag(s): {', '.join(missing)}")
+
+
+def _parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ArgumentError(
+            f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) "
+            "must be at least 1"
+        )
+    if world_size % (tp * pp) != 0:
+        raise ArgumentError(
+            f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
+            f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}"
+        )
+    args.world_size = world_size
+    args.data_parallel_size = world_size // (tp * pp)
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # as Megatron: nothing to split with one TP rank
+
+
+def _model_shape(args: argparse.Namespace) -> None:
+    _require(args, "--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
+    tp = args.tensor_model_parallel_size
+    if args.num_attention_heads % tp != 0:
+        raise ArgumentError(
+            f"--num-attention-heads ({args.num_attention_heads}) is not divisible by "
+            f"--tensor-model-parallel-size ({tp})"
+        )
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads != 0:
+        raise ArgumentError(
+            f"--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads "
+            f"({args.num_attention_heads}); set --kv-channels"
+        )
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        raise ArgumentError(
+            f"--seq-length ({args.seq_length}) is longer than --max-position-embeddings "
+            f"({args.max_position_embeddings})"
+        )
+    if args.sequence_parallel and args.seq_length % tp != 0:
+        raise ArgumentError(
+            f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by "
+            f"--tensor-model-parallel-size ({tp})"
+        )
+
+
+def _batch_sizes(args: argparse.Namespace) -> None:
+    _require(args, "--micro-batch-size")
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step != 0:
+        raise ArgumentError(
+            f"--global-batch-size ({args.global_batch_size}) is not divisible by "
+            f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
+            f"({args.data_parallel_size}) = {per_step}"
+        )
+    args.gradient_accumulation_steps = args.global_batch_size // per_step
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise ArgumentError("give exactly one of --train-iters and --train-samples")
+    if args.train_samples is not None and args.rampup_batch_size is None:
+        args.train_iters = args.train_samples // args.global_batch_size
+
+
+def _precision_and_optimizer(args: argparse.Namespace) -> None:
+    if args.fp16 and args.bf16:
+        raise ArgumentError("--fp16 and --bf16 cannot both be set")
+    _require(args, "--lr")
+    if args.min_lr > args.lr:
+        raise ArgumentError(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        raise ArgumentError(
+            "--lr-warmup-fraction cannot be combined with --lr-warmup-iters/--lr-warmup-samples"
+        )
+    if args.use_checkpoint_lr_scheduler and args.override_lr_scheduler:
+        raise ArgumentError(
+            "--use-checkpoint-lr-scheduler and --override-lr-scheduler cannot both be set"
+        )
+
+
+def _recompute(args: argparse.Namespace) -> None:
+    if args.checkpoint_activations:
+        # Megatron's deprecated flag: full recomputation of every N layers.
+        if args.recompute_granularity not in (None, "full"):
+            raise ArgumentError(
+                "--checkpoint-activations means --recompute-granularity full, not "
+                f"{args.recompute_granularity}"
+            )
+        args.recompute_granularity = "full"
+        args.recompute_method = args.recompute_method or "uniform"
+        args.recompute_num_layers = args.recompute_num_layers or args.checkpoint_num_layers
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        args.recompute_method = "uniform"
+    args.recompute_num_layers = args.recompute_num_layers or 1
+    if args.sequence_parallel and (args.distribute_saved_activations or args.partition_activations):
+        raise ArgumentError(
+            "--distribute-saved-activations/--partition-activations cannot be combined with "
+            "--sequence-parallel"
+        )
+
+
+def _pipeline_and_checkpoints(args: argparse.Namespace) -> None:
+    pipelined = args.pipeline_model_parallel_size > 1
+    if pipelined and not args.deepspeed:
+        raise ArgumentError(
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} needs "
+            "--deepspeed (pipeline parallelism runs on DeepSpeed's PipelineModule)"
+        )
+    if pipelined and args.no_pipeline_parallel:
+        raise ArgumentError(
+            "--no-pipeline-parallel contradicts --pipeline-model-parallel-size "
+            f"{args.pipeline_model_parallel_size}"
+        )
+    if pipelined and args.reset_attention_mask:
+        raise ArgumentError(
+            "--reset-attention-mask is not supported with --pipeline-model-parallel-size > 1: "
+            "the pipeline stages pass only hidden states"
+        )
+    if args.save is not None and args.save_interval is None:
+        raise ArgumentError("--save needs --save-interval (how many iterations between saves)")
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval needs --save (the directory to write to)")
+    if args.deepspeed and args.deepspeed_config is None and args.deepspeed_config_dict is None:
+        raise ArgumentError("--deepspeed needs --deepspeed_config FILE")
+
+
+def _backend(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    elif args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        raise ArgumentError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPUs")
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Check every flag combination against the others and the world size; fill derived values."""
+    args.deepspeed_config_dict = getattr(args, "deepspeed_config_dict", None)
+    args.deepspeed = bool(getattr(args, "deepspeed", False))
+    args.deepspeed_config = getattr(args, "deepspeed_config", None)
+    _parallel_sizes(args, world_size)
+    _model_shape(args)
+    _batch_sizes(args)
+    _precision_and_optimizer(args)
+    _recompute(args)
+    _pipeline_and_checkpoints(args)
+    _backend(args)
+    args.params_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    return args
+
+
+def batch_arithmetic(args: argparse.Namespace) -> str:
+    """The start-up line: micro x accumulation x data-parallel = global batch, tokens/step."""
+    tokens = args.global_batch_size * args.seq_length
+    return (
+        f" > batch: micro-batch {args.micro_batch_size} x gradient accumulation "
+        f"{args.gradient_accumulation_steps} x data-parallel {args.data_parallel_size} = "
+        f"global batch {args.global_batch_size} samples ({tokens:,} tokens per iteration)"
+    )
+
+
+def format_arguments(args: argparse.Namespace) -> str:
+    """Megatron's sorted argument block (`------ arguments ------`, name ........ value)."""
+    lines = ["------------------------ arguments ------------------------"]
+    for name in sorted(vars(args), key=str.lower):
+        dots = "." * (48 - len(name))
+        lines.append(f"  {name} {dots} {getattr(args, name)}")
+    lines.append("-------------------- end of arguments ---------------------")
+    return "\n".join(lines)
