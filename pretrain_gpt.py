@@ -1,15 +1,102 @@
-"""Pretrain GPT-2 with DeepSpeed (Megatron's flags). Not available yet in this release.
+"""Pretrain GPT-2 with Megatron's flags, on DeepSpeed (`--deepspeed`) or plain torch.
 
-The data pipeline it will read from is ready: see tools/preprocess_data.py and
-megatron/data/. Training arrives with the model and training releases.
+    deepspeed --num_gpus 2 pretrain_gpt.py --deepspeed --deepspeed_config ds_config.json ...
+    torchrun --nproc_per_node 2 pretrain_gpt.py ...
+    python pretrain_gpt.py ...                      # one process
+
+See scripts/ and examples/ for complete command lines, and `python pretrain_gpt.py --help`.
 """
 
+from __future__ import annotations
+
+import argparse
 import sys
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+
+from megatron.config import DataConfig, ModelConfig
+from megatron.core import parallel_state
+from megatron.data.gpt_dataset import build_train_valid_test_datasets
+from megatron.model import GPTModel
+from megatron.model.model_size import model_size_report
+from megatron.train_loop import TrainingStopped
+from megatron.training import pretrain
+from megatron.utils import current_device, get_ltor_masks_and_position_ids, print_rank_0
+
+
+def model_provider(args: argparse.Namespace) -> torch.nn.Module:
+    """GPT-2 as a `GPTModelPipe` under DeepSpeed's pipeline engine, else a `GPTModel`."""
+    config = ModelConfig.from_args(args)
+    print_rank_0(model_size_report(config, args.seq_length))
+    if args.pipeline_parallel:
+        from megatron.model.pipeline import GPTModelPipe
+
+        model = GPTModelPipe(config)
+        # Megatron-DeepSpeed's hook: the engine turns raw batches into stage inputs with it.
+        model._megatron_batch_fn = partial(get_batch_pipe, args=args)
+        return model
+    return GPTModel(config)
+
+
+def datasets_provider(args: argparse.Namespace, num_samples: list[int]) -> tuple:
+    """Train/valid/test GPT datasets over `--data-path` (blended when weighted)."""
+    if not args.data_path:
+        raise SystemExit("error: --data-path is required (a prefix from tools/preprocess_data.py)")
+    return build_train_valid_test_datasets(DataConfig.from_args(args), num_samples)
+
+
+def _tokens_and_labels(data: dict, args: argparse.Namespace, device: torch.device) -> tuple:
+    text = data["text"].long().to(device, non_blocking=True)
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+        tokens,
+        args.eod_token_id,
+        args.reset_position_ids,
+        args.reset_attention_mask,
+        args.eod_mask_loss,
+    )
+    return tokens, labels, loss_mask, attention_mask, position_ids
+
+
+def get_batch(data_iterator: Iterator, args: argparse.Namespace) -> tuple:
+    """Next micro-batch: tokens, labels, loss mask, attention mask, position ids."""
+    return _tokens_and_labels(next(data_iterator), args, current_device())
+
+
+def get_batch_pipe(data: dict, args: argparse.Namespace) -> tuple:
+    """A raw batch as the pipeline stages take it: ((tokens, position_ids), (labels, mask))."""
+    tokens, labels, loss_mask, _, position_ids = _tokens_and_labels(data, args, torch.device("cpu"))
+    return (tokens, position_ids), (labels, loss_mask)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple:
+    """Mean per-token loss over the unmasked tokens, and the value to report."""
+    losses = output_tensor.float().reshape(-1)
+    loss_mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * loss_mask) / loss_mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator: Iterator, model: torch.nn.Module, args: argparse.Namespace):  # noqa: ANN201
+    """Megatron's GPT forward step: per-token losses, then `loss_func` reduces them."""
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, args)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `pretrain` with GPT's providers; a stopped run exits 1 with the reason."""
+    try:
+        pretrain(datasets_provider, model_provider, forward_step, argv=argv)
+    except TrainingStopped as stopped:
+        print(f"error: {stopped}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        parallel_state.destroy_model_parallel()
+    return 0
+
 
 if __name__ == "__main__":
-    print(
-        "pretrain_gpt.py is not ready yet: this release ships the data pipeline "
-        "(tools/preprocess_data.py, megatron.data); training comes next.",
-        file=sys.stderr,
-    )
-    sys.exit(2)
+    sys.exit(main())

@@ -2,8 +2,9 @@
 
 It also derives what Megatron derives (data-parallel size, default global batch, the
 recompute flags behind `--checkpoint-activations`, the distributed backend) so the rest of
-the program reads each fact from one place. `format_arguments` prints Megatron's sorted
-argument block.
+the program reads each fact from one place. With `--deepspeed` it reconciles the DeepSpeed
+config with the flags (`megatron.ds_config`) and keeps the result in
+`args.deepspeed_config_dict`. `format_arguments` prints Megatron's sorted argument block.
 """
 
 from __future__ import annotations
@@ -138,12 +139,30 @@ def _pipeline_and_checkpoints(args: argparse.Namespace) -> None:
             "--reset-attention-mask is not supported with --pipeline-model-parallel-size > 1: "
             "the pipeline stages pass only hidden states"
         )
+    # Megatron-DeepSpeed runs DeepSpeed's pipeline engine whenever --deepspeed is on, unless
+    # --no-pipeline-parallel; that engine supports ZeRO stages 0 and 1 only.
+    zero_stage = getattr(args, "zero_stage", None) or 0
+    if pipelined and zero_stage > 1:
+        raise ArgumentError(
+            f"--zero-stage {zero_stage} cannot be combined with --pipeline-model-parallel-size "
+            f"{args.pipeline_model_parallel_size}: DeepSpeed's pipeline engine supports ZeRO "
+            "stages 0 and 1"
+        )
+    args.pipeline_parallel = bool(
+        args.deepspeed and not args.no_pipeline_parallel and (pipelined or zero_stage < 2)
+    )
+    args.max_consecutive_skipped_iterations = getattr(
+        args, "max_consecutive_skipped_iterations", 100
+    )
+    if args.max_consecutive_skipped_iterations < 1:
+        raise ArgumentError(
+            "--max-consecutive-skipped-iterations must be at least 1, got "
+            f"{args.max_consecutive_skipped_iterations}"
+        )
     if args.save is not None and args.save_interval is None:
         raise ArgumentError("--save needs --save-interval (how many iterations between saves)")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save (the directory to write to)")
-    if args.deepspeed and args.deepspeed_config is None and args.deepspeed_config_dict is None:
-        raise ArgumentError("--deepspeed needs --deepspeed_config FILE")
 
 
 def _backend(args: argparse.Namespace) -> None:
@@ -155,13 +174,41 @@ def _backend(args: argparse.Namespace) -> None:
         raise ArgumentError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPUs")
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Check every flag combination against the others and the world size; fill derived values."""
+def _deepspeed_config(args: argparse.Namespace, explicit_flags: set[str] | None) -> None:
+    # Deferred: megatron.ds_config imports ArgumentError from this module.
+    from megatron.ds_config import load_deepspeed_config, reconcile_deepspeed_config
+
+    if explicit_flags is None:
+        # A namespace built in code has no command line: whatever it sets counts as given.
+        explicit_flags = {
+            name for name, value in vars(args).items() if value is not None and value is not False
+        }
+    if args.deepspeed_config_dict is not None:  # programmatic use: a dict instead of a file
+        config, source = args.deepspeed_config_dict, "args.deepspeed_config_dict"
+    elif args.deepspeed_config is None:
+        raise ArgumentError("--deepspeed needs --deepspeed_config FILE")
+    else:
+        config = load_deepspeed_config(args.deepspeed_config)
+        source = f"--deepspeed_config {args.deepspeed_config}"
+    args.deepspeed_config_dict = reconcile_deepspeed_config(args, config, explicit_flags, source)
+
+
+def validate_args(
+    args: argparse.Namespace, world_size: int, explicit_flags: set[str] | None = None
+) -> argparse.Namespace:
+    """Check every flag combination against the others and the world size; fill derived values.
+
+    `explicit_flags` (dest names of the flags typed on the command line) decides which flags may
+    contradict the DeepSpeed config; None counts every flag not left at None or False as typed.
+    """
     args.deepspeed_config_dict = getattr(args, "deepspeed_config_dict", None)
     args.deepspeed = bool(getattr(args, "deepspeed", False))
     args.deepspeed_config = getattr(args, "deepspeed_config", None)
     _parallel_sizes(args, world_size)
     _model_shape(args)
+    if args.deepspeed:
+        # Before the batch arithmetic: the config may give the micro or global batch size.
+        _deepspeed_config(args, explicit_flags)
     _batch_sizes(args)
     _precision_and_optimizer(args)
     _recompute(args)

@@ -2,19 +2,21 @@
 
 `parse_args()` builds the parser from flag groups with Megatron-LM / Megatron-DeepSpeed names
 and defaults, adds `deepspeed.add_config_arguments` (`--deepspeed`, `--deepspeed_config`),
-and returns the namespace after `validate_args`. Library code never reads this namespace:
+and returns the namespace after `validate_args`, which also reconciles the DeepSpeed config
+with the flags the user typed (`megatron.ds_config`). Library code never reads this namespace:
 it is turned into typed configs (`megatron.config`) at the edge.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 from collections.abc import Callable, Sequence
 
 from megatron.args_validation import ArgumentError, validate_args
 
-__all__ = ["ArgumentError", "build_parser", "parse_args", "validate_args"]
+__all__ = ["ArgumentError", "build_parser", "parse_args", "typed_flags", "validate_args"]
 
 
 def _model_size(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +72,13 @@ def _training(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--exit-interval", type=int, default=None)
     group.add_argument("--exit-duration-in-mins", type=int, default=None)
     group.add_argument("--exit-signal-handler", action="store_true")
+    group.add_argument(
+        "--max-consecutive-skipped-iterations",
+        type=int,
+        default=100,
+        help="Stop the run after this many iterations in a row were skipped (fp16 overflow, "
+        "non-finite gradients) or had a NaN loss.",
+    )
     group.add_argument("--checkpoint-activations", action="store_true")
     group.add_argument("--checkpoint-num-layers", type=int, default=1)
     group.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
@@ -220,17 +229,33 @@ def build_parser(
     return deepspeed.add_config_arguments(parser)
 
 
+def typed_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
+    """Dest names of the flags present in `argv` (so a default never contradicts the config)."""
+    # Re-parse with every default suppressed: only the flags the user typed reach the namespace.
+    bare = copy.deepcopy(parser)
+    for action in bare._actions:
+        action.default = argparse.SUPPRESS
+    bare._defaults.clear()  # set_defaults() values too: they are not typed either
+    return set(vars(bare.parse_args(argv)))
+
+
 def parse_args(
     argv: Sequence[str] | None = None,
     extra_args_provider: Callable[[argparse.ArgumentParser], object] | None = None,
     world_size: int | None = None,
+    defaults: dict | None = None,
 ) -> argparse.Namespace:
-    """Parse and validate; bad combinations exit with `error: ...` naming the flags."""
+    """Parse and validate; bad combinations exit with `error: ...` naming the flags.
+
+    `defaults` (Megatron's `args_defaults`) replace flag defaults; they do not count as typed.
+    """
     parser = build_parser(extra_args_provider)
+    if defaults:
+        parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        return validate_args(args, world_size)
+        return validate_args(args, world_size, typed_flags(parser, argv))
     except ArgumentError as error:
         parser.exit(2, f"error: {error}\n")

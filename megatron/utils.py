@@ -1,7 +1,8 @@
-"""Small helpers shared across the package: rank-aware printing."""
+"""Small helpers shared across the package: rank-aware printing, GPT masks."""
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 
@@ -14,3 +15,61 @@ def print_rank_0(message: str) -> None:
     """Print on global rank 0 only (Megatron's `print_rank_0`), flushed at once."""
     if is_rank_0():
         print(message, flush=True)
+
+
+def is_last_rank() -> bool:
+    """True on the last global rank (it holds the loss under pipeline parallelism)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return True
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def print_rank_last(message: str) -> None:
+    """Print on the last global rank only (Megatron's `print_rank_last`), flushed at once."""
+    if is_last_rank():
+        print(message, flush=True)
+
+
+def get_ltor_masks_and_position_ids(
+    tokens: torch.Tensor,
+    eod_token: int,
+    reset_position_ids: bool,
+    reset_attention_mask: bool,
+    eod_mask_loss: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Megatron's left-to-right masks for a [b, s] batch of token ids.
+
+    Returns `(attention_mask, loss_mask, position_ids)`. `attention_mask` is None for plain
+    causal attention (the kernels apply causality themselves), else bool [b, 1, s, s] with
+    True = masked, blocking attention across the documents packed into a sample.
+    `loss_mask` zeroes the end-of-document tokens with `eod_mask_loss`; `position_ids`
+    restart after every end-of-document token with `reset_position_ids`.
+    """
+    batch, seq = tokens.shape
+    loss_mask = torch.ones((batch, seq), dtype=torch.float, device=tokens.device)
+    if eod_mask_loss:
+        loss_mask[tokens == eod_token] = 0.0
+    position_ids = torch.arange(seq, dtype=torch.long, device=tokens.device)
+    position_ids = position_ids.unsqueeze(0).expand(batch, seq).clone()
+    if not (reset_position_ids or reset_attention_mask):
+        return None, loss_mask, position_ids
+    causal = torch.ones((seq, seq), dtype=torch.bool, device=tokens.device).tril()
+    allowed = causal.unsqueeze(0).repeat(batch, 1, 1)  # [b, s, s]
+    for row in range(batch):
+        eod_positions = (tokens[row] == eod_token).nonzero().flatten().tolist()
+        previous = 0
+        for position in eod_positions:
+            if reset_attention_mask:
+                allowed[row, position + 1 :, : position + 1] = False
+            if reset_position_ids:
+                position_ids[row, position + 1 :] -= position + 1 - previous
+                previous = position + 1
+    attention_mask = None if not reset_attention_mask else ~allowed.unsqueeze(1)
+    return attention_mask, loss_mask, position_ids
+
+
+def current_device() -> torch.device:
+    """This process's GPU when CUDA is available (set by the launcher's local rank), else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

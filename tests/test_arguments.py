@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron.args_validation import batch_arithmetic, format_arguments
-from megatron.arguments import ArgumentError, build_parser, parse_args, validate_args
+from megatron.arguments import ArgumentError, build_parser, parse_args, typed_flags, validate_args
 from megatron.config import ModelConfig
 
 BASE = (
@@ -123,3 +123,24 @@ def test_argument_block_is_sorted_megatron_style():
     names = [line.split()[0] for line in block[1:-1]]
     assert names == sorted(names, key=str.lower)
     assert "  num_layers " + "." * 38 + " 2" in block
+
+
+def test_typed_flags_are_only_those_on_the_command_line():
+    """Defaults (argparse's, set_defaults', the env-based --local-rank) are not typed."""
+    parser = build_parser()
+    parser.set_defaults(tokenizer_type="GPT2BPETokenizer", seed=7)
+    argv = BASE + ["--fp16", "--no-bias-gelu-fusion", "--local_rank", "0", "--seed", "7"]
+    assert typed_flags(parser, argv) == {
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "micro_batch_size",
+        "train_iters",
+        "lr",
+        "fp16",
+        "bias_gelu_fusion",
+        "local_rank",
+        "seed",
+    }
+    assert parser.parse_args(BASE).clip_grad == 1.0  # the parser itself keeps its defaults

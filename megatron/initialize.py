@@ -1,0 +1,111 @@
+"""Start-up: parse the flags, join the process group, build the parallel groups, seed.
+
+`initialize_megatron` is the one place that turns the launcher's environment (`deepspeed`,
+`torchrun`, `python -m torch.distributed.launch`, or a bare `python`) into an initialized
+`torch.distributed` world with Megatron's tensor/pipeline/data-parallel groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.args_validation import batch_arithmetic, format_arguments
+from megatron.arguments import parse_args
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import random as tp_random
+from megatron.utils import print_rank_0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _single_process_environment() -> None:
+    """A bare `python pretrain_gpt.py` is a world of one: give it the launcher's variables."""
+    if "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
+
+def initialize_distributed(backend: str, local_rank: int, use_deepspeed: bool) -> None:
+    """Join the default process group over `backend` (nccl on GPUs, gloo on CPUs)."""
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        # One GPU per process, picked by the launcher's local rank.
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    _single_process_environment()
+    if use_deepspeed:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=30))
+    else:
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed python, numpy and torch; each pipeline stage gets `seed + 100 * stage`, as Megatron.
+
+    The tensor-parallel stream is then seeded per TP rank (`model_parallel_cuda_manual_seed`).
+    """
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tp_random.model_parallel_cuda_manual_seed(seed)
+
+
+def initialize_megatron(
+    extra_args_provider: Callable[[argparse.ArgumentParser], object] | None = None,
+    args_defaults: dict | None = None,
+    argv: Sequence[str] | None = None,
+) -> argparse.Namespace:
+    """Parse and validate the flags, initialize torch.distributed, groups and seeds.
+
+    `args_defaults` fills flags the user did not give (Megatron's `args_defaults`, e.g.
+    `{"tokenizer_type": "GPT2BPETokenizer"}`). Returns the validated namespace.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+    args = parse_args(argv, extra_args_provider, world_size, defaults=args_defaults)
+    initialize_distributed(args.distributed_backend, args.local_rank, args.deepspeed)
+    if dist.get_world_size() != args.world_size:
+        raise RuntimeError(
+            f"the launcher started {dist.get_world_size()} processes but WORLD_SIZE said "
+            f"{args.world_size}"
+        )
+    args.rank = dist.get_rank()
+    parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    )
+    if args.deepspeed_activation_checkpointing:
+        tp_random.use_deepspeed_checkpointing(
+            parallel_state.mpu,
+            num_checkpoints=args.num_layers,
+            partition_activations=args.partition_activations,
+            contiguous_checkpointing=args.contigious_checkpointing,
+            checkpoint_in_cpu=args.checkpoint_in_cpu,
+            synchronize=args.synchronize_each_layer,
+            profile=args.profile_backward,
+        )
+    set_random_seed(args.seed)
+    print_rank_0(format_arguments(args))
+    print_rank_0(
+        f"> initialized {args.world_size} process(es) over {args.distributed_backend}: "
+        f"tensor-parallel {args.tensor_model_parallel_size} x pipeline-parallel "
+        f"{args.pipeline_model_parallel_size} x data-parallel {args.data_parallel_size}"
+    )
+    print_rank_0(batch_arithmetic(args))
+    return args

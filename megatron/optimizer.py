@@ -1,0 +1,331 @@
+"""The optimizer side of training: param groups, AdamW, fp16 loss scaling, gradient clipping.
+
+`get_param_groups` splits parameters the way Megatron does (no weight decay on biases and
+norms), `build_optimizer` makes the bare AdamW that DeepSpeed wraps (or the plain-torch path
+steps), the loss scalers are Megatron's `DynamicGradScaler` / `ConstantGradScaler`, and
+`clip_grad_norm` / `grads_are_finite` are the model-parallel-aware checks that
+`GuardedAdamW` runs before each step where DeepSpeed does not run its own.
+"""
+
+from __future__ import annotations
+
+import math
+from argparse import Namespace
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+OPTIMIZERS = ("adam", "adamw")
+
+
+def get_param_groups(modules: torch.nn.Module | list[torch.nn.Module]) -> list[dict]:
+    """Megatron's split: 1-D params and biases get no weight decay; each tensor appears once."""
+    if isinstance(modules, torch.nn.Module):
+        modules = [modules]
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    seen: set[int] = set()
+    for module in modules:
+        for name, param in module.named_parameters():
+            # Tied weights (embedding and output layer) must be stepped once, not twice.
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if param.ndim == 1 or name == "bias" or name.endswith(".bias"):
+                no_decay.append(param)
+            else:
+                decay.append(param)
+    groups = [
+        # No weight_decay key: the optimizer's default (--weight-decay) applies.
+        {"params": decay, "wd_mult": 1.0, "name": "weight_decay"},
+        # wd_mult 0.0 keeps the scheduler from writing a nonzero decay into this group.
+        {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0, "name": "no_weight_decay"},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+def build_optimizer(
+    param_groups: list[dict],
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    kind: str = "adam",
+) -> torch.optim.Optimizer:
+    """AdamW over `param_groups`: Megatron's `--optimizer adam` is Adam with decoupled decay."""
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"--optimizer {kind!r} is not supported; choose one of {OPTIMIZERS}")
+    return torch.optim.AdamW(
+        param_groups,
+        lr=lr,
+        weight_decay=weight_decay,
+        betas=betas,
+        eps=eps,
+        **_adamw_kernel(param_groups),
+    )
+
+
+def _adamw_kernel(params: list) -> dict:
+    """{'fused': True} when every tensor is on the GPU, else {'foreach': True}."""
+    tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    # The fused kernel wants every tensor on the GPU; foreach batches the per-tensor math.
+    if tensors and all(tensor.is_cuda for tensor in tensors):
+        return {"fused": True}
+    return {"foreach": True}
+
+
+def optimizer_from_args(
+    model: torch.nn.Module | list[torch.nn.Module], args: Namespace
+) -> torch.optim.Optimizer:
+    """The optimizer of `--optimizer`, `--lr`, `--weight-decay`, `--adam-*` over `model`."""
+    return build_optimizer(
+        get_param_groups(model),
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps,
+        kind=args.optimizer,
+    )
+
+
+class ConstantLossScaler:
+    """Megatron's ConstantGradScaler: the static scale of `--loss-scale`."""
+
+    def __init__(self, scale: float) -> None:
+        if scale <= 0.0:
+            raise ValueError(f"--loss-scale must be positive, got {scale}")
+        self.scale = float(scale)
+
+    @property
+    def inv_scale(self) -> float:
+        """1 / scale, to unscale gradients."""
+        return 1.0 / self.scale
+
+    def update(self, found_inf: bool) -> None:
+        """Nothing to do: a static scale never changes."""
+
+    def state_dict(self) -> dict:
+        """Empty: the scale comes from the command line."""
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Nothing to restore."""
+
+
+class DynamicLossScaler:
+    """Megatron's DynamicGradScaler (fp16 loss scaling for the plain-torch path)."""
+
+    def __init__(
+        self,
+        initial_scale: float,
+        min_scale: float,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+    ) -> None:
+        if initial_scale <= 0.0:
+            raise ValueError(f"--initial-loss-scale must be positive, got {initial_scale}")
+        if not 0.0 < min_scale <= initial_scale:
+            raise ValueError(
+                f"--min-loss-scale ({min_scale}) must be positive and at most "
+                f"--initial-loss-scale ({initial_scale})"
+            )
+        if growth_factor <= 1.0:
+            raise ValueError(f"loss scale growth factor must be > 1, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"loss scale backoff factor must be in (0, 1), got {backoff_factor}")
+        if growth_interval <= 0:
+            raise ValueError(f"--loss-scale-window must be positive, got {growth_interval}")
+        if hysteresis <= 0:
+            raise ValueError(f"--hysteresis must be positive, got {hysteresis}")
+        self.scale = float(initial_scale)
+        self.min_scale = float(min_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.hysteresis = int(hysteresis)
+        self._growth_tracker = 0
+        self._hysteresis_tracker = self.hysteresis
+
+    @property
+    def inv_scale(self) -> float:
+        """1 / scale, to unscale gradients."""
+        return 1.0 / self.scale
+
+    def update(self, found_inf: bool) -> None:
+        """Back off after `hysteresis` overflows; grow after `growth_interval` clean steps."""
+        if found_inf:
+            self._growth_tracker = 0
+            self._hysteresis_tracker -= 1
+            # Once out of hysteresis, every further overflow backs off again.
+            if self._hysteresis_tracker <= 0:
+                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            return
+        self._growth_tracker += 1
+        if self._growth_tracker == self.growth_interval:
+            self._growth_tracker = 0
+            self._hysteresis_tracker = self.hysteresis
+            self.scale = self.scale * self.growth_factor
+
+    def state_dict(self) -> dict:
+        """Scale and trackers under Megatron's keys."""
+        return {
+            "scale": self.scale,
+            "growth_tracker": self._growth_tracker,
+            "hysteresis_tracker": self._hysteresis_tracker,
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore; Megatron's checkpoints hold the scale as a 1-element tensor."""
+        scale = sd["scale"]
+        self.scale = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
+        self._growth_tracker = int(sd["growth_tracker"])
+        self._hysteresis_tracker = int(sd["hysteresis_tracker"])
+
+
+def loss_scaler_from_args(args: Namespace) -> DynamicLossScaler | ConstantLossScaler | None:
+    """The fp16 loss scaler of the flags: static with --loss-scale, else dynamic; None off fp16."""
+    if not args.fp16:
+        return None
+    if args.loss_scale:
+        return ConstantLossScaler(args.loss_scale)
+    return DynamicLossScaler(
+        initial_scale=args.initial_loss_scale,
+        min_scale=args.min_loss_scale,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=int(args.loss_scale_window),
+        hysteresis=args.hysteresis,
+    )
+
+
+def _reduction_device(grads: list[torch.Tensor]) -> torch.device:
+    """Where a reduced scalar lives: with the grads, or on the GPU when NCCL needs it there."""
+    if grads:
+        return grads[0].device
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: object) -> None:
+    """All-reduce in place over `group`; a no-op without torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def clip_grad_norm(
+    parameters: Iterable[torch.nn.Parameter] | torch.Tensor,
+    max_norm: float,
+    model_parallel_group: object = None,
+) -> float:
+    """Megatron's clip_grad_norm_fp32: the global L2 grad norm; clip to `max_norm` if finite."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [param for param in parameters if param.grad is not None]
+    grads = [param.grad.detach() for param in params]
+    # A replicated param (norm, row-parallel bias) has the same grad on every tensor-parallel
+    # rank: count it on rank 0 only. `shared` marks a second copy of a tied weight.
+    tp_rank_0 = parallel_state.get_tensor_model_parallel_rank() == 0
+    grads_for_norm = [
+        param.grad.detach()
+        for param in params
+        if not getattr(param, "shared", False)
+        and (getattr(param, "tensor_model_parallel", False) or tp_rank_0)
+    ]
+    device = _reduction_device(grads)
+    if grads_for_norm:
+        norms = [
+            torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads_for_norm
+        ]
+        sum_of_squares = torch.stack(norms).square().sum()
+    else:
+        sum_of_squares = torch.zeros((), dtype=torch.float32, device=device)
+    if model_parallel_group is not None:
+        _all_reduce(sum_of_squares, dist.ReduceOp.SUM, model_parallel_group)
+    total_norm = sum_of_squares.sqrt().item()
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    # inf/nan norms are reported, never used to scale: the step will be skipped anyway.
+    if max_norm > 0 and clip_coeff < 1.0 and math.isfinite(total_norm):
+        for grad in grads:
+            grad.mul_(clip_coeff)
+    return total_norm
+
+
+def grads_are_finite(parameters: Iterable[torch.nn.Parameter], group: object = None) -> bool:
+    """True if no grad holds inf or nan, on any rank of `group` (default: the world)."""
+    grads = [param.grad.detach() for param in parameters if param.grad is not None]
+    device = _reduction_device(grads)
+    if grads:
+        found_inf = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float()
+        found_inf = found_inf.to(device)
+    else:
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    _all_reduce(found_inf, dist.ReduceOp.MAX, group)
+    return found_inf.item() == 0.0
+
+
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW that guards its own step: skips it on non-finite grads, else clips first.
+
+    For the paths where nothing else guards the step (plain torch, DeepSpeed fp32 ZeRO-0).
+    `overflow` and `grad_norm` describe the last step; DeepSpeed's engine reads `overflow`
+    to skip its scheduler step and `_global_grad_norm` for `get_global_grad_norm()`. ZeRO
+    stages 1-3 accept only the exact AdamW type (else `zero_allow_untested_optimizer`):
+    use `build_optimizer` there, as DeepSpeed guards those steps itself.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        clip_grad: float = 0.0,
+        guard: bool = True,
+        model_parallel_group: object = None,
+    ) -> None:
+        params = list(params)
+        super().__init__(
+            params,
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            eps=eps,
+            **_adamw_kernel(params),
+        )
+        self.clip_grad = clip_grad
+        self.guard = guard
+        self.model_parallel_group = model_parallel_group
+        self.overflow = False
+        self.grad_norm: float | None = None
+
+    @property
+    def _global_grad_norm(self) -> float | None:
+        """The norm under the name DeepSpeed's engine copies after each step."""
+        return self.grad_norm
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None) -> object:
+        """Skip the update on inf/nan grads (any model-parallel rank), else clip and step."""
+        loss = None
+        if closure is not None:
+            # Evaluated first so the guard sees the gradients it produced.
+            with torch.enable_grad():
+                loss = closure()
+        if not self.guard:
+            super().step()
+            return loss
+        params = [param for group in self.param_groups for param in group["params"]]
+        self.overflow = not grads_are_finite(params, group=self.model_parallel_group)
+        if self.overflow:
+            self.grad_norm = None
+            return loss
+        self.grad_norm = clip_grad_norm(params, self.clip_grad, self.model_parallel_group)
+        super().step()
+        return loss

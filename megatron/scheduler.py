@@ -1,0 +1,285 @@
+"""Megatron's learning-rate and weight-decay schedule, counted in samples.
+
+`OptimizerParamScheduler` follows Megatron-LM's class of the same name: linear warmup from
+`init_lr` to `max_lr`, then a constant, linear, cosine or inverse-square-root decay to
+`min_lr`, and a weight decay that grows from `start_wd` to `end_wd`. Steps are samples, so a
+training step advances the schedule by the global batch size. Its state dict uses Megatron's
+keys, so checkpoints move between the two code bases; and it answers what DeepSpeed's engine
+asks of a client scheduler (`step()`, `step(increment=n)`, `state_dict`, `load_state_dict`).
+
+`scheduler_from_args` is Megatron's `get_optimizer_param_scheduler`: it turns the
+`--lr-*` / `--train-*` flags into sample counts.
+"""
+
+from __future__ import annotations
+
+import math
+from argparse import Namespace
+
+import torch
+
+from megatron.utils import print_rank_0
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+_DECAY_FLAGS = "--lr-decay-iters/--lr-decay-samples"
+_WARMUP_FLAGS = "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction"
+_WD_FLAGS = "--start-weight-decay/--end-weight-decay"
+
+
+class OptimizerParamScheduler:
+    """Anneals the learning rate and weight decay of every param group, step = one sample."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        init_lr: float,
+        max_lr: float,
+        min_lr: float,
+        lr_warmup_steps: float,
+        lr_decay_steps: int,
+        lr_decay_style: str,
+        start_wd: float,
+        end_wd: float,
+        wd_incr_steps: int,
+        wd_incr_style: str,
+        use_checkpoint_opt_param_scheduler: bool = True,
+        override_opt_param_scheduler: bool = False,
+        default_increment: int = 1,
+    ) -> None:
+        self.optimizer = optimizer
+        self.init_lr = float(init_lr)
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        # Kept as given: --lr-warmup-fraction makes it a float, as in Megatron's checkpoints.
+        self.lr_warmup_steps = lr_warmup_steps
+        self.lr_decay_steps = lr_decay_steps
+        self.lr_decay_style = lr_decay_style
+        self.start_wd = float(start_wd)
+        self.end_wd = float(end_wd)
+        self.wd_incr_steps = wd_incr_steps
+        self.wd_incr_style = wd_incr_style
+        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        self.override_opt_param_scheduler = override_opt_param_scheduler
+        self.default_increment = default_increment
+        self.num_steps = 0
+        self.last_lr: list[float] = []
+        if override_opt_param_scheduler and use_checkpoint_opt_param_scheduler:
+            raise ValueError(
+                "--override-lr-scheduler and --use-checkpoint-lr-scheduler cannot both be set"
+            )
+        self._validate()
+        # Megatron sets the initial lr at construction, before any optimizer step.
+        self.step(0)
+        print_rank_0(f"> learning rate decay style: {self.lr_decay_style}")
+
+    def _validate(self) -> None:
+        if self.min_lr < 0.0:
+            raise ValueError(f"--min-lr ({self.min_lr}) must not be negative")
+        if self.max_lr < self.min_lr:
+            raise ValueError(f"--min-lr ({self.min_lr}) is larger than --lr ({self.max_lr})")
+        if self.init_lr > self.max_lr:
+            raise ValueError(
+                f"--lr-warmup-init ({self.init_lr}) is larger than --lr ({self.max_lr})"
+            )
+        if self.lr_decay_steps <= 0:
+            raise ValueError(
+                f"{_DECAY_FLAGS}: the decay must cover more than 0 samples, "
+                f"got {self.lr_decay_steps}"
+            )
+        if not 0 <= self.lr_warmup_steps < self.lr_decay_steps:
+            raise ValueError(
+                f"{_WARMUP_FLAGS}: the warmup ({self.lr_warmup_steps} samples) must be at least 0 "
+                f"and shorter than the decay ({_DECAY_FLAGS}: {self.lr_decay_steps} samples)"
+            )
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(
+                f"--lr-decay-style {self.lr_decay_style!r} is not one of {LR_DECAY_STYLES}"
+            )
+        if not 0.0 <= self.start_wd <= self.end_wd:
+            raise ValueError(
+                f"{_WD_FLAGS}: need 0 <= start ({self.start_wd}) <= end ({self.end_wd})"
+            )
+        if self.wd_incr_style not in WD_INCR_STYLES:
+            raise ValueError(
+                f"--weight-decay-incr-style {self.wd_incr_style!r} is not one of {WD_INCR_STYLES}"
+            )
+        if self.wd_incr_style == "constant" and self.start_wd != self.end_wd:
+            raise ValueError(
+                f"{_WD_FLAGS}: a constant --weight-decay-incr-style needs start ({self.start_wd}) "
+                f"== end ({self.end_wd})"
+            )
+        if self.wd_incr_style != "constant" and self.wd_incr_steps <= 0:
+            raise ValueError(
+                f"--train-iters/--train-samples: weight decay increment needs more than 0 "
+                f"samples, got {self.wd_incr_steps}"
+            )
+
+    def get_wd(self) -> float:
+        """The weight decay at the current sample count."""
+        if self.num_steps > self.wd_incr_steps or self.wd_incr_style == "constant":
+            return self.end_wd
+        incr_ratio = float(self.num_steps) / float(self.wd_incr_steps)
+        if self.wd_incr_style == "linear":
+            coeff = incr_ratio
+        else:  # cosine
+            coeff = 0.5 * (math.cos(math.pi * (1 - incr_ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
+    def get_lr(self) -> float:
+        """The learning rate at the current sample count (before any group's `lr_mult`)."""
+        if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
+            warmup_ratio = float(self.num_steps) / float(self.lr_warmup_steps)
+            return self.init_lr + (self.max_lr - self.init_lr) * warmup_ratio
+        # Megatron tests "constant" before the decay end: the lr stays at max_lr forever.
+        if self.lr_decay_style == "constant":
+            return self.max_lr
+        if self.num_steps > self.lr_decay_steps:
+            return self.min_lr
+        if self.lr_decay_style == "inverse-square-root":
+            warmup_steps = max(self.lr_warmup_steps, 1)
+            num_steps = max(self.num_steps, 1)
+            return max(self.min_lr, self.max_lr * warmup_steps**0.5 / num_steps**0.5)
+        decay_ratio = float(self.num_steps - self.lr_warmup_steps) / float(
+            self.lr_decay_steps - self.lr_warmup_steps
+        )
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - decay_ratio
+        else:  # cosine
+            coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def step(self, increment: int | None = None) -> None:
+        """Advance by `increment` samples (default: one global batch); set every group's lr/wd."""
+        self.num_steps += self.default_increment if increment is None else increment
+        new_lr = self.get_lr()
+        new_wd = self.get_wd()
+        for group in self.optimizer.param_groups:
+            group["lr"] = new_lr * group.get("lr_mult", 1.0)
+            # The no-decay group (biases, norms) carries wd_mult 0.0, so it stays at 0.
+            group["weight_decay"] = new_wd * group.get("wd_mult", 1.0)
+        self.last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_last_lr(self) -> list[float]:
+        """The lr of each param group as set by the last `step` (torch schedulers' API)."""
+        return list(self.last_lr)
+
+    def state_dict(self) -> dict:
+        """The schedule's state under Megatron's key names."""
+        return {
+            "max_lr": self.max_lr,
+            "lr_warmup_steps": self.lr_warmup_steps,
+            "num_steps": self.num_steps,
+            "lr_decay_style": self.lr_decay_style,
+            "lr_decay_steps": self.lr_decay_steps,
+            "min_lr": self.min_lr,
+            "start_wd": self.start_wd,
+            "end_wd": self.end_wd,
+            "wd_incr_style": self.wd_incr_style,
+            "wd_incr_steps": self.wd_incr_steps,
+        }
+
+    def _check_and_set(self, cls_value: object, sd_value: object, name: str) -> object:
+        """Megatron's rule: ours if overriding, else the checkpoint's (which must match ours
+        unless --use-checkpoint-lr-scheduler)."""
+        if self.override_opt_param_scheduler:
+            print_rank_0(f" > overriding {name} value to {cls_value}")
+            return cls_value
+        if not self.use_checkpoint_opt_param_scheduler and cls_value != sd_value:
+            raise ValueError(
+                f"OptimizerParamScheduler: class input value {cls_value} and checkpoint value "
+                f"{sd_value} for {name} do not match; pass --use-checkpoint-lr-scheduler to take "
+                f"the checkpoint's or --override-lr-scheduler to keep the command line's"
+            )
+        print_rank_0(f" > using checkpoint value {sd_value} for {name}")
+        return sd_value
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore from a checkpoint, also reading the key names of older Megatron releases."""
+        sd = state_dict
+        self.max_lr = self._check_and_set(
+            self.max_lr, _first(sd, "start_lr", "max_lr"), "learning rate"
+        )
+        self.min_lr = self._check_and_set(self.min_lr, sd["min_lr"], "minimum learning rate")
+        self.lr_warmup_steps = self._check_and_set(
+            self.lr_warmup_steps,
+            _first(sd, "warmup_iter", "warmup_steps", "lr_warmup_steps"),
+            "warmup iterations",
+        )
+        self.lr_decay_steps = self._check_and_set(
+            self.lr_decay_steps,
+            _first(sd, "end_iter", "decay_steps", "lr_decay_steps"),
+            "total number of iterations",
+        )
+        self.lr_decay_style = self._check_and_set(
+            self.lr_decay_style,
+            _first(sd, "decay_style", "lr_decay_style"),
+            "learning rate decay style",
+        )
+        if "start_wd" in sd:
+            self.start_wd = self._check_and_set(self.start_wd, sd["start_wd"], "start weight decay")
+            self.end_wd = self._check_and_set(self.end_wd, sd["end_wd"], "end weight decay")
+            self.wd_incr_steps = self._check_and_set(
+                self.wd_incr_steps,
+                sd["wd_incr_steps"],
+                "total number of weight decay iterations",
+            )
+            self.wd_incr_style = self._check_and_set(
+                self.wd_incr_style, sd["wd_incr_style"], "weight decay incr style"
+            )
+        self._validate()
+        # The checkpoint's count replaces ours (Megatron adds it, equal on a fresh scheduler);
+        # groups are updated once every value, weight decay included, is in place.
+        self.num_steps = _first(sd, "num_iters", "num_steps")
+        self.step(0)
+
+
+def _first(state_dict: dict, *keys: str) -> object:
+    """The value of the first of `keys` present in `state_dict`."""
+    for key in keys:
+        if key in state_dict:
+            return state_dict[key]
+    raise KeyError(f"scheduler state dict has none of the keys {keys}")
+
+
+def _arg_or(args: Namespace, name: str, default: object) -> object:
+    """`args.name`, or `default` when the flag is absent or unset."""
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def scheduler_from_args(
+    optimizer: torch.optim.Optimizer, args: Namespace
+) -> OptimizerParamScheduler:
+    """Megatron's `get_optimizer_param_scheduler`: the schedule in samples from the flags."""
+    if args.train_samples:
+        # Sample-based: checked first because validate_args also fills train_iters from it.
+        lr_decay_steps = _arg_or(args, "lr_decay_samples", args.train_samples)
+        wd_incr_steps = args.train_samples
+        lr_warmup_steps = args.lr_warmup_samples
+    elif args.train_iters:
+        lr_decay_iters = _arg_or(args, "lr_decay_iters", args.train_iters)
+        lr_decay_steps = lr_decay_iters * args.global_batch_size
+        wd_incr_steps = args.train_iters * args.global_batch_size
+        lr_warmup_steps = args.lr_warmup_iters * args.global_batch_size
+    else:
+        raise ValueError("either --train-iters or --train-samples must be given")
+    if args.lr_warmup_fraction is not None:
+        lr_warmup_steps = args.lr_warmup_fraction * lr_decay_steps
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=_arg_or(args, "lr_warmup_init", 0.0),
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=lr_warmup_steps,
+        lr_decay_steps=lr_decay_steps,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=_arg_or(args, "start_weight_decay", args.weight_decay),
+        end_wd=_arg_or(args, "end_weight_decay", args.weight_decay),
+        wd_incr_steps=wd_incr_steps,
+        wd_incr_style=_arg_or(args, "weight_decay_incr_style", "constant"),
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_lr_scheduler,
+        override_opt_param_scheduler=args.override_lr_scheduler,
+        default_increment=args.global_batch_size,
+    )

@@ -1,0 +1,255 @@
+"""The iteration loop: step, count, log Megatron's line, evaluate, save, exit on time.
+
+`TrainingLoop.train` runs iterations until `--train-iters`, `--exit-interval` or
+`--exit-duration-in-mins`, saving a checkpoint before any exit when `--save` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron import checkpointing
+from megatron.config import ModelConfig
+from megatron.model.model_size import flops_per_token
+from megatron.monitor import (
+    IterationStats,
+    MetricsWriter,
+    Timers,
+    format_iteration_log,
+    memory_report,
+)
+from megatron.train_step import (
+    ForwardStep,
+    StepResult,
+    train_step_deepspeed,
+    train_step_pipeline,
+    train_step_plain,
+)
+from megatron.utils import current_device, print_rank_0, print_rank_last
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. too many consecutive skipped or NaN iterations)."""
+
+
+@dataclass
+class TrainState:
+    """Counters that a checkpoint carries and a resumed run continues from."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    consumed_train_tokens: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    consecutive_bad_iterations: int = 0
+
+
+@dataclass
+class _Interval:
+    """What the log line averages over the iterations since the last one."""
+
+    loss_sums: dict[str, float] = field(default_factory=dict)
+    counted: int = 0
+    iterations: int = 0
+    skipped: int = 0
+    nan: int = 0
+
+    def add(self, result: StepResult) -> None:
+        self.iterations += 1
+        self.skipped += int(result.skipped)
+        self.nan += int(result.nan)
+        if result.skipped or result.nan:
+            return  # as Megatron: losses of skipped iterations are not averaged in
+        self.counted += 1
+        for name, value in result.losses.items():
+            self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value
+
+
+def _any_rank(flag: bool) -> bool:
+    """True if `flag` is set on any rank (one small all-reduce)."""
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([int(flag)], device=current_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+class TrainingLoop:
+    """Runs iterations and owns the logging, evaluation, checkpoint and exit cadence."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        model,  # noqa: ANN001 - DeepSpeed engine, pipeline engine or PlainTrainer
+        optimizer,  # noqa: ANN001
+        scheduler,  # noqa: ANN001
+        forward_step_func: ForwardStep,
+        timers: Timers,
+        writer: MetricsWriter | None,
+    ) -> None:
+        self.args = args
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.forward_step_func = forward_step_func
+        self.timers = timers
+        self.writer = writer
+        self.evaluate: Callable[[str, Iterator, int], dict] | None = None
+        self._last = StepResult({}, False, False, None, None)
+        self.start_time = time.time()
+        config = ModelConfig.from_args(args)
+        # Training FLOPs per token (forward + backward = 3x forward): per layer
+        # 2*h*3p (QKV) + 4*s*p (scores, context) + 2*p*h (proj) + 4*h*f (MLP), plus 2*h*V for
+        # the logits (model_size.flops_per_token); full recompute runs the forward again.
+        self.flops_per_token = flops_per_token(config, args.seq_length)
+        if args.recompute_granularity == "full":
+            self.flops_per_token = self.flops_per_token * 4 // 3
+
+    def step(self, data_iterator: Iterator) -> StepResult:
+        """One iteration on whichever engine this run uses."""
+        if self.args.pipeline_parallel:
+            return train_step_pipeline(data_iterator, self.model, self.args)
+        if self.args.deepspeed:
+            return train_step_deepspeed(
+                self.forward_step_func, data_iterator, self.model, self.args
+            )
+        return train_step_plain(self.forward_step_func, data_iterator, self.model, self.args)
+
+    def train(self, train_iter: Iterator, valid_iter: Iterator | None, state: TrainState) -> None:
+        """Iterate until the end of training or an exit condition; save before exiting."""
+        args = self.args
+        interval = _Interval()
+        saved_at = state.iteration
+        interval_timer = self.timers("interval-time", 0)
+        interval_timer.start()
+        memory_reported = False
+        while state.iteration < args.train_iters:
+            self.timers("train-step", 1).start()
+            result = self.step(train_iter)
+            self.timers("train-step", 1).stop()
+            state.iteration += 1
+            state.consumed_train_samples += args.global_batch_size
+            state.consumed_train_tokens += args.global_batch_size * args.seq_length
+            self._count(result, state)
+            interval.add(result)
+            self._last = result
+            if self.writer is not None:
+                self._write_scalars(result, state)
+            if state.iteration % args.log_interval == 0:
+                elapsed = interval_timer.elapsed(reset=True)
+                self._log(interval, state, elapsed)
+                interval = _Interval()
+                if not memory_reported:
+                    print_rank_last(memory_report(f"{state.iteration} iterations", dist.get_rank()))
+                    memory_reported = True
+            if args.eval_interval and state.iteration % args.eval_interval == 0 and valid_iter:
+                if args.eval_iters > 0 and self.evaluate is not None:
+                    self.evaluate(f"iteration {state.iteration}", valid_iter, state.iteration)
+                    state.consumed_valid_samples += args.eval_iters * args.global_batch_size
+            if args.save and state.iteration % args.save_interval == 0:
+                self._save(state)
+                saved_at = state.iteration
+            if self._should_exit(state):
+                break
+        if args.save and saved_at != state.iteration:
+            self._save(state)
+
+    def _count(self, result: StepResult, state: TrainState) -> None:
+        state.skipped_iterations += int(result.skipped)
+        state.nan_iterations += int(result.nan)
+        if result.skipped or result.nan:
+            state.consecutive_bad_iterations += 1
+        else:
+            state.consecutive_bad_iterations = 0
+        limit = self.args.max_consecutive_skipped_iterations
+        if state.consecutive_bad_iterations >= limit:
+            raise TrainingStopped(
+                f"stopping at iteration {state.iteration}: {limit} consecutive iterations were "
+                f"skipped or had a NaN/inf loss (last loss {result.losses}, loss scale "
+                f"{result.loss_scale}); lower --lr, check the data, or raise "
+                "--max-consecutive-skipped-iterations"
+            )
+
+    def _log(self, interval: _Interval, state: TrainState, elapsed: float) -> None:
+        args = self.args
+        per_iteration = elapsed / max(interval.iterations, 1)
+        samples_per_second = args.global_batch_size / per_iteration
+        tokens_per_second = samples_per_second * args.seq_length
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        losses = {
+            name: total / max(interval.counted, 1) for name, total in interval.loss_sums.items()
+        }
+        stats = IterationStats(
+            iteration=state.iteration,
+            train_iters=args.train_iters,
+            consumed_samples=state.consumed_train_samples,
+            consumed_tokens=state.consumed_train_tokens,
+            elapsed_ms_per_iteration=per_iteration * 1000.0,
+            learning_rate=self.scheduler.get_lr(),
+            global_batch_size=args.global_batch_size,
+            losses=losses,
+            # Megatron prints 1.0 when nothing scales the loss; parsers expect the field.
+            loss_scale=1.0 if self._last.loss_scale is None else self._last.loss_scale,
+            grad_norm=self._last.grad_norm,
+            actual_seqlen=args.seq_length,
+            skipped_iterations=interval.skipped,
+            nan_iterations=interval.nan,
+            samples_per_second=samples_per_second,
+            tokens_per_gpu_per_second=tokens_per_second / world,
+            tflops=self.flops_per_token * tokens_per_second / world / 1e12,
+            eta_seconds=(args.train_iters - state.iteration) * per_iteration,
+        )
+        print_rank_last(format_iteration_log(stats))
+        normalizer = max(interval.iterations, 1)
+        if self.writer is not None:
+            self.writer.add_scalars(
+                {
+                    "samples-per-second": samples_per_second,
+                    "tokens-per-gpu-per-second": tokens_per_second / world,
+                    "iteration-time": per_iteration,
+                },
+                state.iteration,
+            )
+        if args.log_timers_to_tensorboard:
+            # Every rank takes part in the gather; only the writer's rank writes.
+            self.timers.write(["train-step"], self.writer, state.iteration, normalizer)
+        if self.args.timing_log_level > 0:
+            text = self.timers.log(["train-step"], normalizer=normalizer)
+            if text:
+                print_rank_last(text)
+
+    def _write_scalars(self, result: StepResult, state: TrainState) -> None:
+        if state.iteration % self.args.tensorboard_log_interval != 0:
+            return
+        values = {f"{name}": value for name, value in result.losses.items()}
+        values["learning-rate"] = self.scheduler.get_lr()
+        values["batch-size"] = self.args.global_batch_size
+        if result.loss_scale is not None:
+            values["loss-scale"] = result.loss_scale
+        if result.grad_norm is not None:
+            values["grad-norm"] = result.grad_norm
+        self.writer.add_scalars(values, state.iteration)
+
+    def _save(self, state: TrainState) -> None:
+        checkpointing.save_checkpoint(state, self.model, self.optimizer, self.scheduler, self.args)
+
+    def _should_exit(self, state: TrainState) -> bool:
+        args = self.args
+        if args.exit_interval and state.iteration % args.exit_interval == 0:
+            print_rank_0(f"exiting program at iteration {state.iteration} (--exit-interval)")
+            return True
+        if args.exit_duration_in_mins:
+            minutes = (time.time() - self.start_time) / 60.0
+            if _any_rank(minutes > args.exit_duration_in_mins):
+                print_rank_0(
+                    f"exiting program after {minutes:.1f} minutes (--exit-duration-in-mins)"
+                )
+                return True
+        return False

@@ -1,0 +1,184 @@
+"""One training iteration (a global batch) for each kind of model: DeepSpeed engine,
+DeepSpeed pipeline engine, plain torch. Each returns a `StepResult` the loop logs.
+
+The forward-step contract is Megatron's: `forward_step_func(data_iterator, model, args)`
+returns `(output_tensor, loss_func)` and `loss_func(output_tensor)` returns
+`(loss, {"lm loss": value, ...})`. The reported values are averaged here over the
+micro-batches and the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.utils import current_device
+
+ForwardStep = Callable[[Iterator, torch.nn.Module, argparse.Namespace], tuple]
+
+
+@dataclass
+class StepResult:
+    """What one iteration reports: losses, whether the update was skipped, norms, scale."""
+
+    losses: dict[str, float]
+    """Reported values averaged over micro-batches and data-parallel ranks."""
+    skipped: bool
+    """The optimizer did not update the weights (fp16 overflow or non-finite gradients)."""
+    nan: bool
+    """Some reported loss was NaN or infinite."""
+    grad_norm: float | None
+    """Global gradient L2 norm before clipping, when the engine measures it."""
+    loss_scale: float | None
+    """Current fp16 loss scale; None without fp16."""
+
+
+def average_over_data_parallel(sums: dict[str, torch.Tensor], count: int) -> dict[str, float]:
+    """Average per-rank sums of `count` micro-batches over the data-parallel group."""
+    if not sums:
+        return {}
+    names = sorted(sums)
+    values = torch.stack([sums[name].detach().float().reshape(()) for name in names])
+    values = values.to(current_device())
+    group = parallel_state.get_data_parallel_group()
+    if dist.is_initialized() and parallel_state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(values, group=group)
+    values /= count * parallel_state.get_data_parallel_world_size()
+    return dict(zip(names, values.tolist()))
+
+
+def _accumulate(sums: dict[str, torch.Tensor], reported: dict[str, torch.Tensor]) -> None:
+    for name, value in reported.items():
+        value = value.detach().float()
+        sums[name] = sums[name] + value if name in sums else value
+
+
+def _is_nan(losses: dict[str, float]) -> bool:
+    return not all(math.isfinite(value) for value in losses.values())
+
+
+def deepspeed_loss_scale(engine) -> float | None:  # noqa: ANN001 - a DeepSpeedEngine
+    """The engine's current fp16 loss scale, or None when it does not scale losses."""
+    if not engine.fp16_enabled():
+        return None
+    optimizer = engine.optimizer
+    scale = getattr(optimizer, "cur_scale", None)
+    if scale is None:
+        scale = getattr(optimizer, "loss_scale", None)
+    return float(scale) if scale is not None else None
+
+
+def train_step_deepspeed(
+    forward_step_func: ForwardStep,
+    data_iterator: Iterator,
+    engine,  # noqa: ANN001 - a DeepSpeedEngine
+    args: argparse.Namespace,
+) -> StepResult:
+    """Micro-batches through `engine.backward` / `engine.step`; DeepSpeed owns the boundary."""
+    sums: dict[str, torch.Tensor] = {}
+    micro_batches = engine.gradient_accumulation_steps()
+    for _ in range(micro_batches):
+        output, loss_func = forward_step_func(data_iterator, engine, args)
+        loss, reported = loss_func(output)
+        engine.backward(loss)  # scales by 1/accumulation steps itself
+        # The scheduler counts samples; DeepSpeed passes lr_kwargs on at the boundary only.
+        engine.step(lr_kwargs={"increment": args.global_batch_size})
+        _accumulate(sums, reported)
+    losses = average_over_data_parallel(sums, micro_batches)
+    return StepResult(
+        losses=losses,
+        skipped=not engine.was_step_applied(),
+        nan=_is_nan(losses),
+        grad_norm=engine.get_global_grad_norm(),
+        loss_scale=deepspeed_loss_scale(engine),
+    )
+
+
+def train_step_pipeline(
+    data_iterator: Iterator,
+    engine,  # noqa: ANN001 - a deepspeed PipelineEngine
+    args: argparse.Namespace,
+) -> StepResult:
+    """One `engine.train_batch`: DeepSpeed schedules forward/backward over the stages."""
+    loss = engine.train_batch(data_iter=data_iterator)
+    # DeepSpeed averages the loss over micro-batches and data-parallel ranks and broadcasts
+    # it from the last stage to every stage.
+    losses = {"lm loss": float(loss)}
+    return StepResult(
+        losses=losses,
+        skipped=not engine.was_step_applied(),
+        nan=_is_nan(losses),
+        grad_norm=engine.get_global_grad_norm(),
+        loss_scale=deepspeed_loss_scale(engine),
+    )
+
+
+@dataclass
+class PlainTrainer:
+    """The plain-torch path: the (DDP-wrapped) model, optimizer, scheduler, fp16 scaler."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    loss_scaler: object | None
+    autocast_dtype: torch.dtype | None
+    gradient_accumulation_steps: int
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision for --fp16/--bf16: fp32 master weights, low-precision matmuls."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(current_device().type, dtype=self.autocast_dtype)
+
+    def no_sync(self, last_micro_batch: bool) -> contextlib.AbstractContextManager:
+        """Skip DDP's gradient all-reduce on all but the last micro-batch."""
+        if last_micro_batch or not hasattr(self.model, "no_sync"):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+
+def train_step_plain(
+    forward_step_func: ForwardStep,
+    data_iterator: Iterator,
+    trainer: PlainTrainer,
+    args: argparse.Namespace,
+) -> StepResult:
+    """Accumulate micro-batch gradients, unscale, then clip and step unless non-finite."""
+    sums: dict[str, torch.Tensor] = {}
+    micro_batches = trainer.gradient_accumulation_steps
+    scale = trainer.loss_scaler.scale if trainer.loss_scaler is not None else 1.0
+    for index in range(micro_batches):
+        with trainer.no_sync(index == micro_batches - 1):
+            with trainer.autocast():
+                output, loss_func = forward_step_func(data_iterator, trainer.model, args)
+                loss, reported = loss_func(output)
+            (loss.float() * (scale / micro_batches)).backward()
+        _accumulate(sums, reported)
+    if scale != 1.0:
+        for group in trainer.optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.mul_(1.0 / scale)
+    # The optimizer clips, refuses non-finite gradients and records the norm (GuardedAdamW).
+    trainer.optimizer.step()
+    skipped = bool(trainer.optimizer.overflow)
+    if trainer.loss_scaler is not None:
+        trainer.loss_scaler.update(skipped)
+    if not skipped:
+        trainer.scheduler.step(increment=args.global_batch_size)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    losses = average_over_data_parallel(sums, micro_batches)
+    return StepResult(
+        losses=losses,
+        skipped=skipped,
+        nan=_is_nan(losses),
+        grad_norm=trainer.optimizer.grad_norm,
+        loss_scale=scale if trainer.loss_scaler is not None else None,
+    )

@@ -1,0 +1,262 @@
+"""`pretrain()`: Megatron's entry point. Initialize, build the model, optimizer and LR
+scheduler (wrapped by `deepspeed.initialize` with `--deepspeed`), build the data iterators,
+then train with periodic logging, evaluation and checkpoints.
+
+Providers (all receive the validated `args`):
+- `model_provider(args) -> torch.nn.Module`: a `GPTModel`, or a `GPTModelPipe` when
+  pipeline parallelism is on (`args.pipeline_parallel`).
+- `train_valid_test_datasets_provider(args, [train, valid, test] sample counts)`.
+- `forward_step_func(data_iterator, model, args) -> (output_tensor, loss_func)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron import checkpointing
+from megatron.core import parallel_state
+from megatron.data.samplers import build_pretraining_data_loader
+from megatron.initialize import initialize_megatron
+from megatron.monitor import MetricsWriter, Timers, format_validation_block
+from megatron.optimizer import (
+    GuardedAdamW,
+    build_optimizer,
+    get_param_groups,
+    loss_scaler_from_args,
+)
+from megatron.scheduler import scheduler_from_args
+from megatron.tokenizer import build_tokenizer
+from megatron.train_loop import TrainingLoop, TrainState
+from megatron.train_step import ForwardStep, PlainTrainer, average_over_data_parallel
+from megatron.utils import current_device, print_rank_0, print_rank_last
+
+
+def _build_optimizer(model: torch.nn.Module, args: argparse.Namespace, guard: bool):
+    """A bare AdamW over Megatron's param groups (no weight decay on biases and norms).
+
+    With `guard`, our optimizer itself clips, measures the norm and refuses non-finite
+    gradients: the paths where nothing else does (plain torch, DeepSpeed fp32 ZeRO-0).
+    """
+    if not guard:
+        # DeepSpeed recognises torch's own AdamW (its ZeRO code paths are tested with it).
+        return build_optimizer(
+            get_param_groups(model),
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps,
+            kind=args.optimizer,
+        )
+    return GuardedAdamW(
+        get_param_groups(model),
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        guard=True,
+        model_parallel_group=parallel_state.get_model_parallel_group(),
+    )
+
+
+def _deepspeed_guards_steps(config: dict) -> bool:
+    """Whether DeepSpeed itself skips non-finite steps and reports the gradient norm.
+
+    It does with fp16 or bf16 and in ZeRO stages 1-3; fp32 ZeRO-0 hands the client
+    optimizer the raw gradients, so there our optimizer guards the step.
+    """
+    half = config.get("fp16", {}).get("enabled", False) or config.get("bf16", {}).get(
+        "enabled", False
+    )
+    return half or config.get("zero_optimization", {}).get("stage", 0) > 0
+
+
+def setup_model_and_optimizer(model_provider: Callable, args: argparse.Namespace):
+    """Build the model, AdamW and `OptimizerParamScheduler`; with `--deepspeed` wrap all
+    three (with Megatron's mpu and the reconciled config) in `deepspeed.initialize`.
+
+    Returns `(model, optimizer, scheduler)`: the engine as model under DeepSpeed, else a
+    `PlainTrainer` (DDP over the data-parallel group, fp16 loss scaling, bf16 autocast).
+    """
+    model = model_provider(args)
+    if args.deepspeed:
+        import deepspeed
+
+        config = dict(args.deepspeed_config_dict)
+        guard = not _deepspeed_guards_steps(config)
+        if guard:
+            config["gradient_clipping"] = 0.0  # the optimizer clips, so it sees the norm first
+        optimizer = _build_optimizer(model, args, guard)
+        scheduler = scheduler_from_args(optimizer, args)
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            mpu=None if args.pipeline_parallel else parallel_state.mpu,
+            config=config,
+        )
+        if args.pipeline_parallel:
+            engine.set_batch_fn(model._megatron_batch_fn)
+        return engine, optimizer, scheduler
+    model.to(current_device())
+    optimizer = _build_optimizer(model, args, guard=True)
+    scheduler = scheduler_from_args(optimizer, args)
+    if parallel_state.get_data_parallel_world_size() > 1:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=[torch.cuda.current_device()] if torch.cuda.is_available() else None,
+            process_group=parallel_state.get_data_parallel_group(),
+        )
+    trainer = PlainTrainer(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loss_scaler=loss_scaler_from_args(args),
+        autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+    )
+    return trainer, optimizer, scheduler
+
+
+def _cyclic(loader) -> Iterator:  # noqa: ANN001 - a DataLoader or None
+    while True:
+        yield from loader
+
+
+def build_data_iterators(
+    datasets_provider: Callable, args: argparse.Namespace, state: TrainState
+) -> tuple[Iterator | None, Iterator | None, Iterator | None]:
+    """Megatron's sample counts per split, the datasets, and resumable loaders over them.
+
+    Every rank reads its own micro-batches (the mmap'd dataset makes this cheap), so no
+    broadcast across tensor-parallel ranks is needed; the sampler gives all ranks of one
+    data-parallel replica the same samples.
+    """
+    eval_runs = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
+    num_samples = [
+        args.train_samples or args.train_iters * args.global_batch_size,
+        eval_runs * args.eval_iters * args.global_batch_size,
+        args.eval_iters * args.global_batch_size,
+    ]
+    print_rank_0(" > building train, validation, and test datasets ...")
+    train_ds, valid_ds, test_ds = datasets_provider(args, num_samples)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+
+    def loader(dataset, consumed: int):  # noqa: ANN001, ANN202
+        return build_pretraining_data_loader(
+            dataset,
+            consumed,
+            args.micro_batch_size,
+            dp_rank,
+            dp_size,
+            args.num_workers,
+            args.dataloader_type or "single",
+        )
+
+    train = loader(train_ds, state.consumed_train_samples)
+    valid = loader(valid_ds, state.consumed_valid_samples)
+    test = loader(test_ds, 0)
+    return (
+        iter(train) if train is not None else None,
+        _cyclic(valid) if valid is not None else None,
+        _cyclic(test) if test is not None else None,
+    )
+
+
+def evaluate(
+    forward_step_func: ForwardStep,
+    data_iterator: Iterator,
+    model,  # noqa: ANN001 - engine, pipeline engine or PlainTrainer
+    args: argparse.Namespace,
+) -> dict[str, float]:
+    """Mean reported losses over `--eval-iters` global batches, averaged over DP ranks."""
+    if args.pipeline_parallel:
+        losses = [float(model.eval_batch(data_iter=data_iterator)) for _ in range(args.eval_iters)]
+        return {"lm loss": sum(losses) / args.eval_iters}
+    module = model.model if isinstance(model, PlainTrainer) else model
+    module.eval()
+    sums: dict[str, torch.Tensor] = {}
+    micro_batches = args.gradient_accumulation_steps * args.eval_iters
+    with torch.no_grad():
+        for _ in range(micro_batches):
+            autocast = model.autocast() if isinstance(model, PlainTrainer) else None
+            with autocast or torch.autocast("cpu", enabled=False):
+                output, loss_func = forward_step_func(data_iterator, module, args)
+                _, reported = loss_func(output)
+            for name, value in reported.items():
+                value = value.detach().float()
+                sums[name] = sums[name] + value if name in sums else value
+    module.train()
+    return average_over_data_parallel(sums, micro_batches)
+
+
+def evaluate_and_print_results(
+    label: str,
+    forward_step_func: ForwardStep,
+    data_iterator: Iterator,
+    model,  # noqa: ANN001
+    args: argparse.Namespace,
+    iteration: int,
+    writer: MetricsWriter | None,
+) -> dict[str, float]:
+    """Evaluate and print Megatron's validation block; write loss and PPL to the writer."""
+    losses = evaluate(forward_step_func, data_iterator, model, args)
+    if writer is not None:
+        for name, value in losses.items():
+            writer.add_scalar(f"{name} validation", value, iteration)
+            writer.add_scalar(f"{name} validation ppl", math.exp(min(20.0, value)), iteration)
+    print_rank_last(format_validation_block(label, losses))
+    return losses
+
+
+def pretrain(
+    train_valid_test_datasets_provider: Callable,
+    model_provider: Callable,
+    forward_step_func: ForwardStep,
+    extra_args_provider: Callable | None = None,
+    args_defaults: dict | None = None,
+    argv: Sequence[str] | None = None,
+) -> TrainState:
+    """Megatron's `pretrain`: initialize, set up, train, evaluate, save. Returns the state."""
+    start = time.time()
+    args = initialize_megatron(extra_args_provider, args_defaults, argv)
+    tokenizer = build_tokenizer(args)  # sets args.padded_vocab_size
+    args.eod_token_id = tokenizer.eod
+    timers = Timers(args.timing_log_level, "minmax")
+    model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args)
+    state = checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+    print_rank_0(f"> model, optimizer and scheduler ready in {time.time() - start:.1f}s")
+    train_iter, valid_iter, test_iter = build_data_iterators(
+        train_valid_test_datasets_provider, args, state
+    )
+    writer = None
+    if dist.get_rank() == dist.get_world_size() - 1:
+        writer = MetricsWriter(
+            args.tensorboard_dir,
+            args.wandb_project,
+            args.wandb_exp_name,
+            args.wandb_save_dir,
+            config=vars(args),
+        )
+    loop = TrainingLoop(args, model, optimizer, scheduler, forward_step_func, timers, writer)
+    loop.evaluate = lambda label, iterator, it: evaluate_and_print_results(
+        label, forward_step_func, iterator, model, args, it, writer
+    )
+    print_rank_0("> training ...")
+    loop.train(train_iter, valid_iter, state)
+    if args.eval_iters > 0:
+        label = "the end of training for {} data"
+        if valid_iter is not None:
+            loop.evaluate(label.format("val"), valid_iter, state.iteration)
+        if test_iter is not None:
+            loop.evaluate(label.format("test"), test_iter, state.iteration)
+    if writer is not None:
+        writer.close()
+    return state
