@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.batch_schedule import BatchSizeSchedule
+
 
 class ArgumentError(ValueError):
     """Flags that contradict each other or the world size (message names them)."""
@@ -81,7 +83,20 @@ def _batch_sizes(args: argparse.Namespace) -> None:
     args.gradient_accumulation_steps = args.global_batch_size // per_step
     if (args.train_iters is None) == (args.train_samples is None):
         raise ArgumentError("give exactly one of --train-iters and --train-samples")
-    if args.train_samples is not None and args.rampup_batch_size is None:
+    if args.rampup_batch_size is not None:
+        if args.train_samples is None:
+            raise ArgumentError("--rampup-batch-size needs --train-samples (not --train-iters)")
+        try:
+            schedule = BatchSizeSchedule(
+                args.global_batch_size,
+                args.micro_batch_size,
+                args.data_parallel_size,
+                tuple(args.rampup_batch_size),
+            )
+        except ValueError as error:
+            raise ArgumentError(str(error)) from None
+        args.train_iters = schedule.iterations_for(args.train_samples)
+    elif args.train_samples is not None:
         args.train_iters = args.train_samples // args.global_batch_size
 
 

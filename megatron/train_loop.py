@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import checkpointing
+from megatron.batch_schedule import BatchSizeSchedule
 from megatron.config import ModelConfig
 from megatron.model.model_size import flops_per_token
 from megatron.monitor import (
@@ -60,9 +61,11 @@ class _Interval:
     iterations: int = 0
     skipped: int = 0
     nan: int = 0
+    samples: int = 0
 
-    def add(self, result: StepResult) -> None:
+    def add(self, result: StepResult, global_batch_size: int) -> None:
         self.iterations += 1
+        self.samples += global_batch_size
         self.skipped += int(result.skipped)
         self.nan += int(result.nan)
         if result.skipped or result.nan:
@@ -103,6 +106,13 @@ class TrainingLoop:
         self.writer = writer
         self.evaluate: Callable[[str, Iterator, int], dict] | None = None
         self._last = StepResult({}, False, False, None, None)
+        self._global_batch_size = args.global_batch_size
+        self.batch_schedule = BatchSizeSchedule(
+            args.global_batch_size,
+            args.micro_batch_size,
+            args.data_parallel_size,
+            tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
+        )
         self.start_time = time.time()
         config = ModelConfig.from_args(args)
         # Training FLOPs per token (forward + backward = 3x forward): per layer
@@ -112,15 +122,32 @@ class TrainingLoop:
         if args.recompute_granularity == "full":
             self.flops_per_token = self.flops_per_token * 4 // 3
 
-    def step(self, data_iterator: Iterator) -> StepResult:
-        """One iteration on whichever engine this run uses."""
-        if self.args.pipeline_parallel:
-            return train_step_pipeline(data_iterator, self.model, self.args)
-        if self.args.deepspeed:
+    def step(self, data_iterator: Iterator, global_batch_size: int | None = None) -> StepResult:
+        """One iteration on whichever engine this run uses, at `global_batch_size` samples."""
+        args = self.args
+        global_batch_size = global_batch_size or args.global_batch_size
+        if global_batch_size != self._global_batch_size:
+            self._set_global_batch_size(global_batch_size)
+        if args.pipeline_parallel:
+            return train_step_pipeline(data_iterator, self.model, args)
+        if args.deepspeed:
             return train_step_deepspeed(
-                self.forward_step_func, data_iterator, self.model, self.args
+                self.forward_step_func, data_iterator, self.model, args, global_batch_size
             )
-        return train_step_plain(self.forward_step_func, data_iterator, self.model, self.args)
+        return train_step_plain(
+            self.forward_step_func, data_iterator, self.model, args, global_batch_size
+        )
+
+    def _set_global_batch_size(self, global_batch_size: int) -> None:
+        """Change the number of micro-batches per iteration (--rampup-batch-size)."""
+        if self.args.deepspeed:
+            self.model.set_train_batch_size(global_batch_size)
+        else:
+            per_step = self.args.micro_batch_size * self.args.data_parallel_size
+            self.model.gradient_accumulation_steps = global_batch_size // per_step
+        # DeepSpeed's pipeline engine steps the scheduler without arguments.
+        self.scheduler.default_increment = global_batch_size
+        self._global_batch_size = global_batch_size
 
     def train(self, train_iter: Iterator, valid_iter: Iterator | None, state: TrainState) -> None:
         """Iterate until the end of training or an exit condition; save before exiting."""
@@ -131,14 +158,15 @@ class TrainingLoop:
         interval_timer.start()
         memory_reported = False
         while state.iteration < args.train_iters:
+            global_batch_size = self.batch_schedule.at(state.consumed_train_samples)
             self.timers("train-step", 1).start()
-            result = self.step(train_iter)
+            result = self.step(train_iter, global_batch_size)
             self.timers("train-step", 1).stop()
             state.iteration += 1
-            state.consumed_train_samples += args.global_batch_size
-            state.consumed_train_tokens += args.global_batch_size * args.seq_length
+            state.consumed_train_samples += global_batch_size
+            state.consumed_train_tokens += global_batch_size * args.seq_length
             self._count(result, state)
-            interval.add(result)
+            interval.add(result, global_batch_size)
             self._last = result
             if self.writer is not None:
                 self._write_scalars(result, state)
@@ -180,7 +208,7 @@ class TrainingLoop:
     def _log(self, interval: _Interval, state: TrainState, elapsed: float) -> None:
         args = self.args
         per_iteration = elapsed / max(interval.iterations, 1)
-        samples_per_second = args.global_batch_size / per_iteration
+        samples_per_second = interval.samples / max(elapsed, 1e-9)
         tokens_per_second = samples_per_second * args.seq_length
         world = dist.get_world_size() if dist.is_initialized() else 1
         losses = {
@@ -193,7 +221,7 @@ class TrainingLoop:
             consumed_tokens=state.consumed_train_tokens,
             elapsed_ms_per_iteration=per_iteration * 1000.0,
             learning_rate=self.scheduler.get_lr(),
-            global_batch_size=args.global_batch_size,
+            global_batch_size=self._global_batch_size,
             losses=losses,
             # Megatron prints 1.0 when nothing scales the loss; parsers expect the field.
             loss_scale=1.0 if self._last.loss_scale is None else self._last.loss_scale,
@@ -230,7 +258,7 @@ class TrainingLoop:
             return
         values = {f"{name}": value for name, value in result.losses.items()}
         values["learning-rate"] = self.scheduler.get_lr()
-        values["batch-size"] = self.args.global_batch_size
+        values["batch-size"] = self._global_batch_size
         if result.loss_scale is not None:
             values["loss-scale"] = result.loss_scale
         if result.grad_norm is not None:

@@ -80,8 +80,14 @@ def train_step_deepspeed(
     data_iterator: Iterator,
     engine,  # noqa: ANN001 - a DeepSpeedEngine
     args: argparse.Namespace,
+    global_batch_size: int | None = None,
 ) -> StepResult:
-    """Micro-batches through `engine.backward` / `engine.step`; DeepSpeed owns the boundary."""
+    """Micro-batches through `engine.backward` / `engine.step`; DeepSpeed owns the boundary.
+
+    `global_batch_size` (default `--global-batch-size`) is this iteration's size under
+    `--rampup-batch-size`; the LR schedule advances by it.
+    """
+    increment = global_batch_size or args.global_batch_size
     sums: dict[str, torch.Tensor] = {}
     micro_batches = engine.gradient_accumulation_steps()
     for _ in range(micro_batches):
@@ -89,7 +95,7 @@ def train_step_deepspeed(
         loss, reported = loss_func(output)
         engine.backward(loss)  # scales by 1/accumulation steps itself
         # The scheduler counts samples; DeepSpeed passes lr_kwargs on at the boundary only.
-        engine.step(lr_kwargs={"increment": args.global_batch_size})
+        engine.step(lr_kwargs={"increment": increment})
         _accumulate(sums, reported)
     losses = average_over_data_parallel(sums, micro_batches)
     return StepResult(
@@ -149,6 +155,7 @@ def train_step_plain(
     data_iterator: Iterator,
     trainer: PlainTrainer,
     args: argparse.Namespace,
+    global_batch_size: int | None = None,
 ) -> StepResult:
     """Accumulate micro-batch gradients, unscale, then clip and step unless non-finite."""
     sums: dict[str, torch.Tensor] = {}
@@ -172,7 +179,7 @@ def train_step_plain(
     if trainer.loss_scaler is not None:
         trainer.loss_scaler.update(skipped)
     if not skipped:
-        trainer.scheduler.step(increment=args.global_batch_size)
+        trainer.scheduler.step(increment=global_batch_size or args.global_batch_size)
     trainer.optimizer.zero_grad(set_to_none=True)
     losses = average_over_data_parallel(sums, micro_batches)
     return StepResult(
