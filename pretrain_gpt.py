@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.model import GPTModel
 from megatron.model.model_size import model_size_report
+from megatron.scheduler import SchedulerMismatchError
 from megatron.train_loop import TrainingStopped
 from megatron.training import pretrain
 from megatron.utils import current_device, get_ltor_masks_and_position_ids, print_rank_0
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run `pretrain` with GPT's providers; a stopped run exits 1 with the reason."""
     try:
         pretrain(datasets_provider, model_provider, forward_step, argv=argv)
-    except TrainingStopped as stopped:
+    except (TrainingStopped, SchedulerMismatchError) as stopped:
         print(f"error: {stopped}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -63,4 +63,5 @@ step 4 "checking the dataset: every document detokenizes to its text, GPT sample
   --seq-length 1024 --log-interval 1000
 
 printf '\ndone in %ss. Data: %s.{bin,idx}\n' "$(( $(date +%s) - start ))" "$dataset"
-echo "Pretraining on it (pretrain_gpt.py with DeepSpeed) comes with the training release."
+echo "Pretrain a small GPT-2 on it: bash scripts/ds_pretrain_gpt2.sh (DeepSpeed, ZeRO-1), or"
+echo "bash scripts/pretrain_gpt2.sh (plain torch); see the README's Pretrain section."

@@ -180,6 +180,19 @@ def _pipeline_and_checkpoints(args: argparse.Namespace) -> None:
         raise ArgumentError("--save-interval needs --save (the directory to write to)")
 
 
+def _schedule(args: argparse.Namespace) -> None:
+    """Build the LR schedule once on a throwaway optimizer: its errors name the flags."""
+    import torch
+
+    from megatron.scheduler import scheduler_from_args
+
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+    try:
+        scheduler_from_args(probe, args)
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
+
+
 def _backend(args: argparse.Namespace) -> None:
     import torch
 
@@ -228,6 +241,7 @@ def validate_args(
     _precision_and_optimizer(args)
     _recompute(args)
     _pipeline_and_checkpoints(args)
+    _schedule(args)
     _backend(args)
     args.params_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     return args

@@ -28,6 +28,10 @@ _WARMUP_FLAGS = "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction"
 _WD_FLAGS = "--start-weight-decay/--end-weight-decay"
 
 
+class SchedulerMismatchError(ValueError):
+    """A checkpoint's LR/WD schedule differs from the command line's (message says the fix)."""
+
+
 class OptimizerParamScheduler:
     """Anneals the learning rate and weight decay of every param group, step = one sample."""
 
@@ -187,7 +191,7 @@ class OptimizerParamScheduler:
             print_rank_0(f" > overriding {name} value to {cls_value}")
             return cls_value
         if not self.use_checkpoint_opt_param_scheduler and cls_value != sd_value:
-            raise ValueError(
+            raise SchedulerMismatchError(
                 f"OptimizerParamScheduler: class input value {cls_value} and checkpoint value "
                 f"{sd_value} for {name} do not match; pass --use-checkpoint-lr-scheduler to take "
                 f"the checkpoint's or --override-lr-scheduler to keep the command line's"

@@ -187,5 +187,6 @@ def train_step_plain(
         skipped=skipped,
         nan=_is_nan(losses),
         grad_norm=trainer.optimizer.grad_norm,
-        loss_scale=scale if trainer.loss_scaler is not None else None,
+        # After the update, as Megatron logs it.
+        loss_scale=trainer.loss_scaler.scale if trainer.loss_scaler is not None else None,
     )

@@ -5,6 +5,10 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 python=$(bash scripts/setup_env.sh test | tail -n 1)
+# The environment's own tools first (deepspeed, torchrun, ninja): DeepSpeed's JIT-built ops
+# are rebuilt whenever a different ninja touches their shared build directory.
+PATH="$(dirname "$python"):$PATH"
+export PATH
 
 echo "[tests] ruff check and format check"
 "$python" -m ruff check .

@@ -11,6 +11,9 @@ import zipfile
 
 import pytest
 
+# Launchers and ninja from this interpreter's environment, as scripts/run_tests.sh arranges:
+# DeepSpeed rebuilds its JIT ops whenever another ninja touched their build directory.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 VOCAB_FILE = os.path.join(REPO_ROOT, "dataset", "gpt2-vocab.json")
 MERGE_FILE = os.path.join(REPO_ROOT, "dataset", "gpt2-merges.txt")

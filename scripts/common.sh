@@ -1,0 +1,107 @@
+# shellcheck shell=bash
+# Helpers sourced by the pretraining scripts in scripts/ and examples/ (not run on its own).
+#
+#   source "$(dirname "${BASH_SOURCE[0]}")/common.sh"      # sets ROOT, the repository root
+#
+# Each script keeps its own settings (sizes, paths, launcher) at its top, Megatron style; the
+# checks and chores they all share live here: finding the launcher commands, counting GPUs,
+# checking that the dataset exists, checking the parallel sizes, printing the command run.
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+# The launchers (python, torchrun, deepspeed) come from PATH; when the active environment has
+# none, fall back to the repository's .venv (what scripts/setup_env.sh creates).
+if ! command -v deepspeed >/dev/null 2>&1 && [ -x "$ROOT/.venv/bin/deepspeed" ]; then
+  PATH="$ROOT/.venv/bin:$PATH"
+fi
+PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
+
+# Number of visible CUDA (or ROCm) GPUs on this node; 0 on a CPU-only machine.
+count_gpus() {
+  local count=0
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    count=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+    if [ "${count:-0}" -gt 0 ] && [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+      count=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c '[^[:space:]]' || true)
+    fi
+  fi
+  if [ "${count:-0}" -eq 0 ]; then
+    count=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  fi
+  echo "${count:-0}"
+}
+
+# Processes per node: the GPU count where there are GPUs, else $1 CPU processes (over gloo).
+default_procs_per_node() {
+  local gpus
+  gpus=$(count_gpus)
+  if [ "$gpus" -gt 0 ]; then echo "$gpus"; else echo "$1"; fi
+}
+
+# Say what to do and exit 1 unless every prefix in the --data-path words ($1: "PREFIX" or
+# "W1 PREFIX1 W2 PREFIX2 ...") has its .bin and .idx. Skipped when the script's extra
+# arguments (the rest) give their own --data-path.
+require_data() {
+  local data_path=$1 word missing=()
+  shift
+  for word in "$@"; do
+    if [ "$word" = "--data-path" ]; then return 0; fi
+  done
+  for word in $data_path; do
+    if [[ $word =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]]; then continue; fi  # a blend weight
+    if [ ! -f "$word.bin" ] || [ ! -f "$word.idx" ]; then missing+=("$word"); fi
+  done
+  if [ -z "$data_path" ] || [ "${#missing[@]}" -gt 0 ]; then
+    {
+      echo "error: no dataset at DATA_PATH=${missing[*]:-(empty)}" \
+        "(expected PREFIX.bin and PREFIX.idx)."
+      echo "Build the default one (the Python standard library, GPT-2 tokens) with:"
+      echo "    bash examples/quickstart.sh"
+      echo "or point DATA_PATH at a prefix written by tools/preprocess_data.py, e.g."
+      echo "    DATA_PATH=data/myrepo_content_document bash $0"
+    } >&2
+    exit 1
+  fi
+}
+
+# Exit 1 unless $1 processes split into TP ($2) x PP ($3) x DP.
+require_parallel_sizes() {
+  local world=$1 tp=$2 pp=$3
+  if [ "$world" -lt 1 ] || [ $(( world % (tp * pp) )) -ne 0 ]; then
+    echo "error: $world process(es) (GPUS_PER_NODE x NNODES) cannot be split into" \
+      "tensor-parallel $tp x pipeline-parallel $pp x data-parallel; set GPUS_PER_NODE, TP or PP" >&2
+    exit 1
+  fi
+}
+
+# The `deepspeed` launcher's own arguments, in the array DS_LAUNCHER_ARGS, from GPUS_PER_NODE,
+# NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, HOSTFILE and DS_NO_SSH.
+#   one node: starts GPUS_PER_NODE local processes (CPU processes over gloo where no GPU).
+#   NNODES>1: HOSTFILE lists the nodes ("worker-1 slots=8" per line); run once, on the first
+#     node, and DeepSpeed starts the others over passwordless ssh (pdsh). With DS_NO_SSH=1,
+#     run the script on every node instead, each with its own NODE_RANK.
+deepspeed_launcher_args() {
+  DS_LAUNCHER_ARGS=(--num_gpus "$GPUS_PER_NODE" --master_port "$MASTER_PORT")
+  if [ "$NNODES" -gt 1 ] && [ ! -f "${HOSTFILE:-}" ]; then
+    echo "error: NNODES=$NNODES needs HOSTFILE, a file listing the nodes as 'worker-1 slots=8'" \
+      "lines (got HOSTFILE='${HOSTFILE:-}')" >&2
+    exit 1
+  fi
+  if [ -n "${HOSTFILE:-}" ]; then
+    DS_LAUNCHER_ARGS+=(--hostfile "$HOSTFILE" --num_nodes "$NNODES" --master_addr "$MASTER_ADDR")
+  fi
+  if [ "${DS_NO_SSH:-0}" = 1 ]; then
+    DS_LAUNCHER_ARGS+=(--no_ssh --node_rank "$NODE_RANK")
+  fi
+}
+
+# Print the command (shell-quoted, so it can be copied), then replace this shell with it.
+run_command() {
+  local arg
+  printf '==>'
+  for arg in "$@"; do
+    if [[ $arg =~ ^[A-Za-z0-9_./:=,+@%-]+$ ]]; then printf ' %s' "$arg"; else printf ' %q' "$arg"; fi
+  done
+  printf '\n'
+  exec "$@"
+}

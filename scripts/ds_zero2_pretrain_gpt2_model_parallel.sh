@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# GPT-2 pretraining on DeepSpeed with tensor parallelism (TP=2) and ZeRO-2 data parallelism,
+# on DeepSpeed's non-pipeline engine (--no-pipeline-parallel; ZeRO-2 partitions gradients,
+# which the pipeline engine does not support).
+#
+#   bash scripts/ds_zero2_pretrain_gpt2_model_parallel.sh            # tiny GPT-2, 40 iterations
+#   TRAIN_ITERS=80 bash scripts/ds_zero2_pretrain_gpt2_model_parallel.sh   # any variable below
+#   bash scripts/ds_zero2_pretrain_gpt2_model_parallel.sh --sequence-parallel   # extra flags
+#
+# As shipped it starts one process per GPU, or 2 CPU processes over gloo where there is no GPU:
+# TP 2 x DP 1 on the CPU, TP 2 x DP 4 on 8 GPUs. The data-parallel size is what is left over:
+# GPUS_PER_NODE x NNODES / (TP x PP). It trains a 2-layer, 64-wide GPT-2 on the embedded default
+# data (build it once: bash examples/quickstart.sh).
+# Checkpoints: CHECKPOINT_PATH, every SAVE_INTERVAL iterations; a rerun resumes from the latest.
+# To train past TRAIN_ITERS, raise it and pass --override-lr-scheduler (the LR and weight-decay
+# schedules stretch to the new length; a checkpoint's schedule must otherwise match the flags).
+# Delete CHECKPOINT_PATH to start over.
+# The ZeRO settings come from DS_CONFIG (JSON cannot hold comments):
+#   examples/ds_configs/ds_zero2.json        ZeRO-2: optimizer states and gradients partitioned
+#                                            over the data-parallel ranks, the gradient reduction
+#                                            overlapped with the backward pass
+#   examples/ds_configs/ds_zero2_fp16.json   the same with the fp16 section (dynamic loss
+#                                            scaling; GPUs only)
+# Batch sizes, precision, gradient clipping and the ZeRO stage may be left out of the JSON: the
+# flags fill them in, and a flag that contradicts the JSON is an error naming both.
+#
+# Real GPUs: the defaults use every GPU of the node (GPUS_PER_NODE) at TP=2; add --fp16 (V100)
+#   or --bf16 (A100/H100), or use DS_CONFIG=examples/ds_configs/ds_zero2_fp16.json. Keep TP
+#   within a node (TP <= GPUS_PER_NODE); ZeRO-2 scales over the data-parallel ranks.
+# GPT-2 345M: NUM_LAYERS=24 HIDDEN_SIZE=1024 NUM_ATTENTION_HEADS=16 SEQ_LENGTH=1024
+#   MICRO_BATCH_SIZE=8 GLOBAL_BATCH_SIZE=512 TRAIN_ITERS=500000 LR_DECAY_ITERS=320000
+#   LR=1.5e-4 MIN_LR=1e-5 LR_WARMUP_FRACTION=0.01 SPLIT=949,50,1 LOG_INTERVAL=100
+#   EVAL_INTERVAL=1000 EVAL_ITERS=10 SAVE_INTERVAL=10000, plus --fp16 --checkpoint-activations;
+#   TP=1 is enough for 345M.
+# GPT-2 1.5B: NUM_LAYERS=48 HIDDEN_SIZE=1600 NUM_ATTENTION_HEADS=25 SEQ_LENGTH=1024. TP must
+#   divide the 25 heads, so TP=1 (ZeRO-2 over all 8 GPUs; by estimate ~12 GB per GPU with
+#   --fp16 --checkpoint-activations, MICRO_BATCH_SIZE=4) or TP=5 (GPU count a multiple of 5).
+#   To keep TP=2/4/8, use the 1.3B shape NUM_LAYERS=24 HIDDEN_SIZE=2048 NUM_ATTENTION_HEADS=32.
+# Multi-node: list the nodes in a hostfile, one "worker-1 slots=8" line per node, and run this
+#   once on the first node: NNODES=2 HOSTFILE=hostfile MASTER_ADDR=worker-1 GPUS_PER_NODE=8 bash
+#   scripts/ds_zero2_pretrain_gpt2_model_parallel.sh (DeepSpeed reaches the others over
+#   passwordless ssh). Without ssh, run it on every node with DS_NO_SSH=1 and its NODE_RANK.
+set -euo pipefail
+# shellcheck source=scripts/common.sh source-path=SCRIPTDIR/..
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+GPUS_PER_NODE=${GPUS_PER_NODE:-$(default_procs_per_node 2)}   # every GPU, else 2 CPU processes
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+HOSTFILE=${HOSTFILE:-}              # DeepSpeed hostfile; needed when NNODES > 1
+WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
+
+DATA_PATH=${DATA_PATH:-$ROOT/data/quickstart/corpus_content_document}
+VOCAB_FILE=${VOCAB_FILE:-$ROOT/dataset/gpt2-vocab.json}
+MERGE_FILE=${MERGE_FILE:-$ROOT/dataset/gpt2-merges.txt}
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-$ROOT/checkpoints/ds_zero2_gpt2_tp}
+TENSORBOARD_DIR=${TENSORBOARD_DIR:-$ROOT/runs/ds_zero2_gpt2_tp}
+DS_CONFIG=${DS_CONFIG:-$ROOT/examples/ds_configs/ds_zero2.json}
+
+TP=${TP:-2}
+PP=1                                # ZeRO-2 runs on the non-pipeline engine
+NUM_LAYERS=${NUM_LAYERS:-2}
+HIDDEN_SIZE=${HIDDEN_SIZE:-64}
+NUM_ATTENTION_HEADS=${NUM_ATTENTION_HEADS:-4}
+SEQ_LENGTH=${SEQ_LENGTH:-128}
+MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-4}
+# Default: 2 micro-batches per data-parallel rank per iteration (gradient accumulation 2).
+GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-$((MICRO_BATCH_SIZE * 2 * WORLD_SIZE / (TP * PP)))}
+TRAIN_ITERS=${TRAIN_ITERS:-40}
+LR=${LR:-1e-3}
+MIN_LR=${MIN_LR:-1e-5}
+LR_DECAY_ITERS=${LR_DECAY_ITERS:-$TRAIN_ITERS}
+LR_WARMUP_FRACTION=${LR_WARMUP_FRACTION:-0.1}   # of LR_DECAY_ITERS
+SPLIT=${SPLIT:-98,1,1}
+LOG_INTERVAL=${LOG_INTERVAL:-5}
+EVAL_INTERVAL=${EVAL_INTERVAL:-20}
+EVAL_ITERS=${EVAL_ITERS:-2}
+SAVE_INTERVAL=${SAVE_INTERVAL:-20}
+
+require_data "$DATA_PATH" "$@"
+require_parallel_sizes "$WORLD_SIZE" "$TP" "$PP"
+deepspeed_launcher_args
+read -r -a DATA_PATHS <<< "$DATA_PATH"   # "PREFIX" or a blend "W1 PREFIX1 W2 PREFIX2"
+
+GPT_ARGS=(
+  --tensor-model-parallel-size "$TP"
+  --num-layers "$NUM_LAYERS"
+  --hidden-size "$HIDDEN_SIZE"
+  --num-attention-heads "$NUM_ATTENTION_HEADS"
+  --seq-length "$SEQ_LENGTH"
+  --max-position-embeddings "$SEQ_LENGTH"
+  --micro-batch-size "$MICRO_BATCH_SIZE"
+  --global-batch-size "$GLOBAL_BATCH_SIZE"
+  --train-iters "$TRAIN_ITERS"
+  --lr "$LR"
+  --min-lr "$MIN_LR"
+  --lr-decay-style cosine
+  --lr-decay-iters "$LR_DECAY_ITERS"
+  --lr-warmup-fraction "$LR_WARMUP_FRACTION"
+  --weight-decay 1e-2
+  --clip-grad 1.0
+)
+DATA_ARGS=(
+  --data-path "${DATA_PATHS[@]}"
+  --vocab-file "$VOCAB_FILE"
+  --merge-file "$MERGE_FILE"
+  --data-impl mmap
+  --split "$SPLIT"
+)
+OUTPUT_ARGS=(
+  --log-interval "$LOG_INTERVAL"
+  --eval-interval "$EVAL_INTERVAL"
+  --eval-iters "$EVAL_ITERS"
+  --save "$CHECKPOINT_PATH"
+  --load "$CHECKPOINT_PATH"
+  --save-interval "$SAVE_INTERVAL"
+  --tensorboard-dir "$TENSORBOARD_DIR"
+)
+DS_ARGS=(
+  --deepspeed
+  --deepspeed_config "$DS_CONFIG"
+  --no-pipeline-parallel
+)
+
+run_command deepspeed "${DS_LAUNCHER_ARGS[@]}" "$ROOT/pretrain_gpt.py" \
+  "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${DS_ARGS[@]}" "$@"

@@ -1,0 +1,365 @@
+"""Tests for the launch scripts (scripts/*pretrain_gpt2*.sh, examples/pretrain_gpt*.sh).
+
+Each script is checked by `bash -n` and shellcheck, then run as shipped (shortened through its
+environment variables and extra arguments) on a small dataset built here, on CPU processes over
+gloo. Launcher lines for GPUs and several nodes are checked with stand-in `nvidia-smi`,
+`deepspeed` and `torchrun` commands that print what they were given.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from megatron.arguments import parse_args
+from megatron.monitor import parse_iteration_log, parse_validation_line
+from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE
+
+# script -> (launcher, processes on a CPU machine, tensor-parallel size)
+SCRIPTS = {
+    "scripts/ds_pretrain_gpt2.sh": ("deepspeed", 1, 1),
+    "scripts/ds_zero2_pretrain_gpt2_model_parallel.sh": ("deepspeed", 2, 2),
+    "scripts/pretrain_gpt2.sh": ("python", 1, 1),
+    "scripts/pretrain_gpt2_model_parallel.sh": ("torchrun", 2, 2),
+    "examples/pretrain_gpt.sh": ("python", 1, 1),
+    "examples/pretrain_gpt_distributed.sh": ("torchrun", 2, 1),
+}
+DS_CONFIGS = sorted(glob.glob(os.path.join(REPO_ROOT, "examples", "ds_configs", "*.json")))
+# The shortened run: 4 iterations of micro-batches of 2 sequences of 32 tokens, validation
+# (and a checkpoint) every 2 iterations. Some settings go through the environment, some as
+# extra arguments to pretrain_gpt.py, as a user would pass them.
+TRAIN_ITERS = 4
+SHORT_ENV = {
+    "TRAIN_ITERS": str(TRAIN_ITERS),
+    "SEQ_LENGTH": "32",
+    "MICRO_BATCH_SIZE": "2",
+    "EVAL_INTERVAL": "2",
+    "SAVE_INTERVAL": "2",
+}
+SHORT_ARGS = ["--eval-iters", "1", "--log-interval", "1", "--num-workers", "0"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _script_env(**overrides: str) -> dict[str, str]:
+    """The environment of a CPU run: this venv's launchers first on PATH, no GPU visible."""
+    bin_dir = os.path.dirname(sys.executable)
+    env = dict(os.environ)
+    env.update(
+        PATH=os.pathsep.join([bin_dir, env.get("PATH", "")]),
+        PYTHON=sys.executable,
+        CUDA_VISIBLE_DEVICES="",
+        DS_ACCELERATOR="cpu",
+        MASTER_PORT=str(_free_port()),
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(overrides)
+    return env
+
+
+def _run(script: str, *args: str, env: dict[str, str], timeout: int = 600):
+    """`bash script args`, stdout and stderr together; never raises on a non-zero exit."""
+    return subprocess.run(
+        ["bash", os.path.join(REPO_ROOT, script), *args],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _iterations(output: str) -> list[dict]:
+    return [
+        parse_iteration_log(line) for line in output.splitlines() if line.startswith(" iteration")
+    ]
+
+
+def _validations(output: str) -> list[dict]:
+    """Validation lines, each with the two dashed lines Megatron frames it with."""
+    lines = output.splitlines()
+    found = []
+    for line in lines:
+        if line.startswith(" validation loss at "):
+            # Ranks share the output, so another rank's line may fall inside the frame.
+            assert lines.count("-" * (len(line) + 1)) >= 2, line
+            found.append(parse_validation_line(line))
+    return found
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 100-document GPT-2 dataset cut from the standard library; returns its prefix."""
+    work = tmp_path_factory.mktemp("launch_data")
+    corpus = work / "corpus.jsonl"
+    stdlib = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
+    documents = []
+    for path in stdlib:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            text = file.read(3000)
+        if len(text) > 500:
+            documents.append(text)
+        if len(documents) == 100:
+            break
+    with open(corpus, "w", encoding="utf-8") as file:
+        for text in documents:
+            file.write(json.dumps({"text": text}) + "\n")
+    prefix = str(work / "stdlib")
+    command = [
+        sys.executable,
+        os.path.join(REPO_ROOT, "tools", "preprocess_data.py"),
+        "--input",
+        str(corpus),
+        "--json-keys",
+        "text",
+        "--output-prefix",
+        prefix,
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        VOCAB_FILE,
+        "--merge-file",
+        MERGE_FILE,
+        "--append-eod",
+        "--workers",
+        "1",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return prefix + "_text_document"
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_syntax(script: str) -> None:
+    result = subprocess.run(["bash", "-n", script], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_shellcheck() -> None:
+    files = [*sorted(SCRIPTS), "scripts/common.sh"]
+    result = subprocess.run(
+        ["shellcheck", "-x", *files], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("config", DS_CONFIGS, ids=os.path.basename)
+def test_ds_configs_reconcile(config: str) -> None:
+    """Each shipped ds_config is valid JSON that our flags complete without a conflict."""
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    argv += ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8"]
+    argv += ["--train-iters", "4", "--lr", "1e-3", "--deepspeed", "--deepspeed_config", config]
+    args = parse_args(argv, world_size=2)
+    dsc = args.deepspeed_config_dict
+    assert dsc["train_batch_size"] == 8 and dsc["gradient_accumulation_steps"] == 2
+    assert args.zero_stage == dsc["zero_optimization"]["stage"]
+    assert args.fp16 == ("fp16" in os.path.basename(config))
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_missing_data_is_a_clear_error(script: str, tmp_path) -> None:
+    missing = str(tmp_path / "no_such_dataset")
+    env = _script_env(DATA_PATH=missing, GPUS_PER_NODE="2", CHECKPOINT_PATH=str(tmp_path / "c"))
+    result = _run(script, env=env, timeout=60)
+    assert result.returncode == 1, result.stdout
+    assert f"no dataset at DATA_PATH={missing}" in result.stdout
+    assert "bash examples/quickstart.sh" in result.stdout
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_script_trains(script: str, dataset: str, tmp_path) -> None:
+    """Run as shipped, shortened: iteration lines, validation, checkpoints, TensorBoard."""
+    launcher, processes, tp = SCRIPTS[script]
+    checkpoints, tensorboard = tmp_path / "checkpoints", tmp_path / "tensorboard"
+    env = _script_env(
+        DATA_PATH=dataset,
+        CHECKPOINT_PATH=str(checkpoints),
+        TENSORBOARD_DIR=str(tensorboard),
+        **SHORT_ENV,
+    )
+    result = _run(script, *SHORT_ARGS, env=env)
+    output = result.stdout
+    assert result.returncode == 0, output[-6000:]
+    command = output.splitlines()[0]
+    assert command.startswith("==> ") and launcher in command.split()[1], command
+    assert f"initialized {processes} process(es)" in output, output[-6000:]
+    assert f"tensor-parallel {tp} x" in output
+
+    # Every script's default global batch is 4 sequences here (examples/pretrain_gpt.sh: 8).
+    global_batch = 8 if script == "examples/pretrain_gpt.sh" else 4
+    iterations = _iterations(output)
+    assert [fields["iteration"] for fields in iterations] == list(range(1, TRAIN_ITERS + 1))
+    for fields in iterations:
+        assert fields["train iters"] == TRAIN_ITERS
+        assert fields["global batch size"] == global_batch
+        assert fields["consumed samples"] == fields["iteration"] * global_batch
+        assert fields["consumed tokens"] == fields["consumed samples"] * 32
+        assert 0 < fields["lm loss"] < 12
+
+    validations = _validations(output)
+    assert [values.get("iteration") for values in validations] == [2, 4, None, None]
+    assert all(0 < values["lm loss value"] < 12 for values in validations)
+    assert "validation loss at the end of training for val data" in output
+    assert "validation loss at the end of training for test data" in output
+
+    with open(checkpoints / "latest_checkpointed_iteration.txt") as file:
+        assert file.read().strip() == str(TRAIN_ITERS)
+    assert glob.glob(str(tensorboard / "events.out.tfevents.*"))
+
+
+@pytest.mark.slow
+def test_rerun_resumes_from_the_checkpoint(dataset: str, tmp_path) -> None:
+    """A rerun with a larger TRAIN_ITERS and --override-lr-scheduler continues the run."""
+    env = _script_env(
+        DATA_PATH=dataset,
+        CHECKPOINT_PATH=str(tmp_path / "checkpoints"),
+        TENSORBOARD_DIR=str(tmp_path / "tensorboard"),
+        **SHORT_ENV,
+    )
+    env.update(TRAIN_ITERS="2")
+    first = _run("scripts/pretrain_gpt2.sh", *SHORT_ARGS, "--eval-iters", "0", env=env)
+    assert first.returncode == 0, first.stdout[-6000:]
+    assert [fields["iteration"] for fields in _iterations(first.stdout)] == [1, 2]
+
+    env.update(TRAIN_ITERS="4")
+    more = ["--eval-iters", "0", "--override-lr-scheduler"]
+    second = _run("scripts/pretrain_gpt2.sh", *SHORT_ARGS, *more, env=env)
+    assert second.returncode == 0, second.stdout[-6000:]
+    iterations = _iterations(second.stdout)
+    assert [fields["iteration"] for fields in iterations] == [3, 4]
+    assert [fields["consumed samples"] for fields in iterations] == [12, 16]
+
+
+def _fake_commands(tmp_path, gpus: int) -> str:
+    """A PATH whose nvidia-smi lists `gpus` GPUs and whose launchers print their arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    listing = "".join(f"GPU {index}: NVIDIA H100 (UUID: GPU-{index})\\n" for index in range(gpus))
+    commands = {
+        "nvidia-smi": f'printf "{listing}"',
+        "deepspeed": 'printf "%s\\n" deepspeed "$@"',
+        "torchrun": 'printf "%s\\n" torchrun "$@"',
+    }
+    for name, body in commands.items():
+        path = bin_dir / name
+        path.write_text(f"#!/usr/bin/env bash\n{body}\n")
+        path.chmod(0o755)
+    return os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])
+
+
+def _launch(script: str, dataset: str, path: str, **overrides: str) -> tuple[int, list, str]:
+    """Run a script with the stand-in commands on `path`; (exit code, launcher argv, output)."""
+    env = _script_env(DATA_PATH=dataset, PATH=path, **overrides)
+    if "CUDA_VISIBLE_DEVICES" not in overrides:
+        del env["CUDA_VISIBLE_DEVICES"]
+    result = _run(script, env=env, timeout=60)
+    lines = result.stdout.splitlines()
+    argv = lines[1:] if lines and lines[0].startswith("==> ") else []
+    return result.returncode, argv, result.stdout
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def _processes(argv: list[str]) -> str:
+    return _flag(argv, "--num_gpus" if argv[0] == "deepspeed" else "--nproc_per_node")
+
+
+@pytest.mark.parametrize(
+    "script, tp",
+    [
+        ("scripts/ds_pretrain_gpt2.sh", 1),
+        ("scripts/ds_zero2_pretrain_gpt2_model_parallel.sh", 2),
+        ("scripts/pretrain_gpt2_model_parallel.sh", 2),
+        ("examples/pretrain_gpt_distributed.sh", 1),
+    ],
+)
+def test_gpus_per_node_defaults_to_the_gpu_count(script: str, tp: int, dataset, tmp_path):
+    """One process per GPU that nvidia-smi lists (or CUDA_VISIBLE_DEVICES keeps)."""
+    path = _fake_commands(tmp_path, gpus=8)
+    accumulation = 1 if script.startswith("examples/") else 2
+    for visible, gpus in ((None, 8), ("2,3", 2)):
+        overrides = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+        code, argv, output = _launch(script, dataset, path, **overrides)
+        assert code == 0, output
+        assert _processes(argv) == str(gpus)
+        assert _flag(argv, "--tensor-model-parallel-size") == str(tp)
+        # micro-batch 4 x data-parallel size x gradient accumulation
+        assert _flag(argv, "--global-batch-size") == str(4 * gpus // tp * accumulation)
+        assert os.path.join(REPO_ROOT, "pretrain_gpt.py") in argv
+
+
+def test_launcher_lines_for_several_nodes(dataset: str, tmp_path) -> None:
+    path = _fake_commands(tmp_path, gpus=8)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-1 slots=8\nworker-2 slots=8\n")
+    nodes = dict(NNODES="2", MASTER_ADDR="worker-1", MASTER_PORT="6010", GPUS_PER_NODE="8")
+
+    script = "scripts/ds_pretrain_gpt2.sh"
+    code, argv, output = _launch(script, dataset, path, **nodes)
+    assert code == 1 and "NNODES=2 needs HOSTFILE" in output
+
+    code, argv, output = _launch(script, dataset, path, HOSTFILE=str(hostfile), **nodes)
+    assert code == 0, output
+    assert argv[: argv.index(os.path.join(REPO_ROOT, "pretrain_gpt.py"))] == [
+        "deepspeed",
+        "--num_gpus",
+        "8",
+        "--master_port",
+        "6010",
+        "--hostfile",
+        str(hostfile),
+        "--num_nodes",
+        "2",
+        "--master_addr",
+        "worker-1",
+    ]
+    assert _flag(argv, "--global-batch-size") == "128"  # 4 x 16 data-parallel ranks x 2
+
+    code, argv, output = _launch(
+        script, dataset, path, HOSTFILE=str(hostfile), DS_NO_SSH="1", NODE_RANK="1", **nodes
+    )
+    assert code == 0, output
+    assert argv[argv.index("--no_ssh") + 1 : argv.index("--no_ssh") + 3] == ["--node_rank", "1"]
+
+    code, argv, output = _launch(
+        "examples/pretrain_gpt_distributed.sh", dataset, path, NODE_RANK="1", **nodes
+    )
+    assert code == 0, output
+    assert argv[: argv.index(os.path.join(REPO_ROOT, "pretrain_gpt.py"))] == [
+        "torchrun",
+        "--nproc_per_node",
+        "8",
+        "--nnodes",
+        "2",
+        "--node_rank",
+        "1",
+        "--master_addr",
+        "worker-1",
+        "--master_port",
+        "6010",
+    ]
+
+
+def test_sizes_that_do_not_divide_are_refused(dataset: str, tmp_path) -> None:
+    path = _fake_commands(tmp_path, gpus=3)
+    code, argv, output = _launch("scripts/pretrain_gpt2_model_parallel.sh", dataset, path)
+    assert code == 1 and not argv
+    assert re.search(r"3 process\(es\).*cannot be split into tensor-parallel 2", output)
