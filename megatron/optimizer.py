@@ -229,12 +229,15 @@ def clip_grad_norm(
     params = [param for param in parameters if param.grad is not None]
     grads = [param.grad.detach() for param in params]
     # A replicated param (norm, row-parallel bias) has the same grad on every tensor-parallel
-    # rank: count it on rank 0 only. `shared` marks a second copy of a tied weight.
+    # rank: count it on rank 0 only. A second copy of a tied weight is counted once: Megatron
+    # marks it `shared`, DeepSpeed's pipeline marks the last stage's embedding
+    # `ds_pipe_replicated`.
     tp_rank_0 = parallel_state.get_tensor_model_parallel_rank() == 0
     grads_for_norm = [
         param.grad.detach()
         for param in params
         if not getattr(param, "shared", False)
+        and not getattr(param, "ds_pipe_replicated", False)
         and (getattr(param, "tensor_model_parallel", False) or tp_rank_0)
     ]
     device = _reduction_device(grads)

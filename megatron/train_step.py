@@ -64,6 +64,14 @@ def _is_nan(losses: dict[str, float]) -> bool:
     return not all(math.isfinite(value) for value in losses.values())
 
 
+def deepspeed_grad_norm(engine) -> float | None:  # noqa: ANN001 - a DeepSpeedEngine
+    """The engine's pre-clipping gradient norm as a float; None after a skipped step."""
+    if not engine.was_step_applied():
+        return None  # as Megatron: no norm for an update that did not happen
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
+
+
 def deepspeed_loss_scale(engine) -> float | None:  # noqa: ANN001 - a DeepSpeedEngine
     """The engine's current fp16 loss scale, or None when it does not scale losses."""
     if not engine.fp16_enabled():
@@ -102,7 +110,7 @@ def train_step_deepspeed(
         losses=losses,
         skipped=not engine.was_step_applied(),
         nan=_is_nan(losses),
-        grad_norm=engine.get_global_grad_norm(),
+        grad_norm=deepspeed_grad_norm(engine),
         loss_scale=deepspeed_loss_scale(engine),
     )
 
@@ -121,7 +129,7 @@ def train_step_pipeline(
         losses=losses,
         skipped=not engine.was_step_applied(),
         nan=_is_nan(losses),
-        grad_norm=engine.get_global_grad_norm(),
+        grad_norm=deepspeed_grad_norm(engine),
         loss_scale=deepspeed_loss_scale(engine),
     )
 
@@ -186,7 +194,7 @@ def train_step_plain(
         losses=losses,
         skipped=skipped,
         nan=_is_nan(losses),
-        grad_norm=trainer.optimizer.grad_norm,
+        grad_norm=None if skipped else trainer.optimizer.grad_norm,
         # After the update, as Megatron logs it.
         loss_scale=trainer.loss_scaler.scale if trainer.loss_scaler is not None else None,
     )
