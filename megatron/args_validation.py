@@ -10,6 +10,7 @@ config with the flags (`megatron.ds_config`) and keeps the result in
 from __future__ import annotations
 
 import argparse
+import os
 
 from megatron.batch_schedule import BatchSizeSchedule
 
@@ -180,6 +181,28 @@ def _pipeline_and_checkpoints(args: argparse.Namespace) -> None:
         raise ArgumentError("--save-interval needs --save (the directory to write to)")
 
 
+def _data_files(args: argparse.Namespace) -> None:
+    """Every --data-path prefix, --vocab-file and --merge-file exists, before anything starts."""
+    from megatron.data.blendable_dataset import parse_data_path
+    from megatron.data.indexed_dataset import data_file_path, dataset_exists, index_file_path
+
+    if getattr(args, "data_path", None):
+        try:
+            prefixes, _ = parse_data_path(args.data_path)
+        except ValueError as error:
+            raise ArgumentError(str(error)) from None
+        for prefix in prefixes:
+            if not dataset_exists(prefix):
+                raise ArgumentError(
+                    f"--data-path {prefix}: no dataset there (need {data_file_path(prefix)} and "
+                    f"{index_file_path(prefix)}; make them with tools/preprocess_data.py)"
+                )
+    for flag in ("vocab_file", "merge_file"):
+        path = getattr(args, flag, None)
+        if path is not None and not os.path.isfile(path):
+            raise ArgumentError(f"--{flag.replace('_', '-')} {path}: no such file")
+
+
 def _schedule(args: argparse.Namespace) -> None:
     """Build the LR schedule once on a throwaway optimizer: its errors name the flags."""
     import torch
@@ -242,6 +265,7 @@ def validate_args(
     _recompute(args)
     _pipeline_and_checkpoints(args)
     _schedule(args)
+    _data_files(args)
     _backend(args)
     args.params_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     return args

@@ -144,3 +144,17 @@ def test_typed_flags_are_only_those_on_the_command_line():
         "seed",
     }
     assert parser.parse_args(BASE).clip_grad == 1.0  # the parser itself keeps its defaults
+
+
+def test_missing_data_and_tokenizer_files_are_named(tmp_path):
+    """A --data-path prefix without .bin/.idx, or a missing vocab file, fails at start-up."""
+    (tmp_path / "a.bin").write_bytes(b"")
+    (tmp_path / "a.idx").write_bytes(b"")
+    present, missing = str(tmp_path / "a"), str(tmp_path / "b")
+    assert validated(f"--data-path {present}").data_path == [present]
+    with pytest.raises(ArgumentError, match=f"--data-path {missing}: no dataset there"):
+        validated(f"--data-path 0.5 {present} 0.5 {missing}")
+    with pytest.raises(ArgumentError, match="should be the weight"):
+        validated(f"--data-path {present} {present}")
+    with pytest.raises(ArgumentError, match=f"--vocab-file {tmp_path}/v.json: no such file"):
+        validated(f"--vocab-file {tmp_path}/v.json")
