@@ -207,11 +207,11 @@ def _schedule(args: argparse.Namespace) -> None:
     """Build the LR schedule once on a throwaway optimizer: its errors name the flags."""
     import torch
 
-    from megatron.scheduler import scheduler_from_args
+    from megatron.scheduler import OptimizerParamScheduler, scheduler_arguments
 
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
     try:
-        scheduler_from_args(probe, args)
+        OptimizerParamScheduler(probe, **scheduler_arguments(args))
     except ValueError as error:
         raise ArgumentError(str(error)) from None
 

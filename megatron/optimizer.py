@@ -325,10 +325,12 @@ class GuardedAdamW(torch.optim.AdamW):
             super().step()
             return loss
         params = [param for group in self.param_groups for param in group["params"]]
-        self.overflow = not grads_are_finite(params, group=self.model_parallel_group)
-        if self.overflow:
-            self.grad_norm = None
-            return loss
-        self.grad_norm = clip_grad_norm(params, self.clip_grad, self.model_parallel_group)
-        super().step()
+        # One pass: the norm (all-reduced over the model-parallel ranks, the gradients being
+        # equal across data-parallel ranks) is non-finite exactly when some gradient is, and
+        # clip_grad_norm leaves the gradients alone then.
+        norm = clip_grad_norm(params, self.clip_grad, self.model_parallel_group)
+        self.overflow = not math.isfinite(norm)
+        self.grad_norm = None if self.overflow else norm
+        if not self.overflow:
+            super().step()
         return loss

@@ -76,7 +76,6 @@ class OptimizerParamScheduler:
         self._validate()
         # Megatron sets the initial lr at construction, before any optimizer step.
         self.step(0)
-        print_rank_0(f"> learning rate decay style: {self.lr_decay_style}")
 
     def _validate(self) -> None:
         if self.min_lr < 0.0:
@@ -257,6 +256,13 @@ def scheduler_from_args(
     optimizer: torch.optim.Optimizer, args: Namespace
 ) -> OptimizerParamScheduler:
     """Megatron's `get_optimizer_param_scheduler`: the schedule in samples from the flags."""
+    scheduler = OptimizerParamScheduler(optimizer, **scheduler_arguments(args))
+    print_rank_0(f"> learning rate decay style: {scheduler.lr_decay_style}")
+    return scheduler
+
+
+def scheduler_arguments(args: Namespace) -> dict:
+    """`OptimizerParamScheduler` keyword arguments (steps in samples) from Megatron's flags."""
     if args.train_samples:
         # Sample-based: checked first because validate_args also fills train_iters from it.
         lr_decay_steps = _arg_or(args, "lr_decay_samples", args.train_samples)
@@ -271,8 +277,7 @@ def scheduler_from_args(
         raise ValueError("either --train-iters or --train-samples must be given")
     if args.lr_warmup_fraction is not None:
         lr_warmup_steps = args.lr_warmup_fraction * lr_decay_steps
-    return OptimizerParamScheduler(
-        optimizer,
+    return dict(
         init_lr=_arg_or(args, "lr_warmup_init", 0.0),
         max_lr=args.lr,
         min_lr=args.min_lr,
