@@ -203,15 +203,23 @@ def encode_in_order(
     context = multiprocessing.get_context(start_method)
     with context.Pool(args.workers, initializer=_init_worker, initargs=(config,)) as pool:
         pending: deque = deque()
-        for file_index, first_line, lines in reader.batches(args.chunk_size):
-            task = pool.apply_async(_encode_batch, (file_index, first_line, lines))
-            pending.append((reader.position, task))
-            if len(pending) >= window:
+        try:
+            for file_index, first_line, lines in reader.batches(args.chunk_size):
+                task = pool.apply_async(_encode_batch, (file_index, first_line, lines))
+                pending.append((reader.position, task))
+                if len(pending) >= window:
+                    position, task = pending.popleft()
+                    writer.write(task.get(), position)
+            while pending:
                 position, task = pending.popleft()
                 writer.write(task.get(), position)
-        while pending:
-            position, task = pending.popleft()
-            writer.write(task.get(), position)
+        except BaseException:
+            # Let the batches in flight finish (at most `window`) before the pool terminates:
+            # a worker killed while sending its result can deadlock Pool.terminate, which
+            # hung a bad-line run. Idle workers terminate cleanly, as on success.
+            for _, task in pending:
+                task.wait()
+            raise
 
 
 def preprocess(args: argparse.Namespace) -> int:
