@@ -54,7 +54,8 @@ def average_over_data_parallel(sums: dict[str, torch.Tensor], count: int) -> dic
     return dict(zip(names, values.tolist()))
 
 
-def _accumulate(sums: dict[str, torch.Tensor], reported: dict[str, torch.Tensor]) -> None:
+def accumulate_reported(sums: dict[str, torch.Tensor], reported: dict[str, torch.Tensor]) -> None:
+    """Add one micro-batch's reported values (detached, fp32) to the running sums."""
     for name, value in reported.items():
         value = value.detach().float()
         sums[name] = sums[name] + value if name in sums else value
@@ -104,7 +105,7 @@ def train_step_deepspeed(
         engine.backward(loss)  # scales by 1/accumulation steps itself
         # The scheduler counts samples; DeepSpeed passes lr_kwargs on at the boundary only.
         engine.step(lr_kwargs={"increment": increment})
-        _accumulate(sums, reported)
+        accumulate_reported(sums, reported)
     losses = average_over_data_parallel(sums, micro_batches)
     return StepResult(
         losses=losses,
@@ -175,7 +176,7 @@ def train_step_plain(
                 output, loss_func = forward_step_func(data_iterator, trainer.model, args)
                 loss, reported = loss_func(output)
             (loss.float() * (scale / micro_batches)).backward()
-        _accumulate(sums, reported)
+        accumulate_reported(sums, reported)
     if scale != 1.0:
         for group in trainer.optimizer.param_groups:
             for param in group["params"]:

@@ -12,6 +12,7 @@ Providers (all receive the validated `args`):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,7 +34,12 @@ from megatron.optimizer import (
 from megatron.scheduler import scheduler_from_args
 from megatron.tokenizer import build_tokenizer
 from megatron.train_loop import TrainingLoop, TrainState
-from megatron.train_step import ForwardStep, PlainTrainer, average_over_data_parallel
+from megatron.train_step import (
+    ForwardStep,
+    PlainTrainer,
+    accumulate_reported,
+    average_over_data_parallel,
+)
 from megatron.utils import current_device, print_rank_0, print_rank_last
 
 
@@ -186,13 +192,11 @@ def evaluate(
     micro_batches = args.gradient_accumulation_steps * args.eval_iters
     with torch.no_grad():
         for _ in range(micro_batches):
-            autocast = model.autocast() if isinstance(model, PlainTrainer) else None
-            with autocast or torch.autocast("cpu", enabled=False):
+            plain = isinstance(model, PlainTrainer)
+            with model.autocast() if plain else contextlib.nullcontext():
                 output, loss_func = forward_step_func(data_iterator, module, args)
                 _, reported = loss_func(output)
-            for name, value in reported.items():
-                value = value.detach().float()
-                sums[name] = sums[name] + value if name in sums else value
+            accumulate_reported(sums, reported)
     module.train()
     return average_over_data_parallel(sums, micro_batches)
 
