@@ -3,8 +3,8 @@
 `get_param_groups` splits parameters the way Megatron does (no weight decay on biases and
 norms), `build_optimizer` makes the bare AdamW that DeepSpeed wraps (or the plain-torch path
 steps), the loss scalers are Megatron's `DynamicGradScaler` / `ConstantGradScaler`, and
-`clip_grad_norm` / `grads_are_finite` are the model-parallel-aware checks that
-`GuardedAdamW` runs before each step where DeepSpeed does not run its own.
+`clip_grad_norm` is the model-parallel-aware norm (and clip) that `GuardedAdamW` runs before
+each step where DeepSpeed does not run its own; a non-finite norm skips the step.
 """
 
 from __future__ import annotations
@@ -257,19 +257,6 @@ def clip_grad_norm(
         for grad in grads:
             grad.mul_(clip_coeff)
     return total_norm
-
-
-def grads_are_finite(parameters: Iterable[torch.nn.Parameter], group: object = None) -> bool:
-    """True if no grad holds inf or nan, on any rank of `group` (default: the world)."""
-    grads = [param.grad.detach() for param in parameters if param.grad is not None]
-    device = _reduction_device(grads)
-    if grads:
-        found_inf = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float()
-        found_inf = found_inf.to(device)
-    else:
-        found_inf = torch.zeros((), dtype=torch.float32, device=device)
-    _all_reduce(found_inf, dist.ReduceOp.MAX, group)
-    return found_inf.item() == 0.0
 
 
 class GuardedAdamW(torch.optim.AdamW):

@@ -27,9 +27,9 @@ from megatron.initialize import initialize_megatron
 from megatron.monitor import MetricsWriter, Timers, format_validation_block
 from megatron.optimizer import (
     GuardedAdamW,
-    build_optimizer,
     get_param_groups,
     loss_scaler_from_args,
+    optimizer_from_args,
 )
 from megatron.scheduler import scheduler_from_args
 from megatron.tokenizer import build_tokenizer
@@ -51,14 +51,7 @@ def _build_optimizer(model: torch.nn.Module, args: argparse.Namespace, guard: bo
     """
     if not guard:
         # DeepSpeed recognises torch's own AdamW (its ZeRO code paths are tested with it).
-        return build_optimizer(
-            get_param_groups(model),
-            lr=args.lr,
-            weight_decay=args.weight_decay,
-            betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_eps,
-            kind=args.optimizer,
-        )
+        return optimizer_from_args(model, args)
     return GuardedAdamW(
         get_param_groups(model),
         lr=args.lr,
@@ -71,16 +64,14 @@ def _build_optimizer(model: torch.nn.Module, args: argparse.Namespace, guard: bo
     )
 
 
-def _deepspeed_guards_steps(config: dict) -> bool:
+def _deepspeed_guards_steps(args: argparse.Namespace) -> bool:
     """Whether DeepSpeed itself skips non-finite steps and reports the gradient norm.
 
-    It does with fp16 or bf16 and in ZeRO stages 1-3; fp32 ZeRO-0 hands the client
-    optimizer the raw gradients, so there our optimizer guards the step.
+    It does with fp16 or bf16 and in ZeRO stages 1-3 (the flags already agree with the
+    config); fp32 ZeRO-0 hands the client optimizer the raw gradients, so there our
+    optimizer guards the step.
     """
-    half = config.get("fp16", {}).get("enabled", False) or config.get("bf16", {}).get(
-        "enabled", False
-    )
-    return half or config.get("zero_optimization", {}).get("stage", 0) > 0
+    return bool(args.fp16 or args.bf16 or args.zero_stage > 0)
 
 
 def setup_model_and_optimizer(model_provider: Callable, args: argparse.Namespace):
@@ -95,7 +86,7 @@ def setup_model_and_optimizer(model_provider: Callable, args: argparse.Namespace
         import deepspeed
 
         config = dict(args.deepspeed_config_dict)
-        guard = not _deepspeed_guards_steps(config)
+        guard = not _deepspeed_guards_steps(args)
         if guard:
             config["gradient_clipping"] = 0.0  # the optimizer clips, so it sees the norm first
         optimizer = _build_optimizer(model, args, guard)
