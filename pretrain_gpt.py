@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 
+from megatron.checkpointing import CheckpointError
 from megatron.config import DataConfig, ModelConfig
 from megatron.core import parallel_state
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run `pretrain` with GPT's providers; a stopped run exits 1 with the reason."""
     try:
         pretrain(datasets_provider, model_provider, forward_step, argv=argv)
-    except (TrainingStopped, SchedulerMismatchError) as stopped:
+    except (TrainingStopped, SchedulerMismatchError, CheckpointError) as stopped:
         print(f"error: {stopped}", file=sys.stderr, flush=True)
         return 1
     finally:

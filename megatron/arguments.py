@@ -150,6 +150,12 @@ def _checkpointing(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-load-optim", action="store_true")
     group.add_argument("--no-load-rng", action="store_true")
     group.add_argument("--finetune", action="store_true")
+    group.add_argument(
+        "--universal-checkpoint",
+        action="store_true",
+        help="Load a DeepSpeed universal checkpoint (made by deepspeed.checkpoint.ds_to_universal "
+        "from a --deepspeed checkpoint), e.g. to resume on a different number of GPUs.",
+    )
 
 
 def _logging(parser: argparse.ArgumentParser) -> None:

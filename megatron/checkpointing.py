@@ -1,26 +1,73 @@
-"""`save_checkpoint` / `load_checkpoint` in Megatron's layout (plain torch) or through the
-DeepSpeed engine (`engine.save_checkpoint`, with Megatron's tracker file beside DeepSpeed's).
+"""`save_checkpoint` / `load_checkpoint`: Megatron's layout (plain torch) or DeepSpeed's engine.
 
-Megatron layout: `{save}/iter_{N:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt` and
-`{save}/latest_checkpointed_iteration.txt`. Files appear under their final names only when
-complete (`megatron.atomic_files`), and the tracker is written last.
+Megatron layout: `{save}/iter_{N:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt` with
+`args`, `checkpoint_version`, `iteration`, `model` (Megatron's nested `language_model`
+dict), `optimizer`, `opt_param_scheduler`, `rng_state` (one entry per data-parallel rank) and
+our `train_state` counters; `{save}/latest_checkpointed_iteration.txt` names the newest.
+DeepSpeed layout: `{save}/global_step{N}/...` written by `engine.save_checkpoint` with the same
+metadata as client state (`rng_state` one entry per global rank), and both `latest` and
+Megatron's tracker file. Either way a checkpoint appears under its final name only once every
+rank's files are on disk, and the trackers are written last (`megatron.checkpoint_commit`).
+
+Loading reads whichever layout `--load` holds (a DeepSpeed run can start from Megatron-layout
+weights and vice versa), checks the model shape and parallel sizes against this run's flags,
+and never executes code from a file (`torch.load(weights_only=True)`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict, fields
+import re
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.distributed as dist
 
+from megatron import checkpoint_commit
 from megatron.atomic_files import atomic_outputs
+from megatron.checkpoint_format import (
+    CHECKPOINT_VERSION,
+    HEAD_KEY,
+    args_dict,
+    flatten_model_state,
+    load_file,
+    nest_model_state,
+    plain_args,
+)
 from megatron.core import parallel_state
+from megatron.rng_state import gather_rng_states, restore_rng_state
 from megatron.utils import print_rank_0
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-CHECKPOINT_VERSION = 3.0
+RESHARD_TOOL = "tools/checkpoint/reshard.py"
+MODEL_SHAPE_FLAGS = {
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "kv_channels": "--kv-channels",
+    "max_position_embeddings": "--max-position-embeddings",
+    "position_embedding_type": "--position-embedding-type",
+}
+PARALLEL_FLAGS = {
+    "tensor_model_parallel_size": "--tensor-model-parallel-size",
+    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this run cannot load; the message says why and what to run instead."""
+
+
+@dataclass
+class FoundCheckpoint:
+    """The checkpoint the trackers in a `--load` directory name."""
+
+    layout: str  # "megatron" or "deepspeed"
+    directory: str
+    iteration: int
+    release: bool = False
+    tag: str = ""
 
 
 def checkpoint_directory(root: str, iteration: int, release: bool = False) -> str:
@@ -28,125 +75,288 @@ def checkpoint_directory(root: str, iteration: int, release: bool = False) -> st
     return os.path.join(root, "release" if release else f"iter_{iteration:07d}")
 
 
-def checkpoint_file(root: str, iteration: int, release: bool = False) -> str:
-    """This rank's Megatron-layout file for `iteration`."""
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    rank_dir = f"mp_rank_{tp_rank:02d}"
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        rank_dir += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
-    return os.path.join(
-        checkpoint_directory(root, iteration, release), rank_dir, "model_optim_rng.pt"
+def rank_file(directory: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """The Megatron-layout file of one model-parallel rank inside a checkpoint directory."""
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+    return os.path.join(directory, name, "model_optim_rng.pt")
+
+
+def _this_rank_file(directory: str) -> str:
+    return rank_file(
+        directory,
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
     )
 
 
-def read_tracker(root: str) -> tuple[int, bool] | None:
-    """(iteration, release) from the tracker file, or None when there is none."""
-    path = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.isfile(path):
+def find_checkpoint(root: str, universal: bool = False) -> FoundCheckpoint | None:
+    """The newest complete checkpoint under `root` by its trackers, or None if there is none.
+
+    `universal`: the one `ds_to_universal` recorded in `latest_universal`.
+    """
+    tracker_name = "latest_universal" if universal else checkpoint_commit.DEEPSPEED_TRACKER_FILENAME
+    tag = checkpoint_commit.read_deepspeed_tag(root, tracker_name)
+    if universal and tag is None:
+        raise CheckpointError(
+            f"--universal-checkpoint: {root}/latest_universal does not exist; convert the "
+            "checkpoint first: python -m deepspeed.checkpoint.ds_to_universal --input_folder "
+            f"{root}/global_stepN --output_folder {root}/global_stepN_universal"
+        )
+    if tag is not None:
+        match = re.match(r"global_step(\d+)", tag)
+        directory = os.path.join(root, tag)
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"{root}/latest names {tag}, but {directory} does not exist")
+        return FoundCheckpoint("deepspeed", directory, int(match.group(1)) if match else 0, tag=tag)
+    tracker = checkpoint_commit.read_tracker(root)
+    if tracker is None:
         return None
-    text = open(path).read().strip()
-    if text == "release":
-        return 0, True
-    try:
-        return int(text), False
-    except ValueError:
-        raise ValueError(
-            f"{path}: expected an iteration number or 'release', got {text!r}"
-        ) from None
+    iteration, release = tracker
+    directory = checkpoint_directory(root, iteration, release)
+    if not os.path.isdir(directory):
+        raise CheckpointError(
+            f"{root}/{checkpoint_commit.TRACKER_FILENAME} names iteration {iteration}, "
+            f"but {directory} does not exist"
+        )
+    return FoundCheckpoint("megatron", directory, iteration, release)
 
 
-def _write_tracker(root: str, iteration: int) -> None:
-    path = os.path.join(root, TRACKER_FILENAME)
-    with atomic_outputs(path) as (partial,):
-        with open(partial, "w") as handle:
-            handle.write(str(iteration))
+def _client_state(state, args: argparse.Namespace, rng_states: list | None) -> dict:  # noqa: ANN001
+    saved_args = plain_args(args)
+    # Megatron's tools read the sample counters from the checkpoint's args.
+    saved_args.consumed_train_samples = state.consumed_train_samples
+    saved_args.consumed_valid_samples = state.consumed_valid_samples
+    client = {
+        "args": saved_args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": state.iteration,
+        "train_state": asdict(state),
+    }
+    if rng_states is not None:
+        client["rng_state"] = rng_states
+    return client
 
 
-def _plain_args(args: argparse.Namespace) -> dict:
-    """The flags as plain Python values, loadable with `torch.load(weights_only=True)`."""
-    allowed = (int, float, str, bool, type(None))
-    out = {}
-    for name, value in vars(args).items():
-        if isinstance(value, allowed) or (
-            isinstance(value, (list, tuple)) and all(isinstance(v, allowed) for v in value)
-        ):
-            out[name] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
-def _client_state(state, args: argparse.Namespace) -> dict:  # noqa: ANN001 - a TrainState
-    return {**asdict(state), "args": _plain_args(args), "checkpoint_version": CHECKPOINT_VERSION}
-
-
-def _unwrap(model) -> torch.nn.Module:  # noqa: ANN001 - PlainTrainer or module
+def _unwrap(model) -> torch.nn.Module:  # noqa: ANN001 - PlainTrainer, engine or module
     module = getattr(model, "model", model)
     return getattr(module, "module", module)
 
 
 def save_checkpoint(state, model, optimizer, scheduler, args: argparse.Namespace) -> None:  # noqa: ANN001
-    """Save iteration `state.iteration` to `--save` in the layout of this run's engine."""
+    """Save `state.iteration` to `--save` in this run's layout (a collective on all ranks)."""
     iteration = state.iteration
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
-    client = _client_state(state, args)
     if args.deepspeed:
-        model.save_checkpoint(args.save, tag=f"global_step{iteration}", client_state=client)
-    elif parallel_state.get_data_parallel_rank() == 0:
-        checkpoint = dict(client, model=_unwrap(model).state_dict())
-        if not args.no_save_optim:
-            checkpoint["optimizer"] = optimizer.state_dict()
-            checkpoint["opt_param_scheduler"] = scheduler.state_dict()
-            if getattr(model, "loss_scaler", None) is not None:
-                checkpoint["loss_scaler"] = model.loss_scaler.state_dict()
-        path = checkpoint_file(args.save, iteration)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with atomic_outputs(path) as (partial,):
-            torch.save(checkpoint, partial)
-    if dist.is_initialized():
-        dist.barrier()
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        _write_tracker(args.save, iteration)
+        from megatron.checkpoint_deepspeed import save_deepspeed
+
+        rng = None if args.no_save_rng else gather_rng_states()
+        save_deepspeed(model, args.save, iteration, _client_state(state, args, rng), args)
+    else:
+        rng = None if args.no_save_rng else gather_rng_states(_data_parallel_group())
+        final = checkpoint_directory(args.save, iteration)
+        staging = checkpoint_commit.begin(final)
+        if parallel_state.get_data_parallel_rank() == 0:
+            checkpoint = _client_state(state, args, rng)
+            checkpoint["model"] = nest_model_state(_unwrap(model).state_dict())
+            if not args.no_save_optim:
+                checkpoint["optimizer"] = optimizer.state_dict()
+                checkpoint["opt_param_scheduler"] = scheduler.state_dict()
+                if getattr(model, "loss_scaler", None) is not None:
+                    checkpoint["loss_scaler"] = model.loss_scaler.state_dict()
+            path = _this_rank_file(staging)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with atomic_outputs(path) as (partial,):
+                torch.save(checkpoint, partial)
+        checkpoint_commit.commit(final, {checkpoint_commit.TRACKER_FILENAME: str(iteration)})
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
 
 
-def _state_from(client: dict, args: argparse.Namespace):  # noqa: ANN202
+def _data_parallel_group():  # noqa: ANN202
+    return parallel_state.get_data_parallel_group() if dist.is_initialized() else None
+
+
+def check_checkpoint_args(saved: dict, args: argparse.Namespace, path: str) -> None:
+    """Refuse a checkpoint whose parallel split, model shape or vocabulary differ from ours."""
+    for name, flag in PARALLEL_FLAGS.items():
+        theirs, ours = saved.get(name), getattr(args, name)
+        if theirs is not None and theirs != ours:
+            raise CheckpointError(
+                f"{path} was saved with {flag} {theirs}, this run has {flag} {ours}: convert "
+                f"it with {RESHARD_TOOL} --load {args.load} --save NEW_DIR "
+                f"--target-tensor-parallel-size {args.tensor_model_parallel_size} "
+                f"--target-pipeline-parallel-size {args.pipeline_model_parallel_size}"
+            )
+    for name, flag in MODEL_SHAPE_FLAGS.items():
+        theirs, ours = saved.get(name), getattr(args, name, None)
+        if theirs is not None and ours is not None and theirs != ours:
+            raise CheckpointError(
+                f"{path} was saved with {flag} {theirs}, this run has {flag} {ours}: "
+                "pass the checkpoint's model flags"
+            )
+    theirs, ours = saved.get("padded_vocab_size"), getattr(args, "padded_vocab_size", None)
+    if theirs is not None and ours is not None and theirs != ours:
+        raise CheckpointError(
+            f"{path} has a vocabulary of {theirs} rows (padded), this run {ours}: use the "
+            "checkpoint's tokenizer files and --make-vocab-size-divisible-by "
+            f"{saved.get('make_vocab_size_divisible_by')}"
+        )
+
+
+def _train_state(client: dict, iteration: int):  # noqa: ANN202
     from megatron.train_loop import TrainState
 
-    if args.finetune:
-        return TrainState()
+    saved = dict(client.get("train_state") or {})
+    if not saved:  # Megatron's own files: iteration at the top, sample counters in args
+        saved_args = args_dict(client.get("args"))
+        for name in ("consumed_train_samples", "consumed_valid_samples"):
+            saved[name] = client.get(name, saved_args.get(name, 0))
+    saved["iteration"] = client.get("iteration", iteration)
     names = {field.name for field in fields(TrainState)}
-    return TrainState(**{k: v for k, v in client.items() if k in names})
+    return TrainState(**{k: v for k, v in saved.items() if k in names})
+
+
+def _restore_rng(client: dict, group_rank: int, group_size: int, path: str) -> None:
+    states = client.get("rng_state")
+    if states is None:
+        print_rank_0(f"> {path} has no RNG state; random generators keep their seeds")
+        return
+    if isinstance(states, dict):
+        states = [states]
+    if len(states) != group_size:
+        print_rank_0(
+            f"> {path} holds RNG states of {len(states)} ranks, this run has {group_size}: "
+            "random generators keep their seeds"
+        )
+        return
+    restore_rng_state(states[group_rank])
+
+
+def _continue_schedule(scheduler, state) -> None:  # noqa: ANN001
+    # Without saved scheduler state, put the learning rate where the schedule has reached.
+    if state.consumed_train_samples:
+        scheduler.step(increment=state.consumed_train_samples)
+        print_rank_0(
+            f"> no optimizer/scheduler state loaded; learning-rate schedule continues at "
+            f"sample {state.consumed_train_samples}"
+        )
+
+
+def _metadata(found: FoundCheckpoint) -> tuple[str, dict]:
+    """(file, contents) holding this rank's weights (Megatron) or the run's metadata (DS)."""
+    if found.layout == "megatron":
+        path = _this_rank_file(found.directory)
+        return path, load_file(path)
+    from megatron.checkpoint_deepspeed import DEEPSPEED_SAFE_GLOBALS
+
+    # Every model-parallel rank's file carries the same metadata; this one always exists.
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    path = os.path.join(found.directory, f"mp_rank_{tp_rank:02d}_model_states.pt")
+    return path, load_file(path, mmap=True, extra_globals=DEEPSPEED_SAFE_GLOBALS)
+
+
+def _pipeline_weights(flat: dict, args: argparse.Namespace) -> dict:
+    """Megatron-layout names of one stage (local layer numbers) -> `GPTModelPipe` names."""
+    from megatron.model.pipeline import EMBEDDING_KEY, gpt_to_pipeline_name
+
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    offset = parallel_state.get_pipeline_model_parallel_rank() * (args.num_layers // pp_size)
+    renamed = {}
+    for name, tensor in flat.items():
+        if name.startswith(HEAD_KEY + "."):
+            renamed[f"tied_modules.{EMBEDDING_KEY}.word_embeddings." + name.split(".")[-1]] = tensor
+            continue
+        match = re.match(r"(language_model\.encoder\.layers\.)(\d+)(\..+)", name)
+        if match:
+            name = f"{match.group(1)}{int(match.group(2)) + offset}{match.group(3)}"
+        renamed[gpt_to_pipeline_name(name, args.num_layers)] = tensor
+    return renamed
+
+
+def _load_weights(model, flat: dict, args: argparse.Namespace, path: str) -> None:  # noqa: ANN001
+    """Load model weights saved in the other layout (no optimizer state) into this run."""
+    module = _unwrap(model)
+    if args.deepspeed and args.pipeline_parallel:
+        flat = _pipeline_weights(flat, args)
+    expected = module.state_dict()
+    unexpected = sorted(set(flat) - set(expected))
+    # A later pipeline stage holds an (unused) copy of the position embeddings.
+    missing = sorted(k for k in set(expected) - set(flat) if "position_embeddings" not in k)
+    if unexpected or missing:
+        raise CheckpointError(
+            f"{path} does not match this model (unexpected {unexpected[:3]}, missing "
+            f"{missing[:3]}); convert it with {RESHARD_TOOL}"
+        )
+    for name, tensor in flat.items():
+        if tensor.shape != expected[name].shape:
+            raise CheckpointError(
+                f"{path}: {name} has shape {tuple(tensor.shape)}, this model "
+                f"{tuple(expected[name].shape)}"
+            )
+    module.load_state_dict(flat, strict=False)
+    if args.deepspeed:
+        from megatron.checkpoint_deepspeed import refresh_master_weights
+
+        refresh_master_weights(model)
 
 
 def load_checkpoint(model, optimizer, scheduler, args: argparse.Namespace):  # noqa: ANN001, ANN201
-    """Resume from `--load` if it holds a checkpoint; returns the `TrainState` to continue."""
+    """Resume from `--load` if it holds a checkpoint; returns the `TrainState` to continue.
+
+    As Megatron: `--finetune` and `release` checkpoints load weights only and start at
+    iteration 0; `--no-load-optim` / `--no-load-rng` skip those parts. A missing or empty
+    `--load` directory starts a fresh run and says so.
+    """
     from megatron.train_loop import TrainState
 
     if not args.load:
         return TrainState()
-    load_optimizer = not (args.no_load_optim or args.finetune)
-    if args.deepspeed:
-        path, client = model.load_checkpoint(
-            args.load,
-            load_optimizer_states=load_optimizer,
-            load_lr_scheduler_states=load_optimizer,
-            load_module_only=not load_optimizer,
-        )
-        if path is None:
-            print_rank_0(f"> no checkpoint found in {args.load}; starting from iteration 0")
-            return TrainState()
+    universal = getattr(args, "universal_checkpoint", False)
+    found = find_checkpoint(args.load, universal) if os.path.isdir(args.load) else None
+    if found is None:
+        print_rank_0(f"> no checkpoint found in {args.load}; starting from iteration 0")
+        return TrainState()
+    path, client = _metadata(found)
+    check_checkpoint_args(args_dict(client.get("args")), args, path)
+    fresh = args.finetune or found.release
+    load_optimizer = not (args.no_load_optim or fresh)
+    optimizer_loaded = False
+    if args.deepspeed and found.layout == "deepspeed":
+        from megatron.checkpoint_deepspeed import load_deepspeed
+
+        _, client = load_deepspeed(model, args.load, found.tag, load_optimizer)
+        optimizer_loaded = load_optimizer
+    elif found.layout == "deepspeed":
+        if client.get("module") is None:
+            raise CheckpointError(
+                f"{path} was saved by DeepSpeed's pipeline engine; convert it to Megatron's "
+                f"layout with {RESHARD_TOOL} --load {args.load} --save NEW_DIR"
+            )
+        _load_weights(model, dict(client["module"]), args, path)
+    elif args.deepspeed:
+        _load_weights(model, flatten_model_state(client["model"]), args, path)
     else:
-        tracker = read_tracker(args.load)
-        if tracker is None:
-            print_rank_0(f"> no {TRACKER_FILENAME} in {args.load}; starting from iteration 0")
-            return TrainState()
-        path = checkpoint_file(args.load, *tracker)
-        client = torch.load(path, map_location="cpu", weights_only=True)
-        _unwrap(model).load_state_dict(client["model"])
+        _unwrap(model).load_state_dict(flatten_model_state(client["model"]))
         if load_optimizer and "optimizer" in client:
             optimizer.load_state_dict(client["optimizer"])
             scheduler.load_state_dict(client["opt_param_scheduler"])
             if "loss_scaler" in client and getattr(model, "loss_scaler", None) is not None:
                 model.loss_scaler.load_state_dict(client["loss_scaler"])
-    state = _state_from(client or {}, args)
-    print_rank_0(f"> loaded checkpoint {path} at iteration {state.iteration}")
+            optimizer_loaded = True
+    state = TrainState() if fresh else _train_state(client, found.iteration)
+    if not fresh and not optimizer_loaded:
+        _continue_schedule(scheduler, state)
+    if not (fresh or args.no_load_rng):
+        if found.layout == "deepspeed":
+            _restore_rng(client, dist.get_rank(), dist.get_world_size(), path)
+        else:
+            dp = (
+                parallel_state.get_data_parallel_rank(),
+                parallel_state.get_data_parallel_world_size(),
+            )
+            _restore_rng(client, *dp, path)
+    print_rank_0(
+        f"> loaded {found.layout} checkpoint {found.directory} at iteration {found.iteration}"
+        + (" (weights only)" if fresh else "")
+    )
     return state

@@ -101,6 +101,9 @@ def reconcile_deepspeed_config(
     shared.config.setdefault("zero_allow_untested_optimizer", True)
     shared.config.setdefault("steps_per_print", STEPS_PER_PRINT_NEVER)
     shared.config.setdefault("wall_clock_breakdown", False)
+    if getattr(args, "universal_checkpoint", False):
+        # Megatron-DeepSpeed's flag: load a checkpoint converted by ds_to_universal.
+        shared.config.setdefault("checkpoint", {})["load_universal"] = True
     return shared.config
 
 

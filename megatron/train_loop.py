@@ -25,6 +25,7 @@ from megatron.monitor import (
     format_iteration_log,
     memory_report,
 )
+from megatron.signal_handler import ExitSignalHandler
 from megatron.train_step import (
     ForwardStep,
     StepResult,
@@ -114,6 +115,8 @@ class TrainingLoop:
             tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
         )
         self.start_time = time.time()
+        self.exit_signal: ExitSignalHandler | None = None
+        self.stopped_by_signal = False
         config = ModelConfig.from_args(args)
         # Training FLOPs per token (forward + backward = 3x forward): per layer
         # 2*h*3p (QKV) + 4*s*p (scores, context) + 2*p*h (proj) + 4*h*f (MLP), plus 2*h*V for
@@ -151,6 +154,13 @@ class TrainingLoop:
 
     def train(self, train_iter: Iterator, valid_iter: Iterator | None, state: TrainState) -> None:
         """Iterate until the end of training or an exit condition; save before exiting."""
+        if not self.args.exit_signal_handler:
+            self._train(train_iter, valid_iter, state)
+            return
+        with ExitSignalHandler() as self.exit_signal:
+            self._train(train_iter, valid_iter, state)
+
+    def _train(self, train_iter: Iterator, valid_iter: Iterator | None, state: TrainState) -> None:
         args = self.args
         interval = _Interval()
         saved_at = state.iteration
@@ -270,6 +280,13 @@ class TrainingLoop:
 
     def _should_exit(self, state: TrainState) -> bool:
         args = self.args
+        if self.exit_signal is not None and _any_rank(self.exit_signal.received):
+            print_rank_0(
+                f"exiting program at iteration {state.iteration} after receiving SIGTERM "
+                "(--exit-signal-handler)"
+            )
+            self.stopped_by_signal = True
+            return True
         if args.exit_interval and state.iteration % args.exit_interval == 0:
             print_rank_0(f"exiting program at iteration {state.iteration} (--exit-interval)")
             return True

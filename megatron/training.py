@@ -224,6 +224,7 @@ def pretrain(
     args = initialize_megatron(extra_args_provider, args_defaults, argv)
     tokenizer = build_tokenizer(args)  # sets args.padded_vocab_size
     args.eod_token_id = tokenizer.eod
+    args.true_vocab_size = tokenizer.vocab_size  # saved in checkpoints for the conversion tools
     timers = Timers(args.timing_log_level, "minmax")
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args)
     state = checkpointing.load_checkpoint(model, optimizer, scheduler, args)
@@ -246,7 +247,8 @@ def pretrain(
     )
     print_rank_0("> training ...")
     loop.train(train_iter, valid_iter, state)
-    if args.eval_iters > 0:
+    # After SIGTERM, Megatron exits right after the checkpoint: no final evaluation.
+    if args.eval_iters > 0 and not loop.stopped_by_signal:
         label = "the end of training for {} data"
         if valid_iter is not None:
             loop.evaluate(label.format("val"), valid_iter, state.iteration)

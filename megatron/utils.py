@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -11,10 +13,16 @@ def is_rank_0() -> bool:
     return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
 
 
+def write_line(message: str) -> None:
+    """Print `message` and its newline in one write, so lines of other ranks never split it."""
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
+
+
 def print_rank_0(message: str) -> None:
     """Print on global rank 0 only (Megatron's `print_rank_0`), flushed at once."""
     if is_rank_0():
-        print(message, flush=True)
+        write_line(message)
 
 
 def is_last_rank() -> bool:
@@ -27,7 +35,7 @@ def is_last_rank() -> bool:
 def print_rank_last(message: str) -> None:
     """Print on the last global rank only (Megatron's `print_rank_last`), flushed at once."""
     if is_last_rank():
-        print(message, flush=True)
+        write_line(message)
 
 
 def get_ltor_masks_and_position_ids(

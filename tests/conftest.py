@@ -112,3 +112,11 @@ def run_oracle(script: str, *args: str, timeout: int = 600) -> subprocess.Comple
             f"oracle script {script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         )
     return result
+
+
+@pytest.fixture(scope="session")
+def stdlib_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """100 standard-library files tokenized with the real GPT-2 vocabulary; the prefix."""
+    from tests.pretrain_runs import build_stdlib_dataset
+
+    return build_stdlib_dataset(str(tmp_path_factory.mktemp("stdlib_data")))

@@ -9,7 +9,6 @@ gloo. Launcher lines for GPUs and several nodes are checked with stand-in `nvidi
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import shutil
@@ -21,7 +20,7 @@ import pytest
 
 from megatron.arguments import parse_args
 from megatron.monitor import parse_iteration_log, parse_validation_line
-from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE
+from tests.conftest import REPO_ROOT
 
 # script -> (launcher, processes on a CPU machine, tensor-parallel size)
 SCRIPTS = {
@@ -101,45 +100,9 @@ def _validations(output: str) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+def dataset(stdlib_dataset: str) -> str:
     """A 100-document GPT-2 dataset cut from the standard library; returns its prefix."""
-    work = tmp_path_factory.mktemp("launch_data")
-    corpus = work / "corpus.jsonl"
-    stdlib = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
-    documents = []
-    for path in stdlib:
-        with open(path, encoding="utf-8", errors="replace") as file:
-            text = file.read(3000)
-        if len(text) > 500:
-            documents.append(text)
-        if len(documents) == 100:
-            break
-    with open(corpus, "w", encoding="utf-8") as file:
-        for text in documents:
-            file.write(json.dumps({"text": text}) + "\n")
-    prefix = str(work / "stdlib")
-    command = [
-        sys.executable,
-        os.path.join(REPO_ROOT, "tools", "preprocess_data.py"),
-        "--input",
-        str(corpus),
-        "--json-keys",
-        "text",
-        "--output-prefix",
-        prefix,
-        "--tokenizer-type",
-        "GPT2BPETokenizer",
-        "--vocab-file",
-        VOCAB_FILE,
-        "--merge-file",
-        MERGE_FILE,
-        "--append-eod",
-        "--workers",
-        "1",
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return prefix + "_text_document"
+    return stdlib_dataset
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))

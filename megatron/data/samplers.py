@@ -161,6 +161,9 @@ def build_pretraining_data_loader(
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
+        # Its own generator: creating the iterator draws a seed, and drawing it from the
+        # global one would shift dropout after a resume (the RNG is restored before).
+        generator=torch.Generator(),
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,

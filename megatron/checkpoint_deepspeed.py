@@ -1,0 +1,150 @@
+"""Checkpoints through the DeepSpeed engine: crash-safe saving and code-free loading.
+
+`engine.save_checkpoint` writes into the staging directory of `megatron.checkpoint_commit`
+(tag `global_step{N}.partial`) with `save_latest=False`; every file is fsynced by the rank
+that wrote it; the directory is renamed to `global_step{N}` and both trackers (DeepSpeed's
+`latest`, Megatron's `latest_checkpointed_iteration.txt`) are written last. The engine's
+checkpoint I/O goes through `SafeCheckpointEngine`: `torch.load(weights_only=True)` with only
+the few DeepSpeed types its optimizer files hold allow-listed.
+
+This is one of the few modules that import DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from deepspeed.checkpoint.constants import (
+    ORIGINAL_VOCAB_SIZE,
+    PADDED_VOCAB_SIZE,
+    PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+    TP_REPLICATED_PARAMETER_PATTERNS,
+    UNIVERSAL_CHECKPOINT_INFO,
+    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    VOCABULARY_PARAMETER_PATTERNS,
+)
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
+
+from megatron import checkpoint_commit
+from megatron.checkpoint_format import SAFE_GLOBALS
+
+DEEPSPEED_SAFE_GLOBALS = [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def tag_for(iteration: int) -> str:
+    """DeepSpeed's tag for `iteration` (Megatron-DeepSpeed's naming)."""
+    return f"global_step{iteration}"
+
+
+class SafeCheckpointEngine:
+    """Wraps the engine's checkpoint engine: fsync after every save, weights-only loads."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def save(self, state_dict: dict, path: str) -> None:
+        """Write `state_dict` to `path` and flush it to disk."""
+        self._inner.save(state_dict, path)
+        checkpoint_commit.fsync_path(path)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """Read `path` without executing code from it."""
+        with torch.serialization.safe_globals(SAFE_GLOBALS + DEEPSPEED_SAFE_GLOBALS):
+            try:
+                return torch.load(path, map_location=map_location, weights_only=True)
+            except Exception as error:  # noqa: BLE001 - re-raised with the path
+                raise RuntimeError(f"cannot read checkpoint file {path}: {error}") from error
+
+
+def universal_checkpoint_info(args: Any) -> dict:
+    """What `deepspeed.checkpoint.ds_to_universal` needs to merge our tensor-parallel shards.
+
+    Parameter-name patterns (matched from the start of the name) for the vocabulary (its
+    padding is stripped), parameters replicated across TP ranks, and row-parallel weights
+    (split along dim 1; the rest are column-parallel, split along dim 0).
+    """
+    layer = r"\d+\." if args.pipeline_parallel else r"language_model\.encoder\.layers\.\d+\."
+    embedding = (
+        r"tied_modules\.embed\." if args.pipeline_parallel else r"language_model\.embedding\."
+    )
+    info = {
+        UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        VOCABULARY_PARAMETER_PATTERNS: [embedding + r"word_embeddings\.weight"],
+        ORIGINAL_VOCAB_SIZE: args.true_vocab_size,
+        PADDED_VOCAB_SIZE: args.padded_vocab_size,
+    }
+    if args.tensor_model_parallel_size > 1:
+        final_norm = (
+            r"\d+\.(weight|bias)$"
+            if args.pipeline_parallel
+            else (r"language_model\.encoder\.final_layernorm\.")
+        )
+        info[TP_REPLICATED_PARAMETER_PATTERNS] = [
+            embedding + r"position_embeddings\.weight",
+            layer + r"(input|post_attention)_layernorm\.",
+            layer + r"self_attention\.dense\.bias",
+            layer + r"mlp\.dense_4h_to_h\.bias",
+            final_norm,
+        ]
+        info[PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] = [
+            layer + r"self_attention\.dense\.weight",
+            layer + r"mlp\.dense_4h_to_h\.weight",
+        ]
+    return info
+
+
+def install_safe_checkpoint_engine(engine: Any) -> None:
+    """Route `engine`'s checkpoint reads and writes through `SafeCheckpointEngine`."""
+    if not isinstance(engine.checkpoint_engine, SafeCheckpointEngine):
+        engine.checkpoint_engine = SafeCheckpointEngine(engine.checkpoint_engine)
+
+
+def save_deepspeed(
+    engine: Any, save_dir: str, iteration: int, client_state: dict, args: Any
+) -> None:
+    """Save through the engine (a collective), publishing the tag only when complete."""
+    install_safe_checkpoint_engine(engine)
+    client_state = {**client_state, UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(args)}
+    tag = tag_for(iteration)
+    final = os.path.join(save_dir, tag)
+    staging = checkpoint_commit.begin(final)
+    engine.save_checkpoint(
+        save_dir, tag=os.path.basename(staging), client_state=client_state, save_latest=False
+    )
+    checkpoint_commit.commit(
+        final,
+        {
+            checkpoint_commit.DEEPSPEED_TRACKER_FILENAME: tag,
+            checkpoint_commit.TRACKER_FILENAME: str(iteration),
+        },
+    )
+
+
+def load_deepspeed(
+    engine: Any, load_dir: str, tag: str, load_optimizer: bool
+) -> tuple[str | None, dict]:
+    """Load `tag` into the engine; returns (path, client state)."""
+    install_safe_checkpoint_engine(engine)
+    path, client = engine.load_checkpoint(
+        load_dir,
+        tag=tag,
+        load_optimizer_states=load_optimizer,
+        load_lr_scheduler_states=load_optimizer,
+        load_module_only=not load_optimizer,
+    )
+    return path, client or {}
+
+
+def refresh_master_weights(engine: Any) -> None:
+    """After writing into `engine.module`, copy the weights into the optimizer's fp32 copy."""
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is not None and hasattr(optimizer, "refresh_fp32_params"):
+        optimizer.refresh_fp32_params()

@@ -1,0 +1,121 @@
+"""What a checkpoint file holds, independent of how it is written or split.
+
+- Model weights travel between our code and files as Megatron's nested dict:
+  `{"language_model": {"embedding": {"word_embeddings": {"weight": W},
+  "position_embeddings": {"weight": P}}, "encoder": {"layers.0.input_layernorm.weight": ...,
+  "final_layernorm.weight": ...}}}`; pipeline stages hold their part of it (middle stages
+  only `encoder`, the last stage also `word_embeddings_for_head`). In memory we use the
+  flat names of `GPTModel.state_dict()` (`language_model.encoder.layers.0...`).
+- Files are read with `torch.load(weights_only=True)`: tensors, plain Python values, and the
+  few types allow-listed here (`argparse.Namespace` for `args`, numpy's RNG state), so
+  loading a checkpoint can never run code from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import zipfile
+from typing import Any
+
+import numpy as np
+import torch
+
+CHECKPOINT_VERSION = 3.0
+"""Megatron's version tag for the per-head interleaved [np, 3, hn] QKV layout."""
+
+EMBEDDING_PREFIX = "language_model.embedding."
+ENCODER_PREFIX = "language_model.encoder."
+HEAD_KEY = "word_embeddings_for_head"
+
+SAFE_GLOBALS = [
+    argparse.Namespace,
+    np.ndarray,
+    np.dtype,
+    np.dtypes.UInt32DType,
+    np._core.multiarray._reconstruct,
+]
+
+
+def load_file(path: str, mmap: bool = False, extra_globals: list | None = None) -> dict[str, Any]:
+    """Read a checkpoint file without executing code from it (weights_only, allow-listed).
+
+    `mmap=True` maps the tensors instead of reading them: cheap when only metadata is needed.
+    `extra_globals`: more allowed types (DeepSpeed's, for the files its engine writes).
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint file {path} does not exist")
+    mmap = mmap and zipfile.is_zipfile(path)  # the legacy (non-zip) format cannot be mapped
+    with torch.serialization.safe_globals(SAFE_GLOBALS + list(extra_globals or [])):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except Exception as error:  # noqa: BLE001 - re-raised with the path
+            raise RuntimeError(f"cannot read checkpoint file {path}: {error}") from error
+
+
+def plain_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The flags as a Namespace of plain values (what `weights_only` loading accepts)."""
+    allowed = (int, float, str, bool, type(None))
+    out = argparse.Namespace()
+    for name, value in vars(args).items():
+        if isinstance(value, allowed):
+            setattr(out, name, value)
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, allowed) for v in value):
+            setattr(out, name, list(value))
+    return out
+
+
+def args_dict(args: argparse.Namespace | dict | None) -> dict[str, Any]:
+    """A checkpoint's `args` as a dict (older files stored a dict, Megatron a Namespace)."""
+    if args is None:
+        return {}
+    return dict(args) if isinstance(args, dict) else dict(vars(args))
+
+
+def nest_model_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Flat `GPTModel`-style names -> Megatron's nested `model` dict (any subset of keys)."""
+    embedding: dict[str, dict[str, torch.Tensor]] = {}
+    encoder: dict[str, torch.Tensor] = {}
+    head: dict[str, torch.Tensor] = {}
+    for name, tensor in flat.items():
+        if name.startswith(EMBEDDING_PREFIX):
+            module, _, param = name.removeprefix(EMBEDDING_PREFIX).partition(".")
+            embedding.setdefault(module, {})[param] = tensor
+        elif name.startswith(ENCODER_PREFIX):
+            encoder[name.removeprefix(ENCODER_PREFIX)] = tensor
+        elif name.startswith(HEAD_KEY + "."):
+            head[name.removeprefix(HEAD_KEY + ".")] = tensor
+        else:
+            raise KeyError(f"no place in Megatron's checkpoint layout for parameter {name!r}")
+    language_model: dict[str, Any] = {}
+    if embedding:
+        language_model["embedding"] = embedding
+    if encoder:
+        language_model["encoder"] = encoder
+    nested: dict[str, Any] = {"language_model": language_model}
+    if head:
+        nested[HEAD_KEY] = head
+    return nested
+
+
+def flatten_model_state(model: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Megatron's nested `model` dict (or an already flat one) -> flat `GPTModel` names.
+
+    Accepts older Megatron spellings: `transformer` for `encoder`, `attention` for
+    `self_attention`. The last pipeline stage's `word_embeddings_for_head` comes back as
+    `word_embeddings_for_head.weight`.
+    """
+    if "language_model" not in model:
+        return dict(model)
+    flat: dict[str, torch.Tensor] = {}
+    language_model = model["language_model"]
+    for module, params in language_model.get("embedding", {}).items():
+        for param, tensor in params.items():
+            flat[f"{EMBEDDING_PREFIX}{module}.{param}"] = tensor
+    encoder = language_model.get("encoder", language_model.get("transformer", {}))
+    for name, tensor in encoder.items():
+        name = name.replace(".attention.", ".self_attention.")
+        flat[ENCODER_PREFIX + name] = tensor
+    for param, tensor in model.get(HEAD_KEY, {}).items():
+        flat[f"{HEAD_KEY}.{param}"] = tensor
+    return flat

@@ -1,0 +1,1 @@
+"""Tests of megatron/checkpointing.py and the checkpoint tools."""

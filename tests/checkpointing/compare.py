@@ -1,0 +1,74 @@
+"""Compare two checkpoint directories leaf by leaf (tensors bitwise), ignoring `args`."""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron.checkpoint_deepspeed import SafeCheckpointEngine
+
+IGNORED_KEYS = {"args"}
+"""The flags differ between a straight run and a stopped-and-resumed one (--exit-interval)."""
+
+
+def load_any(path: str) -> Any:
+    """A Megatron- or DeepSpeed-written file, read weights-only."""
+    return SafeCheckpointEngine(None).load(path, map_location="cpu")
+
+
+def leaves(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Flatten nested dicts/lists/tuples into {path: leaf}."""
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if key in IGNORED_KEYS:
+                continue
+            out.update(leaves(item, f"{prefix}/{key}"))
+        return out
+    if isinstance(value, (list, tuple)):
+        out = {}
+        for index, item in enumerate(value):
+            out.update(leaves(item, f"{prefix}[{index}]"))
+        return out
+    if hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, np.ndarray, Enum)):
+        return leaves(vars(value), prefix)  # e.g. DeepSpeed's LossScaler objects
+    return {prefix: value}
+
+
+def checkpoint_files(directory: str) -> list[str]:
+    """Every `.pt` file under `directory`, relative paths, sorted."""
+    found = []
+    for root, _, files in os.walk(directory):
+        for name in files:
+            if name.endswith(".pt"):
+                found.append(os.path.relpath(os.path.join(root, name), directory))
+    return sorted(found)
+
+
+def differences(first: str, second: str) -> list[str]:
+    """What differs between two checkpoint directories (empty when identical)."""
+    names = checkpoint_files(first)
+    if names != checkpoint_files(second):
+        return [f"files differ: {names} vs {checkpoint_files(second)}"]
+    problems = []
+    for name in names:
+        a = leaves(load_any(os.path.join(first, name)))
+        b = leaves(load_any(os.path.join(second, name)))
+        if a.keys() != b.keys():
+            problems.append(f"{name}: keys differ {sorted(set(a) ^ set(b))[:5]}")
+            continue
+        for key, value in a.items():
+            other = b[key]
+            if isinstance(value, torch.Tensor):
+                same = isinstance(other, torch.Tensor) and torch.equal(value, other)
+            elif isinstance(value, np.ndarray):
+                same = np.array_equal(value, other)
+            else:
+                same = value == other or (value != value and other != other)  # NaN == NaN
+            if not same:
+                problems.append(f"{name}{key} differs")
+    return problems

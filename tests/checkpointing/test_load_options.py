@@ -1,0 +1,88 @@
+"""Loading as Megatron documents it: --finetune, --no-load-optim, a missing --load, and clear
+errors for checkpoints that do not fit this run's flags (each a real pretrain_gpt.py run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.pretrain_runs import iteration_logs, launch, tiny_gpt_flags
+
+
+def _flags(dataset: str, *extra: str) -> list[str]:
+    return tiny_gpt_flags(dataset) + ["--global-batch-size", "4", "--train-iters", "4", *extra]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(stdlib_dataset: str, tmp_path_factory) -> str:
+    """A one-process Megatron-layout checkpoint at iteration 2."""
+    save = str(tmp_path_factory.mktemp("load_options") / "ckpt")
+    run = launch(
+        1, _flags(stdlib_dataset, "--save", save, "--save-interval", "2", "--exit-interval", "2")
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
+    return save
+
+
+def _iterations(output: str) -> list[int]:
+    return [log["iteration"] for log in iteration_logs(output)]
+
+
+@pytest.mark.slow
+def test_missing_load_directory_starts_fresh_and_says_so(stdlib_dataset: str, tmp_path) -> None:
+    run = launch(
+        1, _flags(stdlib_dataset, "--load", str(tmp_path / "nothing"), "--exit-interval", "1")
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert f"no checkpoint found in {tmp_path / 'nothing'}; starting from iteration 0" in run.stdout
+    assert _iterations(run.stdout) == [1]
+
+
+@pytest.mark.slow
+def test_finetune_loads_weights_only_and_starts_at_iteration_0(checkpoint, stdlib_dataset) -> None:
+    run = launch(
+        1, _flags(stdlib_dataset, "--load", checkpoint, "--finetune", "--exit-interval", "1")
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "at iteration 2 (weights only)" in run.stdout
+    assert _iterations(run.stdout) == [1]
+
+
+@pytest.mark.slow
+def test_no_load_optim_keeps_progress_and_the_schedule(checkpoint, stdlib_dataset) -> None:
+    run = launch(
+        1, _flags(stdlib_dataset, "--load", checkpoint, "--no-load-optim", "--no-load-rng")
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert _iterations(run.stdout) == [3, 4]
+    assert "learning-rate schedule continues at sample 8" in run.stdout
+    resumed = launch(1, _flags(stdlib_dataset, "--load", checkpoint))
+    lr = [log["learning rate"] for log in iteration_logs(resumed.stdout)]
+    assert [log["learning rate"] for log in iteration_logs(run.stdout)] == lr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (("--num-layers", "3"), "was saved with --num-layers 2, this run has --num-layers 3"),
+        (("--make-vocab-size-divisible-by", "256"), "has a vocabulary of 50304 rows (padded)"),
+    ],
+)
+def test_a_checkpoint_of_another_shape_is_a_clear_error(checkpoint, stdlib_dataset, extra, message):
+    run = launch(1, _flags(stdlib_dataset, "--load", checkpoint, *extra))
+    assert run.returncode == 1
+    errors = [line for line in run.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], run.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_another_tensor_parallel_size_names_the_reshard_tool(checkpoint, stdlib_dataset) -> None:
+    run = launch(
+        2, _flags(stdlib_dataset, "--load", checkpoint, "--tensor-model-parallel-size", "2")
+    )
+    assert run.returncode != 0
+    errors = {line for line in run.stdout.splitlines() if line.startswith("error:")}
+    assert len(errors) == 1, run.stdout[-2000:]
+    (error,) = errors
+    assert "saved with --tensor-model-parallel-size 1, this run has" in error
+    assert "tools/checkpoint/reshard.py" in error and "--target-tensor-parallel-size 2" in error

@@ -1,0 +1,77 @@
+"""Bit-exact resume: N iterations, stop, resume, N more equals 2N straight, in every layout.
+
+Each case runs `pretrain_gpt.py` three times as a user would (torchrun for 2 processes, with
+dropout on and gradient accumulation): 2N iterations straight; N iterations then exit
+(`--exit-interval`); and a resume from that checkpoint to 2N. The loss of every iteration
+must match, and the final checkpoints must be identical file by file, tensor by tensor
+(weights, optimizer state, scheduler, RNG states), `args` aside.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.checkpointing.compare import differences
+from tests.conftest import REPO_ROOT
+from tests.pretrain_runs import iteration_logs, launch, tiny_gpt_flags
+
+N = 2
+GLOBAL_BATCH = 8
+"""2 data-parallel ranks x micro-batch 2 -> 2 accumulated micro-batches (4 with one rank)."""
+
+
+def _ds(stage: int) -> list[str]:
+    config = os.path.join(REPO_ROOT, "examples", "ds_configs", f"ds_zero{stage}.json")
+    return ["--deepspeed", "--deepspeed_config", config]
+
+
+TP2 = ["--tensor-model-parallel-size", "2"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+CASES = {
+    "megatron-1-process": (1, []),
+    "megatron-dp2": (2, []),
+    "megatron-tp2": (2, TP2),
+    "zero1-dp2": (2, _ds(1)),
+    "zero2-dp2": (2, _ds(2)),
+    "deepspeed-tp2": (2, _ds(1) + TP2),
+    "deepspeed-pp2": (2, _ds(1) + PP2),
+}
+
+
+def _losses(output: str) -> list[tuple[int, str]]:
+    return [(log["iteration"], log["lm loss"]) for log in iteration_logs(output)]
+
+
+def _final_directory(save: str) -> str:
+    if os.path.isfile(os.path.join(save, "latest")):
+        return os.path.join(save, f"global_step{2 * N}")
+    return os.path.join(save, f"iter_{2 * N:07d}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_stop_and_resume_equals_straight_run(case: str, stdlib_dataset: str, tmp_path) -> None:
+    processes, extra = CASES[case]
+    flags = tiny_gpt_flags(stdlib_dataset) + extra
+    flags += ["--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(2 * N)]
+    straight_dir, resumed_dir = str(tmp_path / "straight"), str(tmp_path / "resumed")
+
+    straight = launch(processes, flags + ["--save", straight_dir, "--save-interval", "100"])
+    assert straight.returncode == 0, straight.stdout[-3000:]
+    first = launch(
+        processes,
+        flags + ["--save", resumed_dir, "--save-interval", "100", "--exit-interval", str(N)],
+    )
+    assert first.returncode == 0, first.stdout[-3000:]
+    second = launch(
+        processes, flags + ["--load", resumed_dir, "--save", resumed_dir, "--save-interval", "100"]
+    )
+    assert second.returncode == 0, second.stdout[-3000:]
+
+    assert f"at iteration {N}" in second.stdout and "loaded" in second.stdout
+    straight_losses = _losses(straight.stdout)
+    assert [it for it, _ in straight_losses] == list(range(1, 2 * N + 1))
+    assert _losses(first.stdout) + _losses(second.stdout) == straight_losses
+    assert differences(_final_directory(straight_dir), _final_directory(resumed_dir)) == []

@@ -1,0 +1,172 @@
+"""Real `pretrain_gpt.py` runs for tests: a small stdlib dataset, launch, parse the log.
+
+`build_stdlib_dataset` tokenizes 100 standard-library files with the real GPT-2 vocabulary;
+`launch` runs `pretrain_gpt.py` as a user would (`python` for one process, `torchrun` for
+several) on CPU over gloo and returns the finished process with stdout and stderr together.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+
+from megatron.monitor import parse_iteration_log
+from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cpu_env(**overrides: str) -> dict[str, str]:
+    """The environment of a CPU run: this venv's launchers first on PATH, no GPU visible."""
+    env = dict(os.environ)
+    env.update(
+        PATH=os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")]),
+        PYTHON=sys.executable,
+        CUDA_VISIBLE_DEVICES="",
+        DS_ACCELERATOR="cpu",
+        MASTER_PORT=str(free_port()),
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+    )
+    env.update(overrides)
+    return env
+
+
+def build_stdlib_dataset(work_dir: str, documents: int = 100) -> str:
+    """Tokenize `documents` standard-library files into `{work_dir}/stdlib_text_document`."""
+    corpus = os.path.join(work_dir, "corpus.jsonl")
+    texts = []
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py"))):
+        with open(path, encoding="utf-8", errors="replace") as file:
+            text = file.read(3000)
+        if len(text) > 500:
+            texts.append(text)
+        if len(texts) == documents:
+            break
+    with open(corpus, "w", encoding="utf-8") as file:
+        for text in texts:
+            file.write(json.dumps({"text": text}) + "\n")
+    prefix = os.path.join(work_dir, "stdlib")
+    command = [
+        sys.executable,
+        os.path.join(REPO_ROOT, "tools", "preprocess_data.py"),
+        "--input",
+        corpus,
+        "--json-keys",
+        "text",
+        "--output-prefix",
+        prefix,
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        VOCAB_FILE,
+        "--merge-file",
+        MERGE_FILE,
+        "--append-eod",
+        "--workers",
+        "1",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError(f"preprocess_data.py failed:\n{result.stderr[-3000:]}")
+    return prefix + "_text_document"
+
+
+def tiny_gpt_flags(data_prefix: str) -> list[str]:
+    """A 2-layer GPT-2 (h=64, 4 heads, 64 tokens, dropout on) on `data_prefix`, on CPU."""
+    return (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+        "--max-position-embeddings 64 --micro-batch-size 2 --lr 1e-3 --min-lr 1e-4 "
+        "--lr-warmup-iters 1 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.01 "
+        f"--data-path {data_prefix} --vocab-file {VOCAB_FILE} --merge-file {MERGE_FILE} "
+        "--split 90,10,0 --eval-iters 1 --eval-interval 1000 --log-interval 1 "
+        "--num-workers 0 --distributed-backend gloo --seed 1234"
+    ).split()
+
+
+def command(processes: int, flags: list[str]) -> list[str]:
+    """`python pretrain_gpt.py` for one process, `torchrun --nproc_per_node N` otherwise."""
+    script = os.path.join(REPO_ROOT, "pretrain_gpt.py")
+    if processes == 1:
+        return [sys.executable, script, *flags]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return [
+        torchrun,
+        f"--nproc_per_node={processes}",
+        f"--master_port={free_port()}",
+        script,
+    ] + flags
+
+
+def launch(processes: int, flags: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run pretrain_gpt.py to the end; stdout and stderr together; never raises on failure."""
+    return subprocess.run(
+        command(processes, flags),
+        cwd=REPO_ROOT,
+        env=cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start(processes: int, flags: list[str], log_path: str) -> subprocess.Popen:
+    """Start pretrain_gpt.py in its own process group, logging to `log_path`."""
+    log = open(log_path, "w")  # noqa: SIM115 - closed with the process by the caller
+    return subprocess.Popen(
+        command(processes, flags),
+        cwd=REPO_ROOT,
+        env=cpu_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (torchrun starts its ranks in their own sessions)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                # The name field may hold spaces; the parent pid follows the closing paren.
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def signal_tree(process: subprocess.Popen, signum: int, include_launcher: bool = True) -> None:
+    """Send `signum` to every rank (and to the launcher unless told not to)."""
+    targets = descendants(process.pid) + ([process.pid] if include_launcher else [])
+    for pid in targets:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def iteration_logs(output: str) -> list[dict]:
+    """Megatron's iteration log lines of a run, parsed."""
+    return [
+        parse_iteration_log(line) for line in output.splitlines() if line.startswith(" iteration")
+    ]
