@@ -27,6 +27,7 @@ CHECKPOINT_VERSION = 3.0
 EMBEDDING_PREFIX = "language_model.embedding."
 ENCODER_PREFIX = "language_model.encoder."
 HEAD_KEY = "word_embeddings_for_head"
+MEGATRON_FILENAME = "model_optim_rng.pt"
 
 SAFE_GLOBALS = [
     argparse.Namespace,
@@ -51,6 +52,17 @@ def load_file(path: str, mmap: bool = False, extra_globals: list | None = None) 
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except Exception as error:  # noqa: BLE001 - re-raised with the path
             raise RuntimeError(f"cannot read checkpoint file {path}: {error}") from error
+
+
+def checkpoint_directory(root: str, iteration: int, release: bool = False) -> str:
+    """Megatron's `{root}/iter_{iteration:07d}` (or `{root}/release`)."""
+    return os.path.join(root, "release" if release else f"iter_{iteration:07d}")
+
+
+def rank_file(directory: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """`{directory}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt` of one model-parallel rank."""
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+    return os.path.join(directory, name, MEGATRON_FILENAME)
 
 
 def plain_args(args: argparse.Namespace) -> argparse.Namespace:

@@ -30,10 +30,12 @@ from megatron.checkpoint_format import (
     CHECKPOINT_VERSION,
     HEAD_KEY,
     args_dict,
+    checkpoint_directory,
     flatten_model_state,
     load_file,
     nest_model_state,
     plain_args,
+    rank_file,
 )
 from megatron.core import parallel_state
 from megatron.rng_state import gather_rng_states, restore_rng_state
@@ -68,17 +70,6 @@ class FoundCheckpoint:
     iteration: int
     release: bool = False
     tag: str = ""
-
-
-def checkpoint_directory(root: str, iteration: int, release: bool = False) -> str:
-    """`{root}/iter_{iteration:07d}` (or `{root}/release`)."""
-    return os.path.join(root, "release" if release else f"iter_{iteration:07d}")
-
-
-def rank_file(directory: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """The Megatron-layout file of one model-parallel rank inside a checkpoint directory."""
-    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
-    return os.path.join(directory, name, "model_optim_rng.pt")
 
 
 def _this_rank_file(directory: str) -> str:

@@ -62,24 +62,35 @@ class CoreAttention(nn.Module):
         return get_cuda_rng_tracker().fork()
 
     def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool = True,
     ) -> torch.Tensor:
-        """`mask`: None for plain causal, or bool [b|1, 1, s, s] with True = may not attend."""
+        """`mask`: bool [b|1, 1, sq, sk] with True = may not attend, or None for no mask.
+
+        Without a mask, `causal` (the default; needs sq == sk) applies the causal mask, and
+        `causal=False` lets every query see every key (one new token over a key/value cache).
+        """
         dropout_p = self.dropout_p if self.training else 0.0
         with self._dropout_rng():
             if self.backend == "unfused":
-                context = self._unfused(query, key, value, mask, dropout_p)
-            elif self.backend == "flash" and self.use_flash_attn_package and mask is None:
+                context = self._unfused(query, key, value, mask, dropout_p, causal)
+            elif (
+                self.backend == "flash" and self.use_flash_attn_package and mask is None and causal
+            ):
                 context = self._flash_attn_package(query, key, value, dropout_p)
             else:
-                context = self._sdpa(query, key, value, mask, dropout_p)
+                context = self._sdpa(query, key, value, mask, dropout_p, causal)
         b, np_, s, hn = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)  # [s, b, np * hn]
 
-    def _sdpa(self, query, key, value, mask, dropout_p):
+    def _sdpa(self, query, key, value, mask, dropout_p, causal):
         kwargs = dict(dropout_p=dropout_p, scale=self.scale)
         if mask is None:
-            kwargs["is_causal"] = True
+            kwargs["is_causal"] = causal
         else:
             kwargs["attn_mask"] = ~mask  # SDPA's bool mask marks what may be attended
         if self.backend != "flash":
@@ -97,20 +108,23 @@ class CoreAttention(nn.Module):
         out = flash_attn_func(q, k, v, dropout_p, softmax_scale=self.scale, causal=True)
         return out.transpose(1, 2)
 
-    def _unfused(self, query, key, value, mask, dropout_p):
-        b, np_, s, hn = query.shape
+    def _unfused(self, query, key, value, mask, dropout_p, causal):
+        b, np_, sq, hn = query.shape
+        sk = key.size(2)
         coeff = float(self.layer_number) if self.apply_query_key_layer_scaling else 1.0
-        # [b * np, s, s]; dividing by coeff here and multiplying back in fp32 keeps fp16 finite.
+        # [b * np, sq, sk]; dividing by coeff here and multiplying back in fp32 keeps fp16 finite.
         scores = torch.baddbmm(
-            torch.empty(b * np_, s, s, dtype=query.dtype, device=query.device),
-            query.reshape(b * np_, s, hn),
-            key.reshape(b * np_, s, hn).transpose(1, 2),
+            torch.empty(b * np_, sq, sk, dtype=query.dtype, device=query.device),
+            query.reshape(b * np_, sq, hn),
+            key.reshape(b * np_, sk, hn).transpose(1, 2),
             beta=0.0,
             alpha=self.scale / coeff,
-        ).view(b, np_, s, s)
-        if mask is None:
-            mask = torch.ones(s, s, dtype=torch.bool, device=query.device).triu(1)
-        scores = (scores.float() * coeff).masked_fill(mask, -10000.0)
+        ).view(b, np_, sq, sk)
+        if mask is None and causal:
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(1)
+        scores = scores.float() * coeff
+        if mask is not None:
+            scores = scores.masked_fill(mask, -10000.0)
         probs = torch.softmax(scores, dim=-1).to(query.dtype)
         probs = F.dropout(probs, dropout_p, training=dropout_p > 0)
         return torch.matmul(probs, value)  # [b, np, s, hn]
@@ -130,9 +144,11 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, seq_length: int) -> torch.Tensor:
-        """Angles [s, 1, 1, dim] for positions 0..s-1."""
-        positions = torch.arange(seq_length, device=self.inv_freq.device, dtype=torch.float32)
+    def forward(self, seq_length: int, offset: int = 0) -> torch.Tensor:
+        """Angles [s, 1, 1, dim] for positions offset..offset+s-1."""
+        positions = torch.arange(
+            offset, offset + seq_length, device=self.inv_freq.device, dtype=torch.float32
+        )
         freqs = torch.outer(positions, self.inv_freq)
         return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 

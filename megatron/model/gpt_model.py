@@ -3,6 +3,7 @@
     model = GPTModel(config)
     loss = model(tokens, labels=labels)          # per-token loss [b, s], fp32
     logits = model(tokens)                       # [b, s, vocab / tp] (or vocab)
+    logits = model(tokens, inference_params=cache)  # generation: see inference_params.py
 
 The module tree reproduces Megatron's state-dict names
 (`language_model.embedding.word_embeddings.weight`,
@@ -20,6 +21,7 @@ from megatron.core.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from megatron.model.embedding import Embedding
+from megatron.model.inference_params import InferenceParams
 from megatron.model.transformer import ParallelTransformer
 
 
@@ -36,9 +38,11 @@ class TransformerLanguageModel(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
+        inference_params: InferenceParams | None = None,
     ) -> torch.Tensor:
         """[b, s] ids -> final hidden states [s(/tp), b, h]."""
-        return self.encoder(self.embedding(input_ids, position_ids), attention_mask)
+        hidden = self.embedding(input_ids, position_ids)
+        return self.encoder(hidden, attention_mask, inference_params)
 
 
 def logits_from_hidden(
@@ -76,15 +80,47 @@ class GPTModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        inference_params: InferenceParams | None = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] when `labels` are given, else logits [b, s, vocab(/tp)].
 
         `attention_mask`: None for causal attention, or bool [b|1, 1, s, s], True = masked.
+        `inference_params`: the key/value cache of generation (eval mode, causal attention);
+        `input_ids` then hold the positions from its `sequence_len_offset` on, and
+        `position_ids` default to those positions.
         """
-        hidden = self.language_model(input_ids, position_ids, attention_mask)
+        if inference_params is not None:
+            position_ids = self._check_inference(
+                input_ids, position_ids, attention_mask, inference_params
+            )
+        hidden = self.language_model(input_ids, position_ids, attention_mask, inference_params)
         logits = logits_from_hidden(hidden, self.word_embeddings_weight(), self.config)
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab(/tp)]
         if not self.config.parallel_output:
             raise ValueError("the loss needs vocab-parallel logits (parallel_output=True)")
         return loss_from_logits(logits, labels)
+
+    def _check_inference(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        inference_params: InferenceParams,
+    ) -> torch.Tensor:
+        """Reject what the key/value cache cannot do; the positions of the new tokens [1|b, s]."""
+        if self.training:
+            raise RuntimeError("inference_params (the key/value cache) needs model.eval()")
+        if self.config.sequence_parallel:
+            raise ValueError("inference_params (the key/value cache) needs --sequence-parallel off")
+        if attention_mask is not None:
+            raise ValueError("inference_params (the key/value cache) takes no attention_mask")
+        offset, s = inference_params.sequence_len_offset, input_ids.size(1)
+        if offset + s > self.config.max_position_embeddings:
+            raise ValueError(
+                f"positions up to {offset + s} exceed --max-position-embeddings "
+                f"{self.config.max_position_embeddings}"
+            )
+        if position_ids is None:
+            position_ids = torch.arange(offset, offset + s, device=input_ids.device)[None]
+        return position_ids

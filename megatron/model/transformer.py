@@ -25,6 +25,7 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.tensor_parallel.layers import divide
 from megatron.model.attention import CoreAttention, RotaryEmbedding, apply_rotary_pos_emb
+from megatron.model.inference_params import InferenceParams
 from megatron.model.utils import LayerNorm, init_method_normal, scaled_init_method_normal
 
 
@@ -84,6 +85,7 @@ class ParallelAttention(nn.Module):
             config.num_attention_heads, world, "--num-attention-heads"
         )
         self.kv_channels = config.kv_channels
+        self.layer_number = layer_number
         self.recompute_core = config.recompute_granularity == "selective"
         # Per-head interleaved rows [np, 3, hn] (checkpoint version 3.0): a column split
         # gives each rank whole heads with their q, k and v together.
@@ -109,16 +111,26 @@ class ParallelAttention(nn.Module):
         )
 
     def forward(
-        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        inference_params: InferenceParams | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[s(/tp), b, h] -> ([s(/tp), b, h], dense bias)."""
+        """[s(/tp), b, h] -> ([s(/tp), b, h], dense bias).
+
+        With `inference_params`, `hidden` holds the positions from its `sequence_len_offset`
+        on; their keys/values join the cache and the queries attend to all cached positions.
+        """
         mixed, _ = self.query_key_value(hidden)  # [s, b, np * 3 * hn]
         s, b = mixed.shape[:2]
         mixed = mixed.view(s, b, self.heads_per_partition, 3 * self.kv_channels)
         query, key, value = mixed.split(self.kv_channels, dim=-1)  # each [s, b, np, hn]
+        offset = 0 if inference_params is None else inference_params.sequence_len_offset
         if self.rotary is not None:
-            angles = self.rotary(s)
+            angles = self.rotary(s, offset)
             query, key = apply_rotary_pos_emb(query, angles), apply_rotary_pos_emb(key, angles)
+        if inference_params is not None:
+            return self.dense(self._attend_with_cache(query, key, value, inference_params))
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
         if self.recompute_core and self.training:
             # Never distributed: the query holds this rank's own heads, not a replicated input.
@@ -129,6 +141,27 @@ class ParallelAttention(nn.Module):
 
     def _core(self, query, key, value, attention_mask):
         return self.core_attention(query, key, value, attention_mask)
+
+    def _attend_with_cache(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        inference_params: InferenceParams,
+    ) -> torch.Tensor:
+        """[s, b, np, hn] new q/k/v -> context [s, b, np * hn] over every cached position."""
+        s = query.size(0)
+        offset = inference_params.sequence_len_offset
+        # The cache's keys/values, this step's included: [offset + s, b, np, hn] each.
+        key, value = inference_params.update_key_value(self.layer_number, key, value)
+        mask, causal = None, True  # an empty cache: plain causal attention over the s tokens
+        if s == 1:
+            causal = False  # one new token sees every cached position
+        elif offset > 0:
+            mask = inference_params.causal_mask(s, query.device)  # [1, 1, s, offset + s]
+        # [b, np, s, hn] queries, [b, np, offset + s, hn] keys and values
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        return self.core_attention(query, key, value, mask, causal)
 
 
 class ParallelTransformerLayer(nn.Module):
@@ -145,9 +178,12 @@ class ParallelTransformerLayer(nn.Module):
         self.mlp = ParallelMLP(config)
 
     def forward(
-        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        inference_params: InferenceParams | None = None,
     ) -> torch.Tensor:
-        """[s(/tp), b, h] -> [s(/tp), b, h]."""
+        """[s(/tp), b, h] -> [s(/tp), b, h]; `inference_params` is the key/value cache."""
         # Sequence-split activations drop out independently on each TP rank.
         rng = (
             get_cuda_rng_tracker().fork()
@@ -156,7 +192,7 @@ class ParallelTransformerLayer(nn.Module):
         )
         with rng:
             attention_out, attention_bias = self.self_attention(
-                self.input_layernorm(hidden), attention_mask
+                self.input_layernorm(hidden), attention_mask, inference_params
             )
             hidden = bias_dropout_add(
                 attention_out, attention_bias, hidden, self.hidden_dropout, self.training
@@ -201,14 +237,20 @@ class ParallelTransformer(nn.Module):
         return hidden
 
     def forward(
-        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        inference_params: InferenceParams | None = None,
     ) -> torch.Tensor:
-        """[s(/tp), b, h] -> [s(/tp), b, h], final layer norm applied when present."""
+        """[s(/tp), b, h] -> [s(/tp), b, h], final layer norm applied when present.
+
+        `inference_params` (the key/value cache of generation) is passed to every layer.
+        """
         if self.config.recompute_granularity == "full" and self.training:
             hidden = self._recomputed_layers(hidden, attention_mask)
         else:
             for layer in self.layers:
-                hidden = layer(hidden, attention_mask)
+                hidden = layer(hidden, attention_mask, inference_params)
         if hasattr(self, "final_layernorm"):
             hidden = self.final_layernorm(hidden)
         return hidden

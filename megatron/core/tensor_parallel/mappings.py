@@ -228,6 +228,19 @@ def broadcast_from_tensor_parallel_src(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def broadcast_object_from_tensor_parallel_src(obj: object) -> object:
+    """The first tensor-parallel rank's `obj` (any picklable value), returned on every rank."""
+    if _tp_size() == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(
+        holder,
+        src=parallel_state.get_tensor_model_parallel_src_rank(),
+        group=parallel_state.get_tensor_model_parallel_group(),
+    )
+    return holder[0]
+
+
 def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's equal 1-D share of a flattened tensor (for partitioned activations)."""
     flat = tensor.reshape(-1)

@@ -1,0 +1,233 @@
+"""Our GPT-2 weights and flags <-> Hugging Face `GPT2LMHeadModel` names, layouts and config.
+
+Pure torch and plain dicts (the tools in tools/checkpoint/ import `transformers`):
+
+- HF's `Conv1D` stores weights [in, out], the transpose of our `Linear` [out, in];
+- HF's `c_attn` output columns are [q (all heads) | k | v], [3, np, hn]; our
+  `query_key_value` rows are per-head interleaved [np, 3, hn] (checkpoint version 3.0);
+- the output layer is tied to the word embeddings on both sides;
+- our `gelu_tanh` is HF's `gelu_new` (`gelu_pytorch_tanh` computes the same), `gelu` is
+  the exact erf form on both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from megatron.checkpoint_layouts import CheckpointConversionError
+from megatron.config import ModelConfig
+
+TO_HF_ACTIVATION = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
+FROM_HF_ACTIVATION = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+EOD_TOKEN_ID = 50256
+"""GPT-2's `<|endoftext|>`, its bos and eos token."""
+
+_TOP = {
+    "language_model.embedding.word_embeddings.weight": "transformer.wte.weight",
+    "language_model.embedding.position_embeddings.weight": "transformer.wpe.weight",
+    "language_model.encoder.final_layernorm.weight": "transformer.ln_f.weight",
+    "language_model.encoder.final_layernorm.bias": "transformer.ln_f.bias",
+}
+_LAYER = {
+    "input_layernorm.weight": "ln_1.weight",
+    "input_layernorm.bias": "ln_1.bias",
+    "self_attention.query_key_value.weight": "attn.c_attn.weight",
+    "self_attention.query_key_value.bias": "attn.c_attn.bias",
+    "self_attention.dense.weight": "attn.c_proj.weight",
+    "self_attention.dense.bias": "attn.c_proj.bias",
+    "post_attention_layernorm.weight": "ln_2.weight",
+    "post_attention_layernorm.bias": "ln_2.bias",
+    "mlp.dense_h_to_4h.weight": "mlp.c_fc.weight",
+    "mlp.dense_h_to_4h.bias": "mlp.c_fc.bias",
+    "mlp.dense_4h_to_h.weight": "mlp.c_proj.weight",
+    "mlp.dense_4h_to_h.bias": "mlp.c_proj.bias",
+}
+_IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+"""Causal-mask buffers older transformers versions saved with the weights."""
+
+
+def model_config(args: dict[str, Any]) -> ModelConfig:
+    """The `ModelConfig` a checkpoint's args build (the same rule `pretrain_gpt.py` uses)."""
+    namespace = argparse.Namespace(**{"padded_vocab_size": 1, **args})
+    try:
+        return ModelConfig.from_args(namespace)
+    except (AttributeError, ValueError) as error:
+        raise CheckpointConversionError(
+            f"the checkpoint's args do not describe a model: {error}"
+        ) from None
+
+
+def check_hf_compatible(config: ModelConfig) -> None:
+    """Raise unless Hugging Face's GPT-2 computes exactly what `config` describes."""
+    if config.position_embedding_type != "learned_absolute":
+        raise CheckpointConversionError(
+            f"position embeddings {config.position_embedding_type!r} (rotary) have no GPT-2 "
+            "counterpart in Hugging Face transformers; only learned absolute positions convert"
+        )
+    if config.activation not in TO_HF_ACTIVATION:
+        raise CheckpointConversionError(f"activation {config.activation!r} has no GPT-2 form")
+    if config.kv_channels * config.num_attention_heads != config.hidden_size:
+        raise CheckpointConversionError(
+            f"kv_channels {config.kv_channels} x num_attention_heads "
+            f"{config.num_attention_heads} != hidden_size {config.hidden_size}: GPT-2 needs "
+            "head width = hidden / heads"
+        )
+
+
+def hf_config_kwargs(
+    config: ModelConfig, true_vocab_size: int, eod_token_id: int = EOD_TOKEN_ID
+) -> dict[str, Any]:
+    """`GPT2Config(**kwargs)` for a model of `config` with the tokenizer's vocabulary."""
+    check_hf_compatible(config)
+    return dict(
+        architectures=["GPT2LMHeadModel"],
+        vocab_size=true_vocab_size,
+        n_positions=config.max_position_embeddings,
+        n_embd=config.hidden_size,
+        n_layer=config.num_layers,
+        n_head=config.num_attention_heads,
+        n_inner=config.ffn_hidden_size,
+        activation_function=TO_HF_ACTIVATION[config.activation],
+        resid_pdrop=config.hidden_dropout,
+        embd_pdrop=config.hidden_dropout,
+        attn_pdrop=config.attention_dropout,
+        layer_norm_epsilon=config.layernorm_epsilon,
+        initializer_range=config.init_method_std,
+        bos_token_id=eod_token_id,
+        eos_token_id=eod_token_id,
+        tie_word_embeddings=True,
+    )
+
+
+def _qkv_to_hf(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """Our rows [np, 3, hn](, h) -> HF's [3, np, hn] order (weights also transposed)."""
+    grouped = tensor.reshape(heads, 3, -1, *tensor.shape[1:]).transpose(0, 1)
+    flat = grouped.reshape(tensor.shape)  # [3h(, h)] in q|k|v order
+    return flat.t().contiguous() if flat.dim() == 2 else flat.contiguous()
+
+
+def _qkv_from_hf(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF's [h, 3h] weight ([3h] bias), columns q|k|v -> our [np, 3, hn] rows."""
+    rows = tensor.t() if tensor.dim() == 2 else tensor  # [3h(, h)]
+    grouped = rows.reshape(3, heads, -1, *rows.shape[1:]).transpose(0, 1)
+    return grouped.reshape(rows.shape).contiguous()
+
+
+def _convert(name: str, tensor: torch.Tensor, heads: int, to_hf: bool) -> torch.Tensor:
+    if "query_key_value" in name or "c_attn" in name:
+        return _qkv_to_hf(tensor, heads) if to_hf else _qkv_from_hf(tensor, heads)
+    if tensor.dim() == 2 and ("layers." in name or ".h." in name):  # Linear <-> Conv1D
+        return tensor.t().contiguous()
+    return tensor.clone()
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:
+    """Our full (TP=1) GPTModel state dict -> `GPT2LMHeadModel` names (lm_head left tied)."""
+    out = {}
+    for name, tensor in state.items():
+        if name in _TOP:
+            out[_TOP[name]] = _convert(name, tensor, heads, True)
+            continue
+        prefix, _, rest = name.partition(".layers.")
+        number, _, key = rest.partition(".")
+        if prefix != "language_model.encoder" or key not in _LAYER:
+            raise CheckpointConversionError(f"no Hugging Face GPT-2 counterpart for {name!r}")
+        out[f"transformer.h.{number}.{_LAYER[key]}"] = _convert(name, tensor, heads, True)
+    return out
+
+
+def from_hf_state_dict(hf_state: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:
+    """`GPT2LMHeadModel` (or `GPT2Model`) weights -> our full GPTModel state dict.
+
+    `lm_head.weight` must equal the word embeddings: our output layer is tied to them.
+    """
+    top = {hf: ours for ours, hf in _TOP.items()}
+    layer = {hf: ours for ours, hf in _LAYER.items()}
+    out: dict[str, torch.Tensor] = {}
+    head = None
+    for name, tensor in hf_state.items():
+        if name == "lm_head.weight":
+            head = tensor
+            continue
+        if name.endswith(_IGNORED_HF_SUFFIXES):
+            continue
+        full = name if name.startswith("transformer.") else "transformer." + name
+        if full in top:
+            out[top[full]] = _convert(full, tensor, heads, False)
+            continue
+        number, _, key = full.removeprefix("transformer.h.").partition(".")
+        if not full.startswith("transformer.h.") or key not in layer:
+            raise CheckpointConversionError(f"unknown GPT-2 parameter {name!r}")
+        ours = f"language_model.encoder.layers.{number}.{layer[key]}"
+        out[ours] = _convert(full, tensor, heads, False)
+    embeddings = out.get("language_model.embedding.word_embeddings.weight")
+    if head is not None and embeddings is not None and not torch.equal(head, embeddings):
+        raise CheckpointConversionError(
+            "lm_head.weight differs from transformer.wte.weight: our GPT ties the output layer "
+            "to the word embeddings (tie_word_embeddings must be true)"
+        )
+    return out
+
+
+def megatron_args_from_hf(
+    hf_config: dict[str, Any],
+    tp_size: int,
+    pp_size: int,
+    make_vocab_size_divisible_by: int,
+    seq_length: int | None = None,
+) -> dict[str, Any]:
+    """Checkpoint args (Megatron flag names) that rebuild the GPT-2 of `hf_config` (a dict)."""
+    activation = FROM_HF_ACTIVATION.get(hf_config.get("activation_function", "gelu_new"))
+    problems = {
+        "model_type": (hf_config.get("model_type"), "gpt2"),
+        "scale_attn_weights": (hf_config.get("scale_attn_weights", True), True),
+        "scale_attn_by_inverse_layer_idx": (
+            hf_config.get("scale_attn_by_inverse_layer_idx", False),
+            False,
+        ),
+        "add_cross_attention": (hf_config.get("add_cross_attention", False), False),
+        "tie_word_embeddings": (hf_config.get("tie_word_embeddings", True), True),
+    }
+    for key, (value, supported) in problems.items():
+        if value != supported:
+            raise CheckpointConversionError(f"config.json has {key}={value!r}; only {supported!r}")
+    if activation is None:
+        raise CheckpointConversionError(
+            f"config.json has activation_function={hf_config.get('activation_function')!r}; "
+            f"supported: {', '.join(FROM_HF_ACTIVATION)}"
+        )
+    hidden, heads = hf_config["n_embd"], hf_config["n_head"]
+    if hidden % heads != 0:
+        raise CheckpointConversionError(f"config.json: n_embd {hidden} % n_head {heads} != 0")
+    positions = hf_config["n_positions"]
+    if seq_length is not None and seq_length > positions:
+        raise CheckpointConversionError(
+            f"--seq-length {seq_length} exceeds the model's n_positions {positions}"
+        )
+    return dict(
+        num_layers=hf_config["n_layer"],
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        ffn_hidden_size=hf_config.get("n_inner") or 4 * hidden,
+        kv_channels=hidden // heads,
+        max_position_embeddings=positions,
+        seq_length=seq_length or positions,
+        layernorm_epsilon=hf_config.get("layer_norm_epsilon", 1e-5),
+        init_method_std=hf_config.get("initializer_range", 0.02),
+        hidden_dropout=hf_config.get("resid_pdrop", 0.1),
+        attention_dropout=hf_config.get("attn_pdrop", 0.1),
+        openai_gelu=activation == "gelu_tanh",
+        bias_gelu_fusion=activation == "gelu_tanh",
+        use_rotary_position_embeddings=False,
+        position_embedding_type="learned_absolute",
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        true_vocab_size=hf_config["vocab_size"],
+        tokenizer_type="GPT2BPETokenizer",
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+    )

@@ -1,0 +1,341 @@
+"""Finding, reading and writing the two on-disk checkpoint layouts (file I/O only).
+
+Megatron layout (plain torch runs, and what the conversion tools write)::
+
+    {dir}/latest_checkpointed_iteration.txt        "N" or "release"
+    {dir}/iter_{N:07d}/mp_rank_{tp:02d}/model_optim_rng.pt            (PP = 1)
+    {dir}/iter_{N:07d}/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt   (PP > 1)
+
+DeepSpeed layout (`engine.save_checkpoint`)::
+
+    {dir}/latest                                   the tag, e.g. "global_step20"
+    {dir}/{tag}/mp_rank_{tp:02d}_model_states.pt   `module` (flat GPTModel names) + client state
+    {dir}/{tag}/layer_{idx:02d}-model_{tp:02d}-model_states.pt   pipeline engine: `module` is
+        None and layer idx holds that layer's own keys (0 embedding, 1..L transformer layers,
+        L+1 final norm; the tied logits layer L+2 is not written)
+    {dir}/{tag}/zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt   ZeRO-3: placeholders
+
+The tensor arithmetic (merging shards, renumbering pipeline layers) lives in
+`megatron.checkpoint_shards`; this module only names, reads and writes files. Every read goes
+through `megatron.checkpoint_format.load_file` (weights only; for DeepSpeed's files with its
+bookkeeping types allowed too), except ZeRO-3 weights, which DeepSpeed's own `zero_to_fp32`
+reconstructs from the optimizer partitions (it unpickles fully: convert trusted files only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron import checkpoint_commit
+from megatron.checkpoint_commit import DEEPSPEED_TRACKER_FILENAME, TRACKER_FILENAME
+from megatron.checkpoint_format import args_dict, checkpoint_directory, load_file, rank_file
+
+
+class CheckpointConversionError(ValueError):
+    """A checkpoint that cannot be read, converted or written; the message names the file."""
+
+
+@dataclass
+class LocatedCheckpoint:
+    """One checkpoint directory inside a `--load` directory, and how it was found."""
+
+    layout: str
+    """"megatron" or "deepspeed"."""
+    directory: str
+    """`{load}/iter_{N:07d}`, `{load}/release` or `{load}/{tag}`."""
+    iteration: int | None
+    """From the tracker or the directory name; None when only the files can tell."""
+    release: bool = False
+    tag: str = ""
+
+
+def _read_text(path: str) -> str:
+    with open(path, encoding="utf-8") as handle:
+        return handle.read().strip()
+
+
+def _tag_iteration(tag: str) -> int | None:
+    match = re.fullmatch(r"global_step(\d+)", tag)
+    return int(match.group(1)) if match else None
+
+
+def _read_tracker(root: str) -> tuple[int, bool] | None:
+    try:
+        return checkpoint_commit.read_tracker(root)
+    except ValueError as error:
+        raise CheckpointConversionError(str(error)) from None
+
+
+def _existing(located: LocatedCheckpoint, what: str) -> LocatedCheckpoint:
+    if not os.path.isdir(located.directory):
+        raise CheckpointConversionError(f"{what}, but {located.directory} does not exist")
+    return located
+
+
+def locate_checkpoint(root: str, iteration: int | None = None) -> LocatedCheckpoint:
+    """The checkpoint in `root` named by its trackers, or the one of `iteration`.
+
+    `latest` (DeepSpeed) and `latest_checkpointed_iteration.txt` (Megatron) may both be present
+    (DeepSpeed runs write both): the DeepSpeed tag wins, with the Megatron tracker's iteration
+    when the two agree.
+    """
+    if not os.path.isdir(root):
+        raise CheckpointConversionError(f"checkpoint directory {root} does not exist")
+    ds_tracker = os.path.join(root, DEEPSPEED_TRACKER_FILENAME)
+    tag = _read_text(ds_tracker) if os.path.isfile(ds_tracker) else None
+    if iteration is not None:
+        candidates = [
+            LocatedCheckpoint("megatron", checkpoint_directory(root, iteration, False), iteration),
+            LocatedCheckpoint(
+                "deepspeed",
+                os.path.join(root, f"global_step{iteration}"),
+                iteration,
+                tag=f"global_step{iteration}",
+            ),
+        ]
+        if tag is not None:  # a DeepSpeed run's directory: look there first
+            candidates.reverse()
+        for candidate in candidates:
+            if os.path.isdir(candidate.directory):
+                return candidate
+        names = " or ".join(c.directory for c in candidates)
+        raise CheckpointConversionError(f"no checkpoint of iteration {iteration}: {names} missing")
+    tracker = _read_tracker(root)
+    if tag is not None:
+        number = _tag_iteration(tag)
+        if tracker is not None and not tracker[1] and number in (None, tracker[0]):
+            number = tracker[0]
+        found = LocatedCheckpoint("deepspeed", os.path.join(root, tag), number, tag=tag)
+        return _existing(found, f"{ds_tracker} names {tag!r}")
+    if tracker is None:
+        raise CheckpointConversionError(
+            f"no checkpoint in {root}: neither {TRACKER_FILENAME} (Megatron) nor "
+            f"{DEEPSPEED_TRACKER_FILENAME} (DeepSpeed) is there"
+        )
+    number, release = tracker
+    found = LocatedCheckpoint(
+        "megatron", checkpoint_directory(root, number, release), number, release
+    )
+    return _existing(found, f"{os.path.join(root, TRACKER_FILENAME)} names iteration {number}")
+
+
+def holds_checkpoint(root: str) -> bool:
+    """Whether `root` has a tracker file or a checkpoint directory of either layout."""
+    if not os.path.isdir(root):
+        return False
+    names = os.listdir(root)
+    trackers = {TRACKER_FILENAME, DEEPSPEED_TRACKER_FILENAME}
+    pattern = re.compile(r"(iter_\d{7}|release|global_step\d+)$")
+    return any(name in trackers or pattern.match(name) for name in names)
+
+
+# --- Megatron layout -------------------------------------------------------------------------
+
+
+def _megatron_sizes(directory: str) -> tuple[int, int, dict[str, Any]]:
+    """(TP, PP, contents of the first file) of a Megatron-layout checkpoint directory."""
+    single = rank_file(directory, 0, 0, 1)
+    staged = rank_file(directory, 0, 0, 2)
+    first_path = single if os.path.isfile(single) else staged
+    if not os.path.isfile(first_path):
+        raise CheckpointConversionError(
+            f"{directory} holds no Megatron checkpoint file: {single} (or {staged}) is missing"
+        )
+    first = load_file(first_path)
+    args = args_dict(first.get("args"))
+    listed = [n for n in os.listdir(directory) if re.fullmatch(r"mp_rank_\d{2}(_\d{3})?", n)]
+    tp = args.get("tensor_model_parallel_size") or len({n[:10] for n in listed})
+    pp = args.get("pipeline_model_parallel_size") or len({n[10:] for n in listed})
+    if first_path == staged and pp == 1:
+        raise CheckpointConversionError(
+            f"{first_path} is a pipeline stage file, but its args say "
+            "pipeline_model_parallel_size 1"
+        )
+    return int(tp), int(pp), first
+
+
+def read_megatron_files(directory: str) -> tuple[dict[str, Any], list[list[dict[str, Any]]]]:
+    """(metadata, models[tp][pp]) of a Megatron-layout checkpoint: each rank file's `model`.
+
+    Metadata is the first file without its model, optimizer and RNG entries; the optimizer
+    state of the other files is dropped as soon as each is read.
+    """
+    tp, pp, first = _megatron_sizes(directory)
+    models = []
+    for tp_rank in range(tp):
+        row = []
+        for pp_rank in range(pp):
+            path = rank_file(directory, tp_rank, pp_rank, pp)
+            if tp_rank == 0 and pp_rank == 0:
+                contents = first
+            elif not os.path.isfile(path):
+                raise CheckpointConversionError(
+                    f"missing shard file {path} (the checkpoint has tensor-parallel size {tp} "
+                    f"and pipeline-parallel size {pp})"
+                )
+            else:
+                contents = load_file(path)
+            if "model" not in contents:
+                raise CheckpointConversionError(f"{path} has no 'model' entry")
+            row.append(contents["model"])
+        models.append(row)
+    skip = {"model", "optimizer", "opt_param_scheduler", "rng_state", "loss_scaler"}
+    metadata = {k: v for k, v in first.items() if k not in skip}
+    metadata.setdefault("args", {})
+    return metadata, models
+
+
+# --- DeepSpeed layout ------------------------------------------------------------------------
+
+
+def deepspeed_model_file(directory: str, mp_rank: int) -> str:
+    """`{directory}/mp_rank_{mp:02d}_model_states.pt` (ZeRO 0-2, both engines)."""
+    return os.path.join(directory, f"mp_rank_{mp_rank:02d}_model_states.pt")
+
+
+def deepspeed_layer_file(directory: str, layer: int, tp_rank: int) -> str:
+    """`{directory}/layer_{idx:02d}-model_{tp:02d}-model_states.pt` (the pipeline engine)."""
+    return os.path.join(directory, f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt")
+
+
+def load_deepspeed_file(path: str) -> dict[str, Any]:
+    """`load_file` with DeepSpeed's bookkeeping types allowed (bf16/fp16 optimizer metadata)."""
+    from megatron.checkpoint_deepspeed import DEEPSPEED_SAFE_GLOBALS
+
+    with torch.serialization.safe_globals(DEEPSPEED_SAFE_GLOBALS):
+        return load_file(path)
+
+
+def _zero3_model_file(directory: str) -> str:
+    return os.path.join(directory, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
+def _deepspeed_sizes(metadata: dict[str, Any]) -> tuple[int, int]:
+    args = args_dict(metadata.get("args"))
+    dims = metadata.get("checkpoint_parallel_dimensions") or {}
+    tp = args.get("tensor_model_parallel_size") or dims.get("tp_degree") or 1
+    pp = args.get("pipeline_model_parallel_size") or dims.get("pp_degree") or 1
+    return int(tp), int(pp)
+
+
+def _pipeline_layer_name(layer: int, num_layers: int, key: str) -> str:
+    """GPTModel name of key `key` of pipeline layer `layer` (0 .. num_layers + 1)."""
+    if layer == 0:
+        return "language_model.embedding." + key
+    if layer <= num_layers:
+        return f"language_model.encoder.layers.{layer - 1}.{key}"
+    return "language_model.encoder.final_layernorm." + key
+
+
+def _read_pipeline_layers(directory: str, tp_rank: int, num_layers: int) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for layer in range(num_layers + 2):
+        path = deepspeed_layer_file(directory, layer, tp_rank)
+        if not os.path.isfile(path):
+            raise CheckpointConversionError(
+                f"missing shard file {path} (pipeline layer {layer} of tensor-parallel rank "
+                f"{tp_rank}; the checkpoint's args say num_layers {num_layers})"
+            )
+        for key, tensor in load_deepspeed_file(path).items():
+            flat[_pipeline_layer_name(layer, num_layers, key)] = tensor
+    return flat
+
+
+def _zero3_state_dict(root: str, located: LocatedCheckpoint, tp: int, pp: int) -> dict:
+    if tp != 1 or pp != 1:
+        raise CheckpointConversionError(
+            f"{located.directory} is a ZeRO-3 checkpoint with tensor-parallel size {tp} and "
+            f"pipeline-parallel size {pp}: only TP=1 without pipeline can be converted "
+            "(DeepSpeed's zero_to_fp32 does not merge tensor-parallel shards)"
+        )
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    # zero_to_fp32 reports its progress on stdout; keep stdout for the tools' own lines.
+    with contextlib.redirect_stdout(sys.stderr):
+        return dict(get_fp32_state_dict_from_zero_checkpoint(root, located.tag))
+
+
+def read_deepspeed_files(
+    root: str, located: LocatedCheckpoint
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(metadata, flat GPTModel state dict of each TP rank) of a DeepSpeed checkpoint.
+
+    Metadata is the client state plus DeepSpeed's bookkeeping keys of the first model file
+    (`args`, `iteration`, `ds_config`, ...), without `module` and `optimizer`.
+    """
+    directory = located.directory
+    path = deepspeed_model_file(directory, 0)
+    zero3 = not os.path.isfile(path) and os.path.isfile(_zero3_model_file(directory))
+    if zero3:
+        path = _zero3_model_file(directory)
+    if not os.path.isfile(path):
+        raise CheckpointConversionError(f"missing DeepSpeed model file {path}")
+    first = load_deepspeed_file(path)
+    metadata = {k: v for k, v in first.items() if k not in ("module", "optimizer", "rng_state")}
+    metadata.setdefault("args", {})
+    tp, pp = _deepspeed_sizes(first)
+    stage = (first.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0)
+    if zero3 or stage == 3:
+        return metadata, [_zero3_state_dict(root, located, tp, pp)]
+    if first.get("module") is None:
+        num_layers = args_dict(first.get("args")).get("num_layers")
+        if num_layers is None:
+            num_layers = len(glob.glob(os.path.join(directory, "layer_*-model_00-*.pt"))) - 2
+        return metadata, [_read_pipeline_layers(directory, t, num_layers) for t in range(tp)]
+    if pp != 1:
+        raise CheckpointConversionError(
+            f"{path} holds a `module` but its args say pipeline_model_parallel_size {pp}"
+        )
+    shards = [dict(first["module"])]
+    for tp_rank in range(1, tp):
+        rank_path = deepspeed_model_file(directory, tp_rank)
+        if not os.path.isfile(rank_path):
+            raise CheckpointConversionError(
+                f"missing shard file {rank_path} (the checkpoint has tensor-parallel size {tp})"
+            )
+        module = load_deepspeed_file(rank_path).get("module")
+        if module is None:
+            raise CheckpointConversionError(f"{rank_path} has no `module` weights")
+        shards.append(dict(module))
+    return metadata, shards
+
+
+# --- writing the Megatron layout -------------------------------------------------------------
+
+
+def write_megatron_directory(
+    root: str, name: str, files: dict[str, dict[str, Any]], tracker: str, overwrite: bool
+) -> str:
+    """Write `files` ({relative path: contents}) as `{root}/{name}`, then the tracker.
+
+    Everything goes into `{root}/{name}.partial` first (`megatron.checkpoint_commit`; each
+    file fsynced); the directory is renamed into place and only then the tracker is
+    (atomically) rewritten, so an interrupted write leaves `root` as it was. Refuses a `root`
+    that already holds a checkpoint unless `overwrite`; overwriting then removes a DeepSpeed
+    `latest` file, which would otherwise be read in preference to the new tracker.
+    """
+    if holds_checkpoint(root) and not overwrite:
+        raise CheckpointConversionError(
+            f"{root} already holds a checkpoint; choose another directory or overwrite it"
+        )
+    os.makedirs(root, exist_ok=True)
+    final = os.path.join(root, name)
+    staging = checkpoint_commit.begin(final)
+    for relative, contents in files.items():
+        path = os.path.join(staging, relative)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(contents, path)
+        checkpoint_commit.fsync_path(path)
+    checkpoint_commit.commit(final, {TRACKER_FILENAME: tracker})
+    stale = os.path.join(root, DEEPSPEED_TRACKER_FILENAME)
+    if os.path.exists(stale):  # it would be read in preference to the new tracker
+        os.remove(stale)
+    return final

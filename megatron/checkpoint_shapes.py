@@ -1,0 +1,103 @@
+"""The parameters and shapes a checkpoint's args describe, and its tokenizer's size.
+
+Used to validate what was read from disk before it is converted, so a checkpoint that does not
+match its own args fails with the parameter and the flags named instead of deep in a reshape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron.checkpoint_layouts import CheckpointConversionError
+
+WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
+POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"
+
+
+def uses_rope(args: dict[str, Any]) -> bool:
+    """Whether the checkpoint's flags select rotary position embeddings."""
+    return bool(args.get("use_rotary_position_embeddings")) or (
+        args.get("position_embedding_type") == "rope"
+    )
+
+
+def model_dims(args: dict[str, Any]) -> dict[str, int]:
+    """num_layers, hidden, heads, kv_channels, ffn and max_positions from checkpoint args."""
+    try:
+        hidden, heads = int(args["hidden_size"]), int(args["num_attention_heads"])
+        dims = {"num_layers": int(args["num_layers"]), "hidden": hidden, "heads": heads}
+    except (KeyError, TypeError) as error:
+        raise CheckpointConversionError(f"the checkpoint's args lack {error}") from None
+    dims["kv_channels"] = int(args.get("kv_channels") or hidden // heads)
+    dims["ffn"] = int(args.get("ffn_hidden_size") or 4 * hidden)
+    dims["max_positions"] = int(args.get("max_position_embeddings") or args.get("seq_length") or 0)
+    return dims
+
+
+def expected_shapes(args: dict[str, Any], vocab_rows: int) -> dict[str, tuple[int, ...]]:
+    """The full (TP=1) shape of every GPTModel parameter the args describe."""
+    d = model_dims(args)
+    h, qkv = d["hidden"], 3 * d["heads"] * d["kv_channels"]
+    shapes: dict[str, tuple[int, ...]] = {WORD_EMBEDDINGS: (vocab_rows, h)}
+    if not uses_rope(args):
+        shapes[POSITION_EMBEDDINGS] = (d["max_positions"], h)
+    layer = {
+        "input_layernorm.weight": (h,),
+        "input_layernorm.bias": (h,),
+        "self_attention.query_key_value.weight": (qkv, h),
+        "self_attention.query_key_value.bias": (qkv,),
+        "self_attention.dense.weight": (h, qkv // 3),
+        "self_attention.dense.bias": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "post_attention_layernorm.bias": (h,),
+        "mlp.dense_h_to_4h.weight": (d["ffn"], h),
+        "mlp.dense_h_to_4h.bias": (d["ffn"],),
+        "mlp.dense_4h_to_h.weight": (h, d["ffn"]),
+        "mlp.dense_4h_to_h.bias": (h,),
+    }
+    for number in range(d["num_layers"]):
+        for key, shape in layer.items():
+            shapes[f"language_model.encoder.layers.{number}.{key}"] = shape
+    shapes["language_model.encoder.final_layernorm.weight"] = (h,)
+    shapes["language_model.encoder.final_layernorm.bias"] = (h,)
+    return shapes
+
+
+def check_shapes(state: dict[str, torch.Tensor], args: dict[str, Any], source: str) -> None:
+    """Raise unless `state` has exactly the parameters and shapes `args` describe."""
+    vocab_rows = state[WORD_EMBEDDINGS].size(0) if WORD_EMBEDDINGS in state else 0
+    expected = expected_shapes(args, vocab_rows)
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointConversionError(
+            f"{source} does not match its args (num_layers, position embeddings): missing "
+            f"{missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise CheckpointConversionError(
+                f"{source}: {name} has shape {tuple(state[name].shape)}, but the checkpoint's "
+                f"args (hidden_size, num_attention_heads, kv_channels, ffn_hidden_size, "
+                f"max_position_embeddings) give {shape}"
+            )
+
+
+def resolve_true_vocab_size(args: dict[str, Any], override: int | None, source: str) -> int:
+    """The tokenizer's vocabulary size: `override`, else args, else from the tokenizer files."""
+    if override is not None:
+        return int(override)
+    if args.get("true_vocab_size"):
+        return int(args["true_vocab_size"])
+    vocab_file, merge_file = args.get("vocab_file"), args.get("merge_file")
+    try:
+        from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
+
+        return GPT2BPETokenizer(vocab_file, merge_file).vocab_size
+    except Exception as error:  # noqa: BLE001 - any failure means: ask for the flag
+        raise CheckpointConversionError(
+            f"cannot tell the tokenizer's vocabulary size of {source}: its args have no "
+            f"true_vocab_size and its tokenizer files (vocab_file {vocab_file}, merge_file "
+            f"{merge_file}) cannot be read ({error}); pass --true-vocab-size"
+        ) from None

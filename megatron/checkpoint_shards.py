@@ -1,0 +1,415 @@
+"""Checkpoint weights as one dense model, and the tensor- and pipeline-parallel splits of it.
+
+    dense = load_dense_checkpoint("checkpoints/gpt2")          # either layout, any TP x PP
+    save_megatron_checkpoint(dense, "checkpoints/gpt2_tp4", tp_size=4, pp_size=1)
+
+A `DenseCheckpoint` holds the flat `GPTModel.state_dict()` names of the whole model (tensor
+shards concatenated, pipeline stages joined, vocabulary trimmed to the tokenizer's size).
+Each parameter is split the way the parallel layers split it:
+
+- vocab-parallel rows (dim 0): `word_embeddings.weight`, padded first (the source's dummy
+  rows when they were kept, see `DenseCheckpoint.vocab_padding`, then zero rows);
+- column-parallel rows (dim 0): `query_key_value` and `dense_h_to_4h` weights and biases; the
+  QKV rows are per-head interleaved ([np, 3, hn], checkpoint version 3.0), so a contiguous
+  chunk holds whole heads;
+- row-parallel columns (dim 1): `self_attention.dense.weight`, `mlp.dense_4h_to_h.weight`;
+- replicated: layer norms, position embeddings, and the row-parallel biases.
+
+Pipeline stage p of PP holds layers [p L/PP, (p+1) L/PP); the first stage also the embedding,
+the last the final layer norm and (PP > 1) `word_embeddings_for_head`, the tied copy of the
+word embeddings. In Megatron's files each stage numbers its layers from 0.
+
+Optimizer and RNG state are not carried: resharding optimizer state is what DeepSpeed's
+universal checkpoint is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron.checkpoint_format import (
+    CHECKPOINT_VERSION,
+    HEAD_KEY,
+    args_dict,
+    flatten_model_state,
+    nest_model_state,
+    plain_args,
+    rank_file,
+)
+from megatron.checkpoint_layouts import (
+    CheckpointConversionError,
+    locate_checkpoint,
+    read_deepspeed_files,
+    read_megatron_files,
+    write_megatron_directory,
+)
+from megatron.checkpoint_shapes import (
+    POSITION_EMBEDDINGS,
+    WORD_EMBEDDINGS,
+    check_shapes,
+    model_dims,
+    resolve_true_vocab_size,
+)
+from megatron.tokenizer.tokenizer import vocab_size_with_padding
+
+HEAD_WEIGHT = HEAD_KEY + ".weight"
+VOCAB_PARALLEL = (WORD_EMBEDDINGS, HEAD_WEIGHT)
+COLUMN_PARALLEL = (
+    ".self_attention.query_key_value.weight",
+    ".self_attention.query_key_value.bias",
+    ".mlp.dense_h_to_4h.weight",
+    ".mlp.dense_h_to_4h.bias",
+)
+ROW_PARALLEL = (".self_attention.dense.weight", ".mlp.dense_4h_to_h.weight")
+REPLICATED = (
+    "layernorm.weight",
+    "layernorm.bias",
+    POSITION_EMBEDDINGS,
+    ".self_attention.dense.bias",
+    ".mlp.dense_4h_to_h.bias",
+)
+PROGRESS_KEYS = (
+    "iteration",
+    "consumed_train_samples",
+    "consumed_valid_samples",
+    "consumed_train_tokens",
+    "skipped_iterations",
+    "nan_iterations",
+    "consecutive_bad_iterations",
+)
+"""Counters older files keep at the top level instead of in `train_state`."""
+_LAYER = re.compile(r"(language_model\.encoder\.layers\.)(\d+)(\..+)")
+
+
+@dataclass
+class DenseCheckpoint:
+    """A whole model's weights and the metadata needed to write it out again."""
+
+    state_dict: dict[str, torch.Tensor]
+    """Flat GPTModel names, full size (TP- and PP-merged), vocab rows = `true_vocab_size`."""
+    args: dict[str, Any]
+    """The checkpoint's flags (what `pretrain_gpt.py` saved, or what an import sets)."""
+    iteration: int
+    """Training iteration; 0 for imports (written as a `release` checkpoint)."""
+    true_vocab_size: int
+    """The tokenizer's vocabulary size (50257 for GPT-2), before padding."""
+    train_state: dict[str, Any] = field(default_factory=dict)
+    """Progress counters (consumed samples and tokens, ...); may be empty."""
+    layout: str = "megatron"
+    """Where it came from: "megatron", "deepspeed" (or "huggingface" for imports)."""
+    vocab_padding: torch.Tensor | None = None
+    """The source's embedding rows past `true_vocab_size` (dummy tokens, trained: not zero).
+
+    Written back first when padding again, so a checkpoint converted to the same padded size
+    continues training exactly (the dummy logits are part of the softmax); None: zeros."""
+
+
+# --- tensor-parallel splits ------------------------------------------------------------------
+
+
+def partition_dim(name: str) -> int | None:
+    """The dimension tensor parallelism splits parameter `name` along; None if replicated."""
+    if name in VOCAB_PARALLEL or name.endswith(COLUMN_PARALLEL):
+        return 0
+    if name.endswith(ROW_PARALLEL):
+        return 1
+    if name.endswith(REPLICATED):
+        return None
+    raise CheckpointConversionError(f"no tensor-parallel rule for parameter {name!r}")
+
+
+def _resize_vocab(state: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """`state` with its vocabulary matrices cut or zero-padded to `rows` rows."""
+    out = dict(state)
+    for name in VOCAB_PARALLEL:
+        if name not in out:
+            continue
+        tensor = out[name]
+        if rows <= tensor.size(0):
+            out[name] = tensor[:rows].clone()
+        else:
+            pad = tensor.new_zeros(rows - tensor.size(0), *tensor.shape[1:])
+            out[name] = torch.cat([tensor, pad], dim=0)
+    return out
+
+
+def shard_state_dict(
+    dense: dict[str, torch.Tensor], tp_size: int, tp_rank: int, padded_vocab_size: int
+) -> dict[str, torch.Tensor]:
+    """The GPTModel state dict of tensor-parallel rank `tp_rank` of `tp_size`.
+
+    The vocabulary is padded with zero rows to `padded_vocab_size` before it is split.
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise CheckpointConversionError(f"tensor-parallel rank {tp_rank} not in [0, {tp_size})")
+    rows = dense[WORD_EMBEDDINGS].size(0) if WORD_EMBEDDINGS in dense else 0
+    if padded_vocab_size < rows:
+        raise CheckpointConversionError(
+            f"padded vocabulary size {padded_vocab_size} is smaller than the {rows} rows of "
+            f"{WORD_EMBEDDINGS}"
+        )
+    padded = _resize_vocab(dense, padded_vocab_size)
+    shard = {}
+    for name, tensor in padded.items():
+        dim = partition_dim(name)
+        if dim is None:
+            shard[name] = tensor.clone()
+            continue
+        if tensor.size(dim) % tp_size != 0:
+            raise CheckpointConversionError(
+                f"{name} has size {tensor.size(dim)} along dim {dim}, which tensor-parallel "
+                f"size {tp_size} does not divide"
+            )
+        shard[name] = tensor.chunk(tp_size, dim=dim)[tp_rank].clone()
+    return shard
+
+
+def merge_tp_shards(shards: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Concatenate the state dicts of all TP ranks (replicated tensors from rank 0).
+
+    The vocabulary stays padded; see `DenseCheckpoint` for the trimmed form.
+    """
+    names = list(shards[0])
+    for rank, shard in enumerate(shards[1:], start=1):
+        if set(shard) != set(names):
+            extra = sorted(set(shard) ^ set(names))[:3]
+            raise CheckpointConversionError(
+                f"tensor-parallel rank {rank} holds other parameters than rank 0 ({extra} ...)"
+            )
+    merged = {}
+    for name in names:
+        dim = partition_dim(name)
+        parts = [shard[name] for shard in shards]
+        merged[name] = parts[0].clone() if dim is None else torch.cat(parts, dim=dim)
+    return merged
+
+
+# --- pipeline stages -------------------------------------------------------------------------
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """Global layer numbers of pipeline stage `pp_rank` (Megatron's even split)."""
+    if num_layers % pp_size != 0:
+        raise CheckpointConversionError(
+            f"pipeline-parallel size {pp_size} does not divide num_layers {num_layers}"
+        )
+    per_stage = num_layers // pp_size
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
+def renumber_layers(state: dict[str, torch.Tensor], shift: int) -> dict[str, torch.Tensor]:
+    """`state` with every `language_model.encoder.layers.{i}` renamed to `{i + shift}`.
+
+    shift = -first layer of a stage gives Megatron's local numbering; +first undoes it.
+    """
+    out = {}
+    for name, tensor in state.items():
+        match = _LAYER.fullmatch(name)
+        if match:
+            name = f"{match.group(1)}{int(match.group(2)) + shift}{match.group(3)}"
+        out[name] = tensor
+    return out
+
+
+def pipeline_stage_state_dict(
+    flat_tp_rank_state: dict[str, torch.Tensor], num_layers: int, pp_size: int, pp_rank: int
+) -> dict[str, torch.Tensor]:
+    """The parameters stage `pp_rank` of `pp_size` holds, global layer numbers.
+
+    First stage: the embeddings; last stage: the final layer norm and, when PP > 1,
+    `word_embeddings_for_head.weight` (the tied output copy). Write it in Megatron's files with
+    `nest_model_state(renumber_layers(stage, -stage_layers(...).start))`.
+    """
+    layers = stage_layers(num_layers, pp_size, pp_rank)
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    stage = {}
+    for name, tensor in flat_tp_rank_state.items():
+        match = _LAYER.fullmatch(name)
+        if match:
+            keep = int(match.group(2)) in layers
+        elif name.startswith("language_model.embedding."):
+            keep = first
+        elif name.startswith("language_model.encoder.final_layernorm."):
+            keep = last
+        else:
+            raise CheckpointConversionError(f"no pipeline stage holds parameter {name!r}")
+        if keep:
+            stage[name] = tensor
+    if last and pp_size > 1 and WORD_EMBEDDINGS in flat_tp_rank_state:
+        stage[HEAD_WEIGHT] = flat_tp_rank_state[WORD_EMBEDDINGS]
+    return stage
+
+
+def merge_pipeline_stages(stages: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Join stage state dicts (global layer numbers); the head copy of the embedding is dropped.
+
+    A checkpoint whose first stage lost its word embeddings takes them from the head copy.
+    """
+    merged: dict[str, torch.Tensor] = {}
+    head = None
+    for number, stage in enumerate(stages):
+        for name, tensor in stage.items():
+            if name == HEAD_WEIGHT:
+                head = tensor
+                continue
+            if name in merged:
+                raise CheckpointConversionError(
+                    f"parameter {name!r} appears in pipeline stage {number} and an earlier stage"
+                )
+            merged[name] = tensor
+    if WORD_EMBEDDINGS not in merged and head is not None:
+        merged[WORD_EMBEDDINGS] = head
+    return merged
+
+
+# --- reading and writing whole checkpoints ---------------------------------------------------
+
+
+def _train_state(metadata: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    saved = dict(metadata.get("train_state") or {})
+    for key in PROGRESS_KEYS:
+        if key not in saved and key in metadata:
+            saved[key] = metadata[key]
+    for key in ("consumed_train_samples", "consumed_valid_samples"):
+        if key not in saved and args.get(key) is not None:
+            saved[key] = args[key]
+    return saved
+
+
+def _megatron_tp_shards(models: list[list[dict[str, Any]]], num_layers: int) -> list[dict]:
+    """Each TP rank's state dict, its pipeline stages joined (local -> global numbering)."""
+    pp_size = len(models[0])
+    shards = []
+    for row in models:
+        stages = [
+            renumber_layers(
+                flatten_model_state(model),
+                stage_layers(num_layers, pp_size, pp_rank).start,
+            )
+            for pp_rank, model in enumerate(row)
+        ]
+        shards.append(merge_pipeline_stages(stages))
+    return shards
+
+
+def load_dense_checkpoint(
+    load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None
+) -> DenseCheckpoint:
+    """Read every shard of the checkpoint in `load_dir` (either layout) into one model.
+
+    `iteration` picks a checkpoint other than the one the trackers name; `true_vocab_size`
+    overrides the tokenizer size for files that do not record it.
+    """
+    located = locate_checkpoint(load_dir, iteration)
+    if located.layout == "megatron":
+        metadata, models = read_megatron_files(located.directory)
+        args = args_dict(metadata.get("args"))
+        shards = _megatron_tp_shards(models, model_dims(args)["num_layers"])
+    else:
+        metadata, shards = read_deepspeed_files(load_dir, located)
+        args = args_dict(metadata.get("args"))
+    merged = merge_tp_shards(shards)
+    check_shapes(merged, args, located.directory)
+    padded = args.get("padded_vocab_size")
+    rows = merged[WORD_EMBEDDINGS].size(0)
+    if padded is not None and padded != rows:
+        raise CheckpointConversionError(
+            f"{located.directory}: {WORD_EMBEDDINGS} has {rows} rows, but the checkpoint's args "
+            f"say padded_vocab_size {padded}"
+        )
+    vocab = resolve_true_vocab_size(args, true_vocab_size, located.directory)
+    if vocab > rows:
+        raise CheckpointConversionError(
+            f"true vocabulary size {vocab} exceeds the {rows} embedding rows of {located.directory}"
+        )
+    number = located.iteration
+    if number is None or located.release:
+        number = 0 if located.release else int(metadata.get("iteration", 0))
+    return DenseCheckpoint(
+        vocab_padding=merged[WORD_EMBEDDINGS][vocab:].clone(),
+        state_dict=_resize_vocab(merged, vocab),
+        args=args,
+        iteration=number,
+        true_vocab_size=vocab,
+        train_state=_train_state(metadata, args),
+        layout=located.layout,
+    )
+
+
+def _target_args(dense: DenseCheckpoint, tp: int, pp: int, divisible: int, padded: int) -> dict:
+    args = dict(dense.args)
+    args.update(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        make_vocab_size_divisible_by=divisible,
+        padded_vocab_size=padded,
+        true_vocab_size=dense.true_vocab_size,
+    )
+    for key in ("consumed_train_samples", "consumed_valid_samples"):
+        if key in dense.train_state:
+            args[key] = dense.train_state[key]
+    return args
+
+
+def save_megatron_checkpoint(
+    dense: DenseCheckpoint,
+    save_dir: str,
+    tp_size: int,
+    pp_size: int,
+    make_vocab_size_divisible_by: int | None = None,
+    overwrite: bool = False,
+) -> str:
+    """Write `dense` in Megatron's layout split TP x PP; returns the checkpoint directory.
+
+    Iteration 0 is written as `release`. Nothing is touched when `save_dir` already holds a
+    checkpoint (unless `overwrite`) or when the model cannot be split this way.
+    """
+    dims = model_dims(dense.args)
+    if tp_size < 1 or pp_size < 1:
+        raise CheckpointConversionError(
+            f"parallel sizes must be >= 1, got TP {tp_size} PP {pp_size}"
+        )
+    if dims["heads"] % tp_size != 0:
+        raise CheckpointConversionError(
+            f"tensor-parallel size {tp_size} does not divide num_attention_heads {dims['heads']}"
+        )
+    if dims["ffn"] % tp_size != 0:
+        raise CheckpointConversionError(
+            f"tensor-parallel size {tp_size} does not divide ffn_hidden_size {dims['ffn']}"
+        )
+    stage_layers(dims["num_layers"], pp_size, 0)  # raises unless PP divides the layers
+    check_shapes(dense.state_dict, dense.args, "the model to save")
+    divisible = (
+        make_vocab_size_divisible_by or dense.args.get("make_vocab_size_divisible_by") or 128
+    )
+    padded = vocab_size_with_padding(dense.true_vocab_size, divisible, tp_size, verbose=False)
+    args = plain_args(
+        argparse.Namespace(**_target_args(dense, tp_size, pp_size, divisible, padded))
+    )
+    release = dense.iteration == 0
+    state = dict(dense.state_dict)
+    if dense.vocab_padding is not None:  # the source's dummy rows first, then zeros
+        kept = dense.vocab_padding[: padded - dense.true_vocab_size]
+        state[WORD_EMBEDDINGS] = torch.cat([state[WORD_EMBEDDINGS], kept])
+    files = {}
+    for tp_rank in range(tp_size):
+        shard = shard_state_dict(state, tp_size, tp_rank, padded)
+        for pp_rank in range(pp_size):
+            stage = pipeline_stage_state_dict(shard, dims["num_layers"], pp_size, pp_rank)
+            start = stage_layers(dims["num_layers"], pp_size, pp_rank).start
+            files[rank_file("", tp_rank, pp_rank, pp_size)] = {
+                "args": args,
+                "checkpoint_version": CHECKPOINT_VERSION,
+                "iteration": dense.iteration,
+                "model": nest_model_state(renumber_layers(stage, -start)),
+                "train_state": dict(dense.train_state),
+            }
+    directory = "release" if release else f"iter_{dense.iteration:07d}"
+    tracker = "release" if release else str(dense.iteration)
+    return write_megatron_directory(save_dir, directory, files, tracker, overwrite)

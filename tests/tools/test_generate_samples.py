@@ -1,0 +1,144 @@
+"""tools/generate_samples_gpt.py on a tiny checkpoint written by `save_megatron_checkpoint`.
+
+The end-to-end runs start the tool as a user would (`python`, and `torchrun` for TP=2, on CPU
+over gloo); the prompt sources, output file and errors are checked through `main(argv)`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron.checkpoint_shards import DenseCheckpoint, save_megatron_checkpoint
+from megatron.config import ModelConfig
+from megatron.model import GPTModel
+from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE
+from tools.generate_samples_gpt import INTERACTIVE_PROMPT, main
+
+TOOL = os.path.join(REPO_ROOT, "tools", "generate_samples_gpt.py")
+GPT2_VOCAB = 50257
+SHAPE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=64)
+GREEDY = ["--prompt", "def main(", "--greedy", "--out-seq-length", "8"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """A random 2-layer GPT with the GPT-2 tokenizer, saved at TP=2 (iteration 3)."""
+    torch.manual_seed(0)
+    model = GPTModel(ModelConfig(vocab_size=50304, **SHAPE))
+    state = model.state_dict()
+    embeddings = "language_model.embedding.word_embeddings.weight"
+    state[embeddings] = state[embeddings][:GPT2_VOCAB]
+    args = dict(
+        SHAPE,
+        seq_length=64,
+        make_vocab_size_divisible_by=128,
+        tokenizer_type="GPT2BPETokenizer",
+        vocab_file=VOCAB_FILE,
+        merge_file=MERGE_FILE,
+    )
+    root = str(tmp_path_factory.mktemp("generate") / "checkpoint")
+    save_megatron_checkpoint(DenseCheckpoint(state, args, 3, GPT2_VOCAB), root, 2, 1)
+    return root
+
+
+def run_tool(launcher: list[str], *args: str) -> subprocess.CompletedProcess:
+    """The tool's process (or torchrun's) on CPU; stdout and stderr kept apart."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    return subprocess.run(
+        [*launcher, TOOL, *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def continuations(output: str) -> list[str]:
+    """The generated texts of the tool's output blocks (trailing newlines dropped)."""
+    chunks = output.split("Megatron-LM: ")[1:]
+    return [re.split(r"\nContext(?=: | prompt)", chunk)[0].rstrip("\n") for chunk in chunks]
+
+
+def test_greedy_prompt_then_tp2_gives_the_same_text(checkpoint):
+    single = run_tool([sys.executable], "--load", checkpoint, *GREEDY)
+    assert single.returncode == 0, single.stderr
+    assert "Context: def main(" in single.stdout
+    (text,) = continuations(single.stdout)
+    assert text.strip()
+    torchrun = ["torchrun", "--standalone", "--nproc_per_node", "2"]
+    tp2 = run_tool(torchrun, "--load", checkpoint, "--tensor-model-parallel-size", "2", *GREEDY)
+    assert tp2.returncode == 0, tp2.stderr
+    assert "(TP=2)" in tp2.stdout
+    assert continuations(tp2.stdout) == [text]  # printed once: rank 0 only
+
+
+def test_missing_load_directory_is_a_one_line_error(tmp_path, capsys):
+    missing = str(tmp_path / "nowhere")
+    assert main(["--load", missing, *GREEDY]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--load" in err and missing in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--top_k", "-1"], "--top_k"),
+        (["--top_k", "3", "--top_p", "0.5"], "--top_p"),
+        (["--temperature", "0"], "--temperature"),
+        (["--vocab-file", "/no/such/vocab.json"], "--vocab-file"),
+        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(checkpoint, capsys, flags, named):
+    assert main(["--load", checkpoint, "--prompt", "x", *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and named in err
+
+
+def test_input_file_to_default_output_file(checkpoint, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def main(\n\nimport os\n", encoding="utf-8")
+    assert main(["--load", checkpoint, "--sample-input-file", str(prompts), "--greedy",
+                 "--out-seq-length", "4"]) == 0  # fmt: skip
+    written = (tmp_path / "prompts.txt.out").read_text(encoding="utf-8")
+    assert written.count("Context: ") == 2  # the empty line is skipped
+    assert "Context: def main(" in written and "Context: import os" in written
+    assert continuations(written) == continuations(capsys.readouterr().out)
+
+
+def test_seeded_samples_are_reproducible(checkpoint, capsys):
+    def sample(seed: str) -> list[str]:
+        flags = ["--prompt", "hello", "--top_k", "50", "--num-samples", "2", "--seed", seed]
+        assert main(["--load", checkpoint, *flags, "--out-seq-length", "6"]) == 0
+        return continuations(capsys.readouterr().out)
+
+    first = sample("7")
+    assert len(first) == 2 and first[0] != first[1]  # each sample of a prompt differs
+    assert sample("7") == first
+    assert sample("8") != first
+
+
+def test_interactive_reads_prompts_until_stop(checkpoint, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def main(\n\nstop\nnever read\n"))
+    assert main(["--load", checkpoint, "--greedy", "--out-seq-length", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(INTERACTIVE_PROMPT.strip()) == 3
+    assert "Prompt should not be empty!" in out
+    assert "Context: def main(" in out and "never read" not in out
+    assert len(continuations(out)) == 1
+
+
+def test_unconditional_samples(checkpoint, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("not a prompt\n"))
+    assert main(["--load", checkpoint, "--num-samples", "2", "--out-seq-length", "4"]) == 0
+    out = capsys.readouterr().out
+    assert len(continuations(out)) == 2 and "not a prompt" not in out

@@ -1,0 +1,242 @@
+"""tools/checkpoint/reshard.py: TP/PP resharding, and DeepSpeed checkpoints of real runs.
+
+A random GPT saved at TP=2 is resharded TP=2 -> TP=1 -> TP=4: the weights stay bit-identical,
+and the TP=2 and TP=4 files, loaded rank by rank into the tensor-parallel GPTModel in one
+spawned 4-rank gloo world, give the dense model's logits. Two real `pretrain_gpt.py
+--deepspeed` runs with ZeRO-1 (TP=2 on the non-pipeline engine; PP=2 in bf16 on the pipeline
+engine, whose files carry DeepSpeed's bf16 optimizer metadata) are converted to Megatron's
+layout with the weights of the DeepSpeed files, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron.checkpoint_format import flatten_model_state, load_file
+from megatron.checkpoint_hf import model_config
+from megatron.checkpoint_shards import (
+    DenseCheckpoint,
+    load_dense_checkpoint,
+    save_megatron_checkpoint,
+    shard_state_dict,
+)
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.model import GPTModel
+from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE, run_cli
+from tests.model.helpers import spawn_collect
+from tools.checkpoint import reshard
+
+TRUE_VOCAB, DIVISIBLE = 100, 8  # padded to 104 at TP=1, 112 at TP=2, 128 at TP=4
+ARGS = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    max_position_embeddings=16,
+    seq_length=16,
+    make_vocab_size_divisible_by=DIVISIBLE,
+    true_vocab_size=TRUE_VOCAB,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+TOKENS = torch.randint(0, TRUE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+DATA = os.path.join(REPO_ROOT, "data", "quickstart", "corpus_content_document")
+WORD = "language_model.embedding.word_embeddings.weight"
+
+
+def dense_logits(state: dict[str, torch.Tensor], args: dict) -> torch.Tensor:
+    """Logits [b, s, true vocab] of the single-process GPTModel holding `state`."""
+    config = dataclasses.replace(model_config(args), vocab_size=state[WORD].size(0))
+    model = GPTModel(dataclasses.replace(config, parallel_output=False))
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model.eval()(TOKENS)[..., :TRUE_VOCAB]
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory) -> dict[str, object]:
+    """A random GPT saved at TP=2, resharded by the tool to TP=1, then from there to TP=4."""
+    root = tmp_path_factory.mktemp("reshard")
+    torch.manual_seed(0)
+    config = dataclasses.replace(model_config(ARGS), vocab_size=TRUE_VOCAB)
+    state = {k: torch.randn_like(t) * 0.3 for k, t in GPTModel(config).state_dict().items()}
+    source = DenseCheckpoint(state, dict(ARGS), 30, TRUE_VOCAB, {"consumed_train_samples": 240})
+    dirs = {tp: str(root / f"tp{tp}") for tp in (1, 2, 4)}
+    save_megatron_checkpoint(source, dirs[2], 2, 1)
+    for src, dst in ((2, 1), (1, 4)):
+        argv = ["--load", dirs[src], "--save", dirs[dst], "--target-tensor-parallel-size", str(dst)]
+        assert reshard.main(argv + ["--target-pipeline-parallel-size", "1"]) == 0
+    return {"state": state, "dirs": dirs}
+
+
+def test_reshard_keeps_weights_and_progress(chain):
+    for tp, directory in chain["dirs"].items():
+        loaded = load_dense_checkpoint(directory)
+        assert loaded.args["tensor_model_parallel_size"] == tp
+        assert loaded.args["padded_vocab_size"] == {1: 104, 2: 112, 4: 128}[tp]
+        assert (loaded.iteration, loaded.train_state["consumed_train_samples"]) == (30, 240)
+        assert sorted(loaded.state_dict) == sorted(chain["state"])
+        for name, tensor in chain["state"].items():
+            assert torch.equal(loaded.state_dict[name], tensor), (tp, name)
+
+
+def test_dense_forward_agrees_across_sizes(chain):
+    expected = dense_logits(chain["state"], ARGS)
+    for directory in chain["dirs"].values():
+        loaded = load_dense_checkpoint(directory)
+        padded = shard_state_dict(loaded.state_dict, 1, 0, loaded.args["padded_vocab_size"])
+        assert torch.equal(dense_logits(padded, loaded.args), expected)
+
+
+def _parallel_logits(tp: int, directory: str) -> torch.Tensor:
+    """This rank's TP-group forward on the rank's own file of the TP-`tp` checkpoint."""
+    parallel_state.initialize_model_parallel(tp, 1)
+    model_parallel_cuda_manual_seed(5)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    iteration = sorted(name for name in os.listdir(directory) if name.startswith("iter_"))[-1]
+    saved = load_file(
+        os.path.join(directory, iteration, f"mp_rank_{tp_rank:02d}", "model_optim_rng.pt")
+    )
+    args = dict(vars(saved["args"]))
+    config = dataclasses.replace(model_config(args), parallel_output=False)
+    model = GPTModel(config)
+    model.load_state_dict(flatten_model_state(saved["model"]))
+    with torch.no_grad():
+        logits = model.eval()(TOKENS)[..., :TRUE_VOCAB]
+    parallel_state.destroy_model_parallel()
+    return logits
+
+
+def _parallel_body(rank: int, world: int, dirs: dict[int, str]) -> dict[str, torch.Tensor]:
+    del rank, world
+    return {"tp4": _parallel_logits(4, dirs[4]), "tp2": _parallel_logits(2, dirs[2])}
+
+
+def test_parallel_forward_at_tp2_and_tp4(chain):
+    expected = dense_logits(chain["state"], ARGS)
+    for results in spawn_collect(_parallel_body, 4, chain["dirs"]):
+        torch.testing.assert_close(results["tp4"], expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(results["tp2"], expected, atol=1e-5, rtol=0)
+
+
+# --- DeepSpeed checkpoints of real pretrain_gpt.py runs ---------------------------------------
+
+RUNS = {
+    "tp2-zero1": ["--tensor-model-parallel-size", "2", "--no-pipeline-parallel"],
+    "pp2-zero1-bf16": ["--pipeline-model-parallel-size", "2", "--bf16"],
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _pretrain(save: str, flags: list[str]) -> None:
+    """One iteration of a tiny GPT under `--deepspeed` (ZeRO-1), 2 CPU processes, then save."""
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "torchrun"),
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        os.path.join(REPO_ROOT, "pretrain_gpt.py"),
+        *"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 2 "
+        "--train-iters 1 --lr 1e-3 --save-interval 1 --split 98,2,0 --eval-iters 0 "
+        "--eval-interval 1000 --num-workers 0 --distributed-backend gloo".split(),
+        *["--save", save, "--data-path", DATA, "--vocab-file", VOCAB_FILE],
+        *["--merge-file", MERGE_FILE, "--deepspeed", "--deepspeed_config"],
+        os.path.join(REPO_ROOT, "examples", "ds_configs", "ds_zero1.json"),
+        *flags,
+    ]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def deepspeed_run(request, tmp_path_factory) -> tuple[str, str, str]:
+    """(name, DeepSpeed checkpoint dir, its Megatron-layout conversion by the tool)."""
+    root = tmp_path_factory.mktemp(request.param)
+    source, target = str(root / "ds"), str(root / "megatron")
+    _pretrain(source, RUNS[request.param])
+    assert reshard.main(["--load", source, "--save", target]) == 0
+    return request.param, source, target
+
+
+def test_deepspeed_run_converts_to_megatron_layout(deepspeed_run):
+    name, source, target = deepspeed_run
+    tag = open(os.path.join(source, "latest")).read().strip()
+    assert tag == "global_step1"
+    ds_dir, mg_dir = os.path.join(source, tag), os.path.join(target, "iter_0000001")
+    assert open(os.path.join(target, "latest_checkpointed_iteration.txt")).read() == "1"
+    if name.startswith("tp2"):
+        for tp_rank in range(2):
+            module = load_file(os.path.join(ds_dir, f"mp_rank_{tp_rank:02d}_model_states.pt"))
+            saved = load_file(os.path.join(mg_dir, f"mp_rank_{tp_rank:02d}", "model_optim_rng.pt"))
+            expected = module["module"]
+            assert_bit_identical(flatten_model_state(saved["model"]), expected)
+    else:
+        layer = {
+            n: load_file(os.path.join(ds_dir, f"layer_{n:02d}-model_00-model_states.pt"))
+            for n in range(4)
+        }
+        stages = [
+            load_file(os.path.join(mg_dir, f"mp_rank_00_{p:03d}", "model_optim_rng.pt"))
+            for p in range(2)
+        ]
+        first, last = (flatten_model_state(stage["model"]) for stage in stages)
+        expected_first = {f"language_model.embedding.{k}": t for k, t in layer[0].items()}
+        expected_first.update(
+            {f"language_model.encoder.layers.0.{k}": t for k, t in layer[1].items()}
+        )
+        expected_last = {f"language_model.encoder.layers.0.{k}": t for k, t in layer[2].items()}
+        expected_last.update(
+            {f"language_model.encoder.final_layernorm.{k}": t for k, t in layer[3].items()}
+        )
+        expected_last["word_embeddings_for_head.weight"] = layer[0]["word_embeddings.weight"]
+        assert_bit_identical(first, expected_first)
+        assert_bit_identical(last, expected_last)
+        assert first[WORD].dtype == torch.bfloat16
+    saved = load_file(os.path.join(mg_dir, os.listdir(mg_dir)[0], "model_optim_rng.pt"))
+    assert saved["iteration"] == 1 and saved["train_state"]["consumed_train_samples"] == 2
+    assert vars(saved["args"])["true_vocab_size"] == 50257
+
+
+def assert_bit_identical(actual: dict, expected: dict) -> None:
+    """Same names, equal tensors (padding rows of the vocabulary included)."""
+    assert sorted(actual) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
+
+
+# --- the command line ------------------------------------------------------------------------
+
+
+def test_missing_load_directory_is_one_line_error(tmp_path):
+    missing, save = str(tmp_path / "missing"), str(tmp_path / "out")
+    result = run_cli("tools/checkpoint/reshard.py", "--load", missing, "--save", save)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: checkpoint directory {missing} does not exist"
+    ]
+    assert not os.path.exists(save)
+
+
+def test_save_holding_a_checkpoint_is_refused(chain, capsys):
+    before = sorted(os.listdir(chain["dirs"][1]))
+    argv = ["--load", chain["dirs"][2], "--save", chain["dirs"][1]]
+    assert reshard.main(argv) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and chain["dirs"][1] in error[0] and "--force" in error[0]
+    assert sorted(os.listdir(chain["dirs"][1])) == before

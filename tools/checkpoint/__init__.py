@@ -1,0 +1,1 @@
+"""Checkpoint conversion tools: reshard, and to/from Hugging Face GPT-2."""

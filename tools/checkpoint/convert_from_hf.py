@@ -1,0 +1,149 @@
+"""Import a Hugging Face GPT-2 folder as a Megatron-layout `release` checkpoint.
+
+    python tools/checkpoint/convert_from_hf.py --load hf/gpt2 --save checkpoints/gpt2_tp2 \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1
+    python pretrain_gpt.py --load checkpoints/gpt2_tp2 --finetune --tensor-model-parallel-size 2 \\
+        --num-layers 12 --hidden-size 768 --num-attention-heads 12 ...   # the flags printed
+
+Reads `config.json` and the weights (safetensors or pytorch_model.bin) with
+`GPT2LMHeadModel.from_pretrained`, refuses what our GPT cannot compute (other activations,
+untied output layer, cross-attention, unscaled or layer-scaled attention), and writes the
+checkpoint with args complete enough for `pretrain_gpt.py --load` to check the model shape.
+The vocabulary is padded to a multiple of `--make-vocab-size-divisible-by` x TP.
+Needs `pip install transformers safetensors`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.path.pardir] * 2)))
+
+from megatron.checkpoint_hf import from_hf_state_dict, megatron_args_from_hf  # noqa: E402
+from megatron.checkpoint_layouts import holds_checkpoint  # noqa: E402
+from megatron.checkpoint_shards import (  # noqa: E402
+    CheckpointConversionError,
+    DenseCheckpoint,
+    save_megatron_checkpoint,
+)
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--load", required=True, help="Hugging Face GPT-2 folder.")
+    parser.add_argument("--save", required=True, help="Checkpoint directory to write.")
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    parser.add_argument(
+        "--seq-length", type=int, default=None, help="Recorded in args; default n_positions."
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="Overwrite a checkpoint already in --save."
+    )
+    return parser.parse_args(argv)
+
+
+def read_hf_config(folder: str) -> dict:
+    """config.json of `folder` as a dict, after checking the folder exists."""
+    if not os.path.isdir(folder):
+        raise CheckpointConversionError(f"--load {folder} is not a directory")
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointConversionError(f"--load {folder} has no config.json")
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def read_hf_model(folder: str) -> tuple[dict, dict]:
+    """(config dict, state dict) of the GPT-2 in `folder`, loaded offline."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(folder, local_files_only=True)
+    return model.config.to_dict(), dict(model.state_dict())
+
+
+def tokenizer_args(folder: str) -> dict:
+    """vocab_file / merge_file for the checkpoint args, when the folder has them."""
+    paths = {
+        "vocab_file": os.path.join(folder, "vocab.json"),
+        "merge_file": os.path.join(folder, "merges.txt"),
+    }
+    return {key: os.path.abspath(p) if os.path.isfile(p) else None for key, p in paths.items()}
+
+
+def model_flags(args: dict) -> str:
+    """The pretrain_gpt.py flags that build the imported model."""
+    flags = [
+        f"--num-layers {args['num_layers']}",
+        f"--hidden-size {args['hidden_size']}",
+        f"--num-attention-heads {args['num_attention_heads']}",
+        f"--ffn-hidden-size {args['ffn_hidden_size']}",
+        f"--max-position-embeddings {args['max_position_embeddings']}",
+        f"--seq-length {args['seq_length']}",
+        f"--layernorm-epsilon {args['layernorm_epsilon']}",
+        f"--make-vocab-size-divisible-by {args['make_vocab_size_divisible_by']}",
+        f"--tensor-model-parallel-size {args['tensor_model_parallel_size']}",
+        f"--pipeline-model-parallel-size {args['pipeline_model_parallel_size']}",
+    ]
+    if not args["bias_gelu_fusion"]:
+        flags.append("--no-bias-gelu-fusion")
+    return " ".join(flags)
+
+
+def convert(args: argparse.Namespace) -> None:
+    """Read the Hugging Face folder `--load`, write `--save` in Megatron's layout."""
+    hf_config = read_hf_config(args.load)
+    if holds_checkpoint(args.save) and not args.force:
+        raise CheckpointConversionError(
+            f"--save {args.save} already holds a checkpoint; choose another directory or pass "
+            "--force to replace it"
+        )
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    checkpoint_args = megatron_args_from_hf(
+        hf_config, tp, pp, args.make_vocab_size_divisible_by, args.seq_length
+    )
+    print(f"reading Hugging Face GPT-2 {args.load} ...", flush=True)
+    hf_config, hf_state = read_hf_model(args.load)
+    checkpoint_args.update(tokenizer_args(args.load))
+    state = from_hf_state_dict(hf_state, checkpoint_args["num_attention_heads"])
+    print(
+        f"read {checkpoint_args['num_layers']} layers, hidden {checkpoint_args['hidden_size']}, "
+        f"{checkpoint_args['num_attention_heads']} heads, vocabulary {hf_config['vocab_size']}",
+        flush=True,
+    )
+    dense = DenseCheckpoint(
+        state_dict=state,
+        args=checkpoint_args,
+        iteration=0,
+        true_vocab_size=hf_config["vocab_size"],
+        layout="huggingface",
+    )
+    directory = save_megatron_checkpoint(
+        dense, args.save, tp, pp, args.make_vocab_size_divisible_by, overwrite=args.force
+    )
+    print(
+        f"wrote Megatron checkpoint {directory}: tensor-parallel {tp} x pipeline-parallel {pp}",
+        flush=True,
+    )
+    flags = model_flags(checkpoint_args)
+    print(f"train from it with: pretrain_gpt.py --load {args.save} --finetune {flags}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; 1 with a one-line error for a bad input."""
+    args = get_args(argv)
+    try:
+        convert(args)
+    except (CheckpointConversionError, OSError, RuntimeError, ImportError) as error:
+        print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Rewrite a GPT checkpoint for other tensor/pipeline-parallel sizes, in Megatron's layout.
+
+    python tools/checkpoint/reshard.py --load checkpoints/gpt2 --save checkpoints/gpt2_tp4 \\
+        --target-tensor-parallel-size 4 --target-pipeline-parallel-size 1
+
+Reads either layout (Megatron's `iter_*/mp_rank_*`, or DeepSpeed's `global_step*` from
+`--deepspeed` runs, pipeline engine and ZeRO-3 included), merges every shard, and writes
+Megatron's layout split the new way; without target sizes it keeps the source's, which turns
+a DeepSpeed checkpoint into a Megatron one. Model weights and training progress (iteration,
+consumed samples) are carried; optimizer and RNG state are not: `pretrain_gpt.py --load NEW`
+continues from the weights and counters with a fresh optimizer (DeepSpeed's universal
+checkpoint is the way to reshard optimizer state too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.path.pardir] * 2)))
+
+from megatron.checkpoint_layouts import holds_checkpoint  # noqa: E402
+from megatron.checkpoint_shards import (  # noqa: E402
+    CheckpointConversionError,
+    load_dense_checkpoint,
+    save_megatron_checkpoint,
+)
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line (Megatron checkpoint_util's flag names)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--load", required=True, help="Checkpoint directory to read.")
+    parser.add_argument("--save", required=True, help="Directory to write (must hold none).")
+    parser.add_argument(
+        "--target-tensor-parallel-size", type=int, default=None, help="Default: the source's."
+    )
+    parser.add_argument(
+        "--target-pipeline-parallel-size", type=int, default=None, help="Default: the source's."
+    )
+    parser.add_argument(
+        "--iteration", type=int, default=None, help="Checkpoint to read; default: the latest."
+    )
+    parser.add_argument(
+        "--true-vocab-size",
+        type=int,
+        default=None,
+        help="Tokenizer vocabulary size, for checkpoints that do not record it.",
+    )
+    parser.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=None,
+        help="Vocabulary padding of the output; default: the source's.",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="Overwrite a checkpoint already in --save."
+    )
+    return parser.parse_args(argv)
+
+
+def reshard(args: argparse.Namespace) -> None:
+    """Read `--load`, write `--save`; progress lines on stdout."""
+    if os.path.abspath(args.load) == os.path.abspath(args.save):
+        raise CheckpointConversionError(f"--save {args.save} is the --load directory")
+    if holds_checkpoint(args.save) and not args.force:
+        raise CheckpointConversionError(
+            f"--save {args.save} already holds a checkpoint; choose another directory or pass "
+            "--force to replace it"
+        )
+    print(f"reading checkpoint {args.load} ...", flush=True)
+    dense = load_dense_checkpoint(args.load, args.iteration, args.true_vocab_size)
+    source_tp = dense.args.get("tensor_model_parallel_size", 1)
+    source_pp = dense.args.get("pipeline_model_parallel_size", 1)
+    print(
+        f"read {dense.layout} checkpoint at iteration {dense.iteration}: tensor-parallel "
+        f"{source_tp} x pipeline-parallel {source_pp}, {len(dense.state_dict)} tensors, "
+        f"vocabulary {dense.true_vocab_size} (padded {dense.args.get('padded_vocab_size')})",
+        flush=True,
+    )
+    tp = args.target_tensor_parallel_size or source_tp
+    pp = args.target_pipeline_parallel_size or source_pp
+    directory = save_megatron_checkpoint(
+        dense, args.save, tp, pp, args.make_vocab_size_divisible_by, overwrite=args.force
+    )
+    print(
+        f"wrote Megatron checkpoint {directory}: tensor-parallel {tp} x pipeline-parallel {pp} "
+        f"({tp * pp} files)",
+        flush=True,
+    )
+    print(
+        "note: optimizer and RNG state are not carried (a run resuming from it starts a fresh "
+        "optimizer); DeepSpeed's universal checkpoint reshards optimizer state too",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; 1 with a one-line error for a bad input."""
+    args = get_args(argv)
+    try:
+        reshard(args)
+    except (CheckpointConversionError, OSError, RuntimeError) as error:
+        print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
