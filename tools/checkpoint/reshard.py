@@ -26,6 +26,7 @@ from megatron.checkpoint_shards import (  # noqa: E402
     load_dense_checkpoint,
     save_megatron_checkpoint,
 )
+from megatron.tokenizer.tokenizer import vocab_size_with_padding  # noqa: E402
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,6 +90,20 @@ def reshard(args: argparse.Namespace) -> None:
         f"({tp * pp} files)",
         flush=True,
     )
+    divisible = args.make_vocab_size_divisible_by or dense.args.get(
+        "make_vocab_size_divisible_by", 128
+    )
+    source_rows = dense.args.get("padded_vocab_size")
+    target_rows = vocab_size_with_padding(dense.true_vocab_size, divisible, tp)
+    if source_rows and target_rows and target_rows > source_rows:
+        # The padding logits join the softmax, so new (zero) rows shift the loss a little.
+        print(
+            f"warning: the vocabulary padding grew from {source_rows} to {target_rows} rows "
+            f"(--make-vocab-size-divisible-by x TP {tp}); the new rows are zeros, which changes "
+            "the training loss slightly; pick --make-vocab-size-divisible-by so both sizes "
+            "match to resume with the same loss",
+            flush=True,
+        )
     print(
         "note: optimizer and RNG state are not carried (a run resuming from it starts a fresh "
         "optimizer); DeepSpeed's universal checkpoint reshards optimizer state too",
