@@ -30,8 +30,8 @@ def _ds(stage: int) -> list[str]:
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 CASES = {
-    "megatron-1-process": (1, []),
-    "megatron-dp2": (2, []),
+    # Megatron's layout: 2 tensor-parallel files, each with its RNG states; DeepSpeed's: the
+    # pipeline engine (ZeRO-1, also at PP=1), the plain engine (ZeRO-2), TP and PP splits.
     "megatron-tp2": (2, TP2),
     "zero1-dp2": (2, _ds(1)),
     "zero2-dp2": (2, _ds(2)),
