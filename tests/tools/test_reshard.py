@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -32,6 +29,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.model import GPTModel
 from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE, run_cli
 from tests.model.helpers import spawn_collect
+from tests.pretrain_runs import launch
 from tools.checkpoint import reshard
 
 TRUE_VOCAB, DIVISIBLE = 100, 8  # padded to 104 at TP=1, 112 at TP=2, 128 at TP=4
@@ -47,7 +45,6 @@ ARGS = dict(
     attention_dropout=0.0,
 )
 TOKENS = torch.randint(0, TRUE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
-DATA = os.path.join(REPO_ROOT, "data", "quickstart", "corpus_content_document")
 WORD = "language_model.embedding.word_embeddings.weight"
 
 
@@ -134,42 +131,30 @@ RUNS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _pretrain(save: str, flags: list[str]) -> None:
+def _pretrain(save: str, data_prefix: str, flags: list[str]) -> None:
     """One iteration of a tiny GPT under `--deepspeed` (ZeRO-1), 2 CPU processes, then save."""
-    command = [
-        os.path.join(os.path.dirname(sys.executable), "torchrun"),
-        "--nproc_per_node=2",
-        f"--master_port={_free_port()}",
-        os.path.join(REPO_ROOT, "pretrain_gpt.py"),
-        *"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-        "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 2 "
-        "--train-iters 1 --lr 1e-3 --save-interval 1 --split 98,2,0 --eval-iters 0 "
-        "--eval-interval 1000 --num-workers 0 --distributed-backend gloo".split(),
-        *["--save", save, "--data-path", DATA, "--vocab-file", VOCAB_FILE],
-        *["--merge-file", MERGE_FILE, "--deepspeed", "--deepspeed_config"],
-        os.path.join(REPO_ROOT, "examples", "ds_configs", "ds_zero1.json"),
-        *flags,
-    ]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    result = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    run = launch(
+        2,
+        [
+            *"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+            "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 2 "
+            "--train-iters 1 --lr 1e-3 --save-interval 1 --split 98,2,0 --eval-iters 0 "
+            "--eval-interval 1000 --num-workers 0 --distributed-backend gloo".split(),
+            *["--save", save, "--data-path", data_prefix, "--vocab-file", VOCAB_FILE],
+            *["--merge-file", MERGE_FILE, "--deepspeed", "--deepspeed_config"],
+            os.path.join(REPO_ROOT, "examples", "ds_configs", "ds_zero1.json"),
+            *flags,
+        ],
     )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    assert run.returncode == 0, run.stdout[-5000:]
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
-def deepspeed_run(request, tmp_path_factory) -> tuple[str, str, str]:
+def deepspeed_run(request, tmp_path_factory, stdlib_dataset) -> tuple[str, str, str]:
     """(name, DeepSpeed checkpoint dir, its Megatron-layout conversion by the tool)."""
     root = tmp_path_factory.mktemp(request.param)
     source, target = str(root / "ds"), str(root / "megatron")
-    _pretrain(source, RUNS[request.param])
+    _pretrain(source, stdlib_dataset, RUNS[request.param])
     assert reshard.main(["--load", source, "--save", target]) == 0
     return request.param, source, target
 
