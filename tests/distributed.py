@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -36,4 +37,4 @@ def run_distributed(fn: Callable, world_size: int, *args: object) -> None:
 
     `fn` must be a module-level function; an exception in any rank fails the call.
     """
-    mp.spawn(_worker, args=(fn, world_size, _free_port(), args), nprocs=world_size, join=True)
+    mp.spawn(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)

@@ -10,19 +10,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 
 from megatron.monitor import parse_iteration_log
 from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.distributed import free_port
 
 
 def cpu_env(**overrides: str) -> dict[str, str]:
@@ -35,7 +28,6 @@ def cpu_env(**overrides: str) -> dict[str, str]:
         DS_ACCELERATOR="cpu",
         MASTER_PORT=str(free_port()),
         PYTHONUNBUFFERED="1",
-        OMP_NUM_THREADS="1",
     )
     env.update(overrides)
     return env
@@ -112,7 +104,7 @@ def launch(processes: int, flags: list[str], timeout: int = 300) -> subprocess.C
     return subprocess.run(
         command(processes, flags),
         cwd=REPO_ROOT,
-        env=cpu_env(),
+        env=cpu_env(OMP_NUM_THREADS="1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -126,7 +118,7 @@ def start(processes: int, flags: list[str], log_path: str) -> subprocess.Popen:
     return subprocess.Popen(
         command(processes, flags),
         cwd=REPO_ROOT,
-        env=cpu_env(),
+        env=cpu_env(OMP_NUM_THREADS="1"),
         stdout=log,
         stderr=subprocess.STDOUT,
         text=True,

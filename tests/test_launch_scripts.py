@@ -12,15 +12,14 @@ import glob
 import os
 import re
 import shutil
-import socket
 import subprocess
-import sys
 
 import pytest
 
 from megatron.arguments import parse_args
 from megatron.monitor import parse_iteration_log, parse_validation_line
 from tests.conftest import REPO_ROOT
+from tests.pretrain_runs import cpu_env
 
 # script -> (launcher, processes on a CPU machine, tensor-parallel size)
 SCRIPTS = {
@@ -46,26 +45,8 @@ SHORT_ENV = {
 SHORT_ARGS = ["--eval-iters", "1", "--log-interval", "1", "--num-workers", "0"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _script_env(**overrides: str) -> dict[str, str]:
-    """The environment of a CPU run: this venv's launchers first on PATH, no GPU visible."""
-    bin_dir = os.path.dirname(sys.executable)
-    env = dict(os.environ)
-    env.update(
-        PATH=os.pathsep.join([bin_dir, env.get("PATH", "")]),
-        PYTHON=sys.executable,
-        CUDA_VISIBLE_DEVICES="",
-        DS_ACCELERATOR="cpu",
-        MASTER_PORT=str(_free_port()),
-        PYTHONUNBUFFERED="1",
-    )
-    env.update(overrides)
-    return env
+_script_env = cpu_env
+"""The environment of a CPU run: this venv's launchers first on PATH, no GPU visible."""
 
 
 def _run(script: str, *args: str, env: dict[str, str], timeout: int = 600):

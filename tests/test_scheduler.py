@@ -16,7 +16,7 @@ import torch
 
 from megatron.optimizer import GuardedAdamW, build_optimizer, get_param_groups
 from megatron.scheduler import OptimizerParamScheduler, scheduler_from_args
-from tests.distributed import _free_port
+from tests.distributed import free_port
 
 
 def _model() -> torch.nn.Module:
@@ -335,7 +335,7 @@ def single_rank_world(monkeypatch):
     import deepspeed
 
     assert not torch.distributed.is_initialized()
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     for name, value in {**env, "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(name, value)
     deepspeed.init_distributed(dist_backend="gloo")
