@@ -242,6 +242,9 @@ def pretrain(
             config=vars(args),
         )
     loop = TrainingLoop(args, model, optimizer, scheduler, forward_step_func, timers, writer)
+    # --exit-duration-in-mins counts from the start of pretrain(), as Megatron's does, so set-up,
+    # checkpoint loading and dataset building count against a job's time limit too.
+    loop.start_time = start
     loop.evaluate = lambda label, iterator, it: evaluate_and_print_results(
         label, forward_step_func, iterator, model, args, it, writer
     )

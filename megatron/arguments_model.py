@@ -1,0 +1,214 @@
+"""Flag groups of `pretrain_gpt.py` that describe the model and its data.
+
+Model shape, regularization and optimizer, mixed precision, data. Names, defaults and meanings
+follow Megatron-LM; `megatron.arguments.build_parser` assembles these groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_model_size_flags(parser: argparse.ArgumentParser) -> None:
+    """The model size flags."""
+    group = parser.add_argument_group("model size")
+    group.add_argument(
+        "--num-layers", type=int, default=None, help="Number of transformer layers (required)."
+    )
+    group.add_argument(
+        "--hidden-size", type=int, default=None, help="Transformer hidden size h (required)."
+    )
+    group.add_argument(
+        "--num-attention-heads",
+        type=int,
+        default=None,
+        help="Attention heads per layer (required); divisible by the tensor-parallel size.",
+    )
+    group.add_argument(
+        "--ffn-hidden-size", type=int, default=None, help="MLP hidden size; 4 x h when unset."
+    )
+    group.add_argument(
+        "--kv-channels",
+        type=int,
+        default=None,
+        help="Per-head width; h / attention heads when unset.",
+    )
+    group.add_argument(
+        "--seq-length", type=int, default=None, help="Tokens per training sample (required)."
+    )
+    group.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="Rows of the position-embedding table (longest sequence); --seq-length when unset.",
+    )
+    group.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="Pad the vocabulary to a multiple of this times the tensor-parallel size.",
+    )
+    group.add_argument(
+        "--layernorm-epsilon", type=float, default=1e-5, help="Epsilon of every layer norm."
+    )
+    group.add_argument(
+        "--init-method-std",
+        type=float,
+        default=0.02,
+        help="Std of the normal weight init; output projections use std / sqrt(2 x layers).",
+    )
+    group.add_argument(
+        "--apply-query-key-layer-scaling",
+        action="store_true",
+        help="Scale attention scores by 1/layer-number before an fp32 softmax (fp16 overflow "
+        "guard); takes effect only with --fp16, where it selects the unfused attention path.",
+    )
+    group.add_argument(
+        "--openai-gelu",
+        action="store_true",
+        help="Use the tanh approximation of GeLU (as OpenAI's GPT-2); it is already the "
+        "default, so this matters only with --no-bias-gelu-fusion.",
+    )
+    group.add_argument(
+        "--use-rotary-position-embeddings",
+        action="store_true",
+        help="Use rotary position embeddings (RoPE) instead of learned absolute positions.",
+    )
+    group.add_argument(
+        "--rotary-percent",
+        type=float,
+        default=1.0,
+        help="Fraction of each head's channels that RoPE rotates (default: %(default)s).",
+    )
+
+
+def add_regularization_flags(parser: argparse.ArgumentParser) -> None:
+    """The regularization flags."""
+    group = parser.add_argument_group("regularization and optimizer")
+    group.add_argument(
+        "--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities."
+    )
+    group.add_argument(
+        "--hidden-dropout",
+        type=float,
+        default=0.1,
+        help="Dropout on embeddings and residual branches.",
+    )
+    group.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.01,
+        help="Decoupled (AdamW) weight decay; biases and 1-D (layer-norm) weights get none.",
+    )
+    group.add_argument(
+        "--clip-grad", type=float, default=1.0, help="Max global gradient L2 norm; 0 = no clipping."
+    )
+    group.add_argument(
+        "--adam-beta1", type=float, default=0.9, help="Adam beta1 (first-moment decay)."
+    )
+    group.add_argument(
+        "--adam-beta2", type=float, default=0.999, help="Adam beta2 (second-moment decay)."
+    )
+    group.add_argument(
+        "--adam-eps", type=float, default=1e-8, help="Adam epsilon added to the denominator."
+    )
+    group.add_argument(
+        "--optimizer",
+        choices=["adam", "adamw"],
+        default="adam",
+        help="Optimizer; both mean AdamW (Adam with decoupled weight decay), as in Megatron.",
+    )
+
+
+def add_mixed_precision_flags(parser: argparse.ArgumentParser) -> None:
+    """The mixed precision flags."""
+    group = parser.add_argument_group("mixed precision")
+    group.add_argument(
+        "--fp16",
+        action="store_true",
+        help="Train in float16 mixed precision with loss scaling (DeepSpeed: fp16.enabled).",
+    )
+    group.add_argument(
+        "--bf16", action="store_true", help="bfloat16 mixed precision (DeepSpeed: bf16.enabled)."
+    )
+    group.add_argument(
+        "--loss-scale", type=float, default=None, help="Static fp16 loss scale; dynamic when unset."
+    )
+    group.add_argument(
+        "--initial-loss-scale",
+        type=float,
+        default=2.0**32,
+        help="Initial dynamic fp16 loss scale (power of 2 with --deepspeed).",
+    )
+    group.add_argument(
+        "--min-loss-scale", type=float, default=1.0, help="Floor of the dynamic fp16 loss scale."
+    )
+    group.add_argument(
+        "--loss-scale-window",
+        type=float,
+        default=1000,
+        help="fp16 iterations without overflow before the loss scale doubles.",
+    )
+    group.add_argument(
+        "--hysteresis", type=int, default=2, help="fp16 overflows before the loss scale halves."
+    )
+
+
+def add_data_flags(parser: argparse.ArgumentParser) -> None:
+    """The data flags."""
+    group = parser.add_argument_group("data and tokenizer")
+    group.add_argument(
+        "--data-path",
+        nargs="*",
+        default=None,
+        help="Dataset prefix from tools/preprocess_data.py, or weight/prefix pairs "
+        "W1 P1 W2 P2 ... to blend.",
+    )
+    group.add_argument(
+        "--split",
+        default="969, 30, 1",
+        help="Train/valid/test weights over each dataset's documents, comma- or "
+        "slash-separated (default: %(default)s).",
+    )
+    group.add_argument(
+        "--data-impl",
+        choices=["mmap", "infer"],
+        default="mmap",
+        help="Indexed-dataset format; only mmap exists (infer opens it too).",
+    )
+    group.add_argument(
+        "--mmap-warmup", action="store_true", help="Read each .bin file once when opening it."
+    )
+    group.add_argument(
+        "--data-cache-path",
+        default=None,
+        help="Folder for the cached index arrays; beside each dataset when unset.",
+    )
+    group.add_argument(
+        "--num-workers", type=int, default=2, help="DataLoader worker processes per rank."
+    )
+    group.add_argument(
+        "--vocab-file", default=None, help="GPT-2 BPE vocabulary (vocab.json); required."
+    )
+    group.add_argument(
+        "--merge-file", default=None, help="GPT-2 BPE merges (merges.txt); required."
+    )
+    group.add_argument(
+        "--tokenizer-type",
+        default="GPT2BPETokenizer",
+        choices=["GPT2BPETokenizer"],
+        help="Tokenizer; only %(default)s is supported.",
+    )
+    group.add_argument(
+        "--eod-mask-loss", action="store_true", help="Leave end-of-document tokens out of the loss."
+    )
+    group.add_argument(
+        "--reset-position-ids",
+        action="store_true",
+        help="Restart position ids after each end of document.",
+    )
+    group.add_argument(
+        "--reset-attention-mask",
+        action="store_true",
+        help="Stop attention across end-of-document tokens (not with pipeline parallelism).",
+    )

@@ -1,0 +1,406 @@
+"""Flag groups of `pretrain_gpt.py` that describe the run.
+
+Training length and batch sizes, learning-rate schedule, checkpointing, logging, distributed
+set-up, DeepSpeed. Names, defaults and meanings follow Megatron-LM / Megatron-DeepSpeed;
+`megatron.arguments.build_parser` assembles these groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_training_flags(parser: argparse.ArgumentParser) -> None:
+    """The training flags."""
+    group = parser.add_argument_group("training")
+    group.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="Samples per data-parallel rank per forward/backward pass (required, or the "
+        "DeepSpeed config's train_micro_batch_size_per_gpu).",
+    )
+    group.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Samples per iteration over all data-parallel ranks, reached by gradient "
+        "accumulation; micro-batch x data-parallel size when unset.",
+    )
+    group.add_argument(
+        "--rampup-batch-size",
+        nargs=3,
+        type=int,
+        default=None,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        help="Grow the global batch from START by INCREMENT over the first SAMPLES samples, "
+        "then hold --global-batch-size; needs --train-samples.",
+    )
+    group.add_argument(
+        "--train-iters", type=int, default=None, help="Iterations to train (or --train-samples)."
+    )
+    group.add_argument(
+        "--train-samples",
+        type=int,
+        default=None,
+        help="Samples to train for (sets the iteration count); give this or --train-iters.",
+    )
+    group.add_argument(
+        "--exit-interval",
+        type=int,
+        default=None,
+        help="Save (with --save) and exit when the iteration number is a multiple of N.",
+    )
+    group.add_argument(
+        "--exit-duration-in-mins",
+        type=int,
+        default=None,
+        help="Save (with --save) and exit once this many minutes have passed since start-up.",
+    )
+    group.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="On SIGTERM, finish the iteration, save (with --save) and exit without the final "
+        "evaluation.",
+    )
+    group.add_argument(
+        "--max-consecutive-skipped-iterations",
+        type=int,
+        default=100,
+        help="Stop the run after this many iterations in a row were skipped (fp16 overflow, "
+        "non-finite gradients) or had a NaN loss.",
+    )
+    group.add_argument(
+        "--checkpoint-activations",
+        action="store_true",
+        help="Megatron's deprecated spelling of --recompute-granularity full with "
+        "--recompute-method uniform and --checkpoint-num-layers layers per chunk.",
+    )
+    group.add_argument(
+        "--checkpoint-num-layers",
+        type=int,
+        default=1,
+        help="Layers per recomputed chunk for --checkpoint-activations (default: %(default)s).",
+    )
+    group.add_argument(
+        "--recompute-granularity",
+        choices=["full", "selective"],
+        default=None,
+        help="Activation recomputation: full (whole layers) or selective (attention core "
+        "only); unset keeps all activations.",
+    )
+    group.add_argument(
+        "--recompute-method",
+        choices=["uniform", "block"],
+        default=None,
+        help="For full recomputation: uniform (every chunk of N layers) or block (only the "
+        "first N layers); uniform when unset.",
+    )
+    group.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        default=None,
+        help="N of --recompute-method; 1 (or --checkpoint-num-layers) when unset.",
+    )
+    group.add_argument(
+        "--distribute-saved-activations",
+        action="store_true",
+        help="Keep only this tensor-parallel rank's share of each recomputed chunk's input "
+        "(not with --sequence-parallel).",
+    )
+    group.add_argument(
+        "--no-masked-softmax-fusion",
+        action="store_false",
+        dest="masked_softmax_fusion",
+        help="Accepted for Megatron compatibility; no effect (there is no fused softmax kernel).",
+    )
+    group.add_argument(
+        "--no-bias-gelu-fusion",
+        action="store_false",
+        dest="bias_gelu_fusion",
+        help="Use the exact (erf) GeLU instead of the tanh approximation of Megatron's fused "
+        "bias-GeLU, unless --openai-gelu.",
+    )
+    group.add_argument(
+        "--no-bias-dropout-fusion",
+        action="store_false",
+        dest="bias_dropout_fusion",
+        help="Accepted for Megatron compatibility; no effect (bias-dropout-add is not fused).",
+    )
+    group.add_argument(
+        "--use-flash-attn",
+        action="store_true",
+        help="Use flash attention (the flash_attn package if installed, else torch's flash "
+        "kernel, compute capability 8.0+); needs a CUDA GPU.",
+    )
+    group.add_argument("--use-flash-attn-v2", action="store_true", help="Same as --use-flash-attn.")
+    group.add_argument(
+        "--use-cpu-initialization",
+        action="store_true",
+        help="Draw full weights on the CPU, then split them: the same init for any "
+        "tensor-parallel size.",
+    )
+    group.add_argument(
+        "--seed",
+        type=int,
+        default=1234,
+        help="Seed of python, numpy and torch (plus 100 per pipeline stage) and of the data "
+        "shuffles.",
+    )
+    group.add_argument(
+        "--dataloader-type",
+        choices=["single", "cyclic"],
+        default=None,
+        help="Sampler: single (one pass in order) or cyclic (reshuffled every epoch); single "
+        "when unset.",
+    )
+
+
+def add_learning_rate_flags(parser: argparse.ArgumentParser) -> None:
+    """The learning rate flags."""
+    group = parser.add_argument_group("learning rate")
+    group.add_argument(
+        "--lr", type=float, default=None, help="Peak learning rate after warmup (required)."
+    )
+    group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate the decay ends at.")
+    group.add_argument(
+        "--lr-decay-style",
+        choices=["constant", "linear", "cosine"],
+        default="linear",
+        help="Decay from --lr to --min-lr after warmup (default: %(default)s).",
+    )
+    group.add_argument(
+        "--lr-decay-iters",
+        type=int,
+        default=None,
+        help="Iterations to decay over; --train-iters when unset (iteration-based runs only).",
+    )
+    group.add_argument(
+        "--lr-decay-samples",
+        type=int,
+        default=None,
+        help="Samples to decay over; --train-samples when unset (sample-based runs only).",
+    )
+    group.add_argument(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="Warm up linearly over this fraction of the decay span (instead of "
+        "--lr-warmup-iters/--lr-warmup-samples).",
+    )
+    group.add_argument(
+        "--lr-warmup-iters",
+        type=int,
+        default=0,
+        help="Linear warmup iterations (with --train-iters).",
+    )
+    group.add_argument(
+        "--lr-warmup-samples",
+        type=int,
+        default=0,
+        help="Linear warmup samples (with --train-samples).",
+    )
+    group.add_argument(
+        "--override-lr-scheduler",
+        action="store_true",
+        help="On resume, take the schedule (lr, min lr, warmup, decay) from the command line, "
+        "not the checkpoint.",
+    )
+    group.add_argument(
+        "--use-checkpoint-lr-scheduler",
+        action="store_true",
+        help="On resume, take the schedule from the checkpoint, ignoring the command line "
+        "(without either flag they must match).",
+    )
+
+
+def add_checkpointing_flags(parser: argparse.ArgumentParser) -> None:
+    """The checkpointing flags."""
+    group = parser.add_argument_group("checkpointing")
+    group.add_argument(
+        "--save",
+        default=None,
+        help="Checkpoint directory; saved to every --save-interval iterations and on exit.",
+    )
+    group.add_argument(
+        "--save-interval", type=int, default=None, help="Iterations between saves (with --save)."
+    )
+    group.add_argument(
+        "--no-save-optim",
+        action="store_true",
+        help="Leave optimizer and scheduler state out of checkpoints (not under --deepspeed).",
+    )
+    group.add_argument(
+        "--no-save-rng", action="store_true", help="Leave RNG states out of checkpoints."
+    )
+    group.add_argument(
+        "--load",
+        default=None,
+        help="Directory to resume from (Megatron or DeepSpeed layout); missing or empty "
+        "starts a fresh run.",
+    )
+    group.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="Do not load optimizer and scheduler state; the schedule continues at the "
+        "loaded iteration.",
+    )
+    group.add_argument(
+        "--no-load-rng", action="store_true", help="Do not restore RNG states on resume."
+    )
+    group.add_argument(
+        "--finetune",
+        action="store_true",
+        help="Load model weights only and start at iteration 0 (no optimizer, scheduler or "
+        "RNG state).",
+    )
+    group.add_argument(
+        "--universal-checkpoint",
+        action="store_true",
+        help="Load a DeepSpeed universal checkpoint (made by deepspeed.checkpoint.ds_to_universal "
+        "from a --deepspeed checkpoint), e.g. to resume on a different number of GPUs.",
+    )
+
+
+def add_logging_flags(parser: argparse.ArgumentParser) -> None:
+    """The logging flags."""
+    group = parser.add_argument_group("logging and evaluation")
+    group.add_argument(
+        "--log-interval",
+        type=int,
+        default=100,
+        help="Print the iteration line (loss, learning rate, throughput) every N iterations.",
+    )
+    group.add_argument(
+        "--eval-interval",
+        type=int,
+        default=1000,
+        help="Validate every N iterations; 0: only at the end.",
+    )
+    group.add_argument(
+        "--eval-iters",
+        type=int,
+        default=100,
+        help="Global batches per evaluation; 0: no evaluation.",
+    )
+    group.add_argument(
+        "--tensorboard-dir", default=None, help="TensorBoard directory (written by the last rank)."
+    )
+    group.add_argument(
+        "--tensorboard-log-interval",
+        type=int,
+        default=1,
+        help="Write per-iteration scalars (loss, lr, loss scale, grad norm) every N iterations.",
+    )
+    group.add_argument(
+        "--log-timers-to-tensorboard",
+        action="store_true",
+        help="Also write the train-step timer every --log-interval; needs --timing-log-level 1+.",
+    )
+    group.add_argument(
+        "--timing-log-level",
+        type=int,
+        choices=[0, 1, 2],
+        default=0,
+        help="0: time iterations only; 1 or 2: also print the train-step timer (min/max over "
+        "ranks) every --log-interval.",
+    )
+    group.add_argument(
+        "--wandb-project",
+        default=None,
+        help="Also log scalars to this Weights & Biases project (offline without an API key).",
+    )
+    group.add_argument(
+        "--wandb-exp-name", default=None, help="W&B run name; W&B picks one when unset."
+    )
+    group.add_argument(
+        "--wandb-save-dir", default=None, help="W&B's local directory; ./wandb when unset."
+    )
+
+
+def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
+    """The distributed flags."""
+    group = parser.add_argument_group("parallelism")
+    group.add_argument(
+        "--tensor-model-parallel-size", type=int, default=1, help="GPUs each layer is split across."
+    )
+    group.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="Pipeline stages the layers are split into; above 1 needs --deepspeed.",
+    )
+    group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Split layer-norm and dropout activations along the sequence across "
+        "tensor-parallel ranks; ignored with one tensor-parallel rank.",
+    )
+    group.add_argument(
+        "--distributed-backend",
+        choices=["nccl", "gloo"],
+        default=None,
+        help="torch.distributed backend; nccl when a GPU is present, gloo otherwise.",
+    )
+    group.add_argument(
+        "--no-pipeline-parallel",
+        action="store_true",
+        help="With --deepspeed, use DeepSpeed's plain engine instead of its pipeline engine "
+        "(pipeline size 1 only).",
+    )
+    group.add_argument(
+        "--local-rank",
+        "--local_rank",
+        type=int,
+        default=int(os.environ.get("LOCAL_RANK", "0")),
+        dest="local_rank",
+        help="This process's GPU on its node, set by the launcher (deepspeed passes "
+        "--local_rank, torchrun sets LOCAL_RANK); default: $LOCAL_RANK, else 0.",
+    )
+
+
+def add_deepspeed_flags(parser: argparse.ArgumentParser) -> None:
+    """The deepspeed flags."""
+    group = parser.add_argument_group("DeepSpeed ZeRO and activation checkpointing")
+    group.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[0, 1, 2, 3],
+        default=None,
+        help="ZeRO stage (zero_optimization.stage); the config's, else 0, when unset; "
+        "--deepspeed only.",
+    )
+    group.add_argument(
+        "--deepspeed-activation-checkpointing",
+        action="store_true",
+        help="Recompute activations with deepspeed.checkpointing (configured by the next flags).",
+    )
+    group.add_argument(
+        "--partition-activations",
+        action="store_true",
+        help="Split checkpointed activations across tensor-parallel ranks (as "
+        "--distribute-saved-activations).",
+    )
+    group.add_argument(
+        "--checkpoint-in-cpu",
+        action="store_true",
+        help="Keep activation checkpoints in CPU memory (DeepSpeed activation checkpointing).",
+    )
+    group.add_argument(
+        "--contigious-checkpointing",
+        action="store_true",
+        help="Copy activation checkpoints into one contiguous buffer (DeepSpeed activation "
+        "checkpointing; Megatron-DeepSpeed's spelling).",
+    )
+    group.add_argument(
+        "--synchronize-each-layer",
+        action="store_true",
+        help="Synchronize CUDA at the start and end of each checkpointed layer (DeepSpeed "
+        "activation checkpointing).",
+    )
+    group.add_argument(
+        "--profile-backward",
+        action="store_true",
+        help="Time the backward pass of checkpointed layers (DeepSpeed activation checkpointing).",
+    )

@@ -1,0 +1,201 @@
+"""Write docs/arguments.md, the flag reference of pretrain_gpt.py, from its argument parser.
+
+    python tools/write_arguments_doc.py            # (re)write docs/arguments.md
+    python tools/write_arguments_doc.py --check    # exit 1 if docs/arguments.md is stale
+
+The page has one table per argument group of `megatron.arguments.build_parser()`, DeepSpeed's
+own flags included, with each flag's value, default and help. It is byte-deterministic: no
+dates, no paths, no terminal-width wrapping, and `--local-rank`'s default is shown as it is
+without a launcher (LOCAL_RANK unset). tests/tools/test_arguments_doc.py fails when it is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
+sys.path.insert(0, REPO_ROOT)
+
+DOC_PATH = os.path.join("docs", "arguments.md")
+DEFAULT_OUTPUT = os.path.join(REPO_ROOT, DOC_PATH)
+PROG = "pretrain_gpt.py"
+# Flag defaults read from the environment at parser build time (the launcher's local rank).
+LAUNCHER_ENVIRONMENT = ("LOCAL_RANK",)
+# Python < 3.10 titles the optionals group "optional arguments"; keep the page the same.
+_GROUP_TITLES = {"optional arguments": "options"}
+_FLAG_ACTIONS = (
+    argparse._StoreTrueAction,
+    argparse._StoreFalseAction,
+    argparse._StoreConstAction,
+    argparse._AppendConstAction,
+    argparse._CountAction,
+    argparse._HelpAction,
+    argparse._VersionAction,
+    argparse.BooleanOptionalAction,
+)
+
+
+@contextlib.contextmanager
+def _without_launcher_environment() -> Iterator[None]:
+    saved = {name: os.environ.pop(name) for name in LAUNCHER_ENVIRONMENT if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def build_doc_parser() -> argparse.ArgumentParser:
+    """pretrain_gpt.py's parser, built as without a launcher so defaults do not vary."""
+    from megatron.arguments import build_parser
+
+    with _without_launcher_environment():
+        parser = build_parser()
+    parser.prog = PROG
+    return parser
+
+
+def expand_help(action: argparse.Action) -> str:
+    """The action's help with `%(default)s`-style fields filled in, as argparse does.
+
+    Whitespace runs collapse to single spaces; `%(prog)s` is always pretrain_gpt.py.
+    """
+    params = dict(vars(action), prog=PROG)
+    for name in list(params):
+        if params[name] is argparse.SUPPRESS:
+            del params[name]
+        elif hasattr(params[name], "__name__"):
+            params[name] = params[name].__name__
+    if params.get("choices") is not None:
+        params["choices"] = ", ".join(str(choice) for choice in params["choices"])
+    return " ".join(((action.help or "") % params).split())
+
+
+def _type_name(action: argparse.Action) -> str:
+    return getattr(action.type, "__name__", "str") if action.type is not None else "str"
+
+
+def format_value(action: argparse.Action) -> str:
+    """What the flag takes: `flag` for switches, else choices, metavar or type, with nargs."""
+    if isinstance(action, _FLAG_ACTIONS):
+        return "flag"
+    if action.choices is not None:
+        one = "{" + ",".join(str(choice) for choice in action.choices) + "}"
+    elif isinstance(action.metavar, str):
+        one = action.metavar
+    else:
+        one = _type_name(action)
+    nargs = action.nargs
+    if isinstance(action.metavar, tuple):
+        return " ".join(action.metavar) + f" ({_type_name(action)})"
+    if nargs is None or nargs == 1:
+        return one
+    if nargs == "?":
+        return f"[{one}]"
+    if nargs == "*":
+        return f"[{one} ...]"
+    if nargs == "+":
+        return f"{one} [{one} ...]"
+    if isinstance(nargs, int):
+        return " ".join([one] * nargs)
+    return f"{one} ({nargs})"
+
+
+def format_default(action: argparse.Action) -> str:
+    """The default as a Markdown cell: `off` for a switch, empty when there is none."""
+    if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+        return ""
+    if isinstance(action, _FLAG_ACTIONS) and not isinstance(action, argparse.BooleanOptionalAction):
+        return "off"
+    if action.default is None or action.default is argparse.SUPPRESS:
+        return ""
+    default = action.default
+    if isinstance(default, (list, tuple)):
+        text = " ".join(str(item) for item in default)
+    else:
+        text = str(default)
+    return f"`{text}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _group_title(group: argparse._ArgumentGroup) -> str:
+    return _GROUP_TITLES.get(group.title or "", group.title or "options")
+
+
+def render_arguments_markdown(parser: argparse.ArgumentParser) -> str:
+    """The whole docs/arguments.md page for `parser`: one flag table per argument group."""
+    lines = [
+        f"# `{PROG}` flags",
+        "",
+        f"Generated by `python tools/write_arguments_doc.py` from the parser of `{PROG}` "
+        "(`megatron.arguments.build_parser()`, DeepSpeed's flags included); do not edit by "
+        "hand. `python tools/write_arguments_doc.py --check` exits 1 when this file is stale.",
+    ]
+    for group in parser._action_groups:
+        actions = [action for action in group._group_actions if action.help != argparse.SUPPRESS]
+        if not actions:
+            continue
+        lines += ["", f"## {_cell(_group_title(group))}", ""]
+        if group.description:
+            lines += [_cell(" ".join(group.description.split())), ""]
+        lines += ["| flag | value | default | description |", "| --- | --- | --- | --- |"]
+        for action in actions:
+            flags = ", ".join(f"`{option}`" for option in action.option_strings) or (
+                f"`{action.dest}`"
+            )
+            cells = (flags, format_value(action), format_default(action), expand_help(action))
+            lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--output",
+        default=DEFAULT_OUTPUT,
+        help=f"where to write the page (default: {DOC_PATH} in the repository)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if the file differs from a fresh render or is missing",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    args = get_args(argv)
+    text = render_arguments_markdown(build_doc_parser())
+    if args.check:
+        try:
+            with open(args.output, encoding="utf-8", newline="") as file:
+                current = file.read()
+        except FileNotFoundError:
+            current = None
+        default = os.path.abspath(args.output) == DEFAULT_OUTPUT
+        name, rerun = (DOC_PATH, "") if default else (args.output, f" --output {args.output}")
+        if current != text:
+            print(
+                f"error: {name} is stale; run python tools/write_arguments_doc.py{rerun}",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"{name} is up to date", file=sys.stderr)
+        return 0
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w", encoding="utf-8", newline="\n") as file:
+        file.write(text)
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
