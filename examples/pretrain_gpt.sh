@@ -14,16 +14,13 @@
 #
 # Real GPU: one GPU is used; add --fp16 or --bf16. More GPUs or nodes:
 #   examples/pretrain_gpt_distributed.sh (torchrun; NNODES, NODE_RANK, MASTER_ADDR there).
-# GPT-2 345M, Megatron-LM's original example (one 16 GB GPU with --fp16):
-#   NUM_LAYERS=24 HIDDEN_SIZE=1024 NUM_ATTENTION_HEADS=16 SEQ_LENGTH=1024 MICRO_BATCH_SIZE=4
-#   GLOBAL_BATCH_SIZE=8 TRAIN_ITERS=500000 LR_DECAY_ITERS=320000 LR=0.00015 MIN_LR=1.0e-5
-#   LR_WARMUP_FRACTION=.01 SPLIT=949,50,1 LOG_INTERVAL=100 SAVE_INTERVAL=10000
-#   EVAL_INTERVAL=1000 EVAL_ITERS=10 bash examples/pretrain_gpt.sh --fp16
-# GPT-2 1.5B (48 layers, 1600 hidden, 25 heads) does not fit one GPU: use
-#   scripts/ds_zero2_pretrain_gpt2_model_parallel.sh with TP=1 (TP must divide the 25 heads).
+# GPT-2 sizes: MODEL_SIZE=345M is Megatron-LM's original example (one 16 GB GPU with --fp16);
+#   124M and 1.5B too (see apply_model_size in scripts/common.sh). 1.5B does not fit one GPU:
+#   use scripts/ds_zero2_pretrain_gpt2_model_parallel.sh.
 set -euo pipefail
 # shellcheck source=scripts/common.sh source-path=SCRIPTDIR/..
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/common.sh"
+apply_model_size   # MODEL_SIZE=124M|345M|1.5B presets (scripts/common.sh)
 
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-$ROOT/checkpoints/gpt_example}
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-$ROOT/runs/gpt_example}

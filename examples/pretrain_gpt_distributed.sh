@@ -15,16 +15,11 @@
 #
 # Real GPUs: GPUS_PER_NODE defaults to the node's GPU count (NCCL is picked automatically);
 #   add --fp16 or --bf16. TP=2 splits each layer over 2 GPUs (data parallel over the rest).
-# GPT-2 345M, Megatron-LM's original example (8 GPUs, --fp16):
-#   NUM_LAYERS=24 HIDDEN_SIZE=1024 NUM_ATTENTION_HEADS=16 SEQ_LENGTH=1024 MICRO_BATCH_SIZE=8
-#   GLOBAL_BATCH_SIZE=64 TRAIN_ITERS=500000 LR_DECAY_ITERS=320000 LR=0.00015 MIN_LR=1.0e-5
-#   LR_WARMUP_FRACTION=.01 SPLIT=949,50,1 LOG_INTERVAL=100 SAVE_INTERVAL=10000
-#   EVAL_INTERVAL=1000 EVAL_ITERS=10 bash examples/pretrain_gpt_distributed.sh --fp16
-#   --checkpoint-activations
-# GPT-2 1.5B: NUM_LAYERS=48 HIDDEN_SIZE=1600 NUM_ATTENTION_HEADS=25; TP must divide the 25
-#   heads: TP=5 on a multiple of 5 GPUs, or TP=1 with ZeRO-2
-#   (scripts/ds_zero2_pretrain_gpt2_model_parallel.sh). With TP=2/4/8 use the 1.3B shape
-#   NUM_LAYERS=24 HIDDEN_SIZE=2048 NUM_ATTENTION_HEADS=32.
+# GPT-2 sizes: MODEL_SIZE=124M, 345M or 1.5B sets the shape and Megatron's recipe (see
+#   apply_model_size in scripts/common.sh; any variable still overrides), e.g. Megatron-LM's
+#   original 8-GPU example: MODEL_SIZE=345M bash examples/pretrain_gpt_distributed.sh --fp16
+#   1.5B has 25 heads: TP must divide 25 (TP=5), else use ZeRO-2
+#   (scripts/ds_zero2_pretrain_gpt2_model_parallel.sh with TP=1).
 # Multi-node ("Change for multinode config"): run this on every node with the same NNODES,
 #   MASTER_ADDR (node 0's address) and MASTER_PORT and that node's NODE_RANK, e.g. on the
 #   second of two nodes: NNODES=2 NODE_RANK=1 MASTER_ADDR=worker-1 bash examples/pretrain_gpt_distributed.sh
@@ -32,6 +27,7 @@
 set -euo pipefail
 # shellcheck source=scripts/common.sh source-path=SCRIPTDIR/..
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/common.sh"
+apply_model_size   # MODEL_SIZE=124M|345M|1.5B presets (scripts/common.sh)
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-$(default_procs_per_node 2)}   # every GPU, else 2 CPU processes
 # Change for multinode config

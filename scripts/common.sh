@@ -38,6 +38,30 @@ default_procs_per_node() {
   if [ "$gpus" -gt 0 ]; then echo "$gpus"; else echo "$1"; fi
 }
 
+# MODEL_SIZE=124M|345M|1.5B: GPT-2's published shapes (small, medium, XL) on 1024-token
+# sequences, with Megatron-LM's GPT-2 recipe (512 sequences per step, 500k iterations, cosine
+# decay over 320k after 1% warmup, split 949,50,1) and the GPT-3 paper's learning rate for each
+# size. Only variables the environment leaves unset are filled in, so any one can be overridden
+# (MODEL_SIZE=345M LR=1e-4 ...). Unset or "tiny": the script's own small defaults.
+apply_model_size() {
+  case "${MODEL_SIZE:-tiny}" in
+    tiny) return 0 ;;
+    124M) : "${NUM_LAYERS:=12}" "${HIDDEN_SIZE:=768}" "${NUM_ATTENTION_HEADS:=12}" \
+            "${LR:=6e-4}" "${MIN_LR:=6e-5}" "${MICRO_BATCH_SIZE:=8}" ;;
+    345M) : "${NUM_LAYERS:=24}" "${HIDDEN_SIZE:=1024}" "${NUM_ATTENTION_HEADS:=16}" \
+            "${LR:=3e-4}" "${MIN_LR:=3e-5}" "${MICRO_BATCH_SIZE:=8}" ;;
+    1.5B) : "${NUM_LAYERS:=48}" "${HIDDEN_SIZE:=1600}" "${NUM_ATTENTION_HEADS:=25}" \
+            "${LR:=2e-4}" "${MIN_LR:=2e-5}" "${MICRO_BATCH_SIZE:=4}" ;;
+    *)
+      echo "error: MODEL_SIZE=$MODEL_SIZE is not one of 124M, 345M, 1.5B, tiny" >&2
+      exit 1
+      ;;
+  esac
+  : "${SEQ_LENGTH:=1024}" "${GLOBAL_BATCH_SIZE:=512}" "${TRAIN_ITERS:=500000}"
+  : "${LR_DECAY_ITERS:=320000}" "${LR_WARMUP_FRACTION:=0.01}" "${SPLIT:=949,50,1}"
+  : "${LOG_INTERVAL:=100}" "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}" "${SAVE_INTERVAL:=10000}"
+}
+
 # Say what to do and exit 1 unless every prefix in the --data-path words ($1: "PREFIX" or
 # "W1 PREFIX1 W2 PREFIX2 ...") has its .bin and .idx. Skipped when the script's extra
 # arguments (the rest) give their own --data-path.

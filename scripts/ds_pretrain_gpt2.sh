@@ -25,16 +25,12 @@
 #   ZeRO-1 partitioning the optimizer states (GPUS_PER_NODE=1 for one GPU). Add --fp16 (V100)
 #   or --bf16 (A100/H100) as extra flags, or use DS_CONFIG=examples/ds_configs/ds_zero2_fp16.json.
 #   PP=2 splits the layers into 2 pipeline stages, TP=2 each layer over 2 GPUs.
-# GPT-2 345M: NUM_LAYERS=24 HIDDEN_SIZE=1024 NUM_ATTENTION_HEADS=16 SEQ_LENGTH=1024
-#   MICRO_BATCH_SIZE=8 GLOBAL_BATCH_SIZE=512 TRAIN_ITERS=500000 LR_DECAY_ITERS=320000
-#   LR=1.5e-4 MIN_LR=1e-5 LR_WARMUP_FRACTION=0.01 SPLIT=949,50,1 LOG_INTERVAL=100
-#   EVAL_INTERVAL=1000 EVAL_ITERS=10 SAVE_INTERVAL=10000, plus --fp16 --checkpoint-activations.
-# GPT-2 1.5B: NUM_LAYERS=48 HIDDEN_SIZE=1600 NUM_ATTENTION_HEADS=25 SEQ_LENGTH=1024. The tensor-
-#   parallel size must divide the 25 heads: TP=1 with ZeRO-2 data parallelism over all GPUs
-#   (see scripts/ds_zero2_pretrain_gpt2_model_parallel.sh; by estimate ~12 GB per GPU on 8
-#   GPUs with --fp16 --checkpoint-activations) or TP=5 (GPU count a multiple of 5). For TP
-#   2/4/8 use a 1.3B shape whose heads they divide: NUM_LAYERS=24 HIDDEN_SIZE=2048
-#   NUM_ATTENTION_HEADS=32.
+# GPT-2 sizes: MODEL_SIZE=124M, 345M or 1.5B sets the shape and Megatron's recipe (see
+#   apply_model_size in scripts/common.sh; any variable still overrides), e.g.
+#   MODEL_SIZE=345M bash scripts/ds_pretrain_gpt2.sh --bf16 --checkpoint-activations
+#   1.5B has 25 heads, so TP must divide 25: TP=1 with ZeRO-2 data parallelism over all GPUs
+#   (scripts/ds_zero2_pretrain_gpt2_model_parallel.sh with TP=1; by estimate ~12 GB per GPU on
+#   8 GPUs with --bf16 --checkpoint-activations) or TP=5 (GPU count a multiple of 5).
 # Multi-node: list the nodes in a hostfile, one "worker-1 slots=8" line per node, and run this
 #   once on the first node: NNODES=2 HOSTFILE=hostfile MASTER_ADDR=worker-1 GPUS_PER_NODE=8 bash
 #   scripts/ds_pretrain_gpt2.sh (DeepSpeed starts the other nodes over passwordless ssh). Without
@@ -42,6 +38,7 @@
 set -euo pipefail
 # shellcheck source=scripts/common.sh source-path=SCRIPTDIR/..
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+apply_model_size   # MODEL_SIZE=124M|345M|1.5B presets (scripts/common.sh)
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-$(default_procs_per_node 1)}   # every GPU, else 1 CPU process
 NNODES=${NNODES:-1}

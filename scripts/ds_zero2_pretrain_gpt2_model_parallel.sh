@@ -27,15 +27,11 @@
 # Real GPUs: the defaults use every GPU of the node (GPUS_PER_NODE) at TP=2; add --fp16 (V100)
 #   or --bf16 (A100/H100), or use DS_CONFIG=examples/ds_configs/ds_zero2_fp16.json. Keep TP
 #   within a node (TP <= GPUS_PER_NODE); ZeRO-2 scales over the data-parallel ranks.
-# GPT-2 345M: NUM_LAYERS=24 HIDDEN_SIZE=1024 NUM_ATTENTION_HEADS=16 SEQ_LENGTH=1024
-#   MICRO_BATCH_SIZE=8 GLOBAL_BATCH_SIZE=512 TRAIN_ITERS=500000 LR_DECAY_ITERS=320000
-#   LR=1.5e-4 MIN_LR=1e-5 LR_WARMUP_FRACTION=0.01 SPLIT=949,50,1 LOG_INTERVAL=100
-#   EVAL_INTERVAL=1000 EVAL_ITERS=10 SAVE_INTERVAL=10000, plus --fp16 --checkpoint-activations;
-#   TP=1 is enough for 345M.
-# GPT-2 1.5B: NUM_LAYERS=48 HIDDEN_SIZE=1600 NUM_ATTENTION_HEADS=25 SEQ_LENGTH=1024. TP must
-#   divide the 25 heads, so TP=1 (ZeRO-2 over all 8 GPUs; by estimate ~12 GB per GPU with
-#   --fp16 --checkpoint-activations, MICRO_BATCH_SIZE=4) or TP=5 (GPU count a multiple of 5).
-#   To keep TP=2/4/8, use the 1.3B shape NUM_LAYERS=24 HIDDEN_SIZE=2048 NUM_ATTENTION_HEADS=32.
+# GPT-2 sizes: MODEL_SIZE=124M, 345M or 1.5B sets the shape and Megatron's recipe (see
+#   apply_model_size in scripts/common.sh; any variable still overrides). 345M needs no TP:
+#   MODEL_SIZE=345M TP=1 bash scripts/ds_zero2_pretrain_gpt2_model_parallel.sh --bf16
+#   1.5B: TP must divide its 25 heads, so TP=1 (ZeRO-2 over all 8 GPUs; by estimate ~12 GB per
+#   GPU with --bf16 --checkpoint-activations) or TP=5 (GPU count a multiple of 5).
 # Multi-node: list the nodes in a hostfile, one "worker-1 slots=8" line per node, and run this
 #   once on the first node: NNODES=2 HOSTFILE=hostfile MASTER_ADDR=worker-1 GPUS_PER_NODE=8 bash
 #   scripts/ds_zero2_pretrain_gpt2_model_parallel.sh (DeepSpeed reaches the others over
@@ -43,6 +39,7 @@
 set -euo pipefail
 # shellcheck source=scripts/common.sh source-path=SCRIPTDIR/..
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+apply_model_size   # MODEL_SIZE=124M|345M|1.5B presets (scripts/common.sh)
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-$(default_procs_per_node 2)}   # every GPU, else 2 CPU processes
 NNODES=${NNODES:-1}

@@ -16,18 +16,14 @@
 # Real GPUs: this uses one GPU; add --fp16 (V100) or --bf16 (A100/H100). For several GPUs or
 #   nodes use scripts/pretrain_gpt2_model_parallel.sh (torchrun, tensor parallel) or
 #   examples/pretrain_gpt_distributed.sh (torchrun, data parallel), or the DeepSpeed scripts.
-# GPT-2 345M (fits one 16 GB GPU with --fp16 --checkpoint-activations): NUM_LAYERS=24
-#   HIDDEN_SIZE=1024 NUM_ATTENTION_HEADS=16 SEQ_LENGTH=1024 MICRO_BATCH_SIZE=4
-#   GLOBAL_BATCH_SIZE=8 TRAIN_ITERS=500000 LR_DECAY_ITERS=320000 LR=1.5e-4 MIN_LR=1e-5
-#   LR_WARMUP_FRACTION=0.01 SPLIT=949,50,1 LOG_INTERVAL=100 EVAL_INTERVAL=1000 EVAL_ITERS=10
-#   SAVE_INTERVAL=10000.
-# GPT-2 1.5B (NUM_LAYERS=48 HIDDEN_SIZE=1600 NUM_ATTENTION_HEADS=25 SEQ_LENGTH=1024) needs
-#   ~24 GB for weights and Adam states alone: use scripts/ds_zero2_pretrain_gpt2_model_parallel.sh
-#   with TP=1 (TP must divide the 25 heads: 1 or 5) and ZeRO-2 over 8 GPUs.
+# GPT-2 sizes: MODEL_SIZE=124M or 345M sets the shape and Megatron's recipe (see
+#   apply_model_size in scripts/common.sh); 345M fits one 16 GB GPU with --fp16
+#   --checkpoint-activations. 1.5B needs several GPUs: scripts/ds_zero2_pretrain_gpt2_model_parallel.sh.
 # Multi-node: not with one process; see scripts/pretrain_gpt2_model_parallel.sh.
 set -euo pipefail
 # shellcheck source=scripts/common.sh source-path=SCRIPTDIR/..
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+apply_model_size   # MODEL_SIZE=124M|345M|1.5B presets (scripts/common.sh)
 
 DATA_PATH=${DATA_PATH:-$ROOT/data/quickstart/corpus_content_document}
 VOCAB_FILE=${VOCAB_FILE:-$ROOT/dataset/gpt2-vocab.json}

@@ -17,14 +17,9 @@
 #
 # Real GPUs: the defaults use every GPU of the node at TP=2 over NCCL; add --fp16 (V100) or
 #   --bf16 (A100/H100). Keep TP within a node (TP <= GPUS_PER_NODE).
-# GPT-2 345M: NUM_LAYERS=24 HIDDEN_SIZE=1024 NUM_ATTENTION_HEADS=16 SEQ_LENGTH=1024
-#   MICRO_BATCH_SIZE=8 GLOBAL_BATCH_SIZE=512 TRAIN_ITERS=500000 LR_DECAY_ITERS=320000
-#   LR=1.5e-4 MIN_LR=1e-5 LR_WARMUP_FRACTION=0.01 SPLIT=949,50,1 LOG_INTERVAL=100
-#   EVAL_INTERVAL=1000 EVAL_ITERS=10 SAVE_INTERVAL=10000, plus --fp16 --checkpoint-activations.
-# GPT-2 1.5B: NUM_LAYERS=48 HIDDEN_SIZE=1600 NUM_ATTENTION_HEADS=25 SEQ_LENGTH=1024. TP must
-#   divide the 25 heads: TP=5 (GPUS_PER_NODE x NNODES a multiple of 5, e.g. 5 or 10 GPUs) or
-#   TP=1 with ZeRO-2 instead (scripts/ds_zero2_pretrain_gpt2_model_parallel.sh). To keep
-#   TP=2/4/8, use the 1.3B shape NUM_LAYERS=24 HIDDEN_SIZE=2048 NUM_ATTENTION_HEADS=32.
+# GPT-2 sizes: MODEL_SIZE=124M, 345M or 1.5B sets the shape and Megatron's recipe (see
+#   apply_model_size in scripts/common.sh; any variable still overrides). 1.5B has 25 heads:
+#   TP must divide 25 (TP=5, or TP=1 with ZeRO-2 in scripts/ds_zero2_pretrain_gpt2_model_parallel.sh).
 # Multi-node: run this on every node with the same NNODES, MASTER_ADDR (node 0's address) and
 #   MASTER_PORT and that node's NODE_RANK (0..NNODES-1), e.g. on the second of two nodes:
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=worker-1 GPUS_PER_NODE=8 bash scripts/pretrain_gpt2_model_parallel.sh
@@ -32,6 +27,7 @@
 set -euo pipefail
 # shellcheck source=scripts/common.sh source-path=SCRIPTDIR/..
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+apply_model_size   # MODEL_SIZE=124M|345M|1.5B presets (scripts/common.sh)
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-$(default_procs_per_node 2)}   # every GPU, else 2 CPU processes
 NNODES=${NNODES:-1}

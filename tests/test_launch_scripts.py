@@ -30,6 +30,8 @@ SCRIPTS = {
     "examples/pretrain_gpt.sh": ("python", 1, 1),
     "examples/pretrain_gpt_distributed.sh": ("torchrun", 2, 1),
 }
+# Checked for syntax and by shellcheck, and run with stand-in launchers below.
+OTHER_SCRIPTS = ["examples/pretrain_gpt_slurm.sh", "examples/quickstart.sh"]
 DS_CONFIGS = sorted(glob.glob(os.path.join(REPO_ROOT, "examples", "ds_configs", "*.json")))
 # The shortened run: 4 iterations of micro-batches of 2 sequences of 32 tokens, validation
 # (and a checkpoint) every 2 iterations. Some settings go through the environment, some as
@@ -86,7 +88,7 @@ def dataset(stdlib_dataset: str) -> str:
     return stdlib_dataset
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
+@pytest.mark.parametrize("script", [*sorted(SCRIPTS), *OTHER_SCRIPTS])
 def test_syntax(script: str) -> None:
     result = subprocess.run(["bash", "-n", script], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -94,7 +96,7 @@ def test_syntax(script: str) -> None:
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 def test_shellcheck() -> None:
-    files = [*sorted(SCRIPTS), "scripts/common.sh"]
+    files = [*sorted(SCRIPTS), *OTHER_SCRIPTS, "scripts/common.sh"]
     result = subprocess.run(
         ["shellcheck", "-x", *files], cwd=REPO_ROOT, capture_output=True, text=True
     )
@@ -307,3 +309,94 @@ def test_sizes_that_do_not_divide_are_refused(dataset: str, tmp_path) -> None:
     code, argv, output = _launch("scripts/pretrain_gpt2_model_parallel.sh", dataset, path)
     assert code == 1 and not argv
     assert re.search(r"3 process\(es\).*cannot be split into tensor-parallel 2", output)
+
+
+@pytest.mark.parametrize(
+    "script", [name for name in sorted(SCRIPTS) if SCRIPTS[name][0] != "python"]
+)
+def test_model_size_presets(script: str, dataset: str, tmp_path) -> None:
+    """MODEL_SIZE sets GPT-2's shape and Megatron's recipe; the environment still overrides."""
+    path = _fake_commands(tmp_path, gpus=8)
+    code, argv, output = _launch(script, dataset, path, MODEL_SIZE="345M", LR="1e-4", TP="1")
+    assert code == 0, output
+    expected = {
+        "--num-layers": "24",
+        "--hidden-size": "1024",
+        "--num-attention-heads": "16",
+        "--seq-length": "1024",
+        "--micro-batch-size": "8",
+        "--global-batch-size": "512",
+        "--train-iters": "500000",
+        "--lr-decay-iters": "320000",
+        "--split": "949,50,1",
+        "--lr": "1e-4",
+        "--min-lr": "3e-5",
+    }
+    assert {flag: _flag(argv, flag) for flag in expected} == expected
+
+    code, argv, output = _launch(script, dataset, path, MODEL_SIZE="2B")
+    assert code == 1 and not argv
+    assert "error: MODEL_SIZE=2B is not one of 124M, 345M, 1.5B, tiny" in output
+
+
+def _fake_slurm(tmp_path, nodes: list[str]) -> str:
+    """Stand-ins for scontrol (the job's host names) and srun (runs each node's task in turn)."""
+    path = _fake_commands(tmp_path, gpus=8)
+    bin_dir = tmp_path / "bin"
+    commands = {
+        "scontrol": 'printf "%s\\n" ' + " ".join(nodes),
+        "srun": "while [[ $1 == --* ]]; do shift; done\n"
+        f'for node in $(seq 0 {len(nodes) - 1}); do SLURM_NODEID=$node "$@" || exit $?; done',
+    }
+    for name, body in commands.items():
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize(
+    "launch_script, launcher",
+    [
+        ("scripts/ds_pretrain_gpt2.sh", "deepspeed"),
+        ("examples/pretrain_gpt_distributed.sh", "torchrun"),
+    ],
+)
+def test_slurm_script_starts_one_launcher_per_node(launch_script, launcher, dataset, tmp_path):
+    path = _fake_slurm(tmp_path, ["gpu-node-7", "gpu-node-8"])
+    hostfile = tmp_path / "hostfile"
+    env = _script_env(
+        DATA_PATH=dataset,
+        PATH=path,
+        SLURM_JOB_NODELIST="gpu-node-[7-8]",
+        SLURM_NNODES="2",
+        SLURM_SUBMIT_DIR=REPO_ROOT,
+        SLURM_JOB_ID="42",
+        LAUNCH_SCRIPT=launch_script,
+        HOSTFILE=str(hostfile),
+        MODEL_SIZE="124M",
+    )
+    del env["CUDA_VISIBLE_DEVICES"]
+    result = _run("examples/pretrain_gpt_slurm.sh", "--bf16", env=env, timeout=60)
+    assert result.returncode == 0, result.stdout
+    assert "2 node(s) x 8 process(es): gpu-node-7 gpu-node-8" in result.stdout
+    # Each launch prints '==> the command', then the stand-in launcher prints its argv.
+    commands = [block.splitlines()[1:] for block in result.stdout.split("==> ")[2:]]
+    assert [argv[0] for argv in commands] == [launcher, launcher]
+    for node_rank, argv in enumerate(commands):
+        assert _flag(argv, "--master_addr") == "gpu-node-7"
+        assert _flag(argv, "--node_rank") == str(node_rank)
+        assert _flag(argv, "--hidden-size") == "768"
+        assert "--bf16" in argv and "--exit-signal-handler" in argv
+        if launcher == "deepspeed":
+            assert "--no_ssh" in argv and _flag(argv, "--hostfile") == str(hostfile)
+        else:
+            assert _flag(argv, "--nnodes") == "2"
+    assert hostfile.read_text() == "gpu-node-7 slots=8\ngpu-node-8 slots=8\n"
+
+
+def test_slurm_script_outside_a_job_is_a_clear_error(tmp_path) -> None:
+    env = _script_env(SLURM_SUBMIT_DIR=REPO_ROOT)
+    env.pop("SLURM_JOB_NODELIST", None)
+    result = _run("examples/pretrain_gpt_slurm.sh", env=env, timeout=60)
+    assert result.returncode == 1
+    assert "error: SLURM_JOB_NODELIST is not set" in result.stdout
