@@ -1,0 +1,143 @@
+"""Plot the training and validation loss of a run from its log (Megatron's log lines).
+
+    python tools/plot_loss.py --log runs/quickstart/train.log --output runs/quickstart/loss.png
+
+Reads the iteration lines (`iteration N/ M | ... | lm loss: X | ...`) and the validation lines
+(`validation loss at iteration N | lm loss value: X | ...`) that `pretrain_gpt.py` prints, from
+one or more logs in order (a resumed run's logs, or a log a resumed run appended to; a later
+line for the same iteration replaces an earlier one), and draws both curves into a PNG with
+matplotlib. Lines of any other kind, and launcher prefixes such as `[default0]:`, are ignored.
+Prints the first and last losses. Needs `pip install matplotlib` (`pip install -e .[plot]`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from megatron.monitor import parse_iteration_log, parse_validation_line  # noqa: E402
+
+LOSS_KEY = "lm loss"
+
+
+@dataclasses.dataclass
+class LossCurves:
+    """Loss by iteration: `train` from the iteration lines, `validation` from evaluations."""
+
+    train: dict[int, float] = dataclasses.field(default_factory=dict)
+    validation: dict[int, float] = dataclasses.field(default_factory=dict)
+
+
+def read_loss_curves(paths: list[str]) -> LossCurves:
+    """The losses logged in `paths`, read in order; a missing file is an error naming it."""
+    curves = LossCurves()
+    for path in paths:
+        with open(path, encoding="utf-8", errors="replace") as log:
+            for line in log:
+                if "iteration" not in line:
+                    continue
+                _read_line(line, curves)
+    return curves
+
+
+def _read_line(line: str, curves: LossCurves) -> None:
+    """Add the loss on `line`, if it is an iteration or validation line that carries one."""
+    try:
+        fields = parse_iteration_log(line)
+    except ValueError:
+        pass
+    else:
+        if isinstance(fields.get(LOSS_KEY), float):
+            curves.train[int(fields["iteration"])] = float(fields[LOSS_KEY])
+        return
+    try:
+        values = parse_validation_line(line)
+    except ValueError:
+        return
+    if "iteration" in values and f"{LOSS_KEY} value" in values:
+        curves.validation[int(values["iteration"])] = values[f"{LOSS_KEY} value"]
+
+
+def plot_loss_curves(curves: LossCurves, output: str, title: str) -> None:
+    """Draw both curves (log-scale loss) into the PNG `output`, written under a temporary name."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
+
+    figure, axes = plt.subplots(figsize=(8, 4.5), dpi=100)
+    train = sorted(curves.train.items())
+    axes.plot([i for i, _ in train], [loss for _, loss in train], label="training (lm loss)")
+    if curves.validation:
+        validation = sorted(curves.validation.items())
+        axes.plot(
+            [i for i, _ in validation],
+            [loss for _, loss in validation],
+            "o-",
+            label="validation (lm loss)",
+        )
+    axes.set_xlabel("iteration")
+    axes.set_ylabel("loss (nats per token)")
+    axes.set_yscale("log")  # the early drop and the late progress both stay visible
+    for axis in (axes.yaxis.set_major_formatter, axes.yaxis.set_minor_formatter):
+        axis(FormatStrFormatter("%g"))  # 4, 6, 10 rather than 4x10^0
+    axes.set_title(title)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    temporary = f"{output}.partial-{os.getpid()}.png"
+    figure.savefig(temporary)
+    plt.close(figure)
+    os.replace(temporary, output)
+
+
+def summary(curves: LossCurves) -> str:
+    """One line per curve: first and last iteration and loss."""
+    lines = []
+    for name, curve in (("training", curves.train), ("validation", curves.validation)):
+        if curve:
+            first, last = min(curve), max(curve)
+            lines.append(
+                f"{name} loss: {curve[first]:.3f} at iteration {first} -> "
+                f"{curve[last]:.3f} at iteration {last}"
+            )
+    return "\n".join(lines)
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--log", nargs="+", required=True, help="Training logs, oldest first.")
+    parser.add_argument("--output", required=True, help="PNG file to write.")
+    parser.add_argument("--title", default="GPT-2 pretraining loss", help="Plot title.")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Read the logs, write the plot, print the summary; 1 with a one-line error on bad input."""
+    args = get_args(argv)
+    try:
+        curves = read_loss_curves(args.log)
+    except OSError as error:
+        print(f"error: cannot read log {error.filename}: {error.strerror}", file=sys.stderr)
+        return 1
+    if not curves.train:
+        print(f"error: no iteration lines with an lm loss in {' '.join(args.log)}", file=sys.stderr)
+        return 1
+    try:
+        plot_loss_curves(curves, args.output, args.title)
+    except ImportError:
+        print("error: plotting needs matplotlib: pip install matplotlib", file=sys.stderr)
+        return 1
+    print(summary(curves))
+    print(f"loss curves written to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
