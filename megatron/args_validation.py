@@ -84,6 +84,7 @@ def _batch_sizes(args: argparse.Namespace) -> None:
     args.gradient_accumulation_steps = args.global_batch_size // per_step
     if (args.train_iters is None) == (args.train_samples is None):
         raise ArgumentError("give exactly one of --train-iters and --train-samples")
+    _schedule_units(args)
     if args.rampup_batch_size is not None:
         if args.train_samples is None:
             raise ArgumentError("--rampup-batch-size needs --train-samples (not --train-iters)")
@@ -99,6 +100,33 @@ def _batch_sizes(args: argparse.Namespace) -> None:
         args.train_iters = schedule.iterations_for(args.train_samples)
     elif args.train_samples is not None:
         args.train_iters = args.train_samples // args.global_batch_size
+
+
+def _schedule_units(args: argparse.Namespace) -> None:
+    """Megatron's rule: the LR schedule is counted in the unit of the run's length."""
+    if args.train_samples is None:
+        length, other = (
+            "--train-iters",
+            {
+                "--lr-decay-samples": getattr(args, "lr_decay_samples", None),
+                "--lr-warmup-samples": getattr(args, "lr_warmup_samples", 0),
+            },
+        )
+    else:
+        length, other = (
+            "--train-samples",
+            {
+                "--lr-decay-iters": getattr(args, "lr_decay_iters", None),
+                "--lr-warmup-iters": getattr(args, "lr_warmup_iters", 0),
+            },
+        )
+    ignored = [flag for flag, value in other.items() if value]
+    if ignored:
+        unit = "iterations" if length == "--train-iters" else "samples"
+        raise ArgumentError(
+            f"{' and '.join(ignored)} cannot be combined with {length}: with {length} the LR "
+            f"schedule is counted in {unit}"
+        )
 
 
 def _precision_and_optimizer(args: argparse.Namespace) -> None:
@@ -158,6 +186,11 @@ def _pipeline_and_checkpoints(args: argparse.Namespace) -> None:
     # Megatron-DeepSpeed runs DeepSpeed's pipeline engine whenever --deepspeed is on, unless
     # --no-pipeline-parallel; that engine supports ZeRO stages 0 and 1 only.
     zero_stage = getattr(args, "zero_stage", None) or 0
+    if zero_stage and not args.deepspeed:
+        raise ArgumentError(
+            f"--zero-stage {zero_stage} needs --deepspeed (ZeRO is DeepSpeed's; the plain-torch "
+            "path is DDP)"
+        )
     if pipelined and zero_stage > 1:
         raise ArgumentError(
             f"--zero-stage {zero_stage} cannot be combined with --pipeline-model-parallel-size "

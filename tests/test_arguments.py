@@ -53,6 +53,16 @@ def test_train_samples_sets_iterations_and_local_rank_aliases():
         assert build_parser().parse_args(BASE + [flag, "3"]).local_rank == 3
 
 
+def test_iteration_schedule_flags_are_refused_with_train_samples():
+    """As Megatron: with --train-samples the LR schedule is in samples, never silently dropped."""
+    argv = [a for a in BASE if a not in ("--train-iters", "10")] + ["--train-samples", "40"]
+    with pytest.raises(ArgumentError, match="--lr-decay-iters and --lr-warmup-iters cannot be"):
+        validate_args(
+            build_parser().parse_args(argv + ["--lr-decay-iters", "9", "--lr-warmup-iters", "2"]),
+            1,
+        )
+
+
 def test_checkpoint_activations_means_full_uniform_recompute():
     """Megatron's deprecated flag maps onto the recompute flags and into ModelConfig."""
     args = validated("--checkpoint-activations --checkpoint-num-layers 2")
@@ -92,6 +102,8 @@ def test_sequence_parallel_is_dropped_without_tensor_parallelism():
         ("--pipeline-model-parallel-size 2", 2, "needs --deepspeed"),
         ("--distributed-backend nccl", 1, "nccl needs CUDA"),
         ("--lr-warmup-fraction 0.1 --lr-warmup-iters 5", 1, "--lr-warmup-fraction"),
+        ("--lr-decay-samples 100", 1, "--lr-decay-samples cannot be combined with --train-iters"),
+        ("--zero-stage 2", 1, "--zero-stage 2 needs --deepspeed"),
         ("--checkpoint-activations --recompute-granularity selective", 1, "--checkpoint-act"),
         (
             "--sequence-parallel --tensor-model-parallel-size 2 --partition-activations",
