@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,11 @@ from megatron.checkpoint_format import (
     nest_model_state,
     plain_args,
     rank_file,
+)
+from megatron.checkpoint_layouts import (
+    CheckpointConversionError,
+    LocatedCheckpoint,
+    locate_checkpoint,
 )
 from megatron.core import parallel_state
 from megatron.rng_state import gather_rng_states, restore_rng_state
@@ -61,17 +66,6 @@ class CheckpointError(ValueError):
     """A checkpoint this run cannot load; the message says why and what to run instead."""
 
 
-@dataclass
-class FoundCheckpoint:
-    """The checkpoint the trackers in a `--load` directory name."""
-
-    layout: str  # "megatron" or "deepspeed"
-    directory: str
-    iteration: int
-    release: bool = False
-    tag: str = ""
-
-
 def _this_rank_file(directory: str) -> str:
     return rank_file(
         directory,
@@ -81,36 +75,36 @@ def _this_rank_file(directory: str) -> str:
     )
 
 
-def find_checkpoint(root: str, universal: bool = False) -> FoundCheckpoint | None:
+def find_checkpoint(root: str, universal: bool = False) -> LocatedCheckpoint | None:
     """The newest complete checkpoint under `root` by its trackers, or None if there is none.
 
-    `universal`: the one `ds_to_universal` recorded in `latest_universal`.
+    The same rule as the conversion tools (`checkpoint_layouts.locate_checkpoint`): DeepSpeed's
+    `latest` first, else Megatron's tracker. `universal`: the checkpoint `ds_to_universal`
+    recorded in `latest_universal`.
     """
-    tracker_name = "latest_universal" if universal else checkpoint_commit.DEEPSPEED_TRACKER_FILENAME
-    tag = checkpoint_commit.read_deepspeed_tag(root, tracker_name)
-    if universal and tag is None:
-        raise CheckpointError(
-            f"--universal-checkpoint: {root}/latest_universal does not exist; convert the "
-            "checkpoint first: python -m deepspeed.checkpoint.ds_to_universal --input_folder "
-            f"{root}/global_stepN --output_folder {root}/global_stepN_universal"
-        )
-    if tag is not None:
+    if universal:
+        tag = checkpoint_commit.read_deepspeed_tag(root, "latest_universal")
+        if tag is None:
+            raise CheckpointError(
+                f"--universal-checkpoint: {root}/latest_universal does not exist; convert the "
+                "checkpoint first: python -m deepspeed.checkpoint.ds_to_universal --input_folder "
+                f"{root}/global_stepN --output_folder {root}/global_stepN_universal"
+            )
         match = re.match(r"global_step(\d+)", tag)
-        directory = os.path.join(root, tag)
-        if not os.path.isdir(directory):
-            raise CheckpointError(f"{root}/latest names {tag}, but {directory} does not exist")
-        return FoundCheckpoint("deepspeed", directory, int(match.group(1)) if match else 0, tag=tag)
-    tracker = checkpoint_commit.read_tracker(root)
-    if tracker is None:
-        return None
-    iteration, release = tracker
-    directory = checkpoint_directory(root, iteration, release)
-    if not os.path.isdir(directory):
-        raise CheckpointError(
-            f"{root}/{checkpoint_commit.TRACKER_FILENAME} names iteration {iteration}, "
-            f"but {directory} does not exist"
+        found = LocatedCheckpoint(
+            "deepspeed", os.path.join(root, tag), int(match.group(1)) if match else 0, tag=tag
         )
-    return FoundCheckpoint("megatron", directory, iteration, release)
+        if not os.path.isdir(found.directory):
+            raise CheckpointError(f"{root}/latest_universal names {tag}, but it does not exist")
+        return found
+    trackers = (checkpoint_commit.DEEPSPEED_TRACKER_FILENAME, checkpoint_commit.TRACKER_FILENAME)
+    if not any(os.path.isfile(os.path.join(root, name)) for name in trackers):
+        return None
+    try:
+        found = locate_checkpoint(root)
+    except CheckpointConversionError as error:
+        raise CheckpointError(str(error)) from None
+    return found if found.iteration is not None else replace(found, iteration=0)
 
 
 def _client_state(state, args: argparse.Namespace, rng_states: list | None) -> dict:  # noqa: ANN001
@@ -233,7 +227,7 @@ def _continue_schedule(scheduler, state) -> None:  # noqa: ANN001
         )
 
 
-def _metadata(found: FoundCheckpoint) -> tuple[str, dict]:
+def _metadata(found: LocatedCheckpoint) -> tuple[str, dict]:
     """(file, contents) holding this rank's weights (Megatron) or the run's metadata (DS)."""
     if found.layout == "megatron":
         path = _this_rank_file(found.directory)

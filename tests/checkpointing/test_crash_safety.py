@@ -10,7 +10,8 @@ import torch
 
 from megatron import checkpoint_commit
 from megatron.checkpoint_format import load_file
-from megatron.checkpointing import FoundCheckpoint, find_checkpoint
+from megatron.checkpoint_layouts import LocatedCheckpoint
+from megatron.checkpointing import find_checkpoint
 
 
 def _save(root: str, iteration: int, crash_before_commit: bool = False) -> None:
@@ -27,7 +28,7 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_current(tmp_path) ->
     root = str(tmp_path)
     _save(root, 10)
     _save(root, 20, crash_before_commit=True)
-    assert find_checkpoint(root) == FoundCheckpoint("megatron", f"{root}/iter_0000010", 10)
+    assert find_checkpoint(root) == LocatedCheckpoint("megatron", f"{root}/iter_0000010", 10)
     assert not os.path.exists(f"{root}/iter_0000020")  # only the staging directory exists
     assert os.path.isdir(f"{root}/iter_0000020{checkpoint_commit.STAGING_SUFFIX}")
     _save(root, 20)  # the rerun clears the leftover and publishes
