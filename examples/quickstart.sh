@@ -89,15 +89,24 @@ else
 fi
 
 trained_iteration() { cat "$checkpoint/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0; }
+# The checkpoint remembers which corpus it was trained on: a run on other data is never taken
+# for finished (nor resumed on the new data, nor deleted).
+data_stamp="$checkpoint/quickstart.corpus"
+if [ "$(trained_iteration)" != 0 ] && [ "$(cat "$data_stamp" 2>/dev/null)" != "$source_desc" ]; then
+  echo "error: $checkpoint holds a run on other data ($(cat "$data_stamp" 2>/dev/null ||
+    echo 'unknown corpus')), not '$source_desc'; move it away, set CHECKPOINT_PATH and RUN_DIR, or pass --redo" >&2
+  exit 1
+fi
 gpus=$(bash -c 'source scripts/common.sh; count_gpus')
 export GPUS_PER_NODE=${GPUS_PER_NODE:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)}
 step 5 "pretraining GPT-2 (${NUM_LAYERS} layers, ${HIDDEN_SIZE} wide) for $TRAIN_ITERS iterations: DeepSpeed ZeRO-1, $GPUS_PER_NODE $([ "$gpus" -gt 0 ] && echo GPU || echo CPU) processes"
-if [ "$(trained_iteration)" = "$TRAIN_ITERS" ]; then
-  echo "already trained: $checkpoint at iteration $TRAIN_ITERS (use --redo to retrain)"
+if [ "$(trained_iteration)" -ge "$TRAIN_ITERS" ]; then
+  echo "already trained: $checkpoint at iteration $(trained_iteration) (use --redo to retrain)"
 else
   # Resumes from the newest checkpoint when an earlier run was interrupted (or TRAIN_ITERS was
   # raised: --override-lr-scheduler stretches the LR schedule to it); the log grows.
   printf '\n# quickstart training run started %s\n' "$(date -u +%FT%TZ)" >> "$train_log"
+  mkdir -p "$checkpoint" && echo "$source_desc" > "$data_stamp"
   DATA_PATH="$dataset" CHECKPOINT_PATH="$checkpoint" TENSORBOARD_DIR="$run_dir/tensorboard" \
     bash scripts/ds_pretrain_gpt2.sh --override-lr-scheduler 2>&1 | tee -a "$train_log"
   echo "training log: $train_log"
