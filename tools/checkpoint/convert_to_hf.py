@@ -30,6 +30,7 @@ from megatron.checkpoint_shards import (  # noqa: E402
     DenseCheckpoint,
     load_dense_checkpoint,
 )
+from tools.checkpoint import run_conversion  # noqa: E402
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -147,13 +148,7 @@ def convert(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; 1 with a one-line error for a bad input."""
-    args = get_args(argv)
-    try:
-        convert(args)
-    except (CheckpointConversionError, OSError, RuntimeError, ImportError) as error:
-        print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
-        return 1
-    return 0
+    return run_conversion(convert, get_args(argv))
 
 
 if __name__ == "__main__":

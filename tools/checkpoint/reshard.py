@@ -27,6 +27,7 @@ from megatron.checkpoint_shards import (  # noqa: E402
     save_megatron_checkpoint,
 )
 from megatron.tokenizer.tokenizer import vocab_size_with_padding  # noqa: E402
+from tools.checkpoint import run_conversion  # noqa: E402
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -113,13 +114,7 @@ def reshard(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; 1 with a one-line error for a bad input."""
-    args = get_args(argv)
-    try:
-        reshard(args)
-    except (CheckpointConversionError, OSError, RuntimeError) as error:
-        print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
-        return 1
-    return 0
+    return run_conversion(reshard, get_args(argv))
 
 
 if __name__ == "__main__":
