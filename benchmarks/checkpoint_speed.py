@@ -70,6 +70,8 @@ REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pard
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+from machine import cpu_model  # noqa: E402  (benchmarks/machine.py)
+
 from megatron import checkpointing  # noqa: E402
 from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
@@ -370,18 +372,6 @@ def profile_ours(method: Method, model: GPTModel, optimizer: torch.optim.Optimiz
 # ---------------------------------------------------------------------------------------------
 # Reporting.
 # ---------------------------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (or the platform's processor string)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def print_header(directory: str) -> None:

@@ -81,6 +81,8 @@ REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pard
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+from machine import cpu_model  # noqa: E402  (benchmarks/machine.py)
+
 import pretrain_gpt  # noqa: E402
 from megatron.arguments import parse_args  # noqa: E402
 from megatron.config import ModelConfig  # noqa: E402
@@ -304,18 +306,6 @@ def profile_step(setup: Setup, rows: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # Reporting.
 # ---------------------------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (or the platform's processor string)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def print_header() -> None:
