@@ -88,7 +88,12 @@ else
   touch "$dataset.checked"
 fi
 
-trained_iteration() { cat "$checkpoint/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0; }
+# The iteration the trackers name, as training reads them (a save killed after its checkpoint
+# was published counts: megatron.checkpoint_commit).
+trained_iteration() {
+  "$python" -c 'import sys; from megatron.checkpoint_commit import read_tracker
+t = read_tracker(sys.argv[1]); print(t[0] if t else 0)' "$checkpoint"
+}
 # The checkpoint remembers which corpus it was trained on: a run on other data is never taken
 # for finished (nor resumed on the new data, nor deleted).
 data_stamp="$checkpoint/quickstart.corpus"

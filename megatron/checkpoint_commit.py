@@ -1,17 +1,38 @@
-"""Checkpoint directories that become visible only when complete on every rank.
+"""Checkpoint directories that become visible only when complete, and trackers that agree.
 
-Every rank writes (and fsyncs) its files under `{final}.partial`; after a barrier, rank 0
-renames the staging directory to its final name, fsyncs the parent, and only then rewrites
-the tracker files (`latest_checkpointed_iteration.txt`, and DeepSpeed's `latest` for that
-layout). A run killed at any moment therefore leaves the trackers naming the previous
-complete checkpoint; a leftover `.partial` directory is never read and is cleared by the
-next save of the same iteration.
+The rule: a checkpoint is *published* the moment its directory gets its final name, and every
+reader in this code base sees the trackers of the newest published checkpoint, whatever moment
+a kill (SIGKILL, OOM, node loss) lands at.
+
+The protocol (`begin`, then `commit`, each a collective):
+
+1. Every rank writes and fsyncs its files under `{final}.partial`; a barrier.
+2. Rank 0 writes the commit journal `{root}/commit_journal.json` (the directory's name and the
+   new text of each tracker file), fsynced.
+3. Rank 0 renames `{final}.partial` to `{final}` and fsyncs `{root}`: the checkpoint is
+   published.
+4. Rank 0 rewrites the trackers, one atomic file each (DeepSpeed's `latest`, then Megatron's
+   `latest_checkpointed_iteration.txt`), then deletes the journal.
+
+A kill before step 3 leaves the previous checkpoint published and its trackers untouched; a
+kill after it leaves the new one published, with the journal saying what the trackers must
+become. `read_tracker` and `read_deepspeed_tag` read the journal before the tracker files, so
+the tools see the same, newest iteration at once; `recover` (rank 0 at the next start, before
+any rank reads, and before every save) finishes such a commit on disk, or undoes one that never
+reached step 3, so afterwards both files name the same complete checkpoint. A reader outside
+this code (`cat latest_checkpointed_iteration.txt`) sees the two files agree once the run has
+restarted. A leftover `.partial` directory is never read.
+
+For crash tests, `MEGATRON_CHECKPOINT_FAULT=POINT:N` SIGKILLs rank 0 the N-th time it reaches
+POINT (one of `FAULT_POINTS`) in this process.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 
 import torch.distributed as dist
 
@@ -19,8 +40,12 @@ from megatron.atomic_files import atomic_outputs
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 DEEPSPEED_TRACKER_FILENAME = "latest"
+JOURNAL_FILENAME = "commit_journal.json"
 STAGING_SUFFIX = ".partial"
 _REPLACED_SUFFIX = ".replaced"
+FAULT_ENV = "MEGATRON_CHECKPOINT_FAULT"
+FAULT_POINTS = ("before-rename", "after-rename", "between-trackers", "after-trackers")
+_fault_counts: dict[str, int] = {}
 
 
 def _is_rank_zero() -> bool:
@@ -30,6 +55,20 @@ def _is_rank_zero() -> bool:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _fault_point(point: str) -> None:
+    """SIGKILL this process here if `MEGATRON_CHECKPOINT_FAULT` asks for it (crash tests)."""
+    wanted = os.environ.get(FAULT_ENV)
+    if not wanted:
+        return
+    name, _, count = wanted.partition(":")
+    if name not in FAULT_POINTS or not (count or "1").isdigit():
+        raise ValueError(f"{FAULT_ENV}={wanted!r}: expected POINT[:N], POINT one of {FAULT_POINTS}")
+    if name == point:
+        _fault_counts[point] = _fault_counts.get(point, 0) + 1
+        if _fault_counts[point] == int(count or 1):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def staging_directory(final: str) -> str:
@@ -52,42 +91,176 @@ def fsync_tree(root: str) -> None:
         fsync_path(directory)
 
 
+def _parent(final: str) -> str:
+    return os.path.dirname(final) or "."
+
+
+def _remove_tree(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+
+
 def begin(final: str) -> str:
-    """Clear leftovers of an interrupted save of `final`; returns the staging directory.
+    """Finish any interrupted commit, clear leftovers of `final`; returns the staging directory.
 
     A collective: every rank calls it before writing.
     """
     staging = staging_directory(final)
     if _is_rank_zero():
+        os.makedirs(_parent(final), exist_ok=True)
+        _report(finish_interrupted_commit(_parent(final)))
         for leftover in (staging, final + _REPLACED_SUFFIX):
-            if os.path.isdir(leftover):
-                shutil.rmtree(leftover)
+            _remove_tree(leftover)
         os.makedirs(staging)
     _barrier()
     return staging
 
 
-def commit(final: str, trackers: dict[str, str]) -> None:
-    """Publish `final` from its staging directory, then write `trackers` (name -> text).
+def commit(final: str, trackers: dict[str, str | None]) -> None:
+    """Publish `final` from its staging directory, then set `trackers` (name -> text).
 
-    A collective: every rank calls it once its own files are written and fsynced.
+    A tracker whose text is None is removed. A collective: every rank calls it once its own
+    files are written and fsynced.
     """
     _barrier()
     if _is_rank_zero():
+        root = _parent(final)
         staging = staging_directory(final)
         fsync_tree(staging)
+        _write_journal(root, os.path.basename(final), trackers)
+        _fault_point("before-rename")
         replaced = final + _REPLACED_SUFFIX
         if os.path.isdir(final):
             # Saving an iteration again (a rerun past a checkpoint that was never tracked).
             os.replace(final, replaced)
         os.replace(staging, final)
-        root = os.path.dirname(final)
         fsync_path(root)
-        if os.path.isdir(replaced):
-            shutil.rmtree(replaced)
-        for name, text in trackers.items():
-            write_tracker(os.path.join(root, name), text)
+        _fault_point("after-rename")
+        _remove_tree(replaced)
+        _write_trackers(root, trackers, inject_faults=True)
+        _fault_point("after-trackers")
+        _end_journal(root)
     _barrier()
+
+
+def recover(root: str) -> None:
+    """Collective: rank 0 finishes (or undoes) an interrupted commit in `root`; all wait.
+
+    Run before any rank reads `root`'s trackers, so that all of them read the repaired files.
+    """
+    if _is_rank_zero() and os.path.isdir(root):
+        _report(finish_interrupted_commit(root))
+    _barrier()
+
+
+def finish_interrupted_commit(root: str) -> str | None:
+    """Bring `root`'s trackers in line with its newest published checkpoint (one process).
+
+    With a journal: if its directory was renamed into place, write the trackers it names
+    (roll forward); otherwise put back a directory it had moved aside and drop the staging
+    copy (roll back). Without one: where DeepSpeed's `latest` and Megatron's tracker disagree
+    (written by hand, or by an older version), rewrite Megatron's to match `latest`, which is
+    what both DeepSpeed and `find_checkpoint` load. Returns what it did, or None.
+    """
+    journal = _read_journal(root)
+    if journal is None:
+        return _align_megatron_tracker(root)
+    name, trackers = journal
+    final = os.path.join(root, name)
+    staging = staging_directory(final)
+    if os.path.isdir(final) and not os.path.isdir(staging):
+        _remove_tree(final + _REPLACED_SUFFIX)
+        _write_trackers(root, trackers, inject_faults=False)
+        _end_journal(root)
+        named = ", ".join(f"{tracker} = {text!r}" for tracker, text in trackers.items())
+        return f"finished the interrupted commit of checkpoint {final}: {named}"
+    replaced = final + _REPLACED_SUFFIX
+    if os.path.isdir(replaced) and not os.path.isdir(final):
+        os.replace(replaced, final)
+        fsync_path(root)
+    # The journal goes before the staging copy: while the copy exists, a rerun still undoes.
+    _end_journal(root)
+    _remove_tree(staging)
+    return f"discarded the interrupted save of {final}: it was killed before it was complete"
+
+
+def _report(message: str | None) -> None:
+    if message:
+        print(f"> {message}", flush=True)
+
+
+def _align_megatron_tracker(root: str) -> str | None:
+    tag = read_deepspeed_tag(root)
+    tracker_path = os.path.join(root, TRACKER_FILENAME)
+    if tag is None or not tag.startswith("global_step") or not os.path.isfile(tracker_path):
+        return None
+    number = tag.removeprefix("global_step")
+    if not number.isdigit() or not os.path.isdir(os.path.join(root, tag)):
+        return None
+    tracker = read_tracker(root)
+    if tracker is None or tracker == (int(number), False):
+        return None
+    write_tracker(tracker_path, number)
+    return f"{tracker_path} said {tracker[0]}, {root}/latest names {tag}: set it to {number}"
+
+
+def _write_trackers(root: str, trackers: dict[str, str | None], inject_faults: bool) -> None:
+    for index, (name, text) in enumerate(trackers.items()):
+        if index and inject_faults:
+            _fault_point("between-trackers")
+        path = os.path.join(root, name)
+        if text is not None:
+            write_tracker(path, text)
+        elif os.path.exists(path):
+            os.remove(path)
+            fsync_path(root)
+
+
+def _write_journal(root: str, name: str, trackers: dict[str, str | None]) -> None:
+    with atomic_outputs(os.path.join(root, JOURNAL_FILENAME)) as (partial,):
+        with open(partial, "w") as handle:
+            json.dump({"directory": name, "trackers": trackers}, handle)
+    fsync_path(root)
+
+
+def _end_journal(root: str) -> None:
+    path = os.path.join(root, JOURNAL_FILENAME)
+    if os.path.exists(path):
+        os.remove(path)
+        fsync_path(root)
+
+
+def _read_journal(root: str) -> tuple[str, dict[str, str | None]] | None:
+    path = os.path.join(root, JOURNAL_FILENAME)
+    try:
+        with open(path) as handle:
+            journal = json.load(handle)
+    except FileNotFoundError:
+        return None
+    except ValueError as error:
+        raise ValueError(f"{path} is not a commit journal ({error}); remove it") from None
+    if not isinstance(journal, dict) or not isinstance(journal.get("trackers"), dict):
+        raise ValueError(f"{path} is not a commit journal (no 'trackers'); remove it")
+    return str(journal.get("directory")), journal["trackers"]
+
+
+def _tracker_text(root: str, name: str) -> str | None:
+    """A tracker's text as it is once any published-but-unfinished commit is finished.
+
+    The journal is read first: it is deleted only after the trackers are written, so a commit
+    finishing while this reads is seen either through the journal or in the files.
+    """
+    journal = _read_journal(root)
+    if journal is not None:
+        directory, trackers = journal
+        final = os.path.join(root, directory)
+        if name in trackers and os.path.isdir(final) and not os.path.isdir(final + STAGING_SUFFIX):
+            return trackers[name]
+    path = os.path.join(root, name)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as handle:
+        return handle.read().strip()
 
 
 def write_tracker(path: str, text: str) -> None:
@@ -100,16 +273,15 @@ def write_tracker(path: str, text: str) -> None:
 
 def read_tracker(root: str) -> tuple[int, bool] | None:
     """(iteration, release) from Megatron's tracker file, or None when there is none."""
-    path = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.isfile(path):
+    text = _tracker_text(root, TRACKER_FILENAME)
+    if text is None:
         return None
-    with open(path) as handle:
-        text = handle.read().strip()
     if text == "release":
         return 0, True
     try:
         return int(text), False
     except ValueError:
+        path = os.path.join(root, TRACKER_FILENAME)
         raise ValueError(
             f"{path}: expected an iteration number or 'release', got {text!r}"
         ) from None
@@ -117,11 +289,9 @@ def read_tracker(root: str) -> tuple[int, bool] | None:
 
 def read_deepspeed_tag(root: str, name: str = DEEPSPEED_TRACKER_FILENAME) -> str | None:
     """The tag DeepSpeed's `latest` (or another tracker) file names, or None when absent."""
-    path = os.path.join(root, name)
-    if not os.path.isfile(path):
+    tag = _tracker_text(root, name)
+    if tag is None:
         return None
-    with open(path) as handle:
-        tag = handle.read().strip()
     if not tag:
-        raise ValueError(f"{path} is empty; it should name a checkpoint directory")
+        raise ValueError(f"{os.path.join(root, name)} is empty; it should name a checkpoint")
     return tag

@@ -57,19 +57,15 @@ class LocatedCheckpoint:
     tag: str = ""
 
 
-def _read_text(path: str) -> str:
-    with open(path, encoding="utf-8") as handle:
-        return handle.read().strip()
-
-
 def _tag_iteration(tag: str) -> int | None:
     match = re.fullmatch(r"global_step(\d+)", tag)
     return int(match.group(1)) if match else None
 
 
-def _read_tracker(root: str) -> tuple[int, bool] | None:
+def _read_trackers(root: str) -> tuple[str | None, tuple[int, bool] | None]:
+    """DeepSpeed's tag and Megatron's (iteration, release), each None when absent."""
     try:
-        return checkpoint_commit.read_tracker(root)
+        return checkpoint_commit.read_deepspeed_tag(root), checkpoint_commit.read_tracker(root)
     except ValueError as error:
         raise CheckpointConversionError(str(error)) from None
 
@@ -85,12 +81,13 @@ def locate_checkpoint(root: str, iteration: int | None = None) -> LocatedCheckpo
 
     `latest` (DeepSpeed) and `latest_checkpointed_iteration.txt` (Megatron) may both be present
     (DeepSpeed runs write both): the DeepSpeed tag wins, with the Megatron tracker's iteration
-    when the two agree.
+    when the two agree. Both are read as `checkpoint_commit` defines them: a checkpoint whose
+    commit was interrupted after it was published counts as tracked.
     """
     if not os.path.isdir(root):
         raise CheckpointConversionError(f"checkpoint directory {root} does not exist")
     ds_tracker = os.path.join(root, DEEPSPEED_TRACKER_FILENAME)
-    tag = _read_text(ds_tracker) if os.path.isfile(ds_tracker) else None
+    tag, tracker = _read_trackers(root)
     if iteration is not None:
         candidates = [
             LocatedCheckpoint("megatron", checkpoint_directory(root, iteration, False), iteration),
@@ -108,7 +105,6 @@ def locate_checkpoint(root: str, iteration: int | None = None) -> LocatedCheckpo
                 return candidate
         names = " or ".join(c.directory for c in candidates)
         raise CheckpointConversionError(f"no checkpoint of iteration {iteration}: {names} missing")
-    tracker = _read_tracker(root)
     if tag is not None:
         number = _tag_iteration(tag)
         if tracker is not None and not tracker[1] and number in (None, tracker[0]):
@@ -320,7 +316,8 @@ def write_megatron_directory(
     file fsynced); the directory is renamed into place and only then the tracker is
     (atomically) rewritten, so an interrupted write leaves `root` as it was. Refuses a `root`
     that already holds a checkpoint unless `overwrite`; overwriting then removes a DeepSpeed
-    `latest` file, which would otherwise be read in preference to the new tracker.
+    `latest` file (in the same commit), which would otherwise be read in preference to the new
+    tracker.
     """
     if holds_checkpoint(root) and not overwrite:
         raise CheckpointConversionError(
@@ -334,8 +331,5 @@ def write_megatron_directory(
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save(contents, path)
         checkpoint_commit.fsync_path(path)
-    checkpoint_commit.commit(final, {TRACKER_FILENAME: tracker})
-    stale = os.path.join(root, DEEPSPEED_TRACKER_FILENAME)
-    if os.path.exists(stale):  # it would be read in preference to the new tracker
-        os.remove(stale)
+    checkpoint_commit.commit(final, {TRACKER_FILENAME: tracker, DEEPSPEED_TRACKER_FILENAME: None})
     return final

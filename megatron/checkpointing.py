@@ -78,6 +78,9 @@ def _this_rank_file(directory: str) -> str:
 def find_checkpoint(root: str, universal: bool = False) -> LocatedCheckpoint | None:
     """The newest complete checkpoint under `root` by its trackers, or None if there is none.
 
+    The trackers are read as `checkpoint_commit` defines them (after an interrupted commit they
+    name the checkpoint it published); `load_checkpoint` also repairs them on disk first.
+
     The same rule as the conversion tools (`checkpoint_layouts.locate_checkpoint`): DeepSpeed's
     `latest` first, else Megatron's tracker. `universal`: the checkpoint `ds_to_universal`
     recorded in `latest_universal`.
@@ -97,10 +100,10 @@ def find_checkpoint(root: str, universal: bool = False) -> LocatedCheckpoint | N
         if not os.path.isdir(found.directory):
             raise CheckpointError(f"{root}/latest_universal names {tag}, but it does not exist")
         return found
-    trackers = (checkpoint_commit.DEEPSPEED_TRACKER_FILENAME, checkpoint_commit.TRACKER_FILENAME)
-    if not any(os.path.isfile(os.path.join(root, name)) for name in trackers):
-        return None
     try:
+        tag = checkpoint_commit.read_deepspeed_tag(root)
+        if tag is None and checkpoint_commit.read_tracker(root) is None:
+            return None
         found = locate_checkpoint(root)
     except CheckpointConversionError as error:
         raise CheckpointError(str(error)) from None
@@ -297,7 +300,12 @@ def load_checkpoint(model, optimizer, scheduler, args: argparse.Namespace):  # n
     if not args.load:
         return TrainState()
     universal = getattr(args, "universal_checkpoint", False)
-    found = find_checkpoint(args.load, universal) if os.path.isdir(args.load) else None
+    if not os.path.isdir(args.load):
+        print_rank_0(f"> no checkpoint found in {args.load}; starting from iteration 0")
+        return TrainState()
+    # A run killed inside a save left its trackers to finish: rank 0 does so before any reads.
+    checkpoint_commit.recover(args.load)
+    found = find_checkpoint(args.load, universal)
     if found is None:
         print_rank_0(f"> no checkpoint found in {args.load}; starting from iteration 0")
         return TrainState()

@@ -99,12 +99,17 @@ def command(processes: int, flags: list[str]) -> list[str]:
     ] + flags
 
 
-def launch(processes: int, flags: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run pretrain_gpt.py to the end; stdout and stderr together; never raises on failure."""
+def launch(
+    processes: int, flags: list[str], timeout: int = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run pretrain_gpt.py to the end; stdout and stderr together; never raises on failure.
+
+    `env`: variables to set on top of the CPU environment (e.g. a fault to inject).
+    """
     return subprocess.run(
         command(processes, flags),
         cwd=REPO_ROOT,
-        env=cpu_env(OMP_NUM_THREADS="1"),
+        env=cpu_env(OMP_NUM_THREADS="1", **(env or {})),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from megatron import checkpoint_commit
 from megatron.checkpoint_format import load_file
-from megatron.checkpoint_layouts import LocatedCheckpoint
+from megatron.checkpoint_layouts import LocatedCheckpoint, locate_checkpoint
 from megatron.checkpointing import find_checkpoint
+from tests.conftest import REPO_ROOT
 
 
 def _save(root: str, iteration: int, crash_before_commit: bool = False) -> None:
@@ -71,3 +76,92 @@ def test_loading_never_executes_code_from_a_file(tmp_path, monkeypatch) -> None:
     with pytest.raises(RuntimeError, match=f"cannot read checkpoint file {path}"):
         load_file(str(path))
     assert not (tmp_path / "pwned").exists()
+
+
+# --- a kill at each step of the commit protocol ----------------------------------------------
+
+_SAVE_TWICE = """
+import os, sys
+from megatron import checkpoint_commit as cc
+root = sys.argv[1]
+for iteration in (1, 2):
+    final = os.path.join(root, f"global_step{iteration}")
+    staging = cc.begin(final)
+    with open(os.path.join(staging, "model_states.pt"), "w") as handle:
+        handle.write(str(iteration))
+    cc.commit(final, {cc.DEEPSPEED_TRACKER_FILENAME: f"global_step{iteration}",
+                      cc.TRACKER_FILENAME: str(iteration)})
+"""
+# (fault point, the iteration both trackers name afterwards): the checkpoint is published by
+# the rename, so a kill after it keeps iteration 2.
+_KILL_POINTS = [
+    ("before-rename", 1),
+    ("after-rename", 2),
+    ("between-trackers", 2),
+    ("after-trackers", 2),
+]
+
+
+def _raw_trackers(root: str) -> tuple[str | None, str | None]:
+    texts = []
+    for name in (checkpoint_commit.DEEPSPEED_TRACKER_FILENAME, checkpoint_commit.TRACKER_FILENAME):
+        path = os.path.join(root, name)
+        texts.append(open(path).read() if os.path.isfile(path) else None)
+    return texts[0], texts[1]
+
+
+@pytest.mark.parametrize("point,expected", _KILL_POINTS)
+def test_a_kill_at_each_commit_step_leaves_one_newest_checkpoint(tmp_path, point, expected):
+    root = str(tmp_path)
+    env = dict(os.environ, **{checkpoint_commit.FAULT_ENV: f"{point}:2"})
+    killed = subprocess.run([sys.executable, "-c", _SAVE_TWICE, root], env=env, cwd=REPO_ROOT)
+    assert killed.returncode == -signal.SIGKILL
+    # Every reader of ours sees the newest published checkpoint before anything is repaired.
+    assert checkpoint_commit.read_deepspeed_tag(root) == f"global_step{expected}"
+    assert checkpoint_commit.read_tracker(root) == (expected, False)
+    assert find_checkpoint(root).directory == f"{root}/global_step{expected}"
+    assert locate_checkpoint(root).iteration == expected
+    # The next start repairs the files themselves: both agree, nothing is left to finish.
+    checkpoint_commit.recover(root)
+    assert _raw_trackers(root) == (f"global_step{expected}", str(expected))
+    assert sorted(os.listdir(root)) == [f"global_step{n}" for n in range(1, expected + 1)] + [
+        checkpoint_commit.DEEPSPEED_TRACKER_FILENAME,
+        checkpoint_commit.TRACKER_FILENAME,
+    ]
+    with open(f"{root}/global_step{expected}/model_states.pt") as handle:
+        assert handle.read() == str(expected)
+
+
+def test_a_resave_killed_between_the_two_renames_puts_the_old_directory_back(tmp_path) -> None:
+    root = str(tmp_path)
+    _save(root, 5)
+    # The state such a kill leaves: journal written, the old copy moved aside, staging in place.
+    os.replace(f"{root}/iter_0000005", f"{root}/iter_0000005.replaced")
+    os.makedirs(f"{root}/iter_0000005{checkpoint_commit.STAGING_SUFFIX}")
+    (tmp_path / checkpoint_commit.JOURNAL_FILENAME).write_text(
+        json.dumps(
+            {"directory": "iter_0000005", "trackers": {"latest_checkpointed_iteration.txt": "5"}}
+        )
+    )
+    checkpoint_commit.recover(root)
+    assert sorted(os.listdir(root)) == ["iter_0000005", checkpoint_commit.TRACKER_FILENAME]
+    assert load_file(f"{root}/iter_0000005/mp_rank_00/model_optim_rng.pt") == {"iteration": 5}
+
+
+def test_trackers_that_disagree_without_a_journal_follow_deepspeeds_latest(tmp_path) -> None:
+    root = str(tmp_path)
+    for iteration in (1, 2):
+        os.makedirs(f"{root}/global_step{iteration}")
+    (tmp_path / checkpoint_commit.DEEPSPEED_TRACKER_FILENAME).write_text("global_step2")
+    (tmp_path / checkpoint_commit.TRACKER_FILENAME).write_text("1")  # an older version's kill
+    checkpoint_commit.recover(root)
+    assert _raw_trackers(root) == ("global_step2", "2")
+
+
+def test_a_malformed_journal_or_fault_point_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    (tmp_path / checkpoint_commit.JOURNAL_FILENAME).write_text("{not json")
+    with pytest.raises(ValueError, match=r"commit_journal.json is not a commit journal"):
+        checkpoint_commit.read_tracker(str(tmp_path))
+    monkeypatch.setenv(checkpoint_commit.FAULT_ENV, "mid-save:1")
+    with pytest.raises(ValueError, match="MEGATRON_CHECKPOINT_FAULT='mid-save:1'"):
+        _save(str(tmp_path / "other"), 1)
