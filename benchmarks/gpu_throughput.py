@@ -9,7 +9,7 @@ prints tokens/s, achieved TFLOP/s (model FLOPs from `megatron.model.flops_per_to
 recomputation excluded) and MFU against the GPU's dense bf16 peak (989 TFLOP/s for H100 and
 H200 SXM; pass --peak-tflops for other GPUs). A same-run baseline is the identical model in
 plain PyTorch with `torch.optim.AdamW(fused=True)`, so the ratio shows what the DeepSpeed
-path costs or gains.
+path costs or gains. `--profile` then prints torch.profiler's top ops for 3 steps of each.
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="then profile 3 steps of each path (torch.profiler: top ops by GPU and CPU time)",
+    )
     return parser.parse_args()
 
 
@@ -72,6 +77,20 @@ def time_steps(step, iters: int, warmup: int) -> list[float]:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times
+
+
+def profile_steps(path: str, step, rows: int = 15) -> None:
+    """Run 3 steps under torch.profiler; print the ops with the most GPU and CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    for key in ("self_cuda_time_total", "cpu_time_total"):
+        print(f"--- torch.profiler, 3 steps of the {path} path, by {key} ---")
+        print(averages.table(sort_by=key, row_limit=rows, max_name_column_width=60))
 
 
 def build_model(size: str, args: argparse.Namespace) -> tuple[ModelConfig, GPTModel]:
@@ -169,6 +188,8 @@ def main() -> None:
             )
             times = time_steps(step, args.iters, args.warmup)
             results[path] = statistics.median(times)
+            if args.profile:
+                profile_steps(path, step)
             del model, step
             torch.cuda.empty_cache()
         flops = flops_per_token(config, args.seq_length) * tokens

@@ -35,6 +35,17 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, args: tuple) ->
 def run_distributed(fn: Callable, world_size: int, *args: object) -> None:
     """Call `fn(rank, world_size, *args)` in `world_size` spawned gloo processes.
 
-    `fn` must be a module-level function; an exception in any rank fails the call.
+    `fn` must be a module-level function; an exception in any rank fails the call. The
+    processes see no GPU, also on a GPU machine: with one visible, the RNG tracker would drive
+    the CUDA generator while these CPU tensors draw from the CPU one, and DeepSpeed would put
+    rank r's pipeline stage on `cuda:r`, which one GPU does not have.
     """
-    mp.spawn(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # inherited by the spawned processes
+    try:
+        mp.spawn(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+    finally:
+        if hidden is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = hidden

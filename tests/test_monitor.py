@@ -390,6 +390,7 @@ def test_tensorboard_scalars_read_back(tmp_path):
 
 
 def test_wandb_offline_run(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("wandb")  # installed by the [test] extra; absent on bare GPU images
     # No credentials and no WANDB_MODE: the writer must pick offline mode by itself.
     for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
         monkeypatch.delenv(name, raising=False)
@@ -435,6 +436,7 @@ def test_wandb_offline_run(tmp_path, monkeypatch, capsys):
 
 
 def test_wandb_credentials_and_online_without_key(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
     for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
         monkeypatch.delenv(name, raising=False)
     netrc_file = tmp_path / "netrc"

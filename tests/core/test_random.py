@@ -33,6 +33,18 @@ from tests.core.spawn_checks import BODY
 
 SEQ, BATCH, HIDDEN, FFN = 8, 2, 8, 16
 _EXACT = {"atol": 0.0, "rtol": 0.0}
+# The device whose generator the tracker drives (the CUDA one wherever a GPU is visible).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _rand(count: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """`count` uniform numbers on DEVICE, from its default generator or `generator`."""
+    return torch.rand(count, device=DEVICE, generator=generator).cpu()
+
+
+def _generator(seed: int) -> torch.Generator:
+    """A fresh generator on DEVICE seeded with `seed`."""
+    return torch.Generator(DEVICE).manual_seed(seed)
 
 
 def _rng_snapshot() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -57,19 +69,21 @@ def _assert_same_snapshot(a, b, what: str) -> None:
 def test_fork_is_independent_of_the_default_stream():
     """Fork draws from its seeded stream; the default sequence is as if no fork happened."""
     tracker = RNGStatesTracker()
+    # The same draws (a CUDA generator's sequence depends on how it is split into calls).
     torch.manual_seed(1)
-    expected_default = torch.rand(20)
-    expected_stream = torch.rand(20, generator=torch.Generator().manual_seed(99))
+    expected_default = torch.cat([_rand(5), _rand(10), _rand(5)])
+    stream = _generator(99)
+    expected_stream = torch.cat([_rand(10, stream), _rand(10, stream)])
 
     torch.manual_seed(1)
     tracker.add("stream", 99)  # adding does not move the default generator either
-    first = torch.rand(5)
+    first = _rand(5)
     with tracker.fork("stream"):
-        forked_a = torch.rand(10)
-    second = torch.rand(10)
+        forked_a = _rand(10)
+    second = _rand(10)
     with tracker.fork("stream"):  # continues where the first fork stopped
-        forked_b = torch.rand(10)
-    third = torch.rand(5)
+        forked_b = _rand(10)
+    third = _rand(5)
     torch.testing.assert_close(torch.cat([first, second, third]), expected_default, **_EXACT)
     torch.testing.assert_close(torch.cat([forked_a, forked_b]), expected_stream, **_EXACT)
 
@@ -80,10 +94,10 @@ def test_tracker_states_round_trip_and_errors():
     tracker.add("a", 5)
     saved = tracker.get_states()
     with tracker.fork("a"):
-        first = torch.rand(8)
+        first = _rand(8)
     tracker.set_states(saved)
     with tracker.fork("a"):
-        again = torch.rand(8)
+        again = _rand(8)
     assert torch.equal(first, again)
     with pytest.raises(ValueError, match="already exists"):
         tracker.add("a", 6)
@@ -98,16 +112,12 @@ def test_model_parallel_seed_single_process():
     """Default stream = torch.manual_seed(seed); tracker stream = seed + 2718 (tp rank 0)."""
     parallel_state.destroy_model_parallel()
     model_parallel_cuda_manual_seed(1234)
-    default = torch.rand(6)
+    default = _rand(6)
     with get_cuda_rng_tracker().fork():
-        forked = torch.rand(6)
+        forked = _rand(6)
     assert list(get_cuda_rng_tracker().get_states()) == [MODEL_PARALLEL_RNG_TRACKER_NAME]
-    torch.testing.assert_close(
-        default, torch.rand(6, generator=torch.Generator().manual_seed(1234)), **_EXACT
-    )
-    torch.testing.assert_close(
-        forked, torch.rand(6, generator=torch.Generator().manual_seed(1234 + 2718)), **_EXACT
-    )
+    torch.testing.assert_close(default, _rand(6, _generator(1234)), **_EXACT)
+    torch.testing.assert_close(forked, _rand(6, _generator(1234 + 2718)), **_EXACT)
 
 
 def _dropout_block(linear: nn.Module):

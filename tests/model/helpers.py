@@ -80,10 +80,13 @@ def loss_and_grads(
     """Per-token loss [b, s] and each parameter's gradient of its mean (this rank's shards).
 
     `rng_seed` reseeds the default and the model-parallel streams first, so two models run
-    with the same seed draw the same dropout masks.
+    with the same seed draw the same dropout masks. As `initialize.set_random_seed`, it
+    calls `torch.manual_seed` too: on a GPU machine `model_parallel_cuda_manual_seed` seeds
+    only the CUDA generator, and most models here run on the CPU.
     """
     model.zero_grad(set_to_none=True)
     if rng_seed is not None:
+        torch.manual_seed(rng_seed)
         model_parallel_cuda_manual_seed(rng_seed)
     losses = model(tokens, labels=labels, **forward_kwargs)
     losses.mean().backward()

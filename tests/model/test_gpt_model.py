@@ -528,6 +528,24 @@ def test_recomputation_with_dropout_matches_plain(
     assert (other_seed - expected_loss).abs().max() > 1e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_recomputation_with_dropout_matches_plain_on_gpu(granularity):
+    """On a GPU the RNG tracker forks the CUDA generator; recomputation still replays it."""
+    dropout = dict(num_layers=3, hidden_dropout=0.1, attention_dropout=0.1)
+    tokens, labels = (tensor.cuda() for tensor in random_batch(3, 10, 64))
+    plain = build_model(tiny_config(**dropout)).cuda()
+    recomputed = build_model(tiny_config(**dropout, recompute_granularity=granularity)).cuda()
+    expected_loss, expected_grads = loss_and_grads(plain, tokens, labels, rng_seed=7)
+    loss, grads = loss_and_grads(recomputed, tokens, labels, rng_seed=7)
+    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=0)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4)
+    other_seed, _ = loss_and_grads(recomputed, tokens, labels, rng_seed=8)
+    assert (other_seed - expected_loss).abs().max() > 1e-3
+
+
 def test_training_mode_with_dropout_is_reproducible_from_the_seeds():
     """Two runs after the same reseeding are bit-identical."""
     model = build_model(tiny_config(hidden_dropout=0.2, attention_dropout=0.2))
