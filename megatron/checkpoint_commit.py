@@ -143,6 +143,14 @@ def commit(final: str, trackers: dict[str, str | None]) -> None:
     _barrier()
 
 
+def megatron_trackers(text: str) -> dict[str, str | None]:
+    """The trackers a Megatron-layout commit sets: `text` (N or release), no DeepSpeed `latest`.
+
+    A `latest` left by an earlier DeepSpeed run in the same directory would be read first.
+    """
+    return {TRACKER_FILENAME: text, DEEPSPEED_TRACKER_FILENAME: None}
+
+
 def recover(root: str) -> None:
     """Collective: rank 0 finishes (or undoes) an interrupted commit in `root`; all wait.
 

@@ -331,5 +331,5 @@ def write_megatron_directory(
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save(contents, path)
         checkpoint_commit.fsync_path(path)
-    checkpoint_commit.commit(final, {TRACKER_FILENAME: tracker, DEEPSPEED_TRACKER_FILENAME: None})
+    checkpoint_commit.commit(final, checkpoint_commit.megatron_trackers(tracker))
     return final

@@ -156,7 +156,7 @@ def save_checkpoint(state, model, optimizer, scheduler, args: argparse.Namespace
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with atomic_outputs(path) as (partial,):
                 torch.save(checkpoint, partial)
-        checkpoint_commit.commit(final, {checkpoint_commit.TRACKER_FILENAME: str(iteration)})
+        checkpoint_commit.commit(final, checkpoint_commit.megatron_trackers(str(iteration)))
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
 
 

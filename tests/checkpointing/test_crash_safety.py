@@ -26,7 +26,7 @@ def _save(root: str, iteration: int, crash_before_commit: bool = False) -> None:
     torch.save({"iteration": iteration}, os.path.join(staging, "mp_rank_00", "model_optim_rng.pt"))
     if crash_before_commit:
         return
-    checkpoint_commit.commit(final, {checkpoint_commit.TRACKER_FILENAME: str(iteration)})
+    checkpoint_commit.commit(final, checkpoint_commit.megatron_trackers(str(iteration)))
 
 
 def test_an_interrupted_save_leaves_the_previous_checkpoint_current(tmp_path) -> None:

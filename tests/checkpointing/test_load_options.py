@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatron import checkpoint_commit
+from megatron.checkpointing import find_checkpoint
 from tests.pretrain_runs import iteration_logs, launch, tiny_gpt_flags
 
 
@@ -35,6 +37,21 @@ def test_missing_load_directory_starts_fresh_and_says_so(stdlib_dataset: str, tm
     assert run.returncode == 0, run.stdout[-3000:]
     assert f"no checkpoint found in {tmp_path / 'nothing'}; starting from iteration 0" in run.stdout
     assert _iterations(run.stdout) == [1]
+
+
+@pytest.mark.slow
+def test_a_plain_save_replaces_a_deepspeed_latest_left_in_the_directory(
+    stdlib_dataset: str, tmp_path
+) -> None:
+    save = tmp_path / "ckpt"
+    (save / "global_step7").mkdir(parents=True)  # an earlier --deepspeed run's checkpoint
+    (save / checkpoint_commit.DEEPSPEED_TRACKER_FILENAME).write_text("global_step7")
+    flags = ["--save", str(save), "--save-interval", "1", "--exit-interval", "1"]
+    run = launch(1, _flags(stdlib_dataset, *flags))
+    assert run.returncode == 0, run.stdout[-3000:]
+    # `latest` would be read first and resume the older DeepSpeed checkpoint.
+    assert not (save / checkpoint_commit.DEEPSPEED_TRACKER_FILENAME).exists()
+    assert find_checkpoint(str(save)).directory == str(save / "iter_0000001")
 
 
 @pytest.mark.slow
