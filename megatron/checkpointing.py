@@ -37,11 +37,7 @@ from megatron.checkpoint_format import (
     plain_args,
     rank_file,
 )
-from megatron.checkpoint_layouts import (
-    CheckpointConversionError,
-    LocatedCheckpoint,
-    locate_checkpoint,
-)
+from megatron.checkpoint_layouts import LocatedCheckpoint, locate_checkpoint
 from megatron.core import parallel_state
 from megatron.rng_state import gather_rng_states, restore_rng_state
 from megatron.utils import print_rank_0
@@ -105,7 +101,7 @@ def find_checkpoint(root: str, universal: bool = False) -> LocatedCheckpoint | N
         if tag is None and checkpoint_commit.read_tracker(root) is None:
             return None
         found = locate_checkpoint(root)
-    except CheckpointConversionError as error:
+    except ValueError as error:  # a tracker or journal that cannot be read, as the tools say
         raise CheckpointError(str(error)) from None
     return found if found.iteration is not None else replace(found, iteration=0)
 
@@ -300,12 +296,14 @@ def load_checkpoint(model, optimizer, scheduler, args: argparse.Namespace):  # n
     if not args.load:
         return TrainState()
     universal = getattr(args, "universal_checkpoint", False)
-    if not os.path.isdir(args.load):
-        print_rank_0(f"> no checkpoint found in {args.load}; starting from iteration 0")
-        return TrainState()
-    # A run killed inside a save left its trackers to finish: rank 0 does so before any reads.
-    checkpoint_commit.recover(args.load)
-    found = find_checkpoint(args.load, universal)
+    found = None
+    if os.path.isdir(args.load):
+        # A run killed inside a save left its trackers to finish: rank 0 does so before reads.
+        try:
+            checkpoint_commit.recover(args.load)
+        except ValueError as error:  # a commit journal that cannot be read
+            raise CheckpointError(str(error)) from None
+        found = find_checkpoint(args.load, universal)
     if found is None:
         print_rank_0(f"> no checkpoint found in {args.load}; starting from iteration 0")
         return TrainState()

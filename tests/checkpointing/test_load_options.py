@@ -55,6 +55,18 @@ def test_a_plain_save_replaces_a_deepspeed_latest_left_in_the_directory(
 
 
 @pytest.mark.slow
+def test_a_malformed_commit_journal_is_a_one_line_error(stdlib_dataset: str, tmp_path) -> None:
+    load = tmp_path / "ckpt"
+    load.mkdir()
+    (load / checkpoint_commit.JOURNAL_FILENAME).write_text("{cut short")
+    run = launch(1, _flags(stdlib_dataset, "--load", str(load)))
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert f"error: {load}/commit_journal.json is not a commit journal" in run.stdout
+    assert "Traceback" not in run.stdout
+    assert (load / checkpoint_commit.JOURNAL_FILENAME).read_text() == "{cut short"  # untouched
+
+
+@pytest.mark.slow
 def test_finetune_loads_weights_only_and_starts_at_iteration_0(checkpoint, stdlib_dataset) -> None:
     run = launch(
         1, _flags(stdlib_dataset, "--load", checkpoint, "--finetune", "--exit-interval", "1")
