@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 
@@ -199,17 +200,21 @@ def _report(message: str | None) -> None:
 
 def _align_megatron_tracker(root: str) -> str | None:
     tag = read_deepspeed_tag(root)
-    tracker_path = os.path.join(root, TRACKER_FILENAME)
-    if tag is None or not tag.startswith("global_step") or not os.path.isfile(tracker_path):
-        return None
-    number = tag.removeprefix("global_step")
-    if not number.isdigit() or not os.path.isdir(os.path.join(root, tag)):
+    number = None if tag is None else tag_iteration(tag)
+    if number is None or not os.path.isdir(os.path.join(root, tag)):
         return None
     tracker = read_tracker(root)
-    if tracker is None or tracker == (int(number), False):
+    if tracker is None or tracker == (number, False):
         return None
-    write_tracker(tracker_path, number)
+    tracker_path = os.path.join(root, TRACKER_FILENAME)
+    write_tracker(tracker_path, str(number))
     return f"{tracker_path} said {tracker[0]}, {root}/latest names {tag}: set it to {number}"
+
+
+def tag_iteration(tag: str) -> int | None:
+    """N of a DeepSpeed tag `global_stepN`; None for any other tag."""
+    match = re.fullmatch(r"global_step(\d+)", tag)
+    return int(match.group(1)) if match else None
 
 
 def _write_trackers(root: str, trackers: dict[str, str | None], inject_faults: bool) -> None:

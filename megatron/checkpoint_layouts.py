@@ -57,11 +57,6 @@ class LocatedCheckpoint:
     tag: str = ""
 
 
-def _tag_iteration(tag: str) -> int | None:
-    match = re.fullmatch(r"global_step(\d+)", tag)
-    return int(match.group(1)) if match else None
-
-
 def _read_trackers(root: str) -> tuple[str | None, tuple[int, bool] | None]:
     """DeepSpeed's tag and Megatron's (iteration, release), each None when absent."""
     try:
@@ -106,7 +101,7 @@ def locate_checkpoint(root: str, iteration: int | None = None) -> LocatedCheckpo
         names = " or ".join(c.directory for c in candidates)
         raise CheckpointConversionError(f"no checkpoint of iteration {iteration}: {names} missing")
     if tag is not None:
-        number = _tag_iteration(tag)
+        number = checkpoint_commit.tag_iteration(tag)
         if tracker is not None and not tracker[1] and number in (None, tracker[0]):
             number = tracker[0]
         found = LocatedCheckpoint("deepspeed", os.path.join(root, tag), number, tag=tag)

@@ -9,10 +9,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron import checkpoint_commit
 from megatron.checkpoint_deepspeed import SafeCheckpointEngine
 
 IGNORED_KEYS = {"args"}
 """The flags differ between a straight run and a stopped-and-resumed one (--exit-interval)."""
+
+
+def raw_trackers(root: str) -> tuple[str | None, str | None]:
+    """The text of DeepSpeed's `latest` and of Megatron's tracker file as on disk (None: absent)."""
+    texts = []
+    for name in (checkpoint_commit.DEEPSPEED_TRACKER_FILENAME, checkpoint_commit.TRACKER_FILENAME):
+        path = os.path.join(root, name)
+        if os.path.isfile(path):
+            with open(path) as handle:
+                texts.append(handle.read())
+        else:
+            texts.append(None)
+    return texts[0], texts[1]
 
 
 def load_any(path: str) -> Any:

@@ -16,6 +16,7 @@ from megatron import checkpoint_commit
 from megatron.checkpoint_format import load_file
 from megatron.checkpoint_layouts import LocatedCheckpoint, locate_checkpoint
 from megatron.checkpointing import CheckpointError, find_checkpoint
+from tests.checkpointing.compare import raw_trackers
 from tests.conftest import REPO_ROOT
 
 
@@ -103,14 +104,6 @@ _KILL_POINTS = [
 ]
 
 
-def _raw_trackers(root: str) -> tuple[str | None, str | None]:
-    texts = []
-    for name in (checkpoint_commit.DEEPSPEED_TRACKER_FILENAME, checkpoint_commit.TRACKER_FILENAME):
-        path = os.path.join(root, name)
-        texts.append(open(path).read() if os.path.isfile(path) else None)
-    return texts[0], texts[1]
-
-
 @pytest.mark.parametrize("point,expected", _KILL_POINTS)
 def test_a_kill_at_each_commit_step_leaves_one_newest_checkpoint(tmp_path, point, expected):
     root = str(tmp_path)
@@ -124,7 +117,7 @@ def test_a_kill_at_each_commit_step_leaves_one_newest_checkpoint(tmp_path, point
     assert locate_checkpoint(root).iteration == expected
     # The next start repairs the files themselves: both agree, nothing is left to finish.
     checkpoint_commit.recover(root)
-    assert _raw_trackers(root) == (f"global_step{expected}", str(expected))
+    assert raw_trackers(root) == (f"global_step{expected}", str(expected))
     assert sorted(os.listdir(root)) == [f"global_step{n}" for n in range(1, expected + 1)] + [
         checkpoint_commit.DEEPSPEED_TRACKER_FILENAME,
         checkpoint_commit.TRACKER_FILENAME,
@@ -156,7 +149,7 @@ def test_trackers_that_disagree_without_a_journal_follow_deepspeeds_latest(tmp_p
     (tmp_path / checkpoint_commit.DEEPSPEED_TRACKER_FILENAME).write_text("global_step2")
     (tmp_path / checkpoint_commit.TRACKER_FILENAME).write_text("1")  # an older version's kill
     checkpoint_commit.recover(root)
-    assert _raw_trackers(root) == ("global_step2", "2")
+    assert raw_trackers(root) == ("global_step2", "2")
 
 
 def test_a_malformed_journal_or_fault_point_is_a_clear_error(tmp_path, monkeypatch) -> None:

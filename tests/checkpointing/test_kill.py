@@ -22,7 +22,7 @@ import pytest
 
 from megatron import checkpoint_commit
 from megatron.checkpoint_commit import STAGING_SUFFIX, read_deepspeed_tag, read_tracker
-from tests.checkpointing.compare import differences, load_any
+from tests.checkpointing.compare import differences, load_any, raw_trackers
 from tests.conftest import REPO_ROOT
 from tests.pretrain_runs import iteration_logs, launch, signal_tree, start, tiny_gpt_flags
 
@@ -90,11 +90,7 @@ def _repaired(save: str, scratch: str) -> tuple[str | None, str | None]:
     shutil.copytree(save, scratch)
     checkpoint_commit.recover(scratch)
     assert not os.path.exists(os.path.join(scratch, checkpoint_commit.JOURNAL_FILENAME))
-    texts = []
-    for name in (checkpoint_commit.DEEPSPEED_TRACKER_FILENAME, checkpoint_commit.TRACKER_FILENAME):
-        with open(os.path.join(scratch, name)) as handle:
-            texts.append(handle.read())
-    return texts[0], texts[1]
+    return raw_trackers(scratch)
 
 
 # One launch per fault: (commit step, which of the launch's saves it strikes, the iteration that
