@@ -22,9 +22,9 @@ from megatron.core import parallel_state
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.model import GPTModel
 from megatron.model.model_size import model_size_report
-from megatron.scheduler import SchedulerMismatchError
-from megatron.train_loop import TrainingStopped
 from megatron.training import pretrain
+from megatron.training.loop import TrainingStopped
+from megatron.training.scheduler import SchedulerMismatchError
 from megatron.utils import current_device, get_ltor_masks_and_position_ids, print_rank_0
 
 

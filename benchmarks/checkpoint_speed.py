@@ -8,7 +8,7 @@ One process, world size 1 over gloo (`megatron.initialize.initialize_distributed
 `parallel_state.initialize_model_parallel(1, 1)` and `set_random_seed`). The benchmark builds
 `megatron.model.GPTModel` in fp32 (124M: 12 layers, hidden 768, 12 heads; 350M: 24 layers,
 hidden 1024, 16 heads; vocabulary 50,304, 1,024 positions), AdamW from
-`megatron.optimizer.build_optimizer(get_param_groups(model), ...)` and an
+`megatron.training.optimizer.build_optimizer(get_param_groups(model), ...)` and an
 `OptimizerParamScheduler` (lr 6e-4, 2 warm-up iterations, cosine to 6e-5 over 10,000
 iterations of 8 samples), then runs one real training step (forward and backward on one
 sequence of 32 random tokens, `optimizer.step()`, `scheduler.step()`) so that AdamW holds its
@@ -73,13 +73,13 @@ if REPO_ROOT not in sys.path:
 from machine import cpu_model  # noqa: E402  (benchmarks/machine.py)
 
 from megatron import checkpointing  # noqa: E402
+from megatron.checkpointing import TrainState  # noqa: E402
 from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.initialize import initialize_distributed, set_random_seed  # noqa: E402
 from megatron.model import GPTModel, num_parameters  # noqa: E402
-from megatron.optimizer import build_optimizer, get_param_groups  # noqa: E402
-from megatron.scheduler import OptimizerParamScheduler  # noqa: E402
-from megatron.train_loop import TrainState  # noqa: E402
+from megatron.training.optimizer import build_optimizer, get_param_groups  # noqa: E402
+from megatron.training.scheduler import OptimizerParamScheduler  # noqa: E402
 
 VOCAB = 50304  # GPT-2's 50,257 padded to a multiple of 128
 POSITIONS = 1024
@@ -90,28 +90,32 @@ WORK_DIR = os.path.join(REPO_ROOT, "benchmarks", "work")
 # (file name suffix, function name) -> label, for the cProfile breakdown of our save and load.
 PROFILE_PIECES = {
     "save": [
-        ("checkpointing.py", "save_checkpoint", "save_checkpoint (total)"),
-        ("rng_state.py", "gather_rng_states", "  gather_rng_states (all_gather_object)"),
-        ("checkpointing.py", "_client_state", "  _client_state (args, counters)"),
-        ("checkpoint_format.py", "nest_model_state", "  nest_model_state"),
+        ("checkpointing/save_load.py", "save_checkpoint", "save_checkpoint (total)"),
+        (
+            "checkpointing/rng_state.py",
+            "gather_rng_states",
+            "  gather_rng_states (all_gather_object)",
+        ),
+        ("checkpointing/save_load.py", "_client_state", "  _client_state (args, counters)"),
+        ("checkpointing/file_format.py", "nest_model_state", "  nest_model_state"),
         ("module.py", "state_dict", "  model.state_dict"),
         ("optimizer.py", "state_dict", "  optimizer.state_dict"),
-        ("checkpoint_commit.py", "begin", "  checkpoint_commit.begin (staging dir)"),
+        ("checkpointing/commit.py", "begin", "  checkpoint_commit.begin (staging dir)"),
         ("serialization.py", "save", "  torch.save (to page cache)"),
         ("atomic_files.py", "publish", "  atomic_files.publish (fsync + rename of the file)"),
-        ("checkpoint_commit.py", "commit", "  checkpoint_commit.commit"),
-        ("checkpoint_commit.py", "fsync_tree", "    fsync_tree (staging directories)"),
-        ("checkpoint_commit.py", "write_tracker", "    write_tracker"),
+        ("checkpointing/commit.py", "commit", "  checkpoint_commit.commit"),
+        ("checkpointing/commit.py", "fsync_tree", "    fsync_tree (staging directories)"),
+        ("checkpointing/commit.py", "write_tracker", "    write_tracker"),
     ],
     "load": [
-        ("checkpointing.py", "load_checkpoint", "load_checkpoint (total)"),
-        ("checkpointing.py", "find_checkpoint", "  find_checkpoint (trackers)"),
+        ("checkpointing/save_load.py", "load_checkpoint", "load_checkpoint (total)"),
+        ("checkpointing/save_load.py", "find_checkpoint", "  find_checkpoint (trackers)"),
         ("serialization.py", "load", "  torch.load (weights_only)"),
-        ("checkpoint_format.py", "flatten_model_state", "  flatten_model_state"),
+        ("checkpointing/file_format.py", "flatten_model_state", "  flatten_model_state"),
         ("module.py", "load_state_dict", "  model.load_state_dict"),
         ("optimizer.py", "load_state_dict", "  optimizer.load_state_dict"),
-        ("checkpointing.py", "check_checkpoint_args", "  check_checkpoint_args"),
-        ("rng_state.py", "restore_rng_state", "  restore_rng_state"),
+        ("checkpointing/save_load.py", "check_checkpoint_args", "  check_checkpoint_args"),
+        ("checkpointing/rng_state.py", "restore_rng_state", "  restore_rng_state"),
     ],
 }
 

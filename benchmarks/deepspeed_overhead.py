@@ -11,7 +11,7 @@ same seed: `megatron.arguments.parse_args` on one flag list, then
 `megatron.training.setup_model_and_optimizer(pretrain_gpt.model_provider, args)`:
 
 - plain:  no `--deepspeed`: a `PlainTrainer` (GuardedAdamW clips and checks the gradients),
-  stepped by `megatron.train_step.train_step_plain`;
+  stepped by `megatron.training.step.train_step_plain`;
 - ds-z0:  `--deepspeed --no-pipeline-parallel` with a config file holding only
   `{"zero_optimization": {"stage": 0}}`: a `DeepSpeedEngine` around the same GuardedAdamW,
   stepped by `train_step_deepspeed`;
@@ -19,12 +19,13 @@ same seed: `megatron.arguments.parse_args` on one flag list, then
   clips and checks the gradients itself).
 
 Every other fact comes from the same flags for all three (the config file states nothing
-else, `megatron.ds_config` copies the rest from the flags): fp32, hidden and attention dropout
-0.1 as in real training, `--clip-grad 1.0`, Adam (decoupled weight decay 0.1, betas 0.9/0.95),
-lr 6e-4 with 2 warm-up iterations and a cosine decay to 6e-5 over 10,000 iterations,
-`--global-batch-size` = micro-batch x accumulation. `pretrain_gpt.forward_step` reads the
-micro-batches from an iterator over the same fixed synthetic batches (`{"text": LongTensor
-[micro, seq + 1]}`, uniform random ids, vocabulary 50,304 = GPT-2's 50,257 padded to 128).
+else, `megatron.arguments.ds_config` copies the rest from the flags): fp32, hidden and
+attention dropout 0.1 as in real training, `--clip-grad 1.0`, Adam (decoupled weight decay
+0.1, betas 0.9/0.95), lr 6e-4 with 2 warm-up iterations and a cosine decay to 6e-5 over
+10,000 iterations, `--global-batch-size` = micro-batch x accumulation.
+`pretrain_gpt.forward_step` reads the micro-batches from an iterator over the same fixed
+synthetic batches (`{"text": LongTensor [micro, seq + 1]}`, uniform random ids, vocabulary
+50,304 = GPT-2's 50,257 padded to 128).
 
 Sanity first: each setup runs `--warmup` steps (not timed) from the same dropout seed on the
 same batches; the first-step losses must agree to 1e-4 (else the process exits: the setups
@@ -89,8 +90,8 @@ from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.initialize import set_random_seed  # noqa: E402
 from megatron.model import flops_per_token, num_parameters  # noqa: E402
-from megatron.train_step import StepResult, train_step_deepspeed, train_step_plain  # noqa: E402
 from megatron.training import setup_model_and_optimizer  # noqa: E402
+from megatron.training.step import StepResult, train_step_deepspeed, train_step_plain  # noqa: E402
 
 TARGET_OVERHEAD = 0.10
 LOSS_TOLERANCE = 1e-4

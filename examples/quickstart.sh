@@ -89,9 +89,9 @@ else
 fi
 
 # The iteration the trackers name, as training reads them (a save killed after its checkpoint
-# was published counts: megatron.checkpoint_commit).
+# was published counts: megatron.checkpointing.commit).
 trained_iteration() {
-  "$python" -c 'import sys; from megatron.checkpoint_commit import read_tracker
+  "$python" -c 'import sys; from megatron.checkpointing.commit import read_tracker
 t = read_tracker(sys.argv[1]); print(t[0] if t else 0)' "$checkpoint"
 }
 # The checkpoint remembers which corpus it was trained on: a run on other data is never taken

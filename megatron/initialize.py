@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.args_validation import batch_arithmetic, format_arguments
 from megatron.arguments import parse_args
+from megatron.arguments.validation import batch_arithmetic, format_arguments
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.utils import print_rank_0

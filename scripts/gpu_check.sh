@@ -77,7 +77,7 @@ check_loss() {
 import math
 import sys
 
-from megatron.monitor import parse_iteration_log
+from megatron.training.monitor import parse_iteration_log
 
 log, min_drop = sys.argv[1], float(sys.argv[2])
 losses, problems, all_skipped = [], [], 0
@@ -216,8 +216,8 @@ if wants tests; then
   if "$python" -c 'import xdist' 2>/dev/null; then xdist=(-n "${XDIST_WORKERS:-8}"); fi
   run_step "pytest -m gpu" 300 "$python" -m pytest -q -p no:cacheprovider -m gpu tests
   run_step "pytest CUDA-touching tests + tests/model" 420 "$python" -m pytest -q \
-    -p no:cacheprovider "${xdist[@]}" tests/test_optimizer.py tests/test_doctor.py \
-    tests/test_monitor.py tests/core/test_random.py tests/core/test_deepspeed_mpu.py tests/model
+    -p no:cacheprovider "${xdist[@]}" tests/training/test_optimizer.py tests/test_doctor.py \
+    tests/training/test_monitor.py tests/core/test_random.py tests/core/test_deepspeed_mpu.py tests/model
 fi
 
 if wants data; then

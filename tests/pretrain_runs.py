@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-from megatron.monitor import parse_iteration_log
+from megatron.training.monitor import parse_iteration_log
 from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE
 from tests.distributed import free_port
 

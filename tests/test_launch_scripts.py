@@ -17,7 +17,7 @@ import subprocess
 import pytest
 
 from megatron.arguments import parse_args
-from megatron.monitor import parse_iteration_log, parse_validation_line
+from megatron.training.monitor import parse_iteration_log, parse_validation_line
 from tests.conftest import REPO_ROOT
 from tests.pretrain_runs import cpu_env
 

@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron.checkpoint_hf import model_config as checkpoint_model_config  # noqa: E402
-from megatron.checkpoint_shards import load_dense_checkpoint, shard_state_dict  # noqa: E402
+from megatron.checkpointing.huggingface import model_config as checkpoint_model_config  # noqa: E402
+from megatron.checkpointing.shards import load_dense_checkpoint, shard_state_dict  # noqa: E402
 from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.tensor_parallel.mappings import (  # noqa: E402

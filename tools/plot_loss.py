@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.monitor import parse_iteration_log, parse_validation_line  # noqa: E402
+from megatron.training.monitor import parse_iteration_log, parse_validation_line  # noqa: E402
 
 LOSS_KEY = "lm loss"
 

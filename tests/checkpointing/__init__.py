@@ -1,1 +1,1 @@
-"""Tests of megatron/checkpointing.py and the checkpoint tools."""
+"""Tests of megatron/checkpointing/: save and load, the commit protocol, shards and tools."""

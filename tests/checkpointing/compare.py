@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron import checkpoint_commit
-from megatron.checkpoint_deepspeed import SafeCheckpointEngine
+from megatron.checkpointing import commit as checkpoint_commit
+from megatron.checkpointing.deepspeed_engine import SafeCheckpointEngine
 
 IGNORED_KEYS = {"args"}
 """The flags differ between a straight run and a stopped-and-resumed one (--exit-interval)."""

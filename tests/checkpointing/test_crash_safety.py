@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from megatron import checkpoint_commit
-from megatron.checkpoint_format import load_file
-from megatron.checkpoint_layouts import LocatedCheckpoint, locate_checkpoint
 from megatron.checkpointing import CheckpointError, find_checkpoint
+from megatron.checkpointing import commit as checkpoint_commit
+from megatron.checkpointing.file_format import load_file
+from megatron.checkpointing.layouts import LocatedCheckpoint, locate_checkpoint
 from tests.checkpointing.compare import raw_trackers
 from tests.conftest import REPO_ROOT
 
@@ -84,7 +84,7 @@ def test_loading_never_executes_code_from_a_file(tmp_path, monkeypatch) -> None:
 
 _SAVE_TWICE = """
 import os, sys
-from megatron import checkpoint_commit as cc
+from megatron.checkpointing import commit as cc
 root = sys.argv[1]
 for iteration in (1, 2):
     final = os.path.join(root, f"global_step{iteration}")

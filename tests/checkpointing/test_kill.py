@@ -1,6 +1,6 @@
 """Crash safety: SIGKILL a real run at each step of the commit protocol, and at random moments.
 
-The deterministic test kills rank 0 at each named point of `checkpoint_commit.commit`
+The deterministic test kills rank 0 at each named point of `megatron.checkpointing.commit.commit`
 (`MEGATRON_CHECKPOINT_FAULT`), one launch after another on the same directory: after each kill
 every directory under a final name loads completely, our readers and the repaired files agree
 on the newest one, and the next launch resumes from exactly that one; the run then finishes
@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from megatron import checkpoint_commit
-from megatron.checkpoint_commit import STAGING_SUFFIX, read_deepspeed_tag, read_tracker
+from megatron.checkpointing import commit as checkpoint_commit
+from megatron.checkpointing.commit import STAGING_SUFFIX, read_deepspeed_tag, read_tracker
 from tests.checkpointing.compare import differences, load_any, raw_trackers
 from tests.conftest import REPO_ROOT
 from tests.pretrain_runs import iteration_logs, launch, signal_tree, start, tiny_gpt_flags

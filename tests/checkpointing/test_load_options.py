@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron import checkpoint_commit
+from megatron.checkpointing import commit as checkpoint_commit
 from megatron.checkpointing import find_checkpoint
 from tests.pretrain_runs import iteration_logs, launch, tiny_gpt_flags
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from megatron.checkpoint_shards import DenseCheckpoint, save_megatron_checkpoint
+from megatron.checkpointing.shards import DenseCheckpoint, save_megatron_checkpoint
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
 from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE

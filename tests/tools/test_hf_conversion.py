@@ -20,8 +20,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from megatron.checkpoint_hf import model_config  # noqa: E402
-from megatron.checkpoint_shards import (  # noqa: E402
+from megatron.checkpointing.huggingface import model_config  # noqa: E402
+from megatron.checkpointing.shards import (  # noqa: E402
     DenseCheckpoint,
     load_dense_checkpoint,
     save_megatron_checkpoint,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from megatron.monitor import format_validation_block
+from megatron.training.monitor import format_validation_block
 from tools.plot_loss import main, read_loss_curves
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

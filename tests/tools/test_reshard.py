@@ -16,9 +16,9 @@ import os
 import pytest
 import torch
 
-from megatron.checkpoint_format import flatten_model_state, load_file
-from megatron.checkpoint_hf import model_config
-from megatron.checkpoint_shards import (
+from megatron.checkpointing.file_format import flatten_model_state, load_file
+from megatron.checkpointing.huggingface import model_config
+from megatron.checkpointing.shards import (
     DenseCheckpoint,
     load_dense_checkpoint,
     save_megatron_checkpoint,

@@ -1,1 +1,1 @@
-"""Tests of the training step: layouts that must train identically, and the NaN/skip guard."""
+"""Tests of megatron/training/: the step and loop, optimizer, schedules and monitor."""

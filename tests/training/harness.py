@@ -29,7 +29,7 @@ import torch
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.model import GPTModel
-from megatron.train_step import StepResult
+from megatron.training.step import StepResult
 
 NUM_LAYERS = 2
 HIDDEN = 32
@@ -82,7 +82,7 @@ class Layout:
         if self.zero is not None:
             path = os.path.join(config_dir, "ds_config.json")
             with open(path, "w", encoding="utf-8") as file:
-                # Everything else comes from the flags (megatron.ds_config reconciles them).
+                # The rest comes from the flags (megatron.arguments.ds_config reconciles them).
                 json.dump({"wall_clock_breakdown": False}, file)
             argv += ["--deepspeed", "--deepspeed_config", path, "--zero-stage", str(self.zero)]
             if not self.pipeline_engine:
@@ -181,7 +181,7 @@ def load_dense(module: torch.nn.Module, dense: dict[str, torch.Tensor], pipeline
 
 def local_module(model) -> torch.nn.Module:  # noqa: ANN001 - engine or PlainTrainer
     """The GPTModel / GPTModelPipe inside a PlainTrainer (maybe DDP) or a DeepSpeed engine."""
-    from megatron.train_step import PlainTrainer
+    from megatron.training.step import PlainTrainer
 
     if not isinstance(model, PlainTrainer):
         return model.module
@@ -309,8 +309,8 @@ def _wire(layout: Layout, dense: dict, config_dir: str, extra: tuple[str, ...] =
     """`build`, then a `TrainingLoop` whose forward step / pipeline batch function a `Poison`
     switch can turn NaN. Returns (args, model, scheduler, loop, poison, unset)."""
     import pretrain_gpt
-    from megatron.monitor import Timers
-    from megatron.train_loop import TrainingLoop
+    from megatron.training.loop import TrainingLoop
+    from megatron.training.monitor import Timers
 
     args, model, optimizer, scheduler, unset = build(layout, dense, config_dir, extra)
     poison = Poison()
@@ -387,7 +387,8 @@ def run_training_loop(
     """`TrainingLoop.train` with NaN losses in `bad_iterations` (1-based); how it ended."""
     from dataclasses import asdict
 
-    from megatron.train_loop import TrainingStopped, TrainState
+    from megatron.checkpointing import TrainState
+    from megatron.training.loop import TrainingStopped
 
     extra = (
         "--train-iters",

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from megatron.checkpoint_layouts import CheckpointConversionError
+from megatron.checkpointing.layouts import CheckpointConversionError
 
 # What a bad input raises in the conversion tools: each becomes a one-line error, not a traceback.
 CONVERSION_ERRORS = (CheckpointConversionError, OSError, RuntimeError, ImportError)

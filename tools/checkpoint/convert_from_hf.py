@@ -22,9 +22,9 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.path.pardir] * 2)))
 
-from megatron.checkpoint_hf import from_hf_state_dict, megatron_args_from_hf  # noqa: E402
-from megatron.checkpoint_layouts import holds_checkpoint  # noqa: E402
-from megatron.checkpoint_shards import (  # noqa: E402
+from megatron.checkpointing.huggingface import from_hf_state_dict, megatron_args_from_hf  # noqa: E402
+from megatron.checkpointing.layouts import holds_checkpoint  # noqa: E402
+from megatron.checkpointing.shards import (  # noqa: E402
     CheckpointConversionError,
     DenseCheckpoint,
     save_megatron_checkpoint,

@@ -18,14 +18,14 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.path.pardir] * 2)))
 
-from megatron.checkpoint_hf import (  # noqa: E402
+from megatron.checkpointing.huggingface import (  # noqa: E402
     EOD_TOKEN_ID,
     check_hf_compatible,
     hf_config_kwargs,
     model_config,
     to_hf_state_dict,
 )
-from megatron.checkpoint_shards import (  # noqa: E402
+from megatron.checkpointing.shards import (  # noqa: E402
     CheckpointConversionError,
     DenseCheckpoint,
     load_dense_checkpoint,

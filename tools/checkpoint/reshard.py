@@ -20,8 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.path.pardir] * 2)))
 
-from megatron.checkpoint_layouts import holds_checkpoint  # noqa: E402
-from megatron.checkpoint_shards import (  # noqa: E402
+from megatron.checkpointing.layouts import holds_checkpoint  # noqa: E402
+from megatron.checkpointing.shards import (  # noqa: E402
     CheckpointConversionError,
     load_dense_checkpoint,
     save_megatron_checkpoint,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megatron.checkpoint_layouts import CheckpointConversionError
+from megatron.checkpointing.layouts import CheckpointConversionError
 from megatron.config import ModelConfig
 
 TO_HF_ACTIVATION = {"gelu_tanh": "gelu_new", "gelu": "gelu"}

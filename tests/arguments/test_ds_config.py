@@ -15,7 +15,7 @@ from megatron.arguments import (
     typed_flags,
     validate_args,
 )
-from megatron.ds_config import (
+from megatron.arguments.ds_config import (
     STEPS_PER_PRINT_NEVER,
     load_deepspeed_config,
     reconcile_deepspeed_config,

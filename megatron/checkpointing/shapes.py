@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from megatron.checkpoint_layouts import CheckpointConversionError
+from megatron.checkpointing.layouts import CheckpointConversionError
 
 WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"

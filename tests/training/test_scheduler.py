@@ -14,8 +14,8 @@ from argparse import Namespace
 import pytest
 import torch
 
-from megatron.optimizer import GuardedAdamW, build_optimizer, get_param_groups
-from megatron.scheduler import OptimizerParamScheduler, scheduler_from_args
+from megatron.training.optimizer import GuardedAdamW, build_optimizer, get_param_groups
+from megatron.training.scheduler import OptimizerParamScheduler, scheduler_from_args
 from tests.distributed import free_port
 
 

@@ -3,7 +3,7 @@
 It also derives what Megatron derives (data-parallel size, default global batch, the
 recompute flags behind `--checkpoint-activations`, the distributed backend) so the rest of
 the program reads each fact from one place. With `--deepspeed` it reconciles the DeepSpeed
-config with the flags (`megatron.ds_config`) and keeps the result in
+config with the flags (`megatron.arguments.ds_config`) and keeps the result in
 `args.deepspeed_config_dict`. `format_arguments` prints Megatron's sorted argument block.
 """
 
@@ -12,11 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron.batch_schedule import BatchSizeSchedule
-
-
-class ArgumentError(ValueError):
-    """Flags that contradict each other or the world size (message names them)."""
+from megatron.arguments.ds_config import load_deepspeed_config, reconcile_deepspeed_config
+from megatron.arguments.errors import ArgumentError
+from megatron.training.batch_schedule import BatchSizeSchedule
 
 
 def _require(args: argparse.Namespace, *flags: str) -> None:
@@ -240,7 +238,7 @@ def _schedule(args: argparse.Namespace) -> None:
     """Build the LR schedule once on a throwaway optimizer: its errors name the flags."""
     import torch
 
-    from megatron.scheduler import OptimizerParamScheduler, scheduler_arguments
+    from megatron.training.scheduler import OptimizerParamScheduler, scheduler_arguments
 
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
     try:
@@ -259,9 +257,6 @@ def _backend(args: argparse.Namespace) -> None:
 
 
 def _deepspeed_config(args: argparse.Namespace, explicit_flags: set[str] | None) -> None:
-    # Deferred: megatron.ds_config imports ArgumentError from this module.
-    from megatron.ds_config import load_deepspeed_config, reconcile_deepspeed_config
-
     if explicit_flags is None:
         # A namespace built in code has no command line: whatever it sets counts as given.
         explicit_flags = {

@@ -15,18 +15,19 @@ import torch
 import torch.distributed as dist
 
 from megatron import checkpointing
-from megatron.batch_schedule import BatchSizeSchedule
+from megatron.checkpointing import TrainState
 from megatron.config import ModelConfig
 from megatron.model.model_size import flops_per_token
-from megatron.monitor import (
+from megatron.training.batch_schedule import BatchSizeSchedule
+from megatron.training.monitor import (
     IterationStats,
     MetricsWriter,
     Timers,
     format_iteration_log,
     memory_report,
 )
-from megatron.signal_handler import ExitSignalHandler
-from megatron.train_step import (
+from megatron.training.signal_handler import ExitSignalHandler
+from megatron.training.step import (
     ForwardStep,
     StepResult,
     train_step_deepspeed,
@@ -38,19 +39,6 @@ from megatron.utils import current_device, print_rank_0, print_rank_last
 
 class TrainingStopped(RuntimeError):
     """The run cannot go on (e.g. too many consecutive skipped or NaN iterations)."""
-
-
-@dataclass
-class TrainState:
-    """Counters that a checkpoint carries and a resumed run continues from."""
-
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
-    consumed_train_tokens: int = 0
-    skipped_iterations: int = 0
-    nan_iterations: int = 0
-    consecutive_bad_iterations: int = 0
 
 
 @dataclass

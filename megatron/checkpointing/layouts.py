@@ -16,8 +16,8 @@ DeepSpeed layout (`engine.save_checkpoint`)::
     {dir}/{tag}/zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt   ZeRO-3: placeholders
 
 The tensor arithmetic (merging shards, renumbering pipeline layers) lives in
-`megatron.checkpoint_shards`; this module only names, reads and writes files. Every read goes
-through `megatron.checkpoint_format.load_file` (weights only; for DeepSpeed's files with its
+`megatron.checkpointing.shards`; this module only names, reads and writes files. Every read goes
+through `megatron.checkpointing.file_format.load_file` (weights only; for DeepSpeed's files with its
 bookkeeping types allowed too), except ZeRO-3 weights, which DeepSpeed's own `zero_to_fp32`
 reconstructs from the optimizer partitions (it unpickles fully: convert trusted files only).
 """
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from megatron import checkpoint_commit
-from megatron.checkpoint_commit import DEEPSPEED_TRACKER_FILENAME, TRACKER_FILENAME
-from megatron.checkpoint_format import args_dict, checkpoint_directory, load_file, rank_file
+from megatron.checkpointing import commit as checkpoint_commit
+from megatron.checkpointing.commit import DEEPSPEED_TRACKER_FILENAME, TRACKER_FILENAME
+from megatron.checkpointing.file_format import args_dict, checkpoint_directory, load_file, rank_file
 
 
 class CheckpointConversionError(ValueError):
@@ -76,8 +76,8 @@ def locate_checkpoint(root: str, iteration: int | None = None) -> LocatedCheckpo
 
     `latest` (DeepSpeed) and `latest_checkpointed_iteration.txt` (Megatron) may both be present
     (DeepSpeed runs write both): the DeepSpeed tag wins, with the Megatron tracker's iteration
-    when the two agree. Both are read as `checkpoint_commit` defines them: a checkpoint whose
-    commit was interrupted after it was published counts as tracked.
+    when the two agree. Both are read as `megatron.checkpointing.commit` defines them: a
+    checkpoint whose commit was interrupted after it was published counts as tracked.
     """
     if not os.path.isdir(root):
         raise CheckpointConversionError(f"checkpoint directory {root} does not exist")
@@ -199,7 +199,7 @@ def deepspeed_layer_file(directory: str, layer: int, tp_rank: int) -> str:
 
 def load_deepspeed_file(path: str) -> dict[str, Any]:
     """`load_file` with DeepSpeed's bookkeeping types allowed (bf16/fp16 optimizer metadata)."""
-    from megatron.checkpoint_deepspeed import DEEPSPEED_SAFE_GLOBALS
+    from megatron.checkpointing.deepspeed_engine import DEEPSPEED_SAFE_GLOBALS
 
     with torch.serialization.safe_globals(DEEPSPEED_SAFE_GLOBALS):
         return load_file(path)
@@ -307,7 +307,7 @@ def write_megatron_directory(
 ) -> str:
     """Write `files` ({relative path: contents}) as `{root}/{name}`, then the tracker.
 
-    Everything goes into `{root}/{name}.partial` first (`megatron.checkpoint_commit`; each
+    Everything goes into `{root}/{name}.partial` first (`megatron.checkpointing.commit`; each
     file fsynced); the directory is renamed into place and only then the tracker is
     (atomically) rewritten, so an interrupted write leaves `root` as it was. Refuses a `root`
     that already holds a checkpoint unless `overwrite`; overwriting then removes a DeepSpeed

@@ -13,7 +13,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from megatron.optimizer import (
+from megatron.training.optimizer import (
     ConstantLossScaler,
     DynamicLossScaler,
     GuardedAdamW,

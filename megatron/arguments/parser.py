@@ -3,10 +3,10 @@
 `parse_args()` builds the parser from flag groups with Megatron-LM / Megatron-DeepSpeed names
 and defaults, adds `deepspeed.add_config_arguments` (`--deepspeed`, `--deepspeed_config`),
 and returns the namespace after `validate_args`, which also reconciles the DeepSpeed config
-with the flags the user typed (`megatron.ds_config`). Library code never reads this namespace:
-it is turned into typed configs (`megatron.config`) at the edge. The flag groups live in
-`arguments_model.py` and `arguments_run.py`; every flag needs a `help=`: docs/arguments.md is
-generated from this parser by tools/write_arguments_doc.py.
+with the flags the user typed (`megatron.arguments.ds_config`). Library code never reads
+this namespace: it is turned into typed configs (`megatron.config`) at the edge. The flag
+groups live in `model_flags.py` and `run_flags.py`; every flag needs a `help=`:
+docs/arguments.md is generated from this parser by tools/write_arguments_doc.py.
 """
 
 from __future__ import annotations
@@ -16,23 +16,24 @@ import copy
 import os
 from collections.abc import Callable, Sequence
 
-from megatron import arguments_model, arguments_run
-from megatron.args_validation import ArgumentError, validate_args
+from megatron.arguments import model_flags, run_flags
+from megatron.arguments.errors import ArgumentError
+from megatron.arguments.validation import validate_args
 
 __all__ = ["ArgumentError", "build_parser", "parse_args", "typed_flags", "validate_args"]
 
 
 FLAG_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
-    arguments_model.add_model_size_flags,
-    arguments_model.add_regularization_flags,
-    arguments_run.add_training_flags,
-    arguments_run.add_learning_rate_flags,
-    arguments_model.add_mixed_precision_flags,
-    arguments_model.add_data_flags,
-    arguments_run.add_checkpointing_flags,
-    arguments_run.add_logging_flags,
-    arguments_run.add_distributed_flags,
-    arguments_run.add_deepspeed_flags,
+    model_flags.add_model_size_flags,
+    model_flags.add_regularization_flags,
+    run_flags.add_training_flags,
+    run_flags.add_learning_rate_flags,
+    model_flags.add_mixed_precision_flags,
+    model_flags.add_data_flags,
+    run_flags.add_checkpointing_flags,
+    run_flags.add_logging_flags,
+    run_flags.add_distributed_flags,
+    run_flags.add_deepspeed_flags,
 )
 
 

@@ -1,6 +1,6 @@
 """Checkpoints through the DeepSpeed engine: crash-safe saving and code-free loading.
 
-`engine.save_checkpoint` writes into the staging directory of `megatron.checkpoint_commit`
+`engine.save_checkpoint` writes into the staging directory of `megatron.checkpointing.commit`
 (tag `global_step{N}.partial`) with `save_latest=False`; every file is fsynced by the rank
 that wrote it; the directory is renamed to `global_step{N}` and both trackers (DeepSpeed's
 `latest`, Megatron's `latest_checkpointed_iteration.txt`) are written last. The engine's
@@ -30,8 +30,8 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from megatron import checkpoint_commit
-from megatron.checkpoint_format import SAFE_GLOBALS
+from megatron.checkpointing import commit as checkpoint_commit
+from megatron.checkpointing.file_format import SAFE_GLOBALS
 
 DEEPSPEED_SAFE_GLOBALS = [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 

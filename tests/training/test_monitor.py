@@ -1,4 +1,4 @@
-"""Tests for megatron/monitor.py: Megatron's log lines, timers, memory report, metric writers."""
+"""Tests for megatron/training/monitor.py: Megatron's log lines, timers, memory, metric writers."""
 
 # The reference lines below keep Megatron-DeepSpeed's own str.format() calls, verbatim.
 # ruff: noqa: UP032
@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from megatron import monitor
-from megatron.monitor import (
+from megatron.training import monitor
+from megatron.training.monitor import (
     IterationStats,
     MetricsWriter,
     Timers,

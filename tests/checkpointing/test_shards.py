@@ -1,4 +1,4 @@
-"""megatron.checkpoint_shards / checkpoint_layouts: splits, merges and both on-disk layouts.
+"""megatron.checkpointing.shards / layouts: splits, merges and both on-disk layouts.
 
 Everything here is exact: splitting and merging only move numbers, so every comparison is
 `torch.equal`. The model is a real `GPTModel` state dict (every parameter kind), 4 layers so
@@ -16,9 +16,9 @@ import types
 import pytest
 import torch
 
-from megatron.checkpoint_format import flatten_model_state, load_file, nest_model_state
-from megatron.checkpoint_shapes import resolve_true_vocab_size
-from megatron.checkpoint_shards import (
+from megatron.checkpointing.file_format import flatten_model_state, load_file, nest_model_state
+from megatron.checkpointing.shapes import resolve_true_vocab_size
+from megatron.checkpointing.shards import (
     CheckpointConversionError,
     DenseCheckpoint,
     load_dense_checkpoint,

@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from megatron.args_validation import ArgumentError
+from megatron.arguments.errors import ArgumentError
 
 # Sections DeepSpeed would use to build its own optimizer or scheduler; we hand it ours.
 OWNED_SECTIONS = {

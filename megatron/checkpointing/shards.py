@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from megatron.checkpoint_format import (
+from megatron.checkpointing.file_format import (
     CHECKPOINT_VERSION,
     HEAD_KEY,
     args_dict,
@@ -42,14 +42,14 @@ from megatron.checkpoint_format import (
     plain_args,
     rank_file,
 )
-from megatron.checkpoint_layouts import (
+from megatron.checkpointing.layouts import (
     CheckpointConversionError,
     locate_checkpoint,
     read_deepspeed_files,
     read_megatron_files,
     write_megatron_directory,
 )
-from megatron.checkpoint_shapes import (
+from megatron.checkpointing.shapes import (
     POSITION_EMBEDDINGS,
     WORD_EMBEDDINGS,
     check_shapes,

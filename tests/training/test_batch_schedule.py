@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megatron.arguments import ArgumentError, build_parser, validate_args
-from megatron.batch_schedule import BatchSizeSchedule
-from tests.test_arguments import BASE
+from megatron.training.batch_schedule import BatchSizeSchedule
+from tests.arguments.test_arguments import BASE
 
 
 def test_constant_schedule_is_the_global_batch() -> None:

@@ -7,7 +7,7 @@ our `train_state` counters; `{save}/latest_checkpointed_iteration.txt` names the
 DeepSpeed layout: `{save}/global_step{N}/...` written by `engine.save_checkpoint` with the same
 metadata as client state (`rng_state` one entry per global rank), and both `latest` and
 Megatron's tracker file. Either way a checkpoint appears under its final name only once every
-rank's files are on disk, and the trackers are written last (`megatron.checkpoint_commit`).
+rank's files are on disk, and the trackers are written last (`megatron.checkpointing.commit`).
 
 Loading reads whichever layout `--load` holds (a DeepSpeed run can start from Megatron-layout
 weights and vice versa), checks the model shape and parallel sizes against this run's flags,
@@ -24,9 +24,9 @@ from dataclasses import asdict, fields, replace
 import torch
 import torch.distributed as dist
 
-from megatron import checkpoint_commit
 from megatron.atomic_files import atomic_outputs
-from megatron.checkpoint_format import (
+from megatron.checkpointing import commit as checkpoint_commit
+from megatron.checkpointing.file_format import (
     CHECKPOINT_VERSION,
     HEAD_KEY,
     args_dict,
@@ -37,9 +37,10 @@ from megatron.checkpoint_format import (
     plain_args,
     rank_file,
 )
-from megatron.checkpoint_layouts import LocatedCheckpoint, locate_checkpoint
+from megatron.checkpointing.layouts import LocatedCheckpoint, locate_checkpoint
+from megatron.checkpointing.rng_state import gather_rng_states, restore_rng_state
+from megatron.checkpointing.train_state import TrainState
 from megatron.core import parallel_state
-from megatron.rng_state import gather_rng_states, restore_rng_state
 from megatron.utils import print_rank_0
 
 RESHARD_TOOL = "tools/checkpoint/reshard.py"
@@ -77,7 +78,7 @@ def find_checkpoint(root: str, universal: bool = False) -> LocatedCheckpoint | N
     The trackers are read as `checkpoint_commit` defines them (after an interrupted commit they
     name the checkpoint it published); `load_checkpoint` also repairs them on disk first.
 
-    The same rule as the conversion tools (`checkpoint_layouts.locate_checkpoint`): DeepSpeed's
+    The same rule as the conversion tools (`layouts.locate_checkpoint`): DeepSpeed's
     `latest` first, else Megatron's tracker. `universal`: the checkpoint `ds_to_universal`
     recorded in `latest_universal`.
     """
@@ -132,7 +133,7 @@ def save_checkpoint(state, model, optimizer, scheduler, args: argparse.Namespace
     iteration = state.iteration
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
     if args.deepspeed:
-        from megatron.checkpoint_deepspeed import save_deepspeed
+        from megatron.checkpointing.deepspeed_engine import save_deepspeed
 
         rng = None if args.no_save_rng else gather_rng_states()
         save_deepspeed(model, args.save, iteration, _client_state(state, args, rng), args)
@@ -187,9 +188,7 @@ def check_checkpoint_args(saved: dict, args: argparse.Namespace, path: str) -> N
         )
 
 
-def _train_state(client: dict, iteration: int):  # noqa: ANN202
-    from megatron.train_loop import TrainState
-
+def _train_state(client: dict, iteration: int) -> TrainState:
     saved = dict(client.get("train_state") or {})
     if not saved:  # Megatron's own files: iteration at the top, sample counters in args
         saved_args = args_dict(client.get("args"))
@@ -231,7 +230,7 @@ def _metadata(found: LocatedCheckpoint) -> tuple[str, dict]:
     if found.layout == "megatron":
         path = _this_rank_file(found.directory)
         return path, load_file(path)
-    from megatron.checkpoint_deepspeed import DEEPSPEED_SAFE_GLOBALS
+    from megatron.checkpointing.deepspeed_engine import DEEPSPEED_SAFE_GLOBALS
 
     # Every model-parallel rank's file carries the same metadata; this one always exists.
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -279,7 +278,7 @@ def _load_weights(model, flat: dict, args: argparse.Namespace, path: str) -> Non
             )
     module.load_state_dict(flat, strict=False)
     if args.deepspeed:
-        from megatron.checkpoint_deepspeed import refresh_master_weights
+        from megatron.checkpointing.deepspeed_engine import refresh_master_weights
 
         refresh_master_weights(model)
 
@@ -291,8 +290,6 @@ def load_checkpoint(model, optimizer, scheduler, args: argparse.Namespace):  # n
     iteration 0; `--no-load-optim` / `--no-load-rng` skip those parts. A missing or empty
     `--load` directory starts a fresh run and says so.
     """
-    from megatron.train_loop import TrainState
-
     if not args.load:
         return TrainState()
     universal = getattr(args, "universal_checkpoint", False)
@@ -313,7 +310,7 @@ def load_checkpoint(model, optimizer, scheduler, args: argparse.Namespace):  # n
     load_optimizer = not (args.no_load_optim or fresh)
     optimizer_loaded = False
     if args.deepspeed and found.layout == "deepspeed":
-        from megatron.checkpoint_deepspeed import load_deepspeed
+        from megatron.checkpointing.deepspeed_engine import load_deepspeed
 
         _, client = load_deepspeed(model, args.load, found.tag, load_optimizer)
         optimizer_loaded = load_optimizer

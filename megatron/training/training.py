@@ -21,20 +21,21 @@ import torch
 import torch.distributed as dist
 
 from megatron import checkpointing
+from megatron.checkpointing import TrainState
 from megatron.core import parallel_state
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.initialize import initialize_megatron
-from megatron.monitor import MetricsWriter, Timers, format_validation_block
-from megatron.optimizer import (
+from megatron.tokenizer import build_tokenizer
+from megatron.training.loop import TrainingLoop
+from megatron.training.monitor import MetricsWriter, Timers, format_validation_block
+from megatron.training.optimizer import (
     GuardedAdamW,
     get_param_groups,
     loss_scaler_from_args,
     optimizer_from_args,
 )
-from megatron.scheduler import scheduler_from_args
-from megatron.tokenizer import build_tokenizer
-from megatron.train_loop import TrainingLoop, TrainState
-from megatron.train_step import (
+from megatron.training.scheduler import scheduler_from_args
+from megatron.training.step import (
     ForwardStep,
     PlainTrainer,
     accumulate_reported,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.args_validation import batch_arithmetic, format_arguments
 from megatron.arguments import ArgumentError, build_parser, parse_args, typed_flags, validate_args
+from megatron.arguments.validation import batch_arithmetic, format_arguments
 from megatron.config import ModelConfig
 
 BASE = (

@@ -1,8 +1,8 @@
 """What the training loop reports: Megatron's log lines, timers, memory report, metric writers.
 
 The iteration and validation lines reproduce microsoft/Megatron-DeepSpeed's `training_log` and
-`evaluate_and_print_results` (megatron/training.py) character for character, and `Timers` and
-`memory_report` its megatron/timers.py and megatron/utils.py `report_memory`, because users'
+`evaluate_and_print_results` (megatron/training.py) character for character, and `Timers`
+and `memory_report` its megatron/timers.py and megatron/utils.py `report_memory`, because users'
 log parsers read them. Our own extras (progress, ETA) come after Megatron's last field so those
 parsers keep working. `MetricsWriter` sends scalars to TensorBoard and/or Weights & Biases.
 Nothing here decides which rank prints or writes: the caller does, as in Megatron.

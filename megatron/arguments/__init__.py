@@ -1,0 +1,17 @@
+"""The command line: Megatron's flag groups, DeepSpeed's config flags, and the checks between them.
+
+- `parser.py`: `build_parser()` / `parse_args()`; the flag groups are in `model_flags.py`
+  (model size, regularization, precision, data) and `run_flags.py` (training, learning
+  rate, checkpoints, logging, distributed, DeepSpeed).
+- `validation.py`: `validate_args()`, which derives what Megatron derives and turns every
+  contradiction into an `ArgumentError` (`errors.py`) naming the flags.
+- `ds_config.py`: the DeepSpeed JSON config reconciled with the flags typed.
+
+Megatron's import path is kept: `from megatron.arguments import parse_args`.
+"""
+
+from megatron.arguments.errors import ArgumentError
+from megatron.arguments.parser import build_parser, parse_args, typed_flags
+from megatron.arguments.validation import validate_args
+
+__all__ = ["ArgumentError", "build_parser", "parse_args", "typed_flags", "validate_args"]

@@ -1,0 +1,30 @@
+"""Checkpoints: save and load in Megatron's or DeepSpeed's layout, and the files' formats.
+
+- `save_load.py`: `save_checkpoint()` / `load_checkpoint()` / `find_checkpoint()`.
+- `commit.py`: how a checkpoint is published (staging directory, commit journal, trackers).
+- `deepspeed_engine.py`: the DeepSpeed engine's side of saving and loading.
+- `layouts.py`: finding and reading either layout; `file_format.py`: what a file holds.
+- `shards.py`, `shapes.py`: tensor-parallel (re)sharding and model shapes, for the tools.
+- `huggingface.py`: GPT-2 weights to and from Hugging Face `transformers`.
+- `rng_state.py`, `train_state.py`: the RNG states and the counters a checkpoint carries.
+
+Megatron's import path is kept: `from megatron.checkpointing import save_checkpoint`.
+"""
+
+from megatron.checkpointing.save_load import (
+    CheckpointError,
+    check_checkpoint_args,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from megatron.checkpointing.train_state import TrainState
+
+__all__ = [
+    "CheckpointError",
+    "TrainState",
+    "check_checkpoint_args",
+    "find_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]

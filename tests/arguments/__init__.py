@@ -1,0 +1,1 @@
+"""Tests of megatron/arguments/: the parser, the flag checks and the DeepSpeed config."""
