@@ -9,6 +9,25 @@ from argparse import Namespace
 from dataclasses import dataclass
 
 
+def model_params_dtype(args: Namespace) -> str:
+    """The dtype the model's parameters are created in for `--fp16` / `--bf16` on each path.
+
+    With `--deepspeed` the parameters are half precision: DeepSpeed's engine casts the model
+    to its `fp16` / `bf16` dtype anyway and keeps the fp32 master copy in its optimizer.
+    Without it they stay fp32 and *are* the master weights: the forward and backward run in
+    half precision under `torch.autocast`, gradients arrive (and accumulate over
+    micro-batches, and all-reduce) in fp32, and AdamW keeps fp32 state. We chose this over
+    Megatron's `Float16OptimizerWithFloat16Params` (half parameters plus an fp32 copy in the
+    optimizer) because one fp32 tensor per weight is what the optimizer, DDP, clipping and
+    the checkpoint all read, so no second copy has to be kept in step; the memory is the
+    same (4 + 4 + 8 bytes per parameter against Megatron's 2 + 4 + 4 + 8 with fp32
+    gradients), and autocast caches each weight's half-precision cast within a micro-batch.
+    """
+    half = "bfloat16" if getattr(args, "bf16", False) else None
+    half = half or ("float16" if getattr(args, "fp16", False) else None)
+    return half if half and getattr(args, "deepspeed", False) else "float32"
+
+
 @dataclass
 class DataConfig:
     """Where the training data is and how GPT samples are cut from it."""
@@ -89,7 +108,7 @@ class ModelConfig:
     apply_query_key_layer_scaling: bool = False
     """Scale scores by 1/layer_number before an fp32 softmax (`unfused` only; fp16 safety)."""
     params_dtype: str = "float32"
-    """Parameter dtype: `float32`, `bfloat16` or `float16`."""
+    """Parameter dtype: `float32`, `bfloat16` or `float16` (see `model_params_dtype`)."""
     sequence_parallel: bool = False
     """Split layer norm and dropout regions along the sequence (`--sequence-parallel`)."""
     use_cpu_initialization: bool = False
@@ -181,7 +200,7 @@ class ModelConfig:
             rotary_percent=get("rotary_percent", 1.0),
             attention_backend=backend,
             apply_query_key_layer_scaling=bool(get("apply_query_key_layer_scaling")),
-            params_dtype="bfloat16" if get("bf16") else "float16" if get("fp16") else "float32",
+            params_dtype=get("params_dtype") or model_params_dtype(args),
             sequence_parallel=bool(get("sequence_parallel")),
             use_cpu_initialization=bool(get("use_cpu_initialization")),
             recompute_granularity=granularity,

@@ -14,6 +14,7 @@ import os
 
 from megatron.arguments.ds_config import load_deepspeed_config, reconcile_deepspeed_config
 from megatron.arguments.errors import ArgumentError
+from megatron.config import model_params_dtype
 from megatron.training.batch_schedule import BatchSizeSchedule
 
 
@@ -295,7 +296,7 @@ def validate_args(
     _schedule(args)
     _data_files(args)
     _backend(args)
-    args.params_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    args.params_dtype = model_params_dtype(args)
     return args
 
 

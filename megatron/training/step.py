@@ -147,7 +147,11 @@ class PlainTrainer:
     gradient_accumulation_steps: int
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """Mixed precision for --fp16/--bf16: fp32 master weights, low-precision matmuls."""
+        """Mixed precision for --fp16/--bf16: half-precision compute over the fp32 parameters.
+
+        The parameters are fp32 on this path (`megatron.config.model_params_dtype`): they are
+        the master weights AdamW steps, and their gradients come back in fp32.
+        """
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(current_device().type, dtype=self.autocast_dtype)

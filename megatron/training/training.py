@@ -80,7 +80,8 @@ def setup_model_and_optimizer(model_provider: Callable, args: argparse.Namespace
     three (with Megatron's mpu and the reconciled config) in `deepspeed.initialize`.
 
     Returns `(model, optimizer, scheduler)`: the engine as model under DeepSpeed, else a
-    `PlainTrainer` (DDP over the data-parallel group, fp16 loss scaling, bf16 autocast).
+    `PlainTrainer` (DDP over the data-parallel group; fp32 parameters under fp16/bf16 autocast,
+    fp16 loss scaling).
     """
     model = model_provider(args)
     if args.deepspeed:
