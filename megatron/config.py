@@ -200,7 +200,7 @@ class ModelConfig:
             rotary_percent=get("rotary_percent", 1.0),
             attention_backend=backend,
             apply_query_key_layer_scaling=bool(get("apply_query_key_layer_scaling")),
-            params_dtype=get("params_dtype") or model_params_dtype(args),
+            params_dtype=model_params_dtype(args),
             sequence_parallel=bool(get("sequence_parallel")),
             use_cpu_initialization=bool(get("use_cpu_initialization")),
             recompute_granularity=granularity,

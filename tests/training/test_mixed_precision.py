@@ -18,7 +18,7 @@ import argparse
 import pytest
 import torch
 
-from megatron.config import model_params_dtype
+from megatron.config import ModelConfig, model_params_dtype
 from megatron.training.optimizer import GuardedAdamW
 from tests.pretrain_runs import iteration_logs, launch, tiny_gpt_flags
 
@@ -56,6 +56,12 @@ def test_plain_path_keeps_fp32_parameters() -> None:
         assert model_params_dtype(args) == "float32"
     assert model_params_dtype(argparse.Namespace(deepspeed=True, bf16=True)) == "bfloat16"
     assert model_params_dtype(argparse.Namespace(deepspeed=True, fp16=True)) == "float16"
+    # Megatron's own checkpoints store args.params_dtype as a torch.dtype: the rule ignores it.
+    megatron_args = argparse.Namespace(
+        num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=128,
+        max_position_embeddings=64, fp16=True, params_dtype=torch.float16,
+    )  # fmt: skip
+    assert ModelConfig.from_args(megatron_args).params_dtype == "float32"
 
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
