@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.arguments import parse_args
+from megatron.arguments.precision import precision_summary, precision_warnings
 from megatron.arguments.validation import batch_arithmetic, format_arguments
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as tp_random
@@ -54,6 +55,25 @@ def initialize_distributed(backend: str, local_rank: int, use_deepspeed: bool) -
         deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=30))
     else:
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
+
+
+def enable_tf32() -> bool:
+    """On NVIDIA GPUs, run fp32 matmuls and convolutions in TF32; True when it did.
+
+    TF32 keeps fp32's range with a 10-bit mantissa on Ampere and newer tensor cores (several
+    times faster); torch leaves it off for matmuls by default. Megatron runs with it on, and
+    fp32 here is the precision of master weights and reductions, which it does not touch.
+    """
+    if not torch.cuda.is_available():
+        return False
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        # torch >= 2.9's per-backend settings; its older allow_tf32 flags warn when mixed in.
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return True
 
 
 def set_random_seed(seed: int) -> None:
@@ -108,4 +128,7 @@ def initialize_megatron(
         f"{args.pipeline_model_parallel_size} x data-parallel {args.data_parallel_size}"
     )
     print_rank_0(batch_arithmetic(args))
+    print_rank_0(precision_summary(args, tf32=enable_tf32()))
+    for warning in precision_warnings(args):
+        print_rank_0(warning)
     return args

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 from megatron.arguments import model_flags, run_flags
 from megatron.arguments.errors import ArgumentError
+from megatron.arguments.precision import check_precision_on_this_machine
 from megatron.arguments.validation import validate_args
 
 __all__ = ["ArgumentError", "build_parser", "parse_args", "typed_flags", "validate_args"]
@@ -80,6 +81,8 @@ def parse_args(
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        return validate_args(args, world_size, typed_flags(parser, argv))
+        args = validate_args(args, world_size, typed_flags(parser, argv))
+        check_precision_on_this_machine(args)  # the devices, apart from the flags' logic
+        return args
     except ArgumentError as error:
         parser.exit(2, f"error: {error}\n")

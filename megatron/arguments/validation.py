@@ -12,8 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron.arguments.ds_config import load_deepspeed_config, reconcile_deepspeed_config
+from megatron.arguments.ds_config import (
+    load_deepspeed_config,
+    reconcile_deepspeed_config,
+    settle_gradient_accumulation_dtype,
+)
 from megatron.arguments.errors import ArgumentError
+from megatron.arguments.precision import check_flash_attention_precision
 from megatron.config import model_params_dtype
 from megatron.training.batch_schedule import BatchSizeSchedule
 
@@ -131,6 +136,7 @@ def _schedule_units(args: argparse.Namespace) -> None:
 def _precision_and_optimizer(args: argparse.Namespace) -> None:
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 cannot both be set")
+    check_flash_attention_precision(args)
     _require(args, "--lr")
     if args.min_lr > args.lr:
         raise ArgumentError(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
@@ -257,7 +263,7 @@ def _backend(args: argparse.Namespace) -> None:
         raise ArgumentError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPUs")
 
 
-def _deepspeed_config(args: argparse.Namespace, explicit_flags: set[str] | None) -> None:
+def _deepspeed_config(args: argparse.Namespace, explicit_flags: set[str] | None) -> str:
     if explicit_flags is None:
         # A namespace built in code has no command line: whatever it sets counts as given.
         explicit_flags = {
@@ -271,6 +277,7 @@ def _deepspeed_config(args: argparse.Namespace, explicit_flags: set[str] | None)
         config = load_deepspeed_config(args.deepspeed_config)
         source = f"--deepspeed_config {args.deepspeed_config}"
     args.deepspeed_config_dict = reconcile_deepspeed_config(args, config, explicit_flags, source)
+    return source
 
 
 def validate_args(
@@ -288,11 +295,13 @@ def validate_args(
     _model_shape(args)
     if args.deepspeed:
         # Before the batch arithmetic: the config may give the micro or global batch size.
-        _deepspeed_config(args, explicit_flags)
+        config_source = _deepspeed_config(args, explicit_flags)
     _batch_sizes(args)
     _precision_and_optimizer(args)
     _recompute(args)
     _pipeline_and_checkpoints(args)
+    if args.deepspeed:
+        settle_gradient_accumulation_dtype(args, args.deepspeed_config_dict, config_source)
     _schedule(args)
     _data_files(args)
     _backend(args)

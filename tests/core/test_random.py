@@ -9,7 +9,9 @@
   leaves the RNG states after backward as they were after forward (single process, and at
   tp 2 with and without `distribute_saved_activations`);
 - with `distribute_saved_activations` each rank keeps only its 1/tp share of the input's
-  memory for backward.
+  memory for backward;
+- the recompute runs under the forward's autocast state (fp16/bf16 mixed precision), although
+  backward runs outside the caller's autocast region.
 """
 
 from __future__ import annotations
@@ -178,6 +180,35 @@ def test_checkpoint_matches_plain_run_single_process():
     probe = torch.randn(SEQ, BATCH, HIDDEN, generator=generator)
     block = _dropout_block(linear)
     _compare_checkpoint_with_plain(block, list(linear.parameters()), x, probe, False)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_checkpoint_recomputes_in_the_forwards_autocast_precision(half):
+    """Forward under autocast, backward outside it (as the trainer runs them): the recompute
+    runs in the forward's half precision, so the gradients equal the plain block's exactly."""
+    parallel_state.destroy_model_parallel()
+    model_parallel_cuda_manual_seed(2024)
+    first, second = nn.Linear(HIDDEN, FFN), nn.Linear(FFN, HIDDEN)
+    params = [*first.parameters(), *second.parameters()]
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(3))
+    x.requires_grad_()  # as hidden states do: the checkpoint's output then needs a gradient
+
+    def block(inputs: torch.Tensor) -> torch.Tensor:
+        return second(F.gelu(first(inputs)))
+
+    def grads(checkpointed: bool) -> list[torch.Tensor]:
+        for param in params:
+            param.grad = None
+        with torch.autocast(DEVICE.type, dtype=half):
+            out = checkpoint(block, False, x) if checkpointed else block(x)
+        assert out.dtype == half
+        out.float().square().sum().backward()
+        return [param.grad.clone() for param in params]
+
+    for plain, recomputed in zip(grads(False), grads(True)):
+        torch.testing.assert_close(recomputed, plain, **_EXACT)
+    # And the recompute left autocast as it found it: off.
+    assert not torch.is_autocast_enabled(DEVICE.type)
 
 
 def test_successive_checkpointed_calls_draw_new_masks():

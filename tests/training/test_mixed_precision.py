@@ -1,53 +1,92 @@
-"""--fp16 / --bf16 without DeepSpeed: fp32 master weights, autocast compute, fp16 loss scaling.
+"""--fp16 / --bf16 on both paths: they train, track fp32, scale losses and resume bit-exactly.
 
-The runs are real `pretrain_gpt.py` runs of a tiny GPT-2 on the stdlib corpus, compared with
-the same run in fp32. Half-precision matmuls are slow on CPU, so they are kept short.
+The runs are real `pretrain_gpt.py` runs of a tiny GPT-2 (2 layers, h=64, 16 tokens, two
+micro-batches of one sample per iteration, dropout on) on the stdlib corpus, 50 iterations
+each, compared with the same run in fp32. Half-precision matmuls are ~10x slower than fp32 on
+this CPU, hence the short sequences.
 
 Tolerance of the loss comparison: bf16 keeps 8 significant bits and fp16 11, so each matmul
-output is rounded by up to 2^-9 (bf16) relative; through a 2-layer model the loss moves by
-that order (we measured at most 6e-5 relative for bf16 over 50 iterations). We allow 0.5%
-relative: ten times the rounding of one bf16 product, yet ten times smaller than what 12
-iterations of training change (10.73 -> 10.0), so a run that does not learn, or learns from
-other gradients, fails it.
+output is rounded by up to 2^-9 relative (bf16); through a 2-layer model and 50 updates the
+loss moved by at most 2e-4 relative in our runs (bf16 parameters under DeepSpeed included).
+We allow 0.5%: 25 times that, yet 40 times smaller than what the 50 iterations change
+(10.8 -> 8.6), so a run that does not learn, or learns from other gradients, fails it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from megatron.checkpointing import commit as checkpoint_commit
 from megatron.config import ModelConfig, model_params_dtype
-from megatron.training.optimizer import GuardedAdamW
-from tests.pretrain_runs import iteration_logs, launch, tiny_gpt_flags
+from megatron.training.optimizer import DynamicLossScaler, GuardedAdamW
+from megatron.training.scheduler import OptimizerParamScheduler
+from megatron.training.step import PlainTrainer, train_step_plain
+from tests.checkpointing.compare import differences, load_any
+from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE
+from tests.distributed import free_port, run_distributed
+from tests.pretrain_runs import cpu_env, iteration_logs, launch, tiny_gpt_flags
 
-ITERATIONS = 12
+ITERATIONS = 50
 RELATIVE_TOLERANCE = 5e-3
+SHORT = (
+    "--seq-length 16 --max-position-embeddings 16 --micro-batch-size 1 --global-batch-size 2 "
+    f"--train-iters {ITERATIONS}"
+).split()
+CASES = {
+    "plain-bf16": ["--bf16"],
+    # An initial scale that never overflows here: every iteration is applied and comparable.
+    "plain-fp16": ["--fp16", "--initial-loss-scale", "4096"],
+    "zero0-bf16": ["--bf16", "--zero-stage", "0"],
+    "zero1-bf16": ["--bf16", "--zero-stage", "1"],
+    "zero2-bf16": ["--bf16", "--zero-stage", "2"],
+}
+RESUMED = ("plain-bf16", "plain-fp16", "zero1-bf16")
 
 
-def _run(dataset: str, *extra: str, iterations: int = ITERATIONS) -> list[dict]:
-    flags = tiny_gpt_flags(dataset) + [
-        "--global-batch-size", "4", "--train-iters", str(iterations), *extra,
-    ]  # fmt: skip
-    done = launch(1, flags, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:]
-    logs = iteration_logs(done.stdout)
-    assert len(logs) == iterations
-    return logs
+class Runs:
+    """Each case's straight run (saving at 25 and 50), made once and shared by the tests."""
+
+    def __init__(self, dataset: str, root: str) -> None:
+        self.dataset, self.root, self.done = dataset, root, {}
+
+    def flags(self, case: str) -> list[str]:
+        """The command line of `case` (plus the DeepSpeed config for the zero cases)."""
+        flags = tiny_gpt_flags(self.dataset) + SHORT + CASES.get(case, [])
+        if case.startswith("zero"):
+            config = os.path.join(self.root, "ds_config.json")
+            with open(config, "w") as file:
+                json.dump({"train_micro_batch_size_per_gpu": 1}, file)
+            flags += ["--deepspeed", "--deepspeed_config", config]
+        return flags
+
+    def straight(self, case: str) -> tuple[list[dict], str]:
+        """Iteration logs of the 50-iteration run and its --save directory."""
+        if case not in self.done:
+            save = os.path.join(self.root, case)
+            flags = self.flags(case) + ["--save", save, "--save-interval", str(ITERATIONS // 2)]
+            done = launch(1, flags, timeout=600)
+            assert done.returncode == 0, done.stdout[-3000:]
+            self.done[case] = (iteration_logs(done.stdout), save, done.stdout)
+        logs, save, _ = self.done[case]
+        return logs, save
+
+    def output(self, case: str) -> str:
+        """The straight run's whole log."""
+        self.straight(case)
+        return self.done[case][2]
 
 
 @pytest.fixture(scope="module")
-def fp32_losses(stdlib_dataset: str) -> list[float]:
-    return [log["lm loss"] for log in _run(stdlib_dataset)]
-
-
-def _assert_tracks(logs: list[dict], reference: list[float]) -> None:
-    assert all(log["number of nan iterations"] == 0 for log in logs)
-    assert all(log["number of skipped iterations"] == 0 for log in logs)
-    for log, expected in zip(logs, reference):
-        assert log["lm loss"] == pytest.approx(expected, rel=RELATIVE_TOLERANCE), log
-    assert reference[-1] < reference[0] - 0.3  # the comparison is over real learning
+def runs(stdlib_dataset: str, tmp_path_factory) -> Runs:
+    return Runs(stdlib_dataset, str(tmp_path_factory.mktemp("mixed_precision")))
 
 
 def test_plain_path_keeps_fp32_parameters() -> None:
@@ -85,15 +124,172 @@ def test_an_update_below_half_resolution_moves_the_fp32_master_weight(half) -> N
     assert train(half) == 1.0
 
 
-@pytest.mark.slow
-def test_plain_bf16_tracks_fp32(stdlib_dataset: str, fp32_losses: list[float]) -> None:
-    _assert_tracks(_run(stdlib_dataset, "--bf16"), fp32_losses)
+def test_an_injected_inf_gradient_skips_the_step_and_lowers_the_scale() -> None:
+    """fp16 plain path, after real steps: an inf gradient (injected by a hook on one weight at
+    step 4) skips the update, leaves weights and Adam state bit-identical, does not advance
+    the LR schedule, and counts against the hysteresis (2): the scale halves at the 2nd."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    optimizer = GuardedAdamW(
+        model.parameters(), lr=1e-2, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer, 0.0, 1e-2, 1e-3, 0, 100, "cosine", 0.01, 0.01, 100, "constant"
+    )
+    scaler = DynamicLossScaler(initial_scale=2.0**16, min_scale=1.0, growth_interval=1000)
+    trainer = PlainTrainer(model, optimizer, scheduler, scaler, torch.float16, 2)
+    data = iter(torch.randn(100, 4, 8, generator=torch.Generator().manual_seed(1)))
+
+    def forward_step(iterator, module, args):  # noqa: ANN001, ANN202 - Megatron's signature
+        output = module(next(iterator)).square().mean()
+        return output, lambda out: (out, {"lm loss": out})
+
+    args = argparse.Namespace(global_batch_size=2)
+    for _ in range(3):
+        assert not train_step_plain(forward_step, data, trainer, args).skipped
+
+    def snapshot() -> list[torch.Tensor]:
+        state = [t for s in optimizer.state.values() for t in s.values()]
+        return [t.clone() for t in [*model.parameters(), *state]]
+
+    def poisoned_step():  # noqa: ANN202
+        hook = model[0].weight.register_hook(lambda grad: grad * float("inf"))
+        try:
+            return train_step_plain(forward_step, data, trainer, args)
+        finally:
+            hook.remove()
+
+    before, lr, samples = snapshot(), optimizer.param_groups[0]["lr"], scheduler.num_steps
+    first = poisoned_step()
+    assert first.skipped and first.grad_norm is None and not first.nan
+    assert first.loss_scale == 2.0**16  # hysteresis 2 -> 1: the scale holds
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(), before, strict=True))
+    assert (optimizer.param_groups[0]["lr"], scheduler.num_steps) == (lr, samples)
+    assert poisoned_step().loss_scale == 2.0**15  # the second overflow halves it
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(), before, strict=True))
+    applied = train_step_plain(forward_step, data, trainer, args)
+    assert not applied.skipped and applied.loss_scale == 2.0**15
+    assert not torch.equal(model[0].weight, before[0])
+
+
+def _accumulated_gradient_errors(rank: int, world_size: int, stage: int, out: str) -> None:
+    """Our reconciled config, then DeepSpeed's default (bf16), at ZeRO `stage`: each one's
+    accumulated-gradient error (`_accumulated_gradient_error`) and optimizer, to `out`."""
+    results = {
+        name: _accumulated_gradient_error(world_size, stage, types)
+        for name, types in (("filled", {}), ("bf16", {"data_types": {"grad_accum_dtype": "bf16"}}))
+    }
+    with open(out, "w") as file:
+        json.dump(results, file)
+
+
+def _accumulated_gradient_error(world_size: int, stage: int, config_types: dict) -> dict:
+    """64 micro-batches of bf16 gradients through a DeepSpeed engine built from our reconciled
+    config: the accumulated gradient's mean relative error against the fp32 sum."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    from megatron.arguments import build_parser, validate_args
+
+    argv = (
+        "--num-layers 1 --hidden-size 8 --num-attention-heads 1 --seq-length 8 --lr 0.0 "
+        "--train-iters 1 --micro-batch-size 1 --global-batch-size 64 --bf16 --deepspeed "
+        f"--zero-stage {stage} --no-pipeline-parallel"
+    ).split()
+    args = build_parser().parse_args(argv)
+    args.deepspeed_config_dict = dict(config_types)
+    config = validate_args(args, world_size).deepspeed_config_dict
+    model = torch.nn.Linear(1024, 1, bias=False).to(torch.bfloat16)
+    torch.nn.init.ones_(model.weight)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    inputs = torch.randn(64, 1, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for index, x in enumerate(inputs):
+        engine.backward(engine(x).float().sum())
+        if index < len(inputs) - 1:
+            engine.step()  # not a boundary: DeepSpeed only accumulates
+    # After the boundary's backward, before its step: the gradient the optimizer will use.
+    got = safe_get_full_grad(model.weight).float().flatten()
+    expected = (inputs.float() / len(inputs)).sum(0).flatten()
+    error = ((got - expected).abs() / expected.abs().clamp_min(1e-3)).mean().item()
+    return {"error": error, "optimizer": type(engine.optimizer).__name__}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_bf16_accumulates_gradients_in_fp32(stage: int, tmp_path) -> None:
+    """The config we fill (grad_accum_dtype fp32) against DeepSpeed's default (bf16): the
+    gradient of 64 micro-batches is off by ~2% in bf16; in fp32 it is exact (ZeRO-2) or rounded
+    once to bf16 for the reduction (ZeRO-1's BF16_Optimizer, 2^-9 at most)."""
+
+    out = str(tmp_path / "errors.json")
+    run_distributed(_accumulated_gradient_errors, 1, stage, out)
+    with open(out) as file:
+        results = json.load(file)
+    filled, in_bf16 = results["filled"], results["bf16"]
+    assert in_bf16["error"] > 1e-2
+    assert filled["error"] < (1e-6 if stage == 2 else 2.0**-9)
+    assert filled["optimizer"] == ("BF16_Optimizer" if stage == 1 else "DeepSpeedZeroOptimizer")
+
+
+@pytest.fixture(scope="module")
+def fp32_losses(runs: Runs) -> list[float]:
+    flags = tiny_gpt_flags(runs.dataset) + SHORT
+    done = launch(1, flags, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return [log["lm loss"] for log in iteration_logs(done.stdout)]
 
 
 @pytest.mark.slow
-def test_plain_fp16_tracks_fp32(stdlib_dataset: str, fp32_losses: list[float]) -> None:
-    # An initial scale that never overflows here, so every iteration is applied and comparable.
-    _assert_tracks(_run(stdlib_dataset, "--fp16", "--initial-loss-scale", "4096"), fp32_losses)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_half_precision_tracks_fp32_for_50_iterations(
+    case: str, runs: Runs, fp32_losses: list[float]
+) -> None:
+    logs, _ = runs.straight(case)
+    assert len(logs) == len(fp32_losses) == ITERATIONS
+    assert all(log["number of nan iterations"] == 0 for log in logs)
+    assert all(log["number of skipped iterations"] == 0 for log in logs)
+    for log, expected in zip(logs, fp32_losses):
+        assert log["lm loss"] == pytest.approx(expected, rel=RELATIVE_TOLERANCE), log
+    assert fp32_losses[-1] < fp32_losses[0] - 1.0  # the comparison is over real learning
+    # DeepSpeed 0.19 has no fp32 accumulation of bf16 gradients at ZeRO 0 (see ds_config.py).
+    accumulation = "bf16" if case == "zero0-bf16" else "fp32"
+    assert f"gradient accumulation {accumulation}" in runs.output(case)
+
+
+def _rolled_back(save: str, iteration: int, into: str) -> str:
+    """A copy of `save` holding only its checkpoint of `iteration`, trackers pointing at it
+    (what a user does to go back to an earlier checkpoint)."""
+    tag = f"global_step{iteration}"
+    deepspeed_layout = os.path.isdir(os.path.join(save, tag))
+    name = tag if deepspeed_layout else f"iter_{iteration:07d}"
+    shutil.copytree(os.path.join(save, name), os.path.join(into, name))
+    checkpoint_commit.write_tracker(
+        os.path.join(into, checkpoint_commit.TRACKER_FILENAME), str(iteration)
+    )
+    if deepspeed_layout:
+        checkpoint_commit.write_tracker(
+            os.path.join(into, checkpoint_commit.DEEPSPEED_TRACKER_FILENAME), tag
+        )
+    return into
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", RESUMED)
+def test_half_precision_resumes_bit_exactly(case: str, runs: Runs, tmp_path) -> None:
+    """From the straight run's checkpoint at 25 to 50: the same losses, and the same final
+    checkpoint (weights, fp32 master copy, optimizer state, loss scaler, RNG), `args` aside."""
+    logs, save = runs.straight(case)
+    half = ITERATIONS // 2
+    resumed_dir = _rolled_back(save, half, str(tmp_path / "resumed"))
+    flags = runs.flags(case) + ["--load", resumed_dir, "--save", resumed_dir]
+    done = launch(1, flags + ["--save-interval", str(half)], timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert f"at iteration {half}" in done.stdout
+    resumed = iteration_logs(done.stdout)
+    assert [log["iteration"] for log in resumed] == list(range(half + 1, ITERATIONS + 1))
+    assert [log["lm loss"] for log in resumed] == [log["lm loss"] for log in logs[half:]]
+    name = f"global_step{ITERATIONS}" if case.startswith("zero") else f"iter_{ITERATIONS:07d}"
+    assert differences(os.path.join(save, name), os.path.join(resumed_dir, name)) == []
 
 
 def megatron_dynamic_grad_scaler(initial: float, found_infs: list[bool]) -> list[float]:
@@ -116,15 +312,106 @@ def megatron_dynamic_grad_scaler(initial: float, found_infs: list[bool]) -> list
     return scales
 
 
+# Megatron-DeepSpeed's examples/pretrain_gpt.sh (the 345M model, torchrun, --fp16, no
+# DeepSpeed), with the model, lengths and intervals scaled to this CPU; every other flag as
+# the script has it. --log-interval 1 so each iteration's loss scale is seen; --lr 6e-4 (the
+# GPT-3 125M value) as the model is small: at 1.5e-4 two layers barely move in 50 iterations.
+PRETRAIN_GPT_SH = """
+    --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16
+    --max-position-embeddings 16 --micro-batch-size 1 --global-batch-size 2 --lr 0.0006
+    --train-iters 50 --lr-decay-iters 32 --lr-decay-style cosine --min-lr 1.0e-5
+    --weight-decay 1e-2 --lr-warmup-fraction .01 --clip-grad 1.0 --fp16
+    --data-impl mmap --split 949,50,1
+    --log-interval 1 --save-interval 25 --eval-interval 1000 --eval-iters 1
+""".split()
+
+
+def _torchrun_pretrain_gpt_sh(dataset: str, save: str, precision: list[str]) -> list[dict]:
+    flags = [flag for flag in PRETRAIN_GPT_SH if flag != "--fp16"] + precision
+    flags += [
+        "--data-path", dataset, "--vocab-file", VOCAB_FILE, "--merge-file", MERGE_FILE,
+        "--save", save, "--load", save,
+    ]  # fmt: skip
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    done = subprocess.run(
+        [torchrun, "--nproc_per_node=1", f"--master_port={free_port()}", "pretrain_gpt.py"] + flags,
+        cwd=REPO_ROOT,
+        env=cpu_env(OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    return iteration_logs(done.stdout)
+
+
 @pytest.mark.slow
-def test_fp16_loss_scale_settles_by_megatrons_rule(stdlib_dataset: str) -> None:
-    initial = 2.0**20
-    logs = _run(stdlib_dataset, "--fp16", "--initial-loss-scale", str(initial), iterations=16)
-    skipped = [log["number of skipped iterations"] == 1 for log in logs]
-    assert sum(skipped) >= 2  # the scale starts too high: the schedule is exercised
-    assert not any(skipped[-8:])  # ... and settles: the last half of the run is all applied
+def test_megatron_deepspeed_pretrain_gpt_sh_fp16_trains(runs: Runs, tmp_path) -> None:
+    """The script's --fp16 starts the loss scale at 2^32: the first iterations overflow and
+    are skipped, the scale falls by Megatron's rule and settles, nothing turns NaN, and the
+    loss falls as fp32's does once the updates are applied."""
+    logs = _torchrun_pretrain_gpt_sh(runs.dataset, str(tmp_path / "fp16"), ["--fp16"])
+    fp32 = _torchrun_pretrain_gpt_sh(runs.dataset, str(tmp_path / "fp32"), [])
+    assert len(logs) == ITERATIONS
     assert all(log["number of nan iterations"] == 0 for log in logs)
-    scales = [log["loss scale"] for log in logs]
-    assert scales == megatron_dynamic_grad_scaler(initial, skipped)
-    losses = [log["lm loss"] for log in logs if "lm loss" in log]  # skipped ones have none
-    assert losses[-1] < losses[0] - 0.2
+    skipped = [log["number of skipped iterations"] == 1 for log in logs]
+    assert sum(skipped) >= 10  # 2^32 is far too high: the schedule is exercised
+    assert not any(skipped[-15:])  # ... and it settles (single overflows later are normal)
+    assert [log["loss scale"] for log in logs] == megatron_dynamic_grad_scaler(2.0**32, skipped)
+    # The last ten iterations read the same samples in both runs (a skipped iteration still
+    # consumes its batch, as Megatron's): fp16 has fallen as far as fp32 by then.
+    first = sum(log["lm loss"] for log in fp32[:5]) / 5
+    last_fp32 = sum(log["lm loss"] for log in fp32[-10:]) / 10
+    last_fp16 = sum(log["lm loss"] for log in logs[-10:]) / 10
+    assert first - last_fp32 > 0.4
+    assert last_fp16 == pytest.approx(last_fp32, abs=0.2)
+    final = os.path.join(tmp_path, "fp16", f"iter_{ITERATIONS:07d}", "mp_rank_00")
+    tensors = _tensors(load_any(os.path.join(final, "model_optim_rng.pt"))["model"])
+    assert tensors and all(torch.isfinite(t).all() for t in tensors)
+
+
+def _tensors(value) -> list[torch.Tensor]:  # noqa: ANN001 - a nested state dict
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
+
+
+GPU_CASES = {
+    **CASES,
+    "zero1-fp16": ["--fp16", "--initial-loss-scale", "4096", "--zero-stage", "1"],
+    "plain-bf16-flash": ["--bf16", "--use-flash-attn"],
+}
+
+
+@pytest.fixture(scope="module")
+def gpu_fp32_run(runs: Runs) -> tuple[list[float], str]:
+    done = launch(1, tiny_gpt_flags(runs.dataset) + SHORT, timeout=600, env=_GPU_ENV)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return [log["lm loss"] for log in iteration_logs(done.stdout)], done.stdout
+
+
+_GPU_ENV = {"CUDA_VISIBLE_DEVICES": "0", "DS_ACCELERATOR": "cuda"}
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_half_precision_tracks_fp32_on_gpu(case: str, runs: Runs, gpu_fp32_run) -> None:
+    """The same 50 iterations on one GPU (NCCL, CUDA kernels, DeepSpeed's CUDA accelerator
+    with fp16 too), against the GPU's fp32 run, which uses TF32 matmuls."""
+    fp32_losses, fp32_output = gpu_fp32_run
+    assert "compute fp32 (TF32 matmuls)" in fp32_output
+    flags = runs.flags(case.removesuffix("-flash").replace("zero1-fp16", "zero1-bf16"))
+    flags = [flag for flag in flags if flag != "--bf16"] + GPU_CASES[case]
+    done = launch(1, flags, timeout=600, env=_GPU_ENV)
+    assert done.returncode == 0, done.stdout[-3000:]
+    logs = iteration_logs(done.stdout)
+    assert len(logs) == ITERATIONS
+    assert all(log["number of nan iterations"] == 0 for log in logs)
+    assert all(log["number of skipped iterations"] == 0 for log in logs)
+    for log, expected in zip(logs, fp32_losses):
+        assert log["lm loss"] == pytest.approx(expected, rel=RELATIVE_TOLERANCE), log

@@ -150,6 +150,26 @@ def use_builtin_checkpointing() -> None:
     _DEEPSPEED_CHECKPOINTING = None
 
 
+def _autocast_device_types() -> tuple[str, ...]:
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def _autocast_states() -> dict[str, tuple[bool, torch.dtype]]:
+    """Whether autocast is on, and in which dtype, for each device type, now."""
+    return {
+        device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        for device in _autocast_device_types()
+    }
+
+
+def _autocast(states: dict[str, tuple[bool, torch.dtype]]) -> contextlib.ExitStack:
+    """Re-enter the autocast `states` recorded by `_autocast_states`."""
+    stack = contextlib.ExitStack()
+    for device, (enabled, dtype) in states.items():
+        stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+    return stack
+
+
 class _CheckpointFunction(torch.autograd.Function):
     """Run forward without saving activations; recompute under the same RNG in backward."""
 
@@ -160,6 +180,7 @@ class _CheckpointFunction(torch.autograd.Function):
         ctx.cpu_rng_state = torch.get_rng_state()
         ctx.device_rng_state = _device_rng_state()
         ctx.tracker_states = _TRACKER.get_states()
+        ctx.autocast_states = _autocast_states()
         with torch.no_grad():
             outputs = run_function(*inputs)
         # save_for_backward takes tensors (or None); anything else rides on ctx.
@@ -188,7 +209,9 @@ class _CheckpointFunction(torch.autograd.Function):
         _set_device_rng_state(ctx.device_rng_state)
         _TRACKER.set_states(ctx.tracker_states)
         try:
-            with torch.enable_grad():
+            # Backward runs outside the caller's autocast region: the recomputation must run
+            # in the forward's precision, or its activations (and gradients) differ.
+            with torch.enable_grad(), _autocast(ctx.autocast_states):
                 outputs = ctx.run_function(*detached)
         finally:
             torch.set_rng_state(current[0])
