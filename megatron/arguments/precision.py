@@ -12,6 +12,7 @@ that says so at start-up.
 from __future__ import annotations
 
 import argparse
+import math
 
 from megatron.arguments.ds_config import gradient_accumulation_dtype
 from megatron.arguments.errors import ArgumentError
@@ -109,6 +110,12 @@ def _loss_scaling(args: argparse.Namespace) -> str:
     if args.loss_scale:
         return f"static {args.loss_scale:g}"
     return (
-        f"dynamic from {args.initial_loss_scale:g} (window {args.loss_scale_window:g}, "
-        f"hysteresis {args.hysteresis}, min {args.min_loss_scale:g})"
+        f"dynamic from {_scale(args.initial_loss_scale)} (window {args.loss_scale_window:g}, "
+        f"hysteresis {args.hysteresis}, min {_scale(args.min_loss_scale)})"
     )
+
+
+def _scale(value: float) -> str:
+    """2^32 rather than 4.29497e+09: loss scales are powers of two, and read as such."""
+    power = math.log2(value) if value > 0 else math.nan
+    return f"2^{int(power)}" if power.is_integer() and power > 10 else f"{value:g}"
