@@ -16,7 +16,8 @@ import subprocess
 
 import pytest
 
-from megatron.arguments import parse_args
+from megatron.arguments.parser import build_parser, typed_flags
+from megatron.arguments.validation import validate_args
 from megatron.training.monitor import parse_iteration_log, parse_validation_line
 from tests.conftest import REPO_ROOT
 from tests.pretrain_runs import cpu_env
@@ -109,7 +110,10 @@ def test_ds_configs_reconcile(config: str) -> None:
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
     argv += ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8"]
     argv += ["--train-iters", "4", "--lr", "1e-3", "--deepspeed", "--deepspeed_config", config]
-    args = parse_args(argv, world_size=2)
+    # The flags' logic alone: whether this machine's accelerator runs fp16 is parse_args'
+    # separate device check (tests/arguments/test_precision.py).
+    parser = build_parser()
+    args = validate_args(parser.parse_args(argv), 2, typed_flags(parser, argv))
     dsc = args.deepspeed_config_dict
     assert dsc["train_batch_size"] == 8 and dsc["gradient_accumulation_steps"] == 2
     assert args.zero_stage == dsc["zero_optimization"]["stage"]
