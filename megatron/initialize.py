@@ -8,9 +8,11 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import random
 import socket
+import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -41,8 +43,14 @@ def _single_process_environment() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
-def initialize_distributed(backend: str, local_rank: int, use_deepspeed: bool) -> None:
-    """Join the default process group over `backend` (nccl on GPUs, gloo on CPUs)."""
+def initialize_distributed(
+    backend: str, local_rank: int, use_deepspeed: bool, timeout_minutes: int = 10
+) -> None:
+    """Join the default process group over `backend` (nccl on GPUs, gloo on CPUs).
+
+    A collective that waits longer than `timeout_minutes` (--distributed-timeout-minutes) for
+    the other ranks fails the run instead of hanging it.
+    """
     if dist.is_initialized():
         return
     if torch.cuda.is_available():
@@ -52,9 +60,22 @@ def initialize_distributed(backend: str, local_rank: int, use_deepspeed: bool) -
     if use_deepspeed:
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=30))
+        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
     else:
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def write_whole_lines() -> None:
+    """Make every print in this process (ours, DeepSpeed's) reach stdout/stderr a line at once.
+
+    Ranks share one terminal or log file. Under `python -u` / PYTHONUNBUFFERED, `print` writes
+    its text and its newline separately, and piped output is otherwise flushed in 8 KB blocks
+    that end mid-line; either way a DeepSpeed line (`steps_per_print`) from one rank can cut an
+    iteration line from another in two. Line buffering writes each line in one call.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def enable_tf32() -> bool:
@@ -98,9 +119,15 @@ def initialize_megatron(
     `args_defaults` fills flags the user did not give (Megatron's `args_defaults`, e.g.
     `{"tokenizer_type": "GPT2BPETokenizer"}`). Returns the validated namespace.
     """
+    write_whole_lines()
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
     args = parse_args(argv, extra_args_provider, world_size, defaults=args_defaults)
-    initialize_distributed(args.distributed_backend, args.local_rank, args.deepspeed)
+    initialize_distributed(
+        args.distributed_backend,
+        args.local_rank,
+        args.deepspeed,
+        getattr(args, "distributed_timeout_minutes", 10),
+    )
     if dist.get_world_size() != args.world_size:
         raise RuntimeError(
             f"the launcher started {dist.get_world_size()} processes but WORLD_SIZE said "
@@ -129,6 +156,6 @@ def initialize_megatron(
     )
     print_rank_0(batch_arithmetic(args))
     print_rank_0(precision_summary(args, tf32=enable_tf32()))
-    for warning in precision_warnings(args):
-        print_rank_0(warning)
+    for line in precision_warnings(args) + args.deepspeed_config_notes:
+        print_rank_0(line)
     return args

@@ -113,6 +113,17 @@ class GPTModelPipe(PipelineModule):
             ),
         )
 
+    def _synchronize_tied_weights(self) -> None:
+        """DeepSpeed's broadcast of the tied embedding weight, outside autograd.
+
+        DeepSpeed calls `dist.broadcast` on the parameter itself with grad enabled (at
+        construction and after loading a checkpoint); autograd then records the in-place
+        `c10d::broadcast_`, which has no autograd kernel, and the first backward warns that
+        gradients may be silently wrong. A broadcast is a copy of values: no gradient to track.
+        """
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
 
 def gpt_to_pipeline_name(name: str, num_layers: int) -> str:
     """Map a `GPTModel` state-dict key to the matching `GPTModelPipe` key."""
