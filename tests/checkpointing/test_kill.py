@@ -1,18 +1,18 @@
-"""Crash safety: SIGKILL a real run at each step of the commit protocol, and at random moments.
+"""Crash safety: SIGKILL a real run at each step of the commit protocol.
 
 The deterministic test kills rank 0 at each named point of `megatron.checkpointing.commit.commit`
 (`MEGATRON_CHECKPOINT_FAULT`), one launch after another on the same directory: after each kill
 every directory under a final name loads completely, our readers and the repaired files agree
 on the newest one, and the next launch resumes from exactly that one; the run then finishes
-with the same bytes as one never interrupted. The random test adds kills at moments no one
-chose (inside saves and mid-step), checking the same rule. SIGTERM with
-`--exit-signal-handler` saves and exits 0.
+with the same bytes as one never interrupted. (Kills at random moments were tested too until
+issue 16: they cost one to three minutes of the CI budget and covered no point the named
+faults miss, and their timing was chance.) SIGTERM with `--exit-signal-handler` saves and
+exits 0.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import signal
@@ -27,7 +27,6 @@ from tests.conftest import REPO_ROOT
 from tests.pretrain_runs import iteration_logs, launch, signal_tree, start, tiny_gpt_flags
 
 TRAIN_ITERS = 16
-RANDOM_ATTEMPTS = 3
 DS_ZERO2 = ["--deepspeed", "--deepspeed_config", f"{REPO_ROOT}/examples/ds_configs/ds_zero2.json"]
 # ZeRO-2 over 2 ranks writes: the model file and one optimizer shard per rank.
 EXPECTED_FILES = {
@@ -140,46 +139,6 @@ def test_sigkill_at_each_commit_step_resumes_from_newest_complete(
     assert read_deepspeed_tag(save) == f"global_step{CHAIN_ITERS}"
     assert read_tracker(save) == (CHAIN_ITERS, False)
     last = f"global_step{CHAIN_ITERS}"
-    assert differences(os.path.join(straight_dir, last), os.path.join(save, last)) == []
-
-
-@pytest.mark.slow
-def test_sigkill_at_random_moments_always_resumes_from_newest_complete(
-    stdlib_dataset: str, tmp_path
-) -> None:
-    straight_dir = str(tmp_path / "straight")
-    straight = launch(2, _flags(stdlib_dataset, straight_dir))
-    assert straight.returncode == 0, straight.stdout[-3000:]
-
-    save = str(tmp_path / "killed")
-    chooser = random.Random(20261122)
-    # Where these kills land is chance; only what must hold wherever they land is asserted
-    # (the deterministic test above covers each step of a save).
-    kills = 0
-    for attempt in range(RANDOM_ATTEMPTS):
-        tracked_before = _tracked(save) if os.path.isdir(save) else None
-        log_path = str(tmp_path / f"attempt{attempt}.log")
-        process = start(2, _flags(stdlib_dataset, save), log_path)
-        if tracked_before is not None:
-            _wait_for(log_path, "loaded deepspeed checkpoint", 1, process)
-            with open(log_path) as log:
-                assert f"at iteration {tracked_before}" in log.read()
-        # Even attempts: kill right after a save starts; odd ones: in the middle of a step.
-        pattern = "saving checkpoint at iteration" if attempt % 2 == 0 else "| consumed samples:"
-        if _wait_for(log_path, pattern, chooser.randint(1, 2), process):
-            time.sleep(chooser.uniform(0.0, 0.01 if attempt % 2 == 0 else 0.5))
-            signal_tree(process, signal.SIGKILL)
-            kills += 1
-        process.wait(timeout=60)
-        complete = _complete_checkpoints(save) if os.path.isdir(save) else []
-        tracked = _tracked(save) if os.path.isdir(save) else None
-        assert tracked == (max(complete) if complete else None), (tracked, complete)
-    assert kills == RANDOM_ATTEMPTS  # every run was still training when its moment came
-
-    final = launch(2, _flags(stdlib_dataset, save))
-    assert final.returncode == 0, final.stdout[-3000:]
-    assert iteration_logs(final.stdout)[-1]["iteration"] == TRAIN_ITERS
-    last = f"global_step{TRAIN_ITERS}"
     assert differences(os.path.join(straight_dir, last), os.path.join(save, last)) == []
 
 
