@@ -103,6 +103,8 @@ class ModelConfig:
     """`learned_absolute` (GPT-2) or `rope` (`--use-rotary-position-embeddings`)."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that rotary embeddings rotate (`--rotary-percent`)."""
+    rotary_base: float = 10000.0
+    """Base of the rotary angles (`--rotary-position-embeddings-theta`, RoPE theta)."""
     attention_backend: str = "sdpa"
     """`sdpa` (torch's fused attention), `flash` (flash kernels only) or `unfused` (explicit)."""
     apply_query_key_layer_scaling: bool = False
@@ -198,6 +200,7 @@ class ModelConfig:
                 "rope" if get("use_rotary_position_embeddings") else "learned_absolute"
             ),
             rotary_percent=get("rotary_percent", 1.0),
+            rotary_base=float(get("rope_theta", 10000)),
             attention_backend=backend,
             apply_query_key_layer_scaling=bool(get("apply_query_key_layer_scaling")),
             params_dtype=model_params_dtype(args),

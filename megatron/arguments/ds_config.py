@@ -18,11 +18,6 @@ from typing import Any
 
 from megatron.arguments.errors import ArgumentError
 
-# Sections DeepSpeed would use to build its own optimizer or scheduler; we hand it ours.
-OWNED_SECTIONS = {
-    "optimizer": "Adam (from --optimizer, --lr, --weight-decay, --adam-beta1/2, --adam-eps)",
-    "scheduler": "OptimizerParamScheduler (from --lr, --min-lr, --lr-decay-*, --lr-warmup-*)",
-}
 # DeepSpeed prints its own line every `steps_per_print` steps; our loop prints Megatron's. Its
 # default (None) also stays quiet, but the pipeline engine's timer logging computes
 # `global_steps % steps_per_print` unguarded, so a number that is never reached is the safe "off".
@@ -85,13 +80,8 @@ def reconcile_deepspeed_config(
     """
     if source is None:
         source = f"--deepspeed_config {args.deepspeed_config}"
-    for key, ours in OWNED_SECTIONS.items():
-        if key in config:
-            raise ArgumentError(
-                f'{source}: remove the "{key}" section; this project passes its own {ours} '
-                "to deepspeed.initialize"
-            )
     shared = _SharedFacts(args, copy.deepcopy(config), explicit_flags, source)
+    _features_we_lack(shared)
     _batch(shared)
     _precision(shared)
     shared.share("clip_grad", "gradient_clipping", float)
@@ -101,6 +91,7 @@ def reconcile_deepspeed_config(
     shared.config.setdefault("zero_allow_untested_optimizer", True)
     shared.config.setdefault("steps_per_print", STEPS_PER_PRINT_NEVER)
     shared.config.setdefault("wall_clock_breakdown", False)
+    args.deepspeed_config_notes = getattr(args, "deepspeed_config_notes", []) + shared.notes
     if getattr(args, "universal_checkpoint", False):
         # Megatron-DeepSpeed's flag: load a checkpoint converted by ds_to_universal.
         shared.config.setdefault("checkpoint", {})["load_universal"] = True
@@ -111,6 +102,37 @@ def _same(value: Any) -> Any:
     return value
 
 
+def _enabled(config: dict, *path: str) -> bool:
+    for key in path:
+        config = config.get(key) if isinstance(config, dict) else None
+    return isinstance(config, dict) and bool(config.get("enabled", False))
+
+
+def _features_we_lack(shared: _SharedFacts) -> None:
+    """Sections Megatron-DeepSpeed's model code acts on: refused when on, set aside when off."""
+    config, source = shared.config, shared.source
+    if "curriculum_learning" in config and not _enabled(config, "curriculum_learning"):
+        # Megatron-DeepSpeed's templates carry it disabled; DeepSpeed 0.19 rejects the legacy
+        # top-level key whatever it says, so a disabled one is dropped (it does nothing).
+        del config["curriculum_learning"]
+        shared.notes.append(
+            f' > {source}: its disabled "curriculum_learning" section is left out (DeepSpeed '
+            "0.19 no longer accepts this legacy key)"
+        )
+    if _enabled(config, "curriculum_learning"):
+        raise ArgumentError(
+            f'{source}: "curriculum_learning" is enabled, but sequence-length curriculum '
+            'learning is not built here; set its "enabled" to false'
+        )
+    if _enabled(config, "data_efficiency"):
+        for feature in ("data_sampling", "data_routing"):
+            if _enabled(config, "data_efficiency", feature):
+                raise ArgumentError(
+                    f'{source}: "data_efficiency.{feature}" is enabled, but DeepSpeed\'s '
+                    f'data-efficiency library is not built here; set its "enabled" to false'
+                )
+
+
 class _SharedFacts:
     """The config being built and the flags it is checked against, one `share` per fact."""
 
@@ -118,6 +140,7 @@ class _SharedFacts:
         self, args: argparse.Namespace, config: dict, explicit_flags: set[str], source: str
     ) -> None:
         self.args, self.config, self.explicit, self.source = args, config, explicit_flags, source
+        self.notes: list[str] = []  # start-up warnings (flags the config overrules)
 
     def section(self, name: str) -> dict:
         """The config's object `name` (created empty when absent)."""
@@ -133,9 +156,11 @@ class _SharedFacts:
         kind: type,
         to_config: Callable[[Any], Any] = _same,
         from_config: Callable[[Any], Any] = _same,
+        config_wins: bool = False,
     ) -> None:
         """Flag `dest` and config `key` ("section.leaf" nests): disagreeing is an error if the
-        flag was typed; otherwise the side that is silent takes the other's value."""
+        flag was typed (a warning, the config's value in effect, if `config_wins`); otherwise
+        the side that is silent takes the other's value."""
         section_name, _, leaf = key.rpartition(".")
         section = self.section(section_name) if section_name else self.config
         flag, flag_value = "--" + dest.replace("_", "-"), getattr(self.args, dest)
@@ -147,6 +172,14 @@ class _SharedFacts:
         if not is_kind(value):
             raise ArgumentError(f'{self.source}: "{key}" must be {kind_text}, not {value!r}')
         if dest in self.explicit and self._converted(flag, flag_value, to_config) != value:
+            if config_wins:
+                self.notes.append(
+                    f' > warning: {flag} ({flag_value}) is not used under --deepspeed; "{key}" '
+                    f"({json.dumps(value)}) in {self.source} is in effect, as in "
+                    "Megatron-DeepSpeed"
+                )
+                setattr(self.args, dest, from_config(value))
+                return
             raise ArgumentError(
                 f'{flag} ({flag_value}) contradicts "{key}" ({json.dumps(value)}) in '
                 f"{self.source}; state it in one place"
@@ -240,14 +273,20 @@ def _precision(shared: _SharedFacts) -> None:
         )
     if not args.fp16:
         return
-    # Megatron's loss-scaling flags in DeepSpeed's terms (loss_scale 0 = dynamic).
+    # Megatron's loss-scaling flags in DeepSpeed's terms (loss_scale 0 = dynamic). They fill
+    # what the config leaves out; where it states a value, it wins: Megatron-DeepSpeed never
+    # reads these flags under --deepspeed, so scripts pass ones the config contradicts
+    # (universal_checkpointing/run_fp16.sh: --loss-scale 12 with a dynamic "loss_scale": 0).
+    wins = {"config_wins": True}
     shared.share(
-        "loss_scale", "fp16.loss_scale", float, lambda s: s or 0, lambda s: float(s) or None
+        "loss_scale", "fp16.loss_scale", float, lambda s: s or 0, lambda s: float(s) or None, **wins
     )
-    shared.share("initial_loss_scale", "fp16.initial_scale_power", int, _log2, lambda p: 2.0**p)
-    shared.share("loss_scale_window", "fp16.loss_scale_window", int, _whole)
-    shared.share("hysteresis", "fp16.hysteresis", int)
-    shared.share("min_loss_scale", "fp16.min_loss_scale", int, _whole)
+    shared.share(
+        "initial_loss_scale", "fp16.initial_scale_power", int, _log2, lambda p: 2.0**p, **wins
+    )
+    shared.share("loss_scale_window", "fp16.loss_scale_window", int, _whole, **wins)
+    shared.share("hysteresis", "fp16.hysteresis", int, **wins)
+    shared.share("min_loss_scale", "fp16.min_loss_scale", int, _whole, **wins)
 
 
 def _zero(shared: _SharedFacts) -> None:

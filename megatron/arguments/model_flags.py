@@ -13,7 +13,11 @@ def add_model_size_flags(parser: argparse.ArgumentParser) -> None:
     """The model size flags."""
     group = parser.add_argument_group("model size")
     group.add_argument(
-        "--num-layers", type=int, default=None, help="Number of transformer layers (required)."
+        "--num-layers",
+        "--encoder-num-layers",
+        type=int,
+        default=None,
+        help="Number of transformer layers (required).",
     )
     group.add_argument(
         "--hidden-size", type=int, default=None, help="Transformer hidden size h (required)."
@@ -34,7 +38,11 @@ def add_model_size_flags(parser: argparse.ArgumentParser) -> None:
         help="Per-head width; h / attention heads when unset.",
     )
     group.add_argument(
-        "--seq-length", type=int, default=None, help="Tokens per training sample (required)."
+        "--seq-length",
+        "--encoder-seq-length",
+        type=int,
+        default=None,
+        help="Tokens per training sample (required).",
     )
     group.add_argument(
         "--max-position-embeddings",
@@ -64,6 +72,13 @@ def add_model_size_flags(parser: argparse.ArgumentParser) -> None:
         "guard); takes effect only with --fp16, where it selects the unfused attention path.",
     )
     group.add_argument(
+        "--no-query-key-layer-scaling",
+        dest="apply_query_key_layer_scaling",
+        action="store_false",
+        help="Megatron-DeepSpeed's spelling of leaving --apply-query-key-layer-scaling off "
+        "(the default here).",
+    )
+    group.add_argument(
         "--openai-gelu",
         action="store_true",
         help="Use the tanh approximation of GeLU (as OpenAI's GPT-2); it is already the "
@@ -73,6 +88,13 @@ def add_model_size_flags(parser: argparse.ArgumentParser) -> None:
         "--use-rotary-position-embeddings",
         action="store_true",
         help="Use rotary position embeddings (RoPE) instead of learned absolute positions.",
+    )
+    group.add_argument(
+        "--rotary-position-embeddings-theta",
+        dest="rope_theta",
+        type=int,
+        default=10000,
+        help="Base of the rotary angles (RoPE theta).",
     )
     group.add_argument(
         "--rotary-percent",
@@ -99,6 +121,31 @@ def add_regularization_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.01,
         help="Decoupled (AdamW) weight decay; biases and 1-D (layer-norm) weights get none.",
+    )
+    group.add_argument(
+        "--start-weight-decay",
+        type=float,
+        default=None,
+        help="Weight decay at the start of a --weight-decay-incr-style linear/cosine ramp.",
+    )
+    group.add_argument(
+        "--end-weight-decay",
+        type=float,
+        default=None,
+        help="Weight decay at the end of the ramp (reached at the last training sample).",
+    )
+    group.add_argument(
+        "--weight-decay-incr-style",
+        choices=["constant", "linear", "cosine"],
+        default="constant",
+        help="How weight decay moves from --start-weight-decay to --end-weight-decay; "
+        "constant keeps --weight-decay.",
+    )
+    group.add_argument(
+        "--sgd-momentum",
+        type=float,
+        default=0.9,
+        help="Accepted without effect: Megatron's SGD momentum; --optimizer sgd is not built here.",
     )
     group.add_argument(
         "--clip-grad", type=float, default=1.0, help="Max global gradient L2 norm; 0 = no clipping."
@@ -196,8 +243,16 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tokenizer-type",
         default="GPT2BPETokenizer",
-        choices=["GPT2BPETokenizer"],
-        help="Tokenizer; only %(default)s is supported.",
+        choices=[
+            "GPT2BPETokenizer",
+            "BertWordPieceLowerCase",
+            "BertWordPieceCase",
+            "SentencePieceTokenizer",
+            "GPTSentencePieceTokenizer",
+            "HFTokenizer",
+            "NullTokenizer",
+        ],
+        help="Tokenizer; only %(default)s is built here (the others are refused in one line).",
     )
     group.add_argument(
         "--eod-mask-loss", action="store_true", help="Leave end-of-document tokens out of the loss."

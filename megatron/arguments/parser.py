@@ -16,7 +16,7 @@ import copy
 import os
 from collections.abc import Callable, Sequence
 
-from megatron.arguments import model_flags, run_flags
+from megatron.arguments import compat_flags, model_flags, run_flags
 from megatron.arguments.errors import ArgumentError
 from megatron.arguments.precision import check_precision_on_this_machine
 from megatron.arguments.validation import validate_args
@@ -35,14 +35,26 @@ FLAG_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     run_flags.add_logging_flags,
     run_flags.add_distributed_flags,
     run_flags.add_deepspeed_flags,
+    compat_flags.add_compat_flags,
 )
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: `prog: error: ...`, without the usage wall.
+
+    The usage of ~350 flags buries the one line that matters (`unrecognized arguments: ...`,
+    `invalid choice: ...`); `--help` still prints it.
+    """
+
+    def error(self, message: str) -> None:  # noqa: D102 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser(
     extra_args_provider: Callable[[argparse.ArgumentParser], object] | None = None,
 ) -> argparse.ArgumentParser:
     """The full parser: Megatron's groups, the caller's extras, then DeepSpeed's flags."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         description="Megatron-style GPT pretraining with DeepSpeed", allow_abbrev=False
     )
     for add_group in FLAG_GROUPS:

@@ -47,6 +47,13 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
         help="Samples to train for (sets the iteration count); give this or --train-iters.",
     )
     group.add_argument(
+        "--train-tokens",
+        type=int,
+        default=None,
+        help="Also stop once this many tokens (global batch x sequence length per iteration, "
+        "over all runs) are consumed, as in Megatron-DeepSpeed.",
+    )
+    group.add_argument(
         "--exit-interval",
         type=int,
         default=None,
@@ -91,7 +98,13 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
         "only); unset keeps all activations.",
     )
     group.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="Megatron's shorthand for --recompute-granularity selective.",
+    )
+    group.add_argument(
         "--recompute-method",
+        "--activations-checkpoint-method",
         choices=["uniform", "block"],
         default=None,
         help="For full recomputation: uniform (every chunk of N layers) or block (only the "
@@ -105,6 +118,7 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--distribute-saved-activations",
+        "--distribute-checkpointed-activations",
         action="store_true",
         help="Keep only this tensor-parallel rank's share of each recomputed chunk's input "
         "(not with --sequence-parallel).",
@@ -130,6 +144,9 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--use-flash-attn",
+        "--use-flash-attn-v1",
+        "--use-flash-attn-triton",
+        "--use-flash-attn-builder",
         action="store_true",
         help="Use flash attention (the flash_attn package if installed, else torch's flash "
         "kernel, compute capability 8.0+); needs a CUDA GPU.",
@@ -166,7 +183,7 @@ def add_learning_rate_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate the decay ends at.")
     group.add_argument(
         "--lr-decay-style",
-        choices=["constant", "linear", "cosine"],
+        choices=["constant", "linear", "cosine", "inverse-square-root"],
         default="linear",
         help="Decay from --lr to --min-lr after warmup (default: %(default)s).",
     )
@@ -202,13 +219,29 @@ def add_learning_rate_flags(parser: argparse.ArgumentParser) -> None:
         help="Linear warmup samples (with --train-samples).",
     )
     group.add_argument(
+        "--lr-warmup-tokens",
+        type=int,
+        default=None,
+        help="Linear warmup over this many consumed tokens (Megatron-DeepSpeed); replaces the "
+        "iteration/sample warmup.",
+    )
+    group.add_argument(
+        "--lr-decay-tokens",
+        type=int,
+        default=None,
+        help="Decay over this many consumed tokens (Megatron-DeepSpeed); replaces the "
+        "iteration/sample decay span.",
+    )
+    group.add_argument(
         "--override-lr-scheduler",
+        "--override-opt_param-scheduler",
         action="store_true",
         help="On resume, take the schedule (lr, min lr, warmup, decay) from the command line, "
         "not the checkpoint.",
     )
     group.add_argument(
         "--use-checkpoint-lr-scheduler",
+        "--use-checkpoint-opt_param-scheduler",
         action="store_true",
         help="On resume, take the schedule from the checkpoint, ignoring the command line "
         "(without either flag they must match).",
@@ -296,7 +329,58 @@ def add_logging_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--log-timers-to-tensorboard",
         action="store_true",
-        help="Also write the train-step timer every --log-interval; needs --timing-log-level 1+.",
+        help="Also write the timers (level 1 and up, whatever --timing-log-level says) every "
+        "--log-interval.",
+    )
+    group.add_argument(
+        "--tensorboard-queue-size",
+        type=int,
+        default=1000,
+        help="Events TensorBoard's writer queues before it flushes to disk.",
+    )
+    group.add_argument(
+        "--log-batch-size-to-tensorboard",
+        action="store_true",
+        help="Also write the global batch size (batch-size, and vs samples).",
+    )
+    group.add_argument(
+        "--log-validation-ppl-to-tensorboard",
+        action="store_true",
+        help="Also write validation perplexity next to each validation loss.",
+    )
+    group.add_argument(
+        "--log-optimizer-states-to-tensorboard",
+        action="store_true",
+        help="Also write norms of Adam's first and second moments and of the weights "
+        "(costs one pass over the optimizer state per log).",
+    )
+    group.add_argument(
+        "--log-memory-to-tensorboard",
+        action="store_true",
+        help="Also write the memory in use (CUDA allocator, or the process's resident set).",
+    )
+    group.add_argument(
+        "--log-world-size-to-tensorboard",
+        action="store_true",
+        help="Also write the number of processes.",
+    )
+    group.add_argument(
+        "--no-log-learnig-rate-to-tensorboard",
+        dest="log_learning_rate_to_tensorboard",
+        action="store_false",
+        help="Do not write the learning rate (Megatron's spelling, typo included).",
+    )
+    group.add_argument(
+        "--no-log-loss-scale-to-tensorboard",
+        dest="log_loss_scale_to_tensorboard",
+        action="store_false",
+        help="Do not write the loss scale.",
+    )
+    group.add_argument(
+        "--log-params-norm",
+        action="store_true",
+        help="Compute the L2 norm of all parameters; print it in the iteration line and "
+        "write it to TensorBoard.",
     )
     group.add_argument(
         "--timing-log-level",
@@ -305,6 +389,12 @@ def add_logging_flags(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="0: time iterations only; 1 or 2: also print the train-step timer (min/max over "
         "ranks) every --log-interval.",
+    )
+    group.add_argument(
+        "--timing-log-option",
+        choices=["max", "minmax", "all"],
+        default="minmax",
+        help="Which times over ranks the timers print: the max, the min and max, or each rank's.",
     )
     group.add_argument(
         "--wandb-project",
@@ -322,6 +412,12 @@ def add_logging_flags(parser: argparse.ArgumentParser) -> None:
 def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
     """The distributed flags."""
     group = parser.add_argument_group("parallelism")
+    group.add_argument(
+        "--distributed-timeout-minutes",
+        type=int,
+        default=10,
+        help="How long a collective may wait for the other ranks before the run fails.",
+    )
     group.add_argument(
         "--tensor-model-parallel-size", type=int, default=1, help="GPUs each layer is split across."
     )

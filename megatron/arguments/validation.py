@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 
+from megatron.arguments.compat_flags import refuse_unsupported_flags
 from megatron.arguments.ds_config import (
     load_deepspeed_config,
     reconcile_deepspeed_config,
     settle_gradient_accumulation_dtype,
 )
+from megatron.arguments.ds_unused_sections import set_aside_unused_sections
 from megatron.arguments.errors import ArgumentError
 from megatron.arguments.precision import check_flash_attention_precision
 from megatron.config import model_params_dtype
@@ -130,6 +132,36 @@ def _schedule_units(args: argparse.Namespace) -> None:
         raise ArgumentError(
             f"{' and '.join(ignored)} cannot be combined with {length}: with {length} the LR "
             f"schedule is counted in {unit}"
+        )
+
+
+def _their_spellings(args: argparse.Namespace, typed: set[str] | None) -> None:
+    """Megatron-DeepSpeed's flags: features we lack refused in one line, shorthands expanded."""
+    refuse_unsupported_flags(args, typed)
+    tokenizer = getattr(args, "tokenizer_type", "GPT2BPETokenizer")
+    if tokenizer != "GPT2BPETokenizer":
+        raise ArgumentError(
+            f"--tokenizer-type {tokenizer}: only GPT2BPETokenizer (--vocab-file/--merge-file) "
+            "is built here"
+        )
+    if getattr(args, "recompute_activations", False):
+        # Megatron's shorthand, expanded (and the flag dropped) as its validate_args does.
+        if args.recompute_granularity not in (None, "selective"):
+            raise ArgumentError(
+                "--recompute-activations means --recompute-granularity selective, not "
+                f"{args.recompute_granularity}"
+            )
+        args.recompute_granularity = "selective"
+    style = getattr(args, "weight_decay_incr_style", "constant")
+    start, end = getattr(args, "start_weight_decay", None), getattr(args, "end_weight_decay", None)
+    if style == "constant" and (start is not None or end is not None):
+        raise ArgumentError(
+            "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or "
+            "cosine (constant keeps --weight-decay)"
+        )
+    if style != "constant" and (start is None or end is None):
+        raise ArgumentError(
+            f"--weight-decay-incr-style {style} needs --start-weight-decay and --end-weight-decay"
         )
 
 
@@ -291,6 +323,9 @@ def validate_args(
     args.deepspeed_config_dict = getattr(args, "deepspeed_config_dict", None)
     args.deepspeed = bool(getattr(args, "deepspeed", False))
     args.deepspeed_config = getattr(args, "deepspeed_config", None)
+    # Start-up lines about the DeepSpeed config (printed by initialize_megatron).
+    args.deepspeed_config_notes = []
+    _their_spellings(args, explicit_flags)
     _parallel_sizes(args, world_size)
     _model_shape(args)
     if args.deepspeed:
@@ -306,6 +341,10 @@ def validate_args(
     _data_files(args)
     _backend(args)
     args.params_dtype = model_params_dtype(args)
+    if args.deepspeed:
+        args.deepspeed_config_notes += set_aside_unused_sections(
+            args, args.deepspeed_config_dict, config_source
+        )
     return args
 
 
@@ -323,6 +362,8 @@ def format_arguments(args: argparse.Namespace) -> str:
     """Megatron's sorted argument block (`------ arguments ------`, name ........ value)."""
     lines = ["------------------------ arguments ------------------------"]
     for name in sorted(vars(args), key=str.lower):
+        if name == "deepspeed_config_notes":
+            continue  # printed as their own start-up lines
         dots = "." * (48 - len(name))
         lines.append(f"  {name} {dots} {getattr(args, name)}")
     lines.append("-------------------- end of arguments ---------------------")

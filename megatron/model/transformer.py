@@ -97,7 +97,7 @@ class ParallelAttention(nn.Module):
         )
         self.core_attention = CoreAttention(config, layer_number)
         self.rotary = (
-            RotaryEmbedding(config.kv_channels, config.rotary_percent)
+            RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
             if config.position_embedding_type == "rope"
             else None
         )

@@ -130,21 +130,6 @@ def test_typed_flags_fill_the_config(tmp_path):
             {"zero_optimization": {"stage": 2}},
             '--zero-stage (1) vs "zero_optimization.stage" (2)',
         ),
-        (
-            "--fp16 --loss-scale 128",
-            {"fp16": {"enabled": True, "loss_scale": 0}},
-            '--loss-scale (128.0) vs "fp16.loss_scale" (0)',
-        ),
-        (
-            "--fp16 --initial-loss-scale 1024",
-            {"fp16": {"enabled": True, "initial_scale_power": 16}},
-            '--initial-loss-scale (1024.0) vs "fp16.initial_scale_power" (16)',
-        ),
-        (
-            "--fp16 --hysteresis 4",
-            {"fp16": {"enabled": True, "hysteresis": 2}},
-            '--hysteresis (4) vs "fp16.hysteresis" (2)',
-        ),
     ],
 )
 def test_typed_flag_contradicting_the_config_names_both(tmp_path, extra, config, conflict):
@@ -153,6 +138,44 @@ def test_typed_flag_contradicting_the_config_names_both(tmp_path, extra, config,
     expected += f" in --deepspeed_config {tmp_path}/ds.json; state it in one place"
     with pytest.raises(ArgumentError, match=re.escape(expected)):
         validated(tmp_path, config, extra)
+
+
+@pytest.mark.parametrize(
+    "extra, config, dest, in_effect, named",
+    [
+        (
+            "--fp16 --loss-scale 128",
+            {"fp16": {"enabled": True, "loss_scale": 0}},
+            "loss_scale",
+            None,
+            '--loss-scale (128.0) is not used under --deepspeed; "fp16.loss_scale" (0)',
+        ),
+        (
+            "--fp16 --initial-loss-scale 1024",
+            {"fp16": {"enabled": True, "initial_scale_power": 16}},
+            "initial_loss_scale",
+            65536.0,
+            "--initial-loss-scale (1024.0) is not used under --deepspeed; "
+            '"fp16.initial_scale_power" (16)',
+        ),
+        (
+            "--fp16 --hysteresis 4",
+            {"fp16": {"enabled": True, "hysteresis": 2}},
+            "hysteresis",
+            2,
+            '--hysteresis (4) is not used under --deepspeed; "fp16.hysteresis" (2)',
+        ),
+    ],
+)
+def test_the_config_overrules_typed_loss_scale_flags_with_a_warning(
+    tmp_path, extra, config, dest, in_effect, named
+):
+    """Megatron-DeepSpeed never reads the loss-scale flags under --deepspeed: the config's
+    values are in effect (real scripts pass ones it contradicts), and start-up says so."""
+    args = validated(tmp_path, config, extra)
+    assert getattr(args, dest) == in_effect
+    (warning,) = [line for line in args.deepspeed_config_notes if named in line]
+    assert warning.endswith("is in effect, as in Megatron-DeepSpeed")
 
 
 def test_batch_rule_mismatch_names_the_numbers(tmp_path):
@@ -213,15 +236,6 @@ def test_zero_stage_both_directions(tmp_path):
     assert validated(tmp_path, {"zero_optimization": {"stage": 1}}).zero_stage == 1
     with pytest.raises(ArgumentError, match=r'"zero_optimization.stage" must be 0, 1, 2 or 3'):
         validated(tmp_path, {"zero_optimization": {"stage": 4}})
-
-
-@pytest.mark.parametrize("section", ["optimizer", "scheduler"])
-def test_optimizer_and_scheduler_sections_are_refused(tmp_path, section):
-    """We pass our own Adam and scheduler to deepspeed.initialize: the file must not build one."""
-    config = {section: {"type": "Adam", "params": {}}}
-    expected = f'--deepspeed_config {tmp_path}/ds.json: remove the "{section}" section'
-    with pytest.raises(ArgumentError, match=re.escape(expected)):
-        validated(tmp_path, config)
 
 
 def test_input_dict_and_file_are_left_alone(tmp_path):
@@ -329,3 +343,31 @@ def test_deepspeed_accepts_the_reconciled_config(tmp_path, monkeypatch, config, 
     assert parsed.zero_allow_untested_optimizer and parsed.steps_per_print == STEPS_PER_PRINT_NEVER
     if args.fp16:
         assert parsed.float16_config.initial_dynamic_scale() == args.initial_loss_scale
+
+
+def test_a_disabled_curriculum_section_is_left_out_for_deepspeed(tmp_path):
+    """Megatron-DeepSpeed's templates carry "curriculum_learning": {"enabled": false};
+    DeepSpeed 0.19 refuses the legacy key whatever it says, so it never reaches DeepSpeed."""
+    args = validated(tmp_path, {"curriculum_learning": {"enabled": False, "min_difficulty": 8}})
+    assert "curriculum_learning" not in args.deepspeed_config_dict
+    assert any('disabled "curriculum_learning"' in note for note in args.deepspeed_config_notes)
+
+
+@pytest.mark.parametrize(
+    "config, named",
+    [
+        ({"curriculum_learning": {"enabled": True}}, '"curriculum_learning" is enabled'),
+        (
+            {"data_efficiency": {"enabled": True, "data_routing": {"enabled": True}}},
+            '"data_efficiency.data_routing" is enabled',
+        ),
+    ],
+)
+def test_data_efficiency_features_that_are_on_are_refused(tmp_path, config, named):
+    with pytest.raises(ArgumentError, match=re.escape(named)):
+        validated(tmp_path, config)
+
+
+def test_data_efficiency_with_every_feature_off_is_accepted(tmp_path):
+    config = {"data_efficiency": {"enabled": True, "data_sampling": {"enabled": False}}}
+    assert validated(tmp_path, config).deepspeed_config_dict["data_efficiency"]["enabled"]

@@ -1,0 +1,470 @@
+"""Megatron-DeepSpeed and Megatron-LM flags that have no effect here, or name features we lack.
+
+Users bring command lines that work on Megatron-DeepSpeed. Every flag of its `arguments.py`
+(and the Megatron-LM spellings users carry over) parses here, so a script never dies on
+argparse's "unrecognized arguments". Each flag below is one of two kinds:
+
+- inert: accepted and without effect, because what it tunes does not exist here (apex kernels,
+  Megatron's own DDP and pipeline communication, GPU overlap knobs) or cannot change the
+  result. Its help text says why; docs/arguments.md lists them all.
+- refused: a feature we do not build (MoE, DeepSpeed-Ulysses, zero-bubble pipelines, LLaMA
+  variants, other model families). Its value that means "off" (`--num-experts 1`,
+  `--ds-sequence-parallel-size 1`, `--normalization layernorm`) is accepted; any other value
+  is refused in one line naming the flag (`refuse_unsupported_flags`, run by validate_args).
+
+Flags that have a meaning here are in `model_flags.py` / `run_flags.py`, Megatron-DeepSpeed's
+other spellings of them as extra option strings there (`--override-opt_param-scheduler`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.arguments.errors import ArgumentError
+
+
+def _bool(text: str) -> bool:
+    """Megatron's `type=bool` flags take any word; read the usual spellings of false as False."""
+    return text.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+# argparse keyword arguments per value kind of a flag.
+_KINDS: dict[str, dict[str, Any]] = {
+    "switch": {"action": "store_true"},
+    "int": {"type": int},
+    "float": {"type": float},
+    "str": {"type": str},
+    "bool": {"type": _bool},
+    "ints": {"type": int, "nargs": "+"},
+    "strs": {"type": str, "nargs": "*"},
+}
+
+
+@dataclass(frozen=True)
+class CompatFlag:
+    """One flag of theirs: how it parses, whether it is refused, and why."""
+
+    option: str
+    kind: str
+    reason: str
+    refused: bool
+    # For refused flags: the value(s) that mean the feature is off, accepted without a word.
+    accepts: Callable[[Any, argparse.Namespace], bool] | None = None
+
+    @property
+    def dest(self) -> str:
+        """The namespace attribute (their dest with the leading dashes dropped)."""
+        return self.option.lstrip("-").replace("-", "_")
+
+
+def _inert(reason: str, *specs: str) -> list[CompatFlag]:
+    """Flags `--name:kind` accepted without effect, for `reason`."""
+    return [CompatFlag(*_split(spec), reason=reason, refused=False) for spec in specs]
+
+
+def _refused(
+    reason: str, *specs: str, accepts: Callable[[Any, argparse.Namespace], bool] | None = None
+) -> list[CompatFlag]:
+    """Flags `--name:kind` refused (unless `accepts` their value) because of `reason`."""
+    return [
+        CompatFlag(*_split(spec), reason=reason, refused=True, accepts=accepts) for spec in specs
+    ]
+
+
+def _split(spec: str) -> tuple[str, str]:
+    option, _, kind = spec.partition(":")
+    return option, kind or "switch"
+
+
+def _equals(*values: Any) -> Callable[[Any, argparse.Namespace], bool]:
+    return lambda value, args: value in values
+
+
+def _dense(value: Any, args: argparse.Namespace) -> bool:
+    """MoE knobs do nothing while every layer has one expert, as in Megatron-DeepSpeed."""
+    return all(count == 1 for count in (getattr(args, "num_experts", None) or [1]))
+
+
+INERT: list[CompatFlag] = [
+    *_inert(
+        "apex's fused LayerNorm kernels; LayerNorm here is torch's",
+        "--disable-mem-efficient-ln",
+        "--no-persist-layer-norm",
+    ),
+    *_inert(
+        "GPU overlap of tensor-parallel all-reduce and fused weight-gradient accumulation; "
+        "the gradients are the same (Megatron-DeepSpeed turns the overlap off under "
+        "--deepspeed too)",
+        "--no-async-tensor-model-parallel-allreduce",
+        "--no-gradient-accumulation-fusion",
+    ),
+    *_inert("an ONNX-export workaround; training is the same", "--onnx-safe:bool"),
+    *_inert(
+        "where the optimizer runs; move it with the DeepSpeed config's "
+        "zero_optimization.offload_optimizer (the update is the same Adam)",
+        "--cpu-optimizer",
+        "--cpu_torch_adam",
+        "--ds_fused_adam",
+    ),
+    *_inert(
+        "Megatron's local DDP and its buffers; data parallelism here is DeepSpeed's engine "
+        "or torch DDP, with fp32 gradients on the plain path and the DeepSpeed config's "
+        "data_types.grad_accum_dtype under --deepspeed",
+        "--accumulate-allreduce-grads-in-fp32",
+        "--no-contiguous-buffers-in-local-ddp",
+    ),
+    *_inert(
+        "Megatron's own pipeline communication; DeepSpeed's pipeline engine does its own",
+        "--overlap-p2p-communication",
+        "--no-scatter-gather-tensors-in-pipeline",
+        "--use-ring-exchange-p2p",
+    ),
+    *_inert(
+        "torch.cuda.empty_cache() calls against allocator fragmentation; results are the same",
+        "--empty-unused-memory-level:int",
+    ),
+    *_inert(
+        "a barrier before level-1 timers changes only what the timers measure",
+        "--no-barrier-with-level-1-timing",
+    ),
+    *_inert(
+        "read nowhere in Megatron-DeepSpeed; ZeRO is tuned in the DeepSpeed config",
+        "--zero-reduce-scatter",
+        "--zero-contigious-gradients",
+        "--zero-reduce-bucket-size:int",
+        "--zero-allgather-bucket-size:int",
+        "--use-pin-memory",
+        "--no-load-lr-state",
+    ),
+    *_inert(
+        "where ZeRO-3 first places the parameters; use the DeepSpeed config's "
+        "zero_optimization.offload_param",
+        "--remote-device:str",
+    ),
+    *_inert(
+        "memory-saving experiments of Megatron-DeepSpeed that its GPT model never reads",
+        "--scattered-embeddings",
+        "--split-transformers",
+        "--memory-centric-tiled-linear",
+        "--tile-factor:int",
+    ),
+    *_inert(
+        "start-up speed only: weights are always initialized, then loaded",
+        "--no-initialization",
+    ),
+    *_inert(
+        "text-generation server limits, unused in pretraining",
+        "--inference-batch-times-seqlen-threshold:int",
+        "--max-tokens-to-oom:int",
+    ),
+    *_inert(
+        "Megatron-LM's choice of its own implementation of the same GPT; there is one here",
+        "--use-mcore-models",
+        "--use-legacy-models",
+    ),
+    *_inert(
+        "Megatron-LM's attention kernel choice; torch's SDPA picks flash or memory-efficient "
+        "kernels on GPUs (--use-flash-attn asks for flash attention explicitly)",
+        "--attention-backend:str",
+    ),
+]
+
+_TENSOR_PARALLEL = "use --tensor-model-parallel-size"
+REFUSED: list[CompatFlag] = [
+    *_refused(
+        "Mixture-of-Experts is not built here (one expert per layer is accepted)",
+        "--num-experts:ints",
+        accepts=lambda value, args: all(count == 1 for count in value),
+    ),
+    *_refused(
+        "Mixture-of-Experts is not built here; this knob is accepted only with --num-experts 1",
+        "--mlp-type:str",
+        "--topk:int",
+        "--expert-interval:int",
+        "--disable-moe-token-dropping",
+        "--moe-train-capacity-factor:float",
+        "--moe-eval-capacity-factor:float",
+        "--moe-min-capacity:int",
+        "--moe-loss-coeff:float",
+        "--create-moe-param-group",
+        "--disable-moe-top2-2nd-expert-sampling",
+        "--use-tutel",
+        "--enable-expert-tensor-parallelism",
+        "--moe-expert-parallel-size:int",
+        "--num-experts-switch:int",
+        accepts=_dense,
+    ),
+    *_refused(
+        "DeepSpeed-Ulysses sequence parallelism is not built here (size 1 is accepted; "
+        "--sequence-parallel is Megatron's tensor-parallel kind)",
+        "--ds-sequence-parallel-size:int",
+        accepts=_equals(1),
+    ),
+    *_refused(
+        "DeepSpeed-Ulysses/FPDT sequence parallelism is not built here",
+        "--force-ds-sequence-parallel",
+        "--ds-sequence-parallel-fpdt",
+        "--ds-sequence-parallel-fpdt-chunk-size:int",
+        "--ds-sequence-parallel-fpdt-offloading",
+    ),
+    *_refused(
+        "the zero-bubble pipeline schedule is not built here; DeepSpeed's 1F1B schedule is",
+        "--enable-zbh1-pipeline",
+        "--enable-zbh1-exact-semantics",
+    ),
+    *_refused(
+        "grouped-query attention is not built here (a value equal to --num-attention-heads "
+        "is accepted)",
+        "--num-key-value-heads:int",
+        accepts=lambda value, args: value == args.num_attention_heads,
+    ),
+    *_refused(
+        "grouped-query attention is not built here",
+        "--group-query-attention",
+        "--num-query-groups:int",
+    ),
+    *_refused(
+        "RMSNorm is not built here (layernorm is accepted)",
+        "--normalization:str",
+        accepts=_equals("layernorm", "LayerNorm"),
+    ),
+    *_refused(
+        "this GPT variant is not built here (GPT-2 architecture only)",
+        "--swiglu",
+        "--squared-relu",
+        "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear",
+        "--apply-layernorm-1p",
+        "--apply-residual-connection-post-layernorm",
+        "--embedding-weights-in-fp32",
+        "--fp32-residual-connection",
+        "--attention-softmax-in-fp32",
+        "--fp16-lm-cross-entropy",
+        "--init-method-xavier-uniform",
+    ),
+    *_refused(
+        "GPT without position embeddings is not built here (accepted with "
+        "--use-rotary-position-embeddings, which implies it)",
+        "--no-position-embedding",
+        accepts=lambda value, args: bool(args.use_rotary_position_embeddings),
+    ),
+    *_refused(
+        "Megatron-LM's --position-embedding-type: learned_absolute is the default here and "
+        "rope is --use-rotary-position-embeddings",
+        "--position-embedding-type:str",
+        accepts=lambda value, args: (
+            value == "learned_absolute"
+            or (value == "rope" and bool(args.use_rotary_position_embeddings))
+        ),
+    ),
+    *_refused(
+        "only the GPT-2 BPE tokenizer (--vocab-file/--merge-file) is built here",
+        "--tokenizer-model:str",
+        "--vocab-size:int",
+        "--trust-remote-code",
+        "--vocab-extra-ids:int",
+    ),
+    *_refused(
+        "Transformer Engine and FP8 are not built here (--transformer-impl local is accepted)",
+        "--transformer-impl:str",
+        accepts=_equals("local"),
+    ),
+    *_refused(
+        "Transformer Engine and FP8 are not built here",
+        "--fp8-e4m3",
+        "--fp8-hybrid",
+        "--fp8-format:str",
+        "--no-fp8-wgrad",
+        "--fp8-margin:int",
+        "--fp8-interval:int",
+        "--fp8-amax-history-len:int",
+        "--fp8-amax-compute-algo:str",
+    ),
+    *_refused(
+        "Megatron's distributed optimizer is not built here; use --deepspeed with "
+        "--zero-stage 1, which shards the optimizer state the same way",
+        "--use-distributed-optimizer",
+    ),
+    *_refused(
+        "Megatron's DDP implementations are not used here (local and torch are accepted: "
+        "data parallelism is DeepSpeed's engine or torch DDP); FSDP is not built",
+        "--DDP-impl:str",
+        accepts=_equals("local", "torch"),
+    ),
+    *_refused(
+        "interleaved and embedding-only pipeline stages are not built here (DeepSpeed's "
+        "PipelineModule splits the layers)",
+        "--num-layers-per-virtual-pipeline-stage:int",
+        "--standalone-embedding-stage",
+        "--pipeline-model-parallel-split-rank:int",
+    ),
+    *_refused("is not supported here; use --micro-batch-size", "--batch-size:int"),
+    *_refused(
+        "is not supported here; use --lr-warmup-iters or --lr-warmup-samples", "--warmup:int"
+    ),
+    *_refused(f"is not supported here; {_TENSOR_PARALLEL}", "--model-parallel-size:int"),
+    *_refused(
+        "separate per-split dataset lists are not built here; use --data-path with --split",
+        "--train-data-path:strs",
+        "--valid-data-path:strs",
+        "--test-data-path:strs",
+    ),
+    *_refused(
+        "DeepSpeed's data-efficiency library (curriculum learning, random-LTD, forced index "
+        "files) is not built here",
+        "--random-ltd",
+        "--data-efficiency-curriculum-learning",
+        "--train-data-exact-num-epochs:int",
+        "--return-data-index",
+        "--train-idx-path:str",
+        "--train-desc-path:str",
+        "--train-doc-idx-path:str",
+        "--train-sample-idx-path:str",
+        "--train-shuffle-idx-path:str",
+        "--repeated-dataloader",
+    ),
+    *_refused(
+        "is not supported here yet",
+        "--kill-switch-file:str",
+        "--load-tag:str",
+        "--use-checkpoint-args",
+        "--exit-on-missing-checkpoint",
+        "--skip-train",
+        "--log-num-zeros-in-grad",
+        "--data-parallel-random-init",
+        "--aml-data-download-path:str",
+        "--profile:str",
+        "--profile_steps:str",
+        "--profile-ranks:ints",
+        "--use-dataset-only:bool",
+        "--lazy-mpu-init:bool",
+        "--adlr-autoresume",
+        "--adlr-autoresume-interval:int",
+        "--ds-inference",
+        "--inference",
+    ),
+    *_refused(
+        "knowledge distillation and Mixture-of-Students are not built here",
+        "--num-layers-teacher:int",
+        "--num-experts-teacher:ints",
+        "--hidden-size-teacher:int",
+        "--num-attention-heads-teacher:int",
+        "--mos",
+        "--kd",
+        "--kd-alpha-ce:float",
+        "--kd-beta-ce:float",
+        "--kd-temp:float",
+        "--reset-iteration",
+        "--load-teacher:str",
+    ),
+    *_refused(
+        "encoder-decoder (T5) and BERT models are not built here; this is GPT pretraining",
+        "--decoder-num-layers:int",
+        "--decoder-seq-length:int",
+        "--bert-no-binary-head",
+        "--mask-prob:float",
+        "--short-seq-prob:float",
+        "--output-bert-embeddings",
+        "--bert-embedder-type:str",
+    ),
+    *_refused(
+        "biencoder/ICT/REALM retrieval models are not built here",
+        "--retriever-seq-length:int",
+        "--sample-rate:float",
+        "--ict-head-size:int",
+        "--biencoder-projection-dim:int",
+        "--biencoder-shared-query-context-model",
+        "--ict-load:str",
+        "--bert-load:str",
+        "--titles-data-path:str",
+        "--query-in-block-prob:float",
+        "--use-one-sent-docs",
+        "--evidence-data-path:str",
+        "--retriever-report-topk-accuracies:ints",
+        "--retriever-score-scaling",
+        "--block-data-path:str",
+        "--embedding-path:str",
+        "--indexer-batch-size:int",
+        "--indexer-log-interval:int",
+    ),
+    *_refused(
+        "Retro is not built here",
+        "--retro-workdir:str",
+        "--retro-add-retriever",
+        "--retro-cyclic-train-iters:int",
+        "--retro-encoder-layers:int",
+        "--retro-encoder-hidden-dropout:float",
+        "--retro-encoder-attention-dropout:float",
+        "--retro-num-neighbors:int",
+        "--retro-num-retrieved-chunks:int",
+        "--retro-return-doc-ids",
+    ),
+    *_refused(
+        "vision models are not built here",
+        "--num-classes:int",
+        "--img-h:int",
+        "--img-w:int",
+        "--num-channels:int",
+        "--patch-dim:int",
+        "--classes-fraction:float",
+        "--data-per-class-fraction:float",
+        "--no-data-sharding",
+        "--head-lr-mult:float",
+        "--vision-pretraining",
+        "--vision-pretraining-type:str",
+        "--vision-backbone-type:str",
+        "--swin-backbone-type:str",
+        "--mask-type:str",
+        "--mask-factor:float",
+        "--iter-per-epoch:int",
+        "--dino-local-img-size:int",
+        "--dino-local-crops-number:int",
+        "--dino-head-hidden-size:int",
+        "--dino-bottleneck-size:int",
+        "--dino-freeze-last-layer:float",
+        "--dino-norm-last-layer",
+        "--dino-warmup-teacher-temp:float",
+        "--dino-teacher-temp:float",
+        "--dino-warmup-teacher-temp-epochs:int",
+    ),
+]
+
+
+def add_compat_flags(parser: argparse.ArgumentParser) -> None:
+    """Two groups: their flags accepted without effect, and those naming features we lack."""
+    groups = (
+        (INERT, "Megatron-DeepSpeed / Megatron-LM flags accepted without effect"),
+        (REFUSED, "Megatron-DeepSpeed / Megatron-LM features not built here"),
+    )
+    for flags, title in groups:
+        group = parser.add_argument_group(title)
+        for flag in flags:
+            prefix = "Refused" if flag.refused else "Accepted without effect"
+            group.add_argument(
+                flag.option,
+                dest=flag.dest,
+                default=None,
+                help=f"{prefix}: {flag.reason}.",
+                **_KINDS[flag.kind],
+            )
+
+
+def refuse_unsupported_flags(args: argparse.Namespace, typed: set[str] | None) -> None:
+    """One line naming the first flag of a feature we lack that the command line turned on."""
+    for flag in REFUSED:
+        value = getattr(args, flag.dest, None)
+        if value is None or value is False or (typed is not None and flag.dest not in typed):
+            continue
+        if flag.accepts is not None and flag.accepts(value, args):
+            continue
+        shown = flag.option if value is True else f"{flag.option} {_shown(value)}"
+        if flag.reason.startswith("is not"):
+            raise ArgumentError(f"{shown}: this flag {flag.reason}")
+        raise ArgumentError(f"{shown}: {flag.reason}")
+
+
+def _shown(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)

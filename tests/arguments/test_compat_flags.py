@@ -1,0 +1,119 @@
+"""Megatron-DeepSpeed / Megatron-LM flags: every one parses; inert ones change nothing; features
+we lack are refused in one line unless the value means "off"; shorthands expand."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.arguments import ArgumentError, build_parser, typed_flags, validate_args
+from megatron.arguments.compat_flags import INERT, REFUSED
+from megatron.config import ModelConfig
+
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --train-iters 10 --lr 1e-3"
+).split()
+
+
+def validated(extra: str = "", world_size: int = 1):
+    argv = BASE + extra.split()
+    parser = build_parser()
+    return validate_args(parser.parse_args(argv), world_size, typed_flags(parser, argv))
+
+
+def _typed_value(kind: str) -> str:
+    return {"switch": "", "int": "3", "float": "0.5", "str": "x", "bool": "true"}.get(kind, "3")
+
+
+def test_every_flag_of_theirs_is_registered_once() -> None:
+    options = [flag.option for flag in INERT + REFUSED]
+    assert len(options) == len(set(options))
+    parser = build_parser()
+    known = {option for action in parser._actions for option in action.option_strings}
+    assert set(options) <= known
+
+
+def test_inert_flags_parse_and_change_nothing() -> None:
+    plain = vars(validated())
+    typed = " ".join(f"{flag.option} {_typed_value(flag.kind)}" for flag in INERT)
+    args = vars(validated(typed))
+    inert = {flag.dest for flag in INERT}
+    assert {name: value for name, value in args.items() if name not in inert} == {
+        name: value for name, value in plain.items() if name not in inert
+    }
+
+
+@pytest.mark.parametrize(
+    "flag", [flag for flag in REFUSED if flag.accepts is None], ids=lambda flag: flag.option
+)
+def test_a_feature_we_lack_is_refused_in_one_line_naming_the_flag(flag) -> None:
+    with pytest.raises(ArgumentError) as refused:
+        validated(f"{flag.option} {_typed_value(flag.kind)}")
+    message = str(refused.value)
+    assert message.startswith(flag.option) and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "--num-experts 1 --moe-expert-parallel-size 1 --moe-loss-coeff 0.01 --topk 1",
+        "--ds-sequence-parallel-size 1",
+        "--normalization layernorm",
+        "--num-key-value-heads 4",
+        "--transformer-impl local",
+        "--DDP-impl torch",
+        "--use-rotary-position-embeddings --no-position-embedding",
+        "--position-embedding-type learned_absolute",
+    ],
+)
+def test_the_value_that_means_off_is_accepted(extra: str) -> None:
+    validated(extra)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("--num-experts 8", "--num-experts 8: Mixture-of-Experts is not built here"),
+        ("--num-experts 1 2", "--num-experts 1 2: Mixture-of-Experts"),
+        ("--num-experts 8 --moe-loss-coeff 0.1", "--num-experts 8"),
+        ("--moe-loss-coeff 0.1 --num-experts 4", "--num-experts 4"),
+        ("--ds-sequence-parallel-size 4", "--ds-sequence-parallel-size 4: DeepSpeed-Ulysses"),
+        ("--normalization rmsnorm", "--normalization rmsnorm: RMSNorm is not built here"),
+        ("--num-key-value-heads 2", "--num-key-value-heads 2: grouped-query attention"),
+        ("--DDP-impl FSDP", "--DDP-impl FSDP"),
+        ("--batch-size 8", "--batch-size 8: this flag is not supported here; use --micro-batch"),
+        ("--tokenizer-type GPTSentencePieceTokenizer", "--tokenizer-type GPTSentence"),
+    ],
+)
+def test_refusals_name_the_flag_and_value(extra: str, message: str) -> None:
+    with pytest.raises(ArgumentError, match="^" + message.replace("(", r"\(")):
+        validated(extra)
+
+
+def test_megatron_spellings_map_onto_ours() -> None:
+    args = validated(
+        "--override-opt_param-scheduler --recompute-activations --encoder-num-layers 2 "
+        "--no-query-key-layer-scaling --rotary-position-embeddings-theta 500000 "
+        "--use-rotary-position-embeddings --distributed-timeout-minutes 3"
+    )
+    assert args.override_lr_scheduler and args.recompute_granularity == "selective"
+    assert args.num_layers == 2 and args.apply_query_key_layer_scaling is False
+    assert args.distributed_timeout_minutes == 3
+    args.padded_vocab_size = 128  # set from the tokenizer at start-up
+    assert ModelConfig.from_args(args).rotary_base == 500000.0
+    args = validated(
+        "--use-checkpoint-opt_param-scheduler --checkpoint-activations "
+        "--activations-checkpoint-method block"
+    )
+    assert args.use_checkpoint_lr_scheduler and args.recompute_method == "block"
+
+
+def test_weight_decay_increment_flags() -> None:
+    args = validated(
+        "--weight-decay-incr-style linear --start-weight-decay 0.0 --end-weight-decay 0.1"
+    )
+    assert (args.start_weight_decay, args.end_weight_decay) == (0.0, 0.1)
+    with pytest.raises(ArgumentError, match="needs --start-weight-decay and --end-weight-decay"):
+        validated("--weight-decay-incr-style cosine")
+    with pytest.raises(ArgumentError, match="need --weight-decay-incr-style linear or cosine"):
+        validated("--start-weight-decay 0.0 --end-weight-decay 0.1")
