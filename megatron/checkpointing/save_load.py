@@ -2,8 +2,9 @@
 
 Megatron layout: `{save}/iter_{N:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt` with
 `args`, `checkpoint_version`, `iteration`, `model` (Megatron's nested `language_model`
-dict), `optimizer`, `opt_param_scheduler`, `rng_state` (one entry per data-parallel rank) and
-our `train_state` counters; `{save}/latest_checkpointed_iteration.txt` names the newest.
+dict), `optimizer`, `opt_param_scheduler`, `rng_state` (one entry per data-parallel rank),
+`tokens` (Megatron-DeepSpeed's consumed-token count) and our `train_state` counters;
+`{save}/latest_checkpointed_iteration.txt` names the newest.
 DeepSpeed layout: `{save}/global_step{N}/...` written by `engine.save_checkpoint` with the same
 metadata as client state (`rng_state` one entry per global rank), and both `latest` and
 Megatron's tracker file. Either way a checkpoint appears under its final name only once every
@@ -116,6 +117,8 @@ def _client_state(state, args: argparse.Namespace, rng_states: list | None) -> d
         "args": saved_args,
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": state.iteration,
+        # Megatron-DeepSpeed's name for the consumed-token counter.
+        "tokens": state.consumed_train_tokens,
         "train_state": asdict(state),
     }
     if rng_states is not None:
@@ -194,6 +197,7 @@ def _train_state(client: dict, iteration: int) -> TrainState:
         saved_args = args_dict(client.get("args"))
         for name in ("consumed_train_samples", "consumed_valid_samples"):
             saved[name] = client.get(name, saved_args.get(name, 0))
+        saved["consumed_train_tokens"] = client.get("tokens", 0)
     saved["iteration"] = client.get("iteration", iteration)
     names = {field.name for field in fields(TrainState)}
     return TrainState(**{k: v for k, v in saved.items() if k in names})
@@ -218,7 +222,9 @@ def _restore_rng(client: dict, group_rank: int, group_size: int, path: str) -> N
 def _continue_schedule(scheduler, state) -> None:  # noqa: ANN001
     # Without saved scheduler state, put the learning rate where the schedule has reached.
     if state.consumed_train_samples:
-        scheduler.step(increment=state.consumed_train_samples)
+        scheduler.step(
+            increment=state.consumed_train_samples, token_num=state.consumed_train_tokens
+        )
         print_rank_0(
             f"> no optimizer/scheduler state loaded; learning-rate schedule continues at "
             f"sample {state.consumed_train_samples}"

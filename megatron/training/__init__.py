@@ -5,8 +5,9 @@
   DeepSpeed pipeline).
 - `optimizer.py`: AdamW param groups, clipping, loss scaling; `scheduler.py`: the LR and
   weight-decay schedule; `batch_schedule.py`: the global batch size ramp.
-- `monitor.py`: Megatron's log line, timers, TensorBoard / W&B; `signal_handler.py`: exit
-  on a signal after a checkpoint.
+- `monitor.py`: Megatron's log line, timers, TensorBoard / W&B; `training_log.py`: the
+  scalars Megatron-DeepSpeed writes there (tags, flags, parameter and optimizer-state norms);
+  `signal_handler.py`: exit on a signal after a checkpoint.
 
 Megatron's import path is kept: `from megatron.training import pretrain`. The entry points
 are resolved on first use because `pretrain()` parses the flags (`megatron.arguments`), whose

@@ -1,12 +1,14 @@
 """The iteration loop: step, count, log Megatron's line, evaluate, save, exit on time.
 
-`TrainingLoop.train` runs iterations until `--train-iters`, `--exit-interval` or
-`--exit-duration-in-mins`, saving a checkpoint before any exit when `--save` is given.
+`TrainingLoop.train` runs iterations until `--train-iters` (or `--train-tokens`),
+`--exit-interval` or `--exit-duration-in-mins`, saving a checkpoint before any exit when
+`--save` is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,10 +31,20 @@ from megatron.training.monitor import (
 from megatron.training.signal_handler import ExitSignalHandler
 from megatron.training.step import (
     ForwardStep,
+    PlainTrainer,
     StepResult,
     train_step_deepspeed,
     train_step_pipeline,
     train_step_plain,
+)
+from megatron.training.training_log import (
+    TIMERS_TO_LOG,
+    add_scalar_vs,
+    optimizer_state_is_partitioned,
+    optimizer_state_stats,
+    params_l2_norm,
+    write_optimizer_state_stats,
+    write_training_scalars,
 )
 from megatron.utils import current_device, print_rank_0, print_rank_last
 
@@ -64,6 +76,23 @@ class _Interval:
             self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value
 
 
+def training_continues(state: TrainState, train_iters: int, train_tokens: int | None) -> bool:
+    """Megatron-DeepSpeed's loop condition: iterations left and, with --train-tokens, tokens."""
+    return state.iteration < train_iters and (
+        train_tokens is None or state.consumed_train_tokens < train_tokens
+    )
+
+
+def iterations_left(
+    state: TrainState, train_iters: int, train_tokens: int | None, tokens: int
+) -> int:
+    """Iterations before `training_continues` says stop, at `tokens` per iteration."""
+    left = train_iters - state.iteration
+    if train_tokens is not None:
+        left = min(left, max(0, math.ceil((train_tokens - state.consumed_train_tokens) / tokens)))
+    return left
+
+
 def _any_rank(flag: bool) -> bool:
     """True if `flag` is set on any rank (one small all-reduce)."""
     if not dist.is_initialized():
@@ -93,8 +122,12 @@ class TrainingLoop:
         self.forward_step_func = forward_step_func
         self.timers = timers
         self.writer = writer
-        self.evaluate: Callable[[str, Iterator, int], dict] | None = None
+        self.evaluate: Callable[[str, Iterator, TrainState], dict] | None = None
         self._last = StepResult({}, False, False, None, None)
+        self._params_norm: float | None = None
+        # Known alike on every rank (the writer lives on the last one only): whether the
+        # collectives behind the TensorBoard / W&B scalars run at all.
+        self._writing = bool(args.tensorboard_dir or args.wandb_project)
         self._global_batch_size = args.global_batch_size
         self.batch_schedule = BatchSizeSchedule(
             args.global_batch_size,
@@ -123,10 +156,15 @@ class TrainingLoop:
             return train_step_pipeline(data_iterator, self.model, args)
         if args.deepspeed:
             return train_step_deepspeed(
-                self.forward_step_func, data_iterator, self.model, args, global_batch_size
+                self.forward_step_func,
+                data_iterator,
+                self.model,
+                args,
+                global_batch_size,
+                self.timers,
             )
         return train_step_plain(
-            self.forward_step_func, data_iterator, self.model, args, global_batch_size
+            self.forward_step_func, data_iterator, self.model, args, global_batch_size, self.timers
         )
 
     def _set_global_batch_size(self, global_batch_size: int) -> None:
@@ -155,8 +193,11 @@ class TrainingLoop:
         interval_timer = self.timers("interval-time", 0)
         interval_timer.start()
         memory_reported = False
-        while state.iteration < args.train_iters:
+        while training_continues(state, args.train_iters, args.train_tokens):
             global_batch_size = self.batch_schedule.at(state.consumed_train_samples)
+            # Whichever engine steps the scheduler (ours, DeepSpeed's, the pipeline's) reads the
+            # tokens consumed before this iteration, as Megatron-DeepSpeed's args do.
+            self.scheduler.consumed_train_tokens = state.consumed_train_tokens
             self.timers("train-step", 1).start()
             result = self.step(train_iter, global_batch_size)
             self.timers("train-step", 1).stop()
@@ -166,8 +207,8 @@ class TrainingLoop:
             self._count(result, state)
             interval.add(result, global_batch_size)
             self._last = result
-            if self.writer is not None:
-                self._write_scalars(result, state)
+            self._params_norm = self._measure_params_norm(state)
+            self._write_scalars(result, state, interval.iterations)
             if state.iteration % args.log_interval == 0:
                 elapsed = interval_timer.elapsed(reset=True)
                 self._log(interval, state, elapsed)
@@ -177,7 +218,7 @@ class TrainingLoop:
                     memory_reported = True
             if args.eval_interval and state.iteration % args.eval_interval == 0 and valid_iter:
                 if args.eval_iters > 0 and self.evaluate is not None:
-                    self.evaluate(f"iteration {state.iteration}", valid_iter, state.iteration)
+                    self.evaluate(f"iteration {state.iteration}", valid_iter, state)
                     state.consumed_valid_samples += args.eval_iters * args.global_batch_size
             if args.save and state.iteration % args.save_interval == 0:
                 self._save(state)
@@ -206,6 +247,10 @@ class TrainingLoop:
     def _log(self, interval: _Interval, state: TrainState, elapsed: float) -> None:
         args = self.args
         per_iteration = elapsed / max(interval.iterations, 1)
+        tokens_per_iteration = self._global_batch_size * args.seq_length
+        left = iterations_left(
+            state, args.train_iters, getattr(args, "train_tokens", None), tokens_per_iteration
+        )
         samples_per_second = interval.samples / max(elapsed, 1e-9)
         tokens_per_second = samples_per_second * args.seq_length
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -224,13 +269,15 @@ class TrainingLoop:
             # Megatron prints 1.0 when nothing scales the loss; parsers expect the field.
             loss_scale=1.0 if self._last.loss_scale is None else self._last.loss_scale,
             grad_norm=self._last.grad_norm,
+            params_norm=self._params_norm,
             actual_seqlen=args.seq_length,
             skipped_iterations=interval.skipped,
             nan_iterations=interval.nan,
             samples_per_second=samples_per_second,
             tokens_per_gpu_per_second=tokens_per_second / world,
             tflops=self.flops_per_token * tokens_per_second / world / 1e12,
-            eta_seconds=(args.train_iters - state.iteration) * per_iteration,
+            eta_seconds=left * per_iteration,
+            planned_iterations=state.iteration + left,
         )
         print_rank_last(format_iteration_log(stats))
         normalizer = max(interval.iterations, 1)
@@ -243,25 +290,54 @@ class TrainingLoop:
                 },
                 state.iteration,
             )
-        if args.log_timers_to_tensorboard:
-            # Every rank takes part in the gather; only the writer's rank writes.
-            self.timers.write(["train-step"], self.writer, state.iteration, normalizer)
-        if self.args.timing_log_level > 0:
-            text = self.timers.log(["train-step"], normalizer=normalizer)
-            if text:
+            if args.log_timers_to_tensorboard:
+                add_scalar_vs(self.writer, "iteration-time/iteration-time", per_iteration, state)
+        if self.timers.log_level > 0:
+            # As Megatron: the report resets the timers, also when only TensorBoard reads them
+            # (--log-timers-to-tensorboard without --timing-log-level).
+            text = self.timers.log(list(TIMERS_TO_LOG), normalizer=normalizer)
+            if text and args.timing_log_level > 0:
                 print_rank_last(text)
 
-    def _write_scalars(self, result: StepResult, state: TrainState) -> None:
-        if state.iteration % self.args.tensorboard_log_interval != 0:
+    def _measure_params_norm(self, state: TrainState) -> float | None:
+        """The whole model's parameter norm (--log-params-norm) when a log or write is due."""
+        args = self.args
+        if not args.log_params_norm:
+            return None
+        written = self._writing and state.iteration % args.tensorboard_log_interval == 0
+        if not (written or state.iteration % args.log_interval == 0):
+            return None
+        module = self.model.model if isinstance(self.model, PlainTrainer) else self.model
+        return params_l2_norm(module.parameters())
+
+    def _write_scalars(self, result: StepResult, state: TrainState, iterations: int) -> None:
+        """Megatron's per-iteration TensorBoard block; `iterations` since the last log line.
+
+        Every rank calls it: the timers and optimizer-state numbers are collectives.
+        """
+        args = self.args
+        if not self._writing or state.iteration % args.tensorboard_log_interval != 0:
             return
-        values = {f"{name}": value for name, value in result.losses.items()}
-        values["learning-rate"] = self.scheduler.get_lr()
-        values["batch-size"] = self._global_batch_size
-        if result.loss_scale is not None:
-            values["loss-scale"] = result.loss_scale
-        if result.grad_norm is not None:
-            values["grad-norm"] = result.grad_norm
-        self.writer.add_scalars(values, state.iteration)
+        if args.log_timers_to_tensorboard:
+            # Max over ranks; only the writer's rank writes.
+            self.timers.write(list(TIMERS_TO_LOG), self.writer, state.iteration, iterations)
+        if self.writer is not None:
+            write_training_scalars(
+                self.writer,
+                args,
+                state,
+                result,
+                self.scheduler.get_lr(),
+                self._global_batch_size,
+                self._params_norm,
+            )
+        if args.log_optimizer_states_to_tensorboard:
+            partitioned = args.deepspeed and optimizer_state_is_partitioned(
+                self.optimizer, args.zero_stage
+            )
+            stats = optimizer_state_stats(self.optimizer, partitioned)
+            if self.writer is not None:
+                write_optimizer_state_stats(self.writer, stats, state)
 
     def _save(self, state: TrainState) -> None:
         checkpointing.save_checkpoint(state, self.model, self.optimizer, self.scheduler, self.args)

@@ -52,6 +52,11 @@ class IterationStats:
     tflops: float
     # Seconds left at the current pace; None leaves the ETA field out.
     eta_seconds: float | None = None
+    # L2 norm of all parameters (--log-params-norm); None leaves the field out, as in Megatron.
+    params_norm: float | None = None
+    # Iterations the run will make in all, where --train-tokens ends it before --train-iters;
+    # progress is counted against it. None: train_iters.
+    planned_iterations: int | None = None
 
 
 def _format_duration(seconds: float) -> str:
@@ -79,14 +84,17 @@ def format_iteration_log(stats: IterationStats) -> str:
         line += f" loss scale: {s.loss_scale:.1f} |"
     if s.grad_norm is not None:
         line += f" grad norm: {s.grad_norm:.3f} |"
+    if s.params_norm is not None:
+        line += f" params norm: {s.params_norm:.3f} |"
     line += f" actual seqlen: {int(s.actual_seqlen):5d} |"
     line += f" number of skipped iterations: {int(s.skipped_iterations):3d} |"
     line += f" number of nan iterations: {int(s.nan_iterations):3d} |"
     line += f" samples per second: {s.samples_per_second:.3f} |"
     line += f" tokens per gpu per second (tgs): {s.tokens_per_gpu_per_second:.3f} |"
     line += f" TFLOPs: {s.tflops:.2f} |"
-    if s.train_iters > 0:
-        line += f" progress: {100.0 * s.iteration / s.train_iters:.1f}% |"
+    planned = s.planned_iterations or s.train_iters
+    if planned > 0:
+        line += f" progress: {100.0 * s.iteration / planned:.1f}% |"
     if s.eta_seconds is not None:
         line += f" ETA: {_format_duration(s.eta_seconds)} |"
     return line
@@ -496,6 +504,8 @@ class MetricsWriter:
         self._wandb_run = None
         self._wandb_step = -1
         self._warned_step_order = False
+        # W&B metrics already plotted against a custom x axis (Megatron's 'vs tokens' curves).
+        self._wandb_axes: set[str] = set()
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -527,17 +537,37 @@ class MetricsWriter:
         self._wandb_step = step
         self._wandb_run.log(values, step=step)
 
-    def add_scalar(self, name: str, value: float, step: int) -> None:
-        """Record one scalar at step."""
-        self.add_scalars({name: value}, step)
+    def _wandb_log_against(self, values: dict[str, float], step: int, x_axis: str) -> None:
+        # As Megatron's interop logger: W&B plots these against the metric `x_axis`, logged
+        # with them at the current iteration, so W&B's own step never goes back.
+        for name in (x_axis, *values):
+            if name not in self._wandb_axes:
+                self._wandb_axes.add(name)
+                if name == x_axis:
+                    self._wandb_run.define_metric(name)
+                else:
+                    self._wandb_run.define_metric(name, step_metric=x_axis)
+        self._wandb_run.log({**values, x_axis: step}, step=max(self._wandb_step, 0))
 
-    def add_scalars(self, values: dict[str, float], step: int) -> None:
-        """Record several scalars at step (separate TensorBoard tags, not one 'run' each)."""
+    def add_scalar(self, name: str, value: float, step: int, x_axis: str | None = None) -> None:
+        """Record one scalar at step (see add_scalars for x_axis)."""
+        self.add_scalars({name: value}, step, x_axis)
+
+    def add_scalars(self, values: dict[str, float], step: int, x_axis: str | None = None) -> None:
+        """Record several scalars at step (separate TensorBoard tags, not one 'run' each).
+
+        `x_axis` names what `step` counts when it is not the iteration (Megatron's 'Samples',
+        'Tokens'): TensorBoard takes it as the step all the same, W&B as that axis's value.
+        """
         if self._tensorboard is not None:
             for name, value in values.items():
                 self._tensorboard.add_scalar(name, value, step)
         if self._wandb_run is not None and values:
-            self._wandb_log({name: float(value) for name, value in values.items()}, step)
+            floats = {name: float(value) for name, value in values.items()}
+            if x_axis is None:
+                self._wandb_log(floats, step)
+            else:
+                self._wandb_log_against(floats, step, x_axis)
 
     def add_text(self, name: str, text: str, step: int = 0) -> None:
         """Record a text (TensorBoard text tab; the W&B run summary)."""

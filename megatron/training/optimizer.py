@@ -218,6 +218,18 @@ def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: object) -> None:
         dist.all_reduce(tensor, op=op, group=group)
 
 
+def counted_once(param: torch.nn.Parameter, tp_rank_0: bool) -> bool:
+    """Whether a model-wide norm counts `param` on this rank (Megatron's duplicate filter).
+
+    A replicated param (norm, row-parallel bias) is the same on every tensor-parallel rank:
+    counted on rank 0 only. A second copy of a tied weight is not counted: Megatron marks it
+    `shared`, DeepSpeed's pipeline marks the later stages' tied module `ds_pipe_replicated`.
+    """
+    if getattr(param, "shared", False) or getattr(param, "ds_pipe_replicated", False):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank_0
+
+
 def clip_grad_norm(
     parameters: Iterable[torch.nn.Parameter] | torch.Tensor,
     max_norm: float,
@@ -228,18 +240,8 @@ def clip_grad_norm(
         parameters = [parameters]
     params = [param for param in parameters if param.grad is not None]
     grads = [param.grad.detach() for param in params]
-    # A replicated param (norm, row-parallel bias) has the same grad on every tensor-parallel
-    # rank: count it on rank 0 only. A second copy of a tied weight is counted once: Megatron
-    # marks it `shared`, DeepSpeed's pipeline marks the last stage's embedding
-    # `ds_pipe_replicated`.
     tp_rank_0 = parallel_state.get_tensor_model_parallel_rank() == 0
-    grads_for_norm = [
-        param.grad.detach()
-        for param in params
-        if not getattr(param, "shared", False)
-        and not getattr(param, "ds_pipe_replicated", False)
-        and (getattr(param, "tensor_model_parallel", False) or tp_rank_0)
-    ]
+    grads_for_norm = [param.grad.detach() for param in params if counted_once(param, tp_rank_0)]
     device = _reduction_device(grads)
     if grads_for_norm:
         norms = [

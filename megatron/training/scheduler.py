@@ -7,6 +7,11 @@ training step advances the schedule by the global batch size. Its state dict use
 keys, so checkpoints move between the two code bases; and it answers what DeepSpeed's engine
 asks of a client scheduler (`step()`, `step(increment=n)`, `state_dict`, `load_state_dict`).
 
+Megatron-DeepSpeed's token schedule (`--lr-warmup-tokens`, `--lr-decay-tokens`) replaces the
+warmup and/or the decay span by a count of consumed tokens. The count is read at each step from
+`consumed_train_tokens`, which the training loop sets before every iteration (so, as there, it
+lags one iteration behind the sample count), or passed as `step(token_num=...)`.
+
 `scheduler_from_args` is Megatron's `get_optimizer_param_scheduler`: it turns the
 `--lr-*` / `--train-*` flags into sample counts.
 """
@@ -24,6 +29,8 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 _DECAY_FLAGS = "--lr-decay-iters/--lr-decay-samples"
+_TOKEN_KEYS = {"lr_warmup_tokens": "warmup_tokens", "lr_decay_tokens": "decay_tokens"}
+"""Megatron-DeepSpeed's state-dict keys for the token spans, and their older names."""
 _WARMUP_FLAGS = "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction"
 _WD_FLAGS = "--start-weight-decay/--end-weight-decay"
 
@@ -51,6 +58,8 @@ class OptimizerParamScheduler:
         use_checkpoint_opt_param_scheduler: bool = True,
         override_opt_param_scheduler: bool = False,
         default_increment: int = 1,
+        lr_warmup_tokens: int | None = None,
+        lr_decay_tokens: int | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.init_lr = float(init_lr)
@@ -68,6 +77,13 @@ class OptimizerParamScheduler:
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.default_increment = default_increment
         self.num_steps = 0
+        # None: warmup / decay counted in samples. With token decay and a sample warmup,
+        # get_lr records here the tokens consumed when the warmup ends.
+        self.lr_warmup_tokens = lr_warmup_tokens
+        self.lr_decay_tokens = lr_decay_tokens
+        self.num_tokens = 0
+        self.consumed_train_tokens = 0
+        """Tokens consumed before the coming iteration; the training loop keeps it current."""
         self.last_lr: list[float] = []
         if override_opt_param_scheduler and use_checkpoint_opt_param_scheduler:
             raise ValueError(
@@ -96,6 +112,10 @@ class OptimizerParamScheduler:
                 f"{_WARMUP_FLAGS}: the warmup ({self.lr_warmup_steps} samples) must be at least 0 "
                 f"and shorter than the decay ({_DECAY_FLAGS}: {self.lr_decay_steps} samples)"
             )
+        if self.lr_warmup_tokens is not None and self.lr_warmup_tokens < 0:
+            raise ValueError(f"--lr-warmup-tokens ({self.lr_warmup_tokens}) must not be negative")
+        if self.lr_decay_tokens is not None and self.lr_decay_tokens <= 0:
+            raise ValueError(f"--lr-decay-tokens ({self.lr_decay_tokens}) must be positive")
         if self.lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(
                 f"--lr-decay-style {self.lr_decay_style!r} is not one of {LR_DECAY_STYLES}"
@@ -130,31 +150,70 @@ class OptimizerParamScheduler:
             coeff = 0.5 * (math.cos(math.pi * (1 - incr_ratio)) + 1.0)
         return self.start_wd + coeff * (self.end_wd - self.start_wd)
 
+    def _warmup_lr(self) -> float | None:
+        """The warmup lr, in tokens or in samples; None once the warmup is over."""
+        if self.lr_warmup_tokens is not None:
+            if self.lr_warmup_tokens > 0 and self.num_tokens <= self.lr_warmup_tokens:
+                return self._warmed(float(self.num_tokens) / float(self.lr_warmup_tokens))
+            return None
+        if self.lr_warmup_steps <= 0:
+            return None
+        if self.lr_decay_tokens is not None and self.num_steps >= self.lr_warmup_steps:
+            # Sample warmup, token decay: the decay starts from the tokens consumed when the
+            # warmup ends. Megatron-DeepSpeed records them at num_steps == warmup exactly; a
+            # count that jumps past it (a warmup that is no multiple of the batch) left None
+            # there and crashed, so this records at the first step at or past the end.
+            self.lr_warmup_tokens = self.num_tokens
+            return self.max_lr
+        if self.num_steps <= self.lr_warmup_steps:
+            return self._warmed(float(self.num_steps) / float(self.lr_warmup_steps))
+        return None
+
+    def _warmed(self, warmup_ratio: float) -> float:
+        """The lr `warmup_ratio` of the way from init_lr to max_lr."""
+        return self.init_lr + (self.max_lr - self.init_lr) * warmup_ratio
+
+    def _decay_ratio(self) -> float:
+        """How far the decay has gone (0 at the warmup end, 1 at the decay end)."""
+        if self.lr_decay_tokens is None:
+            return float(self.num_steps - self.lr_warmup_steps) / float(
+                self.lr_decay_steps - self.lr_warmup_steps
+            )
+        # No warmup at all (neither tokens nor samples) leaves None: the decay starts at 0
+        # tokens (Megatron-DeepSpeed would fail on None here).
+        warmup_tokens = self.lr_warmup_tokens or 0
+        return float(self.num_tokens - warmup_tokens) / float(self.lr_decay_tokens - warmup_tokens)
+
     def get_lr(self) -> float:
-        """The learning rate at the current sample count (before any group's `lr_mult`)."""
-        if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
-            warmup_ratio = float(self.num_steps) / float(self.lr_warmup_steps)
-            return self.init_lr + (self.max_lr - self.init_lr) * warmup_ratio
+        """The learning rate at the current sample/token count (before any group's `lr_mult`)."""
+        warmup_lr = self._warmup_lr()
+        if warmup_lr is not None:
+            return warmup_lr
         # Megatron tests "constant" before the decay end: the lr stays at max_lr forever.
         if self.lr_decay_style == "constant":
             return self.max_lr
-        if self.num_steps > self.lr_decay_steps:
+        if self.lr_decay_tokens is None:
+            if self.num_steps > self.lr_decay_steps:
+                return self.min_lr
+        elif self.num_tokens > self.lr_decay_tokens:
             return self.min_lr
         if self.lr_decay_style == "inverse-square-root":
-            warmup_steps = max(self.lr_warmup_steps, 1)
-            num_steps = max(self.num_steps, 1)
-            return max(self.min_lr, self.max_lr * warmup_steps**0.5 / num_steps**0.5)
-        decay_ratio = float(self.num_steps - self.lr_warmup_steps) / float(
-            self.lr_decay_steps - self.lr_warmup_steps
-        )
+            if self.lr_warmup_tokens is None:
+                warmup, count = max(self.lr_warmup_steps, 1), max(self.num_steps, 1)
+            else:
+                warmup, count = max(self.lr_warmup_tokens, 1), max(self.num_tokens, 1)
+            return max(self.min_lr, self.max_lr * warmup**0.5 / count**0.5)
+        decay_ratio = self._decay_ratio()
         if self.lr_decay_style == "linear":
             coeff = 1.0 - decay_ratio
         else:  # cosine
             coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
-    def step(self, increment: int | None = None) -> None:
-        """Advance by `increment` samples (default: one global batch); set every group's lr/wd."""
+    def step(self, increment: int | None = None, token_num: int | None = None) -> None:
+        """Advance by `increment` samples (default: one global batch) and set the token count
+        (default: `consumed_train_tokens`); set every group's lr/wd."""
+        self.num_tokens = self.consumed_train_tokens if token_num is None else token_num
         self.num_steps += self.default_increment if increment is None else increment
         new_lr = self.get_lr()
         new_wd = self.get_wd()
@@ -169,13 +228,16 @@ class OptimizerParamScheduler:
         return list(self.last_lr)
 
     def state_dict(self) -> dict:
-        """The schedule's state under Megatron's key names."""
+        """The schedule's state under Megatron-DeepSpeed's key names."""
         return {
             "max_lr": self.max_lr,
             "lr_warmup_steps": self.lr_warmup_steps,
+            "lr_warmup_tokens": self.lr_warmup_tokens,
             "num_steps": self.num_steps,
+            "num_tokens": self.num_tokens,
             "lr_decay_style": self.lr_decay_style,
             "lr_decay_steps": self.lr_decay_steps,
+            "lr_decay_tokens": self.lr_decay_tokens,
             "min_lr": self.min_lr,
             "start_wd": self.start_wd,
             "end_wd": self.end_wd,
@@ -198,6 +260,21 @@ class OptimizerParamScheduler:
         print_rank_0(f" > using checkpoint value {sd_value} for {name}")
         return sd_value
 
+    def _token_span(self, sd: dict, key: str, cls_value: int | None, name: str) -> int | None:
+        """`lr_warmup_tokens` / `lr_decay_tokens` from a checkpoint by Megatron-DeepSpeed's rule;
+        a checkpoint from before the token schedule has neither and keeps ours."""
+        old_key = _TOKEN_KEYS[key]
+        if key not in sd and old_key not in sd:
+            return cls_value
+        sd_value = _first(sd, old_key, key)
+        if key == "lr_warmup_tokens" and cls_value is None and self.lr_decay_tokens is not None:
+            # A sample warmup under token decay recorded its end in tokens: that is state to
+            # restore, not a flag to compare (Megatron-DeepSpeed's check refuses None != record,
+            # i.e. every resume past the warmup).
+            print_rank_0(f" > using checkpoint value {sd_value} for {name}")
+            return sd_value
+        return self._check_and_set(cls_value, sd_value, name)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore from a checkpoint, also reading the key names of older Megatron releases."""
         sd = state_dict
@@ -214,6 +291,13 @@ class OptimizerParamScheduler:
             self.lr_decay_steps,
             _first(sd, "end_iter", "decay_steps", "lr_decay_steps"),
             "total number of iterations",
+        )
+        # Decay first: whether a warmup record is expected depends on the decay.
+        self.lr_decay_tokens = self._token_span(
+            sd, "lr_decay_tokens", self.lr_decay_tokens, "decay tokens"
+        )
+        self.lr_warmup_tokens = self._token_span(
+            sd, "lr_warmup_tokens", self.lr_warmup_tokens, "warmup tokens"
         )
         self.lr_decay_style = self._check_and_set(
             self.lr_decay_style,
@@ -235,7 +319,8 @@ class OptimizerParamScheduler:
         # The checkpoint's count replaces ours (Megatron adds it, equal on a fresh scheduler);
         # groups are updated once every value, weight decay included, is in place.
         self.num_steps = _first(sd, "num_iters", "num_steps")
-        self.step(0)
+        self.num_tokens = sd.get("num_tokens", self.num_tokens)
+        self.step(0, token_num=self.num_tokens)
 
 
 def _first(state_dict: dict, *keys: str) -> object:
@@ -291,4 +376,7 @@ def scheduler_arguments(args: Namespace) -> dict:
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_lr_scheduler,
         override_opt_param_scheduler=args.override_lr_scheduler,
         default_increment=args.global_batch_size,
+        # Megatron-DeepSpeed: when set, these replace the sample warmup / decay span above.
+        lr_warmup_tokens=getattr(args, "lr_warmup_tokens", None),
+        lr_decay_tokens=getattr(args, "lr_decay_tokens", None),
     )

@@ -19,9 +19,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.training.monitor import Timers
 from megatron.utils import current_device
 
 ForwardStep = Callable[[Iterator, torch.nn.Module, argparse.Namespace], tuple]
+
+# Stands in when the caller passes no timers: every timer it hands out is a no-op.
+_NO_TIMERS = Timers(0)
 
 
 @dataclass
@@ -90,22 +94,31 @@ def train_step_deepspeed(
     engine,  # noqa: ANN001 - a DeepSpeedEngine
     args: argparse.Namespace,
     global_batch_size: int | None = None,
+    timers: Timers | None = None,
 ) -> StepResult:
     """Micro-batches through `engine.backward` / `engine.step`; DeepSpeed owns the boundary.
 
     `global_batch_size` (default `--global-batch-size`) is this iteration's size under
-    `--rampup-batch-size`; the LR schedule advances by it.
+    `--rampup-batch-size`; the LR schedule advances by it. `timers` gets Megatron's level-1
+    'forward-backward' and 'optimizer' (the boundary's `engine.step`) timers.
     """
     increment = global_batch_size or args.global_batch_size
+    timers = timers or _NO_TIMERS
+    forward_backward, optimizer_step = timers("forward-backward", 1), timers("optimizer", 1)
     sums: dict[str, torch.Tensor] = {}
     micro_batches = engine.gradient_accumulation_steps()
-    for _ in range(micro_batches):
+    forward_backward.start()
+    for index in range(micro_batches):
         output, loss_func = forward_step_func(data_iterator, engine, args)
         loss, reported = loss_func(output)
         engine.backward(loss)  # scales by 1/accumulation steps itself
+        if index == micro_batches - 1:  # the boundary: this engine.step updates the weights
+            forward_backward.stop()
+            optimizer_step.start()
         # The scheduler counts samples; DeepSpeed passes lr_kwargs on at the boundary only.
         engine.step(lr_kwargs={"increment": increment})
         accumulate_reported(sums, reported)
+    optimizer_step.stop()
     losses = average_over_data_parallel(sums, micro_batches)
     return StepResult(
         losses=losses,
@@ -169,11 +182,17 @@ def train_step_plain(
     trainer: PlainTrainer,
     args: argparse.Namespace,
     global_batch_size: int | None = None,
+    timers: Timers | None = None,
 ) -> StepResult:
-    """Accumulate micro-batch gradients, unscale, then clip and step unless non-finite."""
+    """Accumulate micro-batch gradients, unscale, then clip and step unless non-finite.
+
+    `timers` gets Megatron's level-1 'forward-backward' and 'optimizer' timers.
+    """
+    timers = timers or _NO_TIMERS
     sums: dict[str, torch.Tensor] = {}
     micro_batches = trainer.gradient_accumulation_steps
     scale = trainer.loss_scaler.scale if trainer.loss_scaler is not None else 1.0
+    timers("forward-backward", 1).start()
     for index in range(micro_batches):
         with trainer.no_sync(index == micro_batches - 1):
             with trainer.autocast():
@@ -181,6 +200,8 @@ def train_step_plain(
                 loss, reported = loss_func(output)
             (loss.float() * (scale / micro_batches)).backward()
         accumulate_reported(sums, reported)
+    timers("forward-backward").stop()
+    timers("optimizer", 1).start()
     if scale != 1.0:
         for group in trainer.optimizer.param_groups:
             for param in group["params"]:
@@ -194,6 +215,7 @@ def train_step_plain(
     if not skipped:
         trainer.scheduler.step(increment=global_batch_size or args.global_batch_size)
     trainer.optimizer.zero_grad(set_to_none=True)
+    timers("optimizer").stop()
     losses = average_over_data_parallel(sums, micro_batches)
     return StepResult(
         losses=losses,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -41,6 +40,7 @@ from megatron.training.step import (
     accumulate_reported,
     average_over_data_parallel,
 )
+from megatron.training.training_log import write_validation_scalars
 from megatron.utils import current_device, print_rank_0, print_rank_last
 
 
@@ -200,15 +200,19 @@ def evaluate_and_print_results(
     data_iterator: Iterator,
     model,  # noqa: ANN001
     args: argparse.Namespace,
-    iteration: int,
+    state: TrainState,
     writer: MetricsWriter | None,
+    test: bool = False,
 ) -> dict[str, float]:
-    """Evaluate and print Megatron's validation block; write loss and PPL to the writer."""
+    """Evaluate and print Megatron's validation block; write the losses (and, with
+    --log-validation-ppl-to-tensorboard, the PPL) against `state`'s iteration, samples, tokens.
+
+    `test` names the tags '... test' instead of '... validation', as Megatron's test set.
+    """
     losses = evaluate(forward_step_func, data_iterator, model, args)
     if writer is not None:
-        for name, value in losses.items():
-            writer.add_scalar(f"{name} validation", value, iteration)
-            writer.add_scalar(f"{name} validation ppl", math.exp(min(20.0, value)), iteration)
+        ppl = args.log_validation_ppl_to_tensorboard
+        write_validation_scalars(writer, losses, state, test=test, log_ppl=ppl)
     print_rank_last(format_validation_block(label, losses))
     return losses
 
@@ -227,7 +231,10 @@ def pretrain(
     tokenizer = build_tokenizer(args)  # sets args.padded_vocab_size
     args.eod_token_id = tokenizer.eod
     args.true_vocab_size = tokenizer.vocab_size  # saved in checkpoints for the conversion tools
-    timers = Timers(args.timing_log_level, "minmax")
+    # --log-timers-to-tensorboard asks for the timers whatever --timing-log-level says (which
+    # no Megatron-DeepSpeed script sets): time at level 1 at least; print only at the flag's.
+    timer_level = max(args.timing_log_level, 1 if args.log_timers_to_tensorboard else 0)
+    timers = Timers(timer_level, args.timing_log_option)
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args)
     state = checkpointing.load_checkpoint(model, optimizer, scheduler, args)
     print_rank_0(f"> model, optimizer and scheduler ready in {time.time() - start:.1f}s")
@@ -242,13 +249,14 @@ def pretrain(
             args.wandb_exp_name,
             args.wandb_save_dir,
             config=vars(args),
+            queue_size=args.tensorboard_queue_size,
         )
     loop = TrainingLoop(args, model, optimizer, scheduler, forward_step_func, timers, writer)
     # --exit-duration-in-mins counts from the start of pretrain(), as Megatron's does, so set-up,
     # checkpoint loading and dataset building count against a job's time limit too.
     loop.start_time = start
-    loop.evaluate = lambda label, iterator, it: evaluate_and_print_results(
-        label, forward_step_func, iterator, model, args, it, writer
+    loop.evaluate = lambda label, iterator, at: evaluate_and_print_results(
+        label, forward_step_func, iterator, model, args, at, writer
     )
     print_rank_0("> training ...")
     loop.train(train_iter, valid_iter, state)
@@ -256,9 +264,11 @@ def pretrain(
     if args.eval_iters > 0 and not loop.stopped_by_signal:
         label = "the end of training for {} data"
         if valid_iter is not None:
-            loop.evaluate(label.format("val"), valid_iter, state.iteration)
+            loop.evaluate(label.format("val"), valid_iter, state)
         if test_iter is not None:
-            loop.evaluate(label.format("test"), test_iter, state.iteration)
+            evaluate_and_print_results(
+                label.format("test"), forward_step_func, test_iter, model, args, state, writer, True
+            )
     if writer is not None:
         writer.close()
     return state

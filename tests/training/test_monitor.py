@@ -421,7 +421,13 @@ def test_wandb_offline_run(tmp_path, monkeypatch, capsys):
     assert f"wandb sync {run_dir}" in out
     assert out.count("wandb: skipping") == 1
     [record_file] = glob.glob(os.path.join(run_dir, "run-*.wandb"))
+    # wandb's service process may still be writing the file after finish() returns (seen on a
+    # loaded machine: only the header was there); wait for the last history record.
+    deadline = time.monotonic() + 60
     records = open(record_file, "rb").read()
+    while b"grad-norm/grad-norm" not in records and time.monotonic() < deadline:
+        time.sleep(0.2)
+        records = open(record_file, "rb").read()
     # There is no public reader for .wandb files; history keys are protobuf strings (tag
     # 0x12, length, bytes) followed by the JSON value (tag 0x82 0x01, length, text). The skip
     # notice is in the file too, as captured console output, hence the exact encoding.

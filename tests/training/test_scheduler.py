@@ -258,9 +258,12 @@ def test_state_dict_round_trip_uses_megatron_keys():
     assert set(sd) == {
         "max_lr",
         "lr_warmup_steps",
+        "lr_warmup_tokens",
         "num_steps",
+        "num_tokens",
         "lr_decay_style",
         "lr_decay_steps",
+        "lr_decay_tokens",
         "min_lr",
         "start_wd",
         "end_wd",

@@ -1,0 +1,281 @@
+"""Real Megatron-DeepSpeed scripts, scaled to a tiny GPT, run on CPU through their launchers.
+
+Each run keeps the script's flags and DeepSpeed config shape (parallel layout kind, ZeRO
+stage, token-based schedule, TensorBoard flags, MoE flags with one expert, ...) and changes
+only the sizes: 2 layers, h=64, 32 tokens, 2 processes, a few iterations. DeepSpeed's CPU
+accelerator has no fp16, so DeepSpeed runs swap --fp16 for --bf16; the plain-path script keeps
+--fp16. What must hold: the run ends cleanly, the loss falls, every iteration line parses with
+our parser (DeepSpeed's own `steps_per_print` lines never cut one), and the TensorBoard file
+holds the tags the script's flags ask for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.training.monitor import parse_iteration_log
+from tests.compat.scripts import SCRIPTS_DIR, bf16_for_cpu, load_script, localized, with_values
+from tests.conftest import REPO_ROOT
+from tests.distributed import free_port
+from tests.pretrain_runs import cpu_env
+
+SEQ, GLOBAL_BATCH = 32, 4
+TOKENS_PER_ITERATION = SEQ * GLOBAL_BATCH
+TINY = {
+    "--num-layers": ["2"],
+    "--hidden-size": ["64"],
+    "--num-attention-heads": ["4"],
+    "--seq-length": [str(SEQ)],
+    "--max-position-embeddings": [str(SEQ)],
+    "--micro-batch-size": ["1"],
+    "--global-batch-size": [str(GLOBAL_BATCH)],
+    "--log-interval": ["1"],
+    "--eval-interval": ["5"],
+    "--eval-iters": ["1"],
+    "--save-interval": ["1000"],
+    "--num-workers": ["0"],
+    "--split": ["90,10,0"],
+    "--make-vocab-size-divisible-by": ["128"],
+    # A tiny model takes a larger step than the scripts' 1.5e-4..6e-3: the loss must fall in
+    # ten iterations.
+    "--lr": ["3e-3"],
+}
+# Megatron-DeepSpeed's token-based schedule, scaled: stop after 10 iterations' tokens although
+# --train-samples allows 12; warm up over 2 iterations' tokens, decay over the 10.
+TOKENS = {
+    "--train-samples": [str(12 * GLOBAL_BATCH)],
+    "--train-tokens": [str(10 * TOKENS_PER_ITERATION)],
+    "--lr-warmup-tokens": [str(2 * TOKENS_PER_ITERATION)],
+    "--lr-decay-tokens": [str(10 * TOKENS_PER_ITERATION)],
+}
+ITERATIONS = {"--train-iters": ["10"], "--lr-decay-iters": None, "--exit-interval": None}
+
+
+def _launch(launcher: str, argv: list[str], env: dict[str, str] | None = None, ranks: int = 2):
+    script = os.path.join(REPO_ROOT, "pretrain_gpt.py")
+    port = str(free_port())
+    bin_dir = os.path.dirname(sys.executable)
+    commands = {
+        "deepspeed": [
+            os.path.join(bin_dir, "deepspeed"),
+            "--num_gpus",
+            str(ranks),
+            "--master_port",
+            port,
+            script,
+        ],
+        "torchrun": [
+            os.path.join(bin_dir, "torchrun"),
+            f"--nproc_per_node={ranks}",
+            f"--master_port={port}",
+            script,
+        ],
+        "torch.distributed.launch": [
+            sys.executable,
+            "-m",
+            "torch.distributed.launch",
+            f"--nproc_per_node={ranks}",
+            f"--master_port={port}",
+            script,
+        ],
+    }
+    return subprocess.run(
+        commands[launcher] + argv,
+        cwd=REPO_ROOT,
+        env=cpu_env(OMP_NUM_THREADS="1", **(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+
+
+def _tags(tensorboard_dir: str) -> dict[str, list]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: dict[str, list] = {}
+    for root, _, files in os.walk(tensorboard_dir):
+        if any(name.startswith("events.") for name in files):
+            accumulator = EventAccumulator(root, size_guidance={"scalars": 0})
+            accumulator.Reload()
+            for tag in accumulator.Tags()["scalars"]:
+                tags.setdefault(tag, []).extend(accumulator.Scalars(tag))
+    return tags
+
+
+def _iteration_lines(output: str) -> list[dict]:
+    """Every line that looks like an iteration line, parsed; a cut or mixed line fails."""
+    logs = []
+    for line in output.splitlines():
+        if "consumed samples:" in line:
+            # Whole: nothing (a DeepSpeed `steps: N loss:` line, another rank) before or after.
+            assert line.startswith(" iteration ") and line.endswith(" |"), line
+            logs.append(parse_iteration_log(line))
+    return [log for log in logs if "lm loss" in log]  # skipped iterations print no loss
+
+
+def _run(name: str, launcher: str, sizes: dict, dataset: str, scratch: str, cpu_bf16: bool):
+    script = load_script(os.path.join(SCRIPTS_DIR, name + ".json"))
+    argv, config = script.argv, script.ds_config
+    if cpu_bf16:
+        argv, config = bf16_for_cpu(argv, config)
+    if config is not None:
+        config = dict(config, train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu=1)
+    script = dataclasses.replace(
+        script, argv=with_values(argv, {**TINY, **sizes}), ds_config=config
+    )
+    argv = localized(script, dataset, scratch)
+    done = _launch(launcher, argv)
+    assert done.returncode == 0, done.stdout[-4000:]
+    logs = _iteration_lines(done.stdout)
+    assert logs, done.stdout[-4000:]
+    losses = [log["lm loss"] for log in logs]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.2, losses
+    assert all(math.isfinite(log["lm loss"]) for log in logs)
+    return done.stdout, logs, _tags(os.path.join(scratch, "tensorboard-dir"))
+
+
+@pytest.mark.slow
+def test_rebase_125m_token_schedule_pipeline_zero1(stdlib_dataset: str, tmp_path) -> None:
+    """rebase/ds_pretrain_gpt_125M.sh: deepspeed launcher, PipelineModule, ZeRO-1, tokens."""
+    sizes = {
+        **TOKENS,
+        "--tensor-model-parallel-size": ["1"],
+        "--pipeline-model-parallel-size": ["2"],
+    }
+    output, logs, tags = _run(
+        "rebase__ds_pretrain_gpt_125M", "deepspeed", sizes, stdlib_dataset, str(tmp_path), True
+    )
+    assert logs[-1]["iteration"] == 10  # --train-tokens stopped it before --train-samples
+    assert logs[-1]["consumed tokens"] == 10 * TOKENS_PER_ITERATION
+    assert logs[-1]["progress"] == 100.0  # counted against the 10 iterations the tokens allow
+    # Megatron-DeepSpeed's tags: each training scalar also against samples and tokens.
+    for tag in (
+        "lm-loss-training/lm loss",
+        "lm-loss-training/lm loss vs samples",
+        "lm-loss-training/lm loss vs tokens",
+        "learning-rate/learning-rate",
+        "batch-size/batch-size",  # --log-batch-size-to-tensorboard
+        "lm-loss-validation/lm loss validation",
+        "lm-loss-validation/lm loss validation ppl",  # --log-validation-ppl-to-tensorboard
+        "train-step-time",  # --log-timers-to-tensorboard
+        "optimizer/variance_l2",  # --log-optimizer-states-to-tensorboard
+        "optimizer/momentum_l2",
+    ):
+        assert tag in tags, sorted(tags)
+    steps = [event.step for event in tags["lm-loss-training/lm loss vs tokens"]]
+    assert steps == [n * TOKENS_PER_ITERATION for n in range(1, 11)]
+
+
+@pytest.mark.slow
+def test_universal_checkpointing_bf16_tensor_parallel(stdlib_dataset: str, tmp_path) -> None:
+    """universal_checkpointing/megatron_gpt/run_bf16.sh: deepspeed, TP=2, ZeRO-1, fp32 accum."""
+    sizes = {
+        **ITERATIONS,
+        "--tensor-model-parallel-size": ["2"],
+        "--pipeline-model-parallel-size": ["1"],
+    }
+    output, logs, tags = _run(
+        "universal_checkpointing__megatron_gpt__run_bf16",
+        "deepspeed",
+        sizes,
+        stdlib_dataset,
+        str(tmp_path),
+        False,
+    )
+    assert logs[-1]["iteration"] == 10
+    assert "gradient accumulation fp32" in output
+    assert "lm-loss-training/lm loss" in tags and "learning-rate/learning-rate" in tags
+
+
+@pytest.mark.slow
+def test_examples_pretrain_gpt_distributed_fp16_torch_distributed_launch(
+    stdlib_dataset: str, tmp_path
+) -> None:
+    """examples/pretrain_gpt_distributed.sh (plain path, --fp16, DDP), torch.distributed.launch."""
+    # Dynamic fp16 scaling starts at 2^12, not 2^32: ten iterations are too few to spend ~20 of
+    # them finding the scale (tests/training/test_mixed_precision.py covers that descent).
+    sizes = {
+        **ITERATIONS,
+        "--lr-warmup-fraction": [".1"],
+        "--initial-loss-scale": ["4096"],
+        "--tensorboard-dir": ["tb"],
+    }
+    output, logs, tags = _run(
+        "examples__pretrain_gpt_distributed",
+        "torch.distributed.launch",
+        sizes,
+        stdlib_dataset,
+        str(tmp_path),
+        False,
+    )
+    assert logs[-1]["iteration"] == 10
+    assert all(log["number of nan iterations"] == 0 for log in logs)
+
+
+@pytest.mark.slow
+def test_moe_350m_dense_zero0_moe_flags_one_expert(stdlib_dataset: str, tmp_path) -> None:
+    """MoE/ds_pretrain_gpt_350M_dense.sh: deepspeed, ZeRO-0, MoE flags with --num-experts 1."""
+    output, logs, tags = _run(
+        "MoE__ds_pretrain_gpt_350M_dense", "deepspeed", TOKENS, stdlib_dataset, str(tmp_path), True
+    )
+    assert logs[-1]["iteration"] == 10
+    assert "batch-size/batch-size" in tags
+    assert "lm-loss-validation/lm loss validation ppl" in tags
+
+
+# The shape of the Zenn tutorial's ds_config_gpt2_345m_4.json (as described in issue 16): an
+# "optimizer" section DeepSpeed never uses here (Megatron-DeepSpeed hands it its own Adam), a
+# "wandb" section, "steps_per_print": 1; fp16 becomes bf16 for DeepSpeed's CPU accelerator.
+ZENN_CONFIG = {
+    "train_batch_size": GLOBAL_BATCH,
+    "train_micro_batch_size_per_gpu": 2,
+    "steps_per_print": 1,
+    "gradient_clipping": 1.0,
+    "optimizer": {
+        "type": "Adam",
+        "params": {"lr": 0.00015, "max_grad_norm": 1.0, "betas": [0.9, 0.95]},
+    },
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 1},
+    "wandb": {"enabled": True, "project": "zenn-megatron-deepspeed"},
+}
+
+
+@pytest.mark.slow
+def test_zenn_config_with_optimizer_and_wandb_sections_runs_offline(
+    stdlib_dataset: str, tmp_path
+) -> None:
+    """The optimizer section is set aside with a start-up line and one warning per value that
+    differs from the flags; DeepSpeed's W&B monitor logs offline."""
+    script = load_script(os.path.join(SCRIPTS_DIR, "examples__pretrain_gpt_distributed.json"))
+    sizes = {**TINY, **ITERATIONS, "--micro-batch-size": ["2"], "--lr": ["1e-3"]}
+    argv = with_values(script.argv, {**sizes, "--fp16": None, "--distributed-backend": None})
+    argv = localized(dataclasses.replace(script, argv=argv), stdlib_dataset, str(tmp_path))
+    config = tmp_path / "ds_config_gpt2_345m_4.json"
+    config.write_text(json.dumps(ZENN_CONFIG))
+    argv += ["--deepspeed", "--deepspeed_config", str(config)]
+    wandb_dir = tmp_path / "wandb"
+    wandb_dir.mkdir()
+    done = _launch(
+        "deepspeed", argv, env={"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir)}, ranks=1
+    )
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert 'its "optimizer" section is not used' in done.stdout
+    warnings = [line for line in done.stdout.splitlines() if 'warning: "optimizer.' in line]
+    assert len(warnings) == 2, warnings  # lr and betas differ; max_grad_norm equals --clip-grad
+    assert any(
+        '"optimizer.params.lr" (0.00015)' in line and "--lr (0.001)" in line for line in warnings
+    )
+    assert any('"optimizer.params.betas" ([0.9, 0.95])' in line for line in warnings)
+    losses = [log["lm loss"] for log in _iteration_lines(done.stdout)]
+    assert len(losses) == 10 and sum(losses[-3:]) < sum(losses[:3]) - 0.6, losses
+    # DeepSpeed's W&B monitor wrote an offline run.
+    assert list(wandb_dir.glob("wandb/offline-run-*")), os.listdir(wandb_dir)
