@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from enum import Enum
 from typing import Any
 
@@ -86,3 +87,20 @@ def differences(first: str, second: str) -> list[str]:
             if not same:
                 problems.append(f"{name}{key} differs")
     return problems
+
+
+def rolled_back(save: str, iteration: int, into: str) -> str:
+    """A copy of `save` holding only its checkpoint of `iteration`, trackers pointing at it
+    (what a user does to go back to an earlier checkpoint)."""
+    tag = f"global_step{iteration}"
+    deepspeed_layout = os.path.isdir(os.path.join(save, tag))
+    name = tag if deepspeed_layout else f"iter_{iteration:07d}"
+    shutil.copytree(os.path.join(save, name), os.path.join(into, name))
+    checkpoint_commit.write_tracker(
+        os.path.join(into, checkpoint_commit.TRACKER_FILENAME), str(iteration)
+    )
+    if deepspeed_layout:
+        checkpoint_commit.write_tracker(
+            os.path.join(into, checkpoint_commit.DEEPSPEED_TRACKER_FILENAME), tag
+        )
+    return into

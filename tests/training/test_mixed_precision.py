@@ -17,19 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from megatron.checkpointing import commit as checkpoint_commit
 from megatron.config import ModelConfig, model_params_dtype
 from megatron.training.optimizer import DynamicLossScaler, GuardedAdamW
 from megatron.training.scheduler import OptimizerParamScheduler
 from megatron.training.step import PlainTrainer, train_step_plain
-from tests.checkpointing.compare import differences, load_any
+from tests.checkpointing.compare import differences, load_any, rolled_back
 from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE
 from tests.distributed import free_port, run_distributed
 from tests.pretrain_runs import cpu_env, iteration_logs, launch, tiny_gpt_flags
@@ -256,23 +254,6 @@ def test_half_precision_tracks_fp32_for_50_iterations(
     assert f"gradient accumulation {accumulation}" in runs.output(case)
 
 
-def _rolled_back(save: str, iteration: int, into: str) -> str:
-    """A copy of `save` holding only its checkpoint of `iteration`, trackers pointing at it
-    (what a user does to go back to an earlier checkpoint)."""
-    tag = f"global_step{iteration}"
-    deepspeed_layout = os.path.isdir(os.path.join(save, tag))
-    name = tag if deepspeed_layout else f"iter_{iteration:07d}"
-    shutil.copytree(os.path.join(save, name), os.path.join(into, name))
-    checkpoint_commit.write_tracker(
-        os.path.join(into, checkpoint_commit.TRACKER_FILENAME), str(iteration)
-    )
-    if deepspeed_layout:
-        checkpoint_commit.write_tracker(
-            os.path.join(into, checkpoint_commit.DEEPSPEED_TRACKER_FILENAME), tag
-        )
-    return into
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", RESUMED)
 def test_half_precision_resumes_bit_exactly(case: str, runs: Runs, tmp_path) -> None:
@@ -280,7 +261,7 @@ def test_half_precision_resumes_bit_exactly(case: str, runs: Runs, tmp_path) -> 
     checkpoint (weights, fp32 master copy, optimizer state, loss scaler, RNG), `args` aside."""
     logs, save = runs.straight(case)
     half = ITERATIONS // 2
-    resumed_dir = _rolled_back(save, half, str(tmp_path / "resumed"))
+    resumed_dir = rolled_back(save, half, str(tmp_path / "resumed"))
     flags = runs.flags(case) + ["--load", resumed_dir, "--save", resumed_dir]
     done = launch(1, flags + ["--save-interval", str(half)], timeout=600)
     assert done.returncode == 0, done.stdout[-3000:]
