@@ -4,8 +4,9 @@ and GPT training samples can be read from it.
     python tools/check_dataset.py --prefix data/stdlib_content_document \\
         --input data/stdlib.jsonl --json-key content --seq-length 1024
 
-Exits 1 at the first document whose tokens do not give back the JSON text (naming the
-input line), so it verifies a preprocessing run end to end.
+Every index entry is checked on open, and every token id against the vocabulary. Exits 1 at
+the first fault (naming the file and the entry, document or input line), so it verifies a
+preprocessing run end to end.
 """
 
 from __future__ import annotations
@@ -111,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.prefix}: {len(dataset.doc_idx) - 1} documents, {len(dataset)} sequences, "
             f"{dataset.num_tokens} tokens ({dataset.dtype.name})"
         )
+        outside = dataset.first_token_outside_vocabulary(tokenizer.vocab_size)
+        if outside is not None:
+            document, position, token = outside
+            raise IndexedDatasetError(
+                f"{args.prefix}: document {document} has token {token} (at position "
+                f"{position}) >= vocabulary size {tokenizer.vocab_size} of {args.vocab_file}"
+            )
         if args.input:
             checked = check_round_trip(
                 dataset, tokenizer, args.input, args.json_key, args.log_interval

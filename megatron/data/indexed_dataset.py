@@ -254,6 +254,56 @@ class IndexedDatasetBuilder:
 MMapIndexedDatasetBuilder = IndexedDatasetBuilder
 
 
+# Entries checked per vectorised pass: bounds the temporary arrays (~100 MB) on huge corpora.
+_CHECK_CHUNK = 1 << 22
+
+
+def check_index_arrays(
+    idx_path: str,
+    sizes: np.ndarray,
+    pointers: np.ndarray,
+    doc_idx: np.ndarray,
+    dtype: np.dtype,
+) -> None:
+    """Every entry of an index agrees with the others; the first that does not is an error.
+
+    Sizes are non-negative; each pointer is the previous one plus the previous size in bytes
+    (so a flipped byte in either array is caught where it is, not as wrong tokens later); the
+    document index never decreases. Vectorised in chunks: a 300B-token corpus takes seconds.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    expected_offset = 0
+    for start in range(0, len(sizes), _CHECK_CHUNK):
+        chunk = sizes[start : start + _CHECK_CHUNK].astype(np.int64)
+        negative = np.flatnonzero(chunk < 0)
+        if negative.size:
+            index = start + int(negative[0])
+            raise IndexedDatasetError(
+                f"{idx_path}: corrupted index: sequence {index} has size {int(sizes[index])}"
+            )
+        ends = np.cumsum(chunk * itemsize) + expected_offset
+        starts = ends - chunk * itemsize
+        wrong = np.flatnonzero(pointers[start : start + len(chunk)] != starts)
+        if wrong.size:
+            index = start + int(wrong[0])
+            previous = (
+                f"; sequence {index - 1} has size {int(sizes[index - 1])}" if index > 0 else ""
+            )
+            raise IndexedDatasetError(
+                f"{idx_path}: corrupted index: sequence {index} starts at byte "
+                f"{int(pointers[index])}, but the sizes before it put it at byte "
+                f"{int(starts[wrong[0]])}{previous}"
+            )
+        expected_offset = int(ends[-1])
+    backwards = np.flatnonzero(np.diff(doc_idx) < 0)
+    if backwards.size:
+        index = int(backwards[0]) + 1
+        raise IndexedDatasetError(
+            f"{idx_path}: corrupted index: document {index} starts at sequence "
+            f"{int(doc_idx[index])}, before document {index - 1} ({int(doc_idx[index - 1])})"
+        )
+
+
 class IndexedDataset:
     """Read-only, memory-mapped view of a `.bin`/`.idx` pair, validated on open."""
 
@@ -309,6 +359,7 @@ class IndexedDataset:
             raise IndexedDatasetError(
                 f"{idx_path}: corrupted index: doc_idx must run from 0 to {num_sequences}"
             )
+        check_index_arrays(idx_path, self._sizes, self._pointers, self._doc_idx, self.dtype)
 
     def _check_data_file(self, bin_path: str) -> None:
         self._bin_size = os.path.getsize(bin_path)
@@ -348,6 +399,26 @@ class IndexedDataset:
     def num_tokens(self) -> int:
         """Total number of tokens in the dataset."""
         return int(self._sizes.sum(dtype=np.int64))
+
+    def first_token_outside_vocabulary(self, vocab_size: int) -> tuple[int, int, int] | None:
+        """(document, token position in it, token id) of the first id >= `vocab_size`, or None.
+
+        Scans the `.bin` in chunks of 64M tokens (vectorised: about a second per GB here).
+        """
+        tokens = np.frombuffer(self._bin_buffer, dtype=self.dtype) if self._bin_size else []
+        chunk = 1 << 26
+        for start in range(0, len(tokens), chunk):
+            outside = np.flatnonzero(tokens[start : start + chunk] >= vocab_size)
+            if outside.size:
+                position = start + int(outside[0])
+                token = int(tokens[position])
+                # The sequence holding that token, then its document.
+                byte = position * self.dtype.itemsize
+                sequence = int(np.searchsorted(self._pointers, byte, side="right")) - 1
+                document = int(np.searchsorted(self._doc_idx, sequence, side="right")) - 1
+                first = int(self._pointers[int(self._doc_idx[document])])
+                return document, (byte - first) // self.dtype.itemsize, token
+        return None
 
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens `[offset, offset + length)` of sequence `idx` (all of it by default)."""

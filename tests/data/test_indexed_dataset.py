@@ -481,3 +481,72 @@ def test_finalize_refuses_an_unclosed_document(tmp_path):
     with pytest.raises(ValueError, match="call end_document\\(\\) before finalize"):
         builder.finalize(str(tmp_path / "open.idx"))
     builder.close()
+
+
+def _fifty_documents(tmp_path) -> tuple[str, int]:
+    """50 one-sequence documents of 1..50 tokens; the prefix and the sequence count."""
+    prefix = str(tmp_path / "fifty")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for length in range(1, 51):
+        builder.add_item(np.arange(length, dtype=np.int64))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix, 50
+
+
+def _patch_index(prefix: str, array: str, entry: int, value: int, count: int = 50) -> None:
+    """Overwrite entry `entry` of the index's sizes (int32), pointers or doc_idx (int64)."""
+    header = indexed_dataset.HEADER_SIZE
+    offsets = {"sizes": header, "pointers": header + 4 * count}
+    offsets["doc_idx"] = offsets["pointers"] + 8 * count
+    width = 4 if array == "sizes" else 8
+    data = bytearray(_read(prefix + ".idx"))
+    start = offsets[array] + width * entry
+    data[start : start + width] = value.to_bytes(width, "little", signed=True)
+    _rewrite(prefix + ".idx", bytes(data))
+
+
+@pytest.mark.parametrize(
+    "array, entry, value, fragment",
+    [
+        # A wrong size is caught at the next sequence, whose offset no longer follows.
+        ("sizes", 0, 7, "sequence 1 starts at byte 2, but the sizes before it put it at byte 14"),
+        ("sizes", 25, 27, "sequence 26 starts at byte"),
+        ("sizes", 30, -5, "sequence 30 has size -5"),
+        ("pointers", 40, 12, "sequence 40 starts at byte 12"),
+        ("doc_idx", 20, 3, "document 20 starts at sequence 3, before document 19 (19)"),
+    ],
+)
+def test_every_index_entry_is_checked_on_open(tmp_path, array, entry, value, fragment):
+    """A flipped entry anywhere in the index is an error naming the file and the entry, not
+    wrong tokens later (issue 17: a changed sizes[500] trained on the next document)."""
+    prefix, count = _fifty_documents(tmp_path)
+    assert IndexedDataset(prefix)[49].tolist() == list(range(50))
+    _patch_index(prefix, array, entry, value, count)
+    with pytest.raises(IndexedDatasetError) as caught:
+        IndexedDataset(prefix)
+    assert str(caught.value).startswith(prefix + ".idx: corrupted index: "), caught.value
+    assert fragment in str(caught.value)
+
+
+def test_a_wrong_last_size_is_caught_by_the_bin_length(tmp_path):
+    prefix, count = _fifty_documents(tmp_path)
+    _patch_index(prefix, "sizes", 49, 51, count)
+    with pytest.raises(IndexedDatasetError, match="index describes"):
+        IndexedDataset(prefix)
+
+
+def test_first_token_outside_vocabulary_names_document_and_position(tmp_path):
+    prefix = str(tmp_path / "oov")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for document in range(5):
+        tokens = np.full(10 + document, 7)
+        if document == 3:
+            tokens[4] = 65535
+        builder.add_item(tokens[:6])
+        builder.add_item(tokens[6:])  # two sequences per document
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    dataset = IndexedDataset(prefix)
+    assert dataset.first_token_outside_vocabulary(50257) == (3, 4, 65535)
+    assert dataset.first_token_outside_vocabulary(65536) is None

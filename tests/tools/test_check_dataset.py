@@ -1,0 +1,55 @@
+"""tools/check_dataset.py: a damaged index or a token outside the vocabulary is exit 1 with
+one `error:` line naming the file and the entry or document."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron.data.indexed_dataset import IndexedDatasetBuilder
+from tests.conftest import MERGE_FILE, VOCAB_FILE
+from tools import check_dataset
+
+
+def _dataset(tmp_path, bad_token: int | None = None) -> str:
+    prefix = str(tmp_path / "docs")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for document in range(20):
+        tokens = np.arange(100 + document) % 50000
+        if bad_token is not None and document == 12:
+            tokens[30] = bad_token
+        builder.add_item(tokens)
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def _check(prefix: str, capsys) -> tuple[int, str]:
+    argv = ["--prefix", prefix, "--vocab-file", VOCAB_FILE, "--merge-file", MERGE_FILE]
+    code = check_dataset.main(argv + ["--seq-length", "64"])
+    return code, capsys.readouterr().err.strip()
+
+
+def test_a_good_dataset_passes(tmp_path, capsys):
+    assert _check(_dataset(tmp_path), capsys) == (0, "")
+
+
+def test_a_token_outside_the_vocabulary_is_named(tmp_path, capsys):
+    prefix = _dataset(tmp_path, bad_token=60000)
+    code, error = _check(prefix, capsys)
+    assert code == 1
+    assert error == (
+        f"error: {prefix}: document 12 has token 60000 (at position 30) >= vocabulary size "
+        f"50257 of {VOCAB_FILE}"
+    )
+
+
+def test_a_changed_size_in_the_middle_is_named(tmp_path, capsys):
+    prefix = _dataset(tmp_path)
+    data = bytearray(open(prefix + ".idx", "rb").read())
+    offset = 34 + 4 * 10  # sizes[10], after the 34-byte header
+    data[offset : offset + 4] = (211).to_bytes(4, "little")
+    open(prefix + ".idx", "wb").write(bytes(data))
+    code, error = _check(prefix, capsys)
+    assert code == 1 and "\n" not in error
+    assert error.startswith(f"error: {prefix}.idx: corrupted index: sequence 11 starts at byte")
+    assert error.endswith("; sequence 10 has size 211")
