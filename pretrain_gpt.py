@@ -10,6 +10,7 @@ See scripts/ and examples/ for complete command lines, and `python pretrain_gpt.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterator
 from functools import partial
@@ -20,8 +21,10 @@ from megatron.checkpointing import CheckpointError
 from megatron.config import DataConfig, ModelConfig
 from megatron.core import parallel_state
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
+from megatron.data.indexed_dataset import IndexedDatasetError
 from megatron.model import GPTModel
 from megatron.model.model_size import model_size_report
+from megatron.tokenizer import TokenizerFileError
 from megatron.training import pretrain
 from megatron.training.loop import TrainingStopped
 from megatron.training.scheduler import SchedulerMismatchError
@@ -88,11 +91,24 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module, args: argparse
     return output_tensor, partial(loss_func, loss_mask)
 
 
+# Failures a user causes (bad files, a stopped run): one `error:` line, exit 1, no traceback
+# (MEGATRON_DEBUG_TRACEBACKS=1 shows it).
+USER_ERRORS = (
+    TrainingStopped,
+    SchedulerMismatchError,
+    CheckpointError,
+    IndexedDatasetError,
+    TokenizerFileError,
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run `pretrain` with GPT's providers; a stopped run exits 1 with the reason."""
     try:
         pretrain(datasets_provider, model_provider, forward_step, argv=argv)
-    except (TrainingStopped, SchedulerMismatchError, CheckpointError) as stopped:
+    except USER_ERRORS as stopped:
+        if os.environ.get("MEGATRON_DEBUG_TRACEBACKS", "0") not in ("", "0"):
+            raise
         print(f"error: {stopped}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -50,6 +50,8 @@ class DataConfig:
     """DataLoader worker processes (`--num-workers`)."""
     dataloader_type: str = "single"
     """`single` (sequential, Megatron's default) or `cyclic` (reshuffled every epoch)."""
+    vocab_size: int | None = None
+    """The tokenizer's vocabulary size: every token id must be below it (None: not checked)."""
 
     @classmethod
     def from_args(cls, args: Namespace) -> DataConfig:
@@ -64,6 +66,7 @@ class DataConfig:
             mmap_warmup=getattr(args, "mmap_warmup", False),
             num_workers=getattr(args, "num_workers", 2),
             dataloader_type=getattr(args, "dataloader_type", "single") or "single",
+            vocab_size=getattr(args, "tokenizer_vocab_size", None),
         )
 
 

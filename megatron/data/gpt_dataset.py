@@ -31,7 +31,8 @@ from megatron.config import DataConfig
 from megatron.data.blendable_dataset import BlendableDataset, parse_data_path, samples_per_dataset
 from megatron.data.cpp_helpers import load_helpers
 from megatron.data.index_cache import load_or_build_arrays
-from megatron.data.indexed_dataset import IndexedDataset, make_dataset
+from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetError, make_dataset
+from megatron.data.token_check import check_token_ids
 from megatron.utils import print_rank_0
 
 # Below this share of an epoch's samples, the last epoch gets its own shuffle.
@@ -310,6 +311,14 @@ def _build_splits(
     indexed = make_dataset(prefix, config.data_impl, skip_warmup=not config.mmap_warmup)
     # Like Megatron, GPT samples treat each sequence of the index as a document.
     num_documents = len(indexed)
+    if num_documents > np.iinfo(np.int32).max:
+        # The document and sample indices (and Megatron's helpers) hold 32-bit document ids.
+        raise IndexedDatasetError(
+            f"{prefix}: {num_documents:,} sequences, more than the 2,147,483,647 one dataset "
+            "may hold (32-bit document ids); split it into several --data-path prefixes"
+        )
+    if config.vocab_size is not None:
+        check_token_ids(indexed, prefix, config.vocab_size, config.data_cache_path)
     bounds = get_train_valid_test_split_(config.split, num_documents)
     print_rank_0(f" > {prefix}: {num_documents} documents, split {config.split!r}:")
     datasets = []

@@ -55,6 +55,7 @@ def build_tokenizer(args: Namespace) -> GPT2BPETokenizer:
             "(the GPT-2 files are in dataset/gpt2-vocab.json and dataset/gpt2-merges.txt)"
         )
     tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
+    args.tokenizer_vocab_size = tokenizer.vocab_size  # the dataset's token ids must be below
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size,
         getattr(args, "make_vocab_size_divisible_by", 128),

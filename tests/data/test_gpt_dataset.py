@@ -520,3 +520,17 @@ def test_distributed_cache_build(corpus, tmp_path):
         expected = single[0]["text"] if name == "sample0" else getattr(single, name)
         for data in ranks:
             np.testing.assert_array_equal(data[name], expected)
+
+
+def test_more_documents_than_32_bit_ids_is_an_error_naming_the_limit(monkeypatch):
+    """The split code and the index helpers hold int32 document ids: 2^31 or more sequences in
+    one dataset is a clear error, not a wrapped index ("test documents out of range")."""
+
+    class Huge:
+        def __len__(self) -> int:
+            return 2**31
+
+    monkeypatch.setattr(gpt_dataset, "make_dataset", lambda *args, **kwargs: Huge())
+    config = DataConfig(data_path=["huge"], seq_length=8)
+    with pytest.raises(ValueError, match=r"huge: 2,147,483,648 sequences, more than the "):
+        gpt_dataset._build_splits("huge", config, [1, 1, 1], None)
