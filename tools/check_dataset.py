@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 from megatron.config import DataConfig  # noqa: E402
 from megatron.data.gpt_dataset import build_train_valid_test_datasets  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetError  # noqa: E402
+from megatron.data.token_check import check_token_ids  # noqa: E402
 from megatron.tokenizer import GPT2BPETokenizer  # noqa: E402
 from tools.preprocess_data import DEFAULT_MERGES, DEFAULT_VOCAB  # noqa: E402
 from tools.progress import Progress  # noqa: E402
@@ -112,13 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.prefix}: {len(dataset.doc_idx) - 1} documents, {len(dataset)} sequences, "
             f"{dataset.num_tokens} tokens ({dataset.dtype.name})"
         )
-        outside = dataset.first_token_outside_vocabulary(tokenizer.vocab_size)
-        if outside is not None:
-            document, position, token = outside
-            raise IndexedDatasetError(
-                f"{args.prefix}: document {document} has token {token} (at position "
-                f"{position}) >= vocabulary size {tokenizer.vocab_size} of {args.vocab_file}"
-            )
+        check_token_ids(dataset, args.prefix, tokenizer.vocab_size, vocabulary=args.vocab_file)
         if args.input:
             checked = check_round_trip(
                 dataset, tokenizer, args.input, args.json_key, args.log_interval

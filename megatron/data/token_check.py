@@ -47,9 +47,16 @@ def _cached_largest(path: str, key: dict) -> int | None:
 
 
 def check_token_ids(
-    dataset: IndexedDataset, prefix: str, vocab_size: int, cache_folder: str | None = None
+    dataset: IndexedDataset,
+    prefix: str,
+    vocab_size: int,
+    cache_folder: str | None = None,
+    vocabulary: str | None = None,
 ) -> None:
-    """Raise IndexedDatasetError naming the first id >= `vocab_size`; scan once per `.bin`."""
+    """Raise IndexedDatasetError naming the first id >= `vocab_size`; scan once per `.bin`.
+
+    `vocabulary` (the vocabulary file) is named in the message where the caller knows it.
+    """
     stat = os.stat(data_file_path(prefix))
     key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     cache = _cache_path(prefix, cache_folder)
@@ -64,7 +71,8 @@ def check_token_ids(
     if largest < vocab_size:
         return
     document, position, token = dataset.first_token_outside_vocabulary(vocab_size)
+    of_file = f" of {vocabulary}" if vocabulary else ""
     raise IndexedDatasetError(
         f"{prefix}: document {document} has token {token} (at position {position}) >= "
-        f"vocabulary size {vocab_size}; was it tokenized with another vocabulary?"
+        f"vocabulary size {vocab_size}{of_file}; was it tokenized with another vocabulary?"
     )

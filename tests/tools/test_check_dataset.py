@@ -39,7 +39,7 @@ def test_a_token_outside_the_vocabulary_is_named(tmp_path, capsys):
     assert code == 1
     assert error == (
         f"error: {prefix}: document 12 has token 60000 (at position 30) >= vocabulary size "
-        f"50257 of {VOCAB_FILE}"
+        f"50257 of {VOCAB_FILE}; was it tokenized with another vocabulary?"
     )
 
 
