@@ -212,7 +212,7 @@ def _reduction_device(grads: list[torch.Tensor]) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: object) -> None:
+def all_reduce_if_distributed(tensor: torch.Tensor, op: dist.ReduceOp, group: object) -> None:
     """All-reduce in place over `group`; a no-op without torch.distributed."""
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(tensor, op=op, group=group)
@@ -251,7 +251,7 @@ def clip_grad_norm(
     else:
         sum_of_squares = torch.zeros((), dtype=torch.float32, device=device)
     if model_parallel_group is not None:
-        _all_reduce(sum_of_squares, dist.ReduceOp.SUM, model_parallel_group)
+        all_reduce_if_distributed(sum_of_squares, dist.ReduceOp.SUM, model_parallel_group)
     total_norm = sum_of_squares.sqrt().item()
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     # inf/nan norms are reported, never used to scale: the step will be skipped anyway.

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.checkpointing import TrainState
 from megatron.core import parallel_state
 from megatron.training.monitor import MetricsWriter, _resident_set_bytes
-from megatron.training.optimizer import counted_once
+from megatron.training.optimizer import all_reduce_if_distributed, counted_once
 from megatron.training.step import StepResult
 from megatron.utils import current_device
 
@@ -141,11 +141,6 @@ def write_validation_scalars(
             add_scalar_vs(writer, f"lm-loss-validation/{name} {data_type} ppl", ppl, state)
 
 
-def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=op, group=group)
-
-
 def params_l2_norm(params: Iterable[torch.nn.Parameter]) -> float:
     """L2 norm of the whole model from this rank's parameters (Megatron's calc_params_l2_norm).
 
@@ -167,11 +162,15 @@ def params_l2_norm(params: Iterable[torch.nn.Parameter]) -> float:
         squares += torch.linalg.vector_norm(data, dtype=torch.float64).square().to(device)
     # ZeRO-3 partitions every parameter, so all ranks of a group agree on `zero3`.
     if zero3:
-        _all_reduce(squares, dist.ReduceOp.SUM, parallel_state.get_data_parallel_group())
+        all_reduce_if_distributed(
+            squares, dist.ReduceOp.SUM, parallel_state.get_data_parallel_group()
+        )
     # get_model_parallel_world_size() is Megatron's legacy name for the tensor-parallel size.
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp * parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        _all_reduce(squares, dist.ReduceOp.SUM, parallel_state.get_model_parallel_group())
+        all_reduce_if_distributed(
+            squares, dist.ReduceOp.SUM, parallel_state.get_model_parallel_group()
+        )
     return squares.sqrt().item()
 
 
@@ -230,8 +229,8 @@ def optimizer_state_stats(optimizer: object, partitioned: bool) -> dict[str, flo
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         groups.append(parallel_state.get_pipeline_model_parallel_group())
     for group in groups:
-        _all_reduce(total, dist.ReduceOp.SUM, group)
-        _all_reduce(largest, dist.ReduceOp.MAX, group)
+        all_reduce_if_distributed(total, dist.ReduceOp.SUM, group)
+        all_reduce_if_distributed(largest, dist.ReduceOp.MAX, group)
     total, largest = total.tolist(), largest.tolist()
     values = {}
     for index, name in enumerate(_OPTIMIZER_SUM_TAGS):
