@@ -128,6 +128,8 @@ class ModelConfig:
     """Keep 1/tp of each recomputed layer's input on every TP rank."""
     parallel_output: bool = True
     """Return logits split over the vocabulary (True for training) or gathered."""
+    check_labels: bool = False
+    """Raise on a label outside the (padded) vocabulary, at a device sync (`--check-labels`)."""
 
     def __post_init__(self) -> None:
         """Fill the derived defaults and reject impossible shapes."""
@@ -215,4 +217,5 @@ class ModelConfig:
             distribute_saved_activations=bool(
                 get("distribute_saved_activations") or get("partition_activations")
             ),
+            check_labels=bool(get("check_labels")),
         )

@@ -12,7 +12,6 @@ preprocessing run end to end.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,17 +22,21 @@ import numpy as np
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 from megatron.config import DataConfig  # noqa: E402
+from megatron.data.document_encoder import BadLineError, parse_json_line  # noqa: E402
 from megatron.data.gpt_dataset import build_train_valid_test_datasets  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetError  # noqa: E402
 from megatron.data.token_check import check_token_ids  # noqa: E402
 from megatron.tokenizer import GPT2BPETokenizer  # noqa: E402
+from megatron.tokenizer.gpt2_bpe import TokenizerFileError  # noqa: E402
+from tools.cli_errors import ToolArgumentParser, check_input_file, run_tool  # noqa: E402
+from tools.corpus_reader import InputError  # noqa: E402
 from tools.preprocess_data import DEFAULT_MERGES, DEFAULT_VOCAB  # noqa: E402
 from tools.progress import Progress  # noqa: E402
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prefix", required=True, help="dataset prefix (without .bin/.idx)")
     parser.add_argument("--input", help="the JSON-lines file the dataset was made from")
     parser.add_argument("--json-key", default="text", help="key of the text in --input")
@@ -46,7 +49,26 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sequence length of the GPT samples to read back",
     )
     parser.add_argument("--log-interval", type=int, default=500)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for flag in ("seq_length", "log_interval"):
+        if getattr(args, flag) < 1:
+            parser.error(
+                f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
+            )
+    if args.input is not None:
+        check_input_file(args.input, "--input")
+    return args
+
+
+def _text(line: bytes, key: str, path: str, line_number: int) -> object:
+    """The `key` value of the JSON object on `line`; InputError naming the line if none."""
+    try:
+        record = parse_json_line(line, strip_bom=line_number == 1)
+    except BadLineError as error:
+        raise InputError(f"{path}:{line_number}: {error}") from None
+    if key not in record:
+        raise InputError(f"{path}:{line_number}: no key {key!r}; choose the key with --json-key")
+    return record[key]
 
 
 def check_round_trip(
@@ -64,7 +86,7 @@ def check_round_trip(
             if not line.strip():
                 continue
             if document >= len(dataset.doc_idx) - 1:
-                raise ValueError(
+                raise IndexedDatasetError(
                     f"{input_path}:{line_number}: more documents in the input than "
                     f"the {len(dataset.doc_idx) - 1} in the dataset"
                 )
@@ -72,16 +94,16 @@ def check_round_trip(
             tokens = np.concatenate([dataset[i] for i in range(first, last)] or [[]])
             if len(tokens) and tokens[-1] == tokenizer.eod:
                 tokens = tokens[:-1]  # written by --append-eod
-            text = json.loads(line)[key]
+            text = _text(line, key, input_path, line_number)
             if tokenizer.detokenize(tokens) != text:
-                raise ValueError(
+                raise IndexedDatasetError(
                     f"{input_path}:{line_number}: document {document} does not "
                     "detokenize to the JSON text"
                 )
             document += 1
             progress.update(1, len(line), lines.tell())
     if document != len(dataset.doc_idx) - 1:
-        raise ValueError(
+        raise IndexedDatasetError(
             f"{input_path} has {document} documents, the dataset {len(dataset.doc_idx) - 1}"
         )
     return document
@@ -102,29 +124,28 @@ def show_gpt_sample(prefix: str, tokenizer: GPT2BPETokenizer, seq_length: int) -
         print("    " + repr(tokenizer.detokenize(sample[:48]))[:300])
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point."""
+def check(argv: list[str] | None) -> int:
+    """Parse the flags and check the dataset; raises at the first fault."""
     args = get_args(argv)
     start = time.time()
-    try:
-        dataset = IndexedDataset(args.prefix)
-        tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
-        print(
-            f"{args.prefix}: {len(dataset.doc_idx) - 1} documents, {len(dataset)} sequences, "
-            f"{dataset.num_tokens} tokens ({dataset.dtype.name})"
-        )
-        check_token_ids(dataset, args.prefix, tokenizer.vocab_size, vocabulary=args.vocab_file)
-        if args.input:
-            checked = check_round_trip(
-                dataset, tokenizer, args.input, args.json_key, args.log_interval
-            )
-            print(f"OK: all {checked} documents detokenize to their text in {args.input}")
-        show_gpt_sample(args.prefix, tokenizer, args.seq_length)
-    except (IndexedDatasetError, ValueError, KeyError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    dataset = IndexedDataset(args.prefix)
+    tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
+    print(
+        f"{args.prefix}: {len(dataset.doc_idx) - 1} documents, {len(dataset)} sequences, "
+        f"{dataset.num_tokens} tokens ({dataset.dtype.name})"
+    )
+    check_token_ids(dataset, args.prefix, tokenizer.vocab_size, vocabulary=args.vocab_file)
+    if args.input:
+        checked = check_round_trip(dataset, tokenizer, args.input, args.json_key, args.log_interval)
+        print(f"OK: all {checked} documents detokenize to their text in {args.input}")
+    show_gpt_sample(args.prefix, tokenizer, args.seq_length)
     print(f"checked in {time.time() - start:.1f} s")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; 1 with a one-line error at the first fault."""
+    return run_tool(lambda: check(argv), (IndexedDatasetError, TokenizerFileError, InputError))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import sysconfig
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 from megatron.atomic_files import atomic_outputs  # noqa: E402
+from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
 from tools.progress import Progress  # noqa: E402
 
 DEFAULT_EXCLUDES = ["site-packages/*", "*/site-packages/*", "*/__pycache__/*", "__pycache__/*"]
@@ -29,7 +30,7 @@ DEFAULT_EXCLUDES = ["site-packages/*", "*/site-packages/*", "*/__pycache__/*", "
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--input-dir",
         nargs="+",
@@ -67,6 +68,9 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     for folder in args.input_dir:
         if not os.path.isdir(folder):
             parser.error(f"--input-dir {folder}: no such folder")
+    if os.path.isdir(args.output):
+        parser.error(f"--output {args.output} is a folder; give the JSON-lines file to write")
+    check_output_path(args.output, "--output")
     if args.max_file_bytes < 1:
         parser.error(f"--max-file-bytes must be at least 1, got {args.max_file_bytes}")
     return args
@@ -140,14 +144,10 @@ def _decode_file(data: bytes, max_bytes: int) -> tuple[str, str | None]:
         return "", "not_utf8"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point."""
+def run(argv: list[str] | None) -> int:
+    """Parse the flags, write the JSON lines, report; raises on bad input."""
     args = get_args(argv)
-    try:
-        counts = convert(args)
-    except NothingToWriteError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    counts = convert(args)
     print(
         f"wrote {args.output}: {counts['written']} documents, {counts['bytes'] / 1e6:.1f} MB "
         f"(skipped {counts['empty']} empty, {counts['too_large']} over "
@@ -155,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; 1 with a one-line error for a bad input."""
+    return run_tool(lambda: run(argv), (NothingToWriteError,))
 
 
 if __name__ == "__main__":

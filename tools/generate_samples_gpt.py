@@ -44,13 +44,19 @@ from megatron.text_generation import check_sampling_args, generate  # noqa: E402
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer  # noqa: E402
 from megatron.tokenizer.tokenizer import build_tokenizer, vocab_size_with_padding  # noqa: E402
 from megatron.utils import is_rank_0, print_rank_0  # noqa: E402
+from tools.cli_errors import (  # noqa: E402
+    ToolArgumentParser,
+    check_input_file,
+    check_output_path,
+    run_tool,
+)
 
 INTERACTIVE_PROMPT = "\nContext prompt (stop to exit) >>> "
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse Megatron's text-generation flags (plus --prompt)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0])
     group = parser.add_argument_group(title="checkpoint and model")
     group.add_argument("--load", required=True, help="checkpoint directory (as --save wrote it)")
     group.add_argument(
@@ -85,11 +91,17 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     check_sampling_args(args.top_k, args.top_p, args.temperature)
     if args.num_samples < 0 or args.out_seq_length < 1:
-        raise ValueError("--num-samples must be >= 0 and --out-seq-length >= 1")
+        parser.error("--num-samples must be >= 0 and --out-seq-length >= 1")
     if args.prompt is not None and args.sample_input_file is not None:
-        raise ValueError("give --prompt or --sample-input-file, not both")
+        parser.error("give --prompt or --sample-input-file, not both")
     if args.fp16 and args.bf16:
-        raise ValueError("--fp16 and --bf16 cannot both be set")
+        parser.error("--fp16 and --bf16 cannot both be set")
+    if not os.path.isdir(args.load):
+        raise FileNotFoundError(f"--load {args.load}: no such checkpoint directory")
+    if args.sample_input_file is not None:
+        check_input_file(args.sample_input_file, "--sample-input-file")
+    if args.sample_output_file is not None:
+        check_output_path(args.sample_output_file, "--sample-output-file")
     return args
 
 
@@ -260,21 +272,22 @@ def run(args: argparse.Namespace) -> None:
             output.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point: 0 on success, 1 (with a one-line error) on bad input."""
+def generate_samples(argv: list[str] | None) -> int:
+    """Parse the flags and generate; the process group is torn down however it ends."""
     try:
-        args = get_args(argv)
-        if not os.path.isdir(args.load):
-            raise FileNotFoundError(f"--load {args.load}: no such checkpoint directory")
-        run(args)
-        return 0
-    except (ValueError, OSError, RuntimeError) as error:
-        print(f"generate_samples_gpt.py: error: {error}", file=sys.stderr, flush=True)
-        return 1
+        run(get_args(argv))
     finally:
         parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point: 0 on success, 1 (with a one-line error) on bad input."""
+    # ValueError: the sampling checks and prompt limits of megatron.text_generation and the
+    # tokenizer/checkpoint mismatch; RuntimeError: torch.load of a damaged checkpoint file.
+    return run_tool(lambda: generate_samples(argv), (ValueError, RuntimeError))
 
 
 if __name__ == "__main__":

@@ -26,11 +26,12 @@ from megatron.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetError,
     dataset_exists,
 )
+from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--input",
         nargs="+",
@@ -40,7 +41,14 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--output-prefix", required=True, help="prefix of the merged dataset, without .bin/.idx"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.output_prefix.endswith(("/", os.sep)):  # would write the hidden files `.bin/.idx`
+        parser.error(
+            f"--output-prefix {args.output_prefix} names a folder; give a prefix such as "
+            f"{os.path.join(args.output_prefix, 'merged_text_document')}"
+        )
+    check_output_path(args.output_prefix, "--output-prefix")
+    return args
 
 
 def _prefixes_in_folder(folder: str) -> list[str]:
@@ -114,16 +122,11 @@ def merge(prefixes: list[str], output_prefix: str) -> IndexedDatasetBuilder:
     return builder
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point."""
+def run(argv: list[str] | None) -> int:
+    """Parse, merge, report; raises on bad input."""
     args = get_args(argv)
-    try:
-        prefixes = resolve_inputs(args.input, args.output_prefix)
-        builder = merge(prefixes, args.output_prefix)
-    except IndexedDatasetError as error:
-        print(f"error: {error}", file=sys.stderr)
-        print("error: nothing was written", file=sys.stderr)
-        return 1
+    prefixes = resolve_inputs(args.input, args.output_prefix)
+    builder = merge(prefixes, args.output_prefix)
     print(
         f"wrote {args.output_prefix}.bin/.idx: {builder.num_documents} documents, "
         f"{builder.num_sequences} sequences, {builder.num_tokens} tokens from "
@@ -131,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; 1 with a one-line error for a bad input."""
+    return run_tool(lambda: run(argv), (IndexedDatasetError,), note="nothing was written")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,13 @@ import sys
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 from megatron.training.monitor import parse_iteration_log, parse_validation_line  # noqa: E402
+from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
 
 LOSS_KEY = "lm loss"
+
+
+class LogError(ValueError):
+    """A log that cannot be read or holds no loss; the message names it."""
 
 
 @dataclasses.dataclass
@@ -33,14 +38,17 @@ class LossCurves:
 
 
 def read_loss_curves(paths: list[str]) -> LossCurves:
-    """The losses logged in `paths`, read in order; a missing file is an error naming it."""
+    """The losses logged in `paths`, read in order; LogError names a log that cannot be read."""
     curves = LossCurves()
     for path in paths:
-        with open(path, encoding="utf-8", errors="replace") as log:
-            for line in log:
-                if "iteration" not in line:
-                    continue
-                _read_line(line, curves)
+        try:
+            with open(path, encoding="utf-8", errors="replace") as log:
+                for line in log:
+                    if "iteration" not in line:
+                        continue
+                    _read_line(line, curves)
+        except OSError as error:
+            raise LogError(f"cannot read log {path}: {error.strerror}") from error
     return curves
 
 
@@ -64,8 +72,10 @@ def _read_line(line: str, curves: LossCurves) -> None:
 
 def plot_loss_curves(curves: LossCurves, output: str, title: str) -> None:
     """Draw both curves (log-scale loss) into the PNG `output`, written under a temporary name."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("plotting needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FormatStrFormatter
@@ -91,9 +101,13 @@ def plot_loss_curves(curves: LossCurves, output: str, title: str) -> None:
     axes.legend()
     figure.tight_layout()
     temporary = f"{output}.partial-{os.getpid()}.png"
-    figure.savefig(temporary)
-    plt.close(figure)
-    os.replace(temporary, output)
+    try:
+        figure.savefig(temporary)
+        os.replace(temporary, output)
+    finally:
+        plt.close(figure)
+        if os.path.exists(temporary):  # a failed write leaves no partial file behind
+            os.remove(temporary)
 
 
 def summary(curves: LossCurves) -> str:
@@ -111,32 +125,33 @@ def summary(curves: LossCurves) -> str:
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--log", nargs="+", required=True, help="Training logs, oldest first.")
     parser.add_argument("--output", required=True, help="PNG file to write.")
     parser.add_argument("--title", default="GPT-2 pretraining loss", help="Plot title.")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if os.path.isdir(args.output):
+        parser.error(f"--output {args.output} is a folder; give the PNG file to write")
+    check_output_path(args.output, "--output")
+    return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Read the logs, write the plot, print the summary; 1 with a one-line error on bad input."""
+def plot(argv: list[str] | None) -> int:
+    """Read the logs, write the plot, print the summary; raises on bad input."""
     args = get_args(argv)
-    try:
-        curves = read_loss_curves(args.log)
-    except OSError as error:
-        print(f"error: cannot read log {error.filename}: {error.strerror}", file=sys.stderr)
-        return 1
+    curves = read_loss_curves(args.log)
     if not curves.train:
-        print(f"error: no iteration lines with an lm loss in {' '.join(args.log)}", file=sys.stderr)
-        return 1
-    try:
-        plot_loss_curves(curves, args.output, args.title)
-    except ImportError:
-        print("error: plotting needs matplotlib: pip install matplotlib", file=sys.stderr)
-        return 1
+        raise LogError(f"no iteration lines with an lm loss in {' '.join(args.log)}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    plot_loss_curves(curves, args.output, args.title)
     print(summary(curves))
     print(f"loss curves written to {args.output}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; 1 with a one-line error on bad input."""
+    return run_tool(lambda: plot(argv), (LogError, ImportError))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from megatron.data.document_encoder import (  # noqa: E402
 )
 from megatron.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
 from megatron.tokenizer.gpt2_bpe import TokenizerFileError  # noqa: E402
+from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
 from tools.corpus_reader import CorpusReader, InputError, expand_inputs  # noqa: E402
 from tools.progress import Progress  # noqa: E402
 
@@ -42,7 +43,7 @@ SHOWN_BAD_LINES = 20
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse Megatron's preprocess_data flags (plus --skip-bad-lines)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0])
     group = parser.add_argument_group(title="input data")
     group.add_argument(
         "--input",
@@ -115,10 +116,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
             "documents are always kept",
             file=sys.stderr,
         )
-    try:
-        args.input_files = expand_inputs(args.input)
-    except InputError as error:
-        parser.error(str(error))
+    check_output_path(args.output_prefix, "--output-prefix")
+    args.input_files = expand_inputs(args.input)  # InputError names a missing file
     return args
 
 
@@ -182,7 +181,9 @@ class BatchWriter:
         for line_number, reason in batch.errors:
             location = f"{path}:{line_number}: {reason}"
             if not self.skip_bad_lines:
-                raise InputError(location)
+                raise InputError(
+                    f"{location} (fix the line, or pass --skip-bad-lines to skip such lines)"
+                )
             self.bad_lines += 1
             if self.bad_lines <= SHOWN_BAD_LINES:
                 print(f"warning: {location} (skipped)", file=sys.stderr)
@@ -256,15 +257,6 @@ def preprocess(args: argparse.Namespace) -> int:
     except BaseException as error:
         for output in outputs.values():
             output.discard()
-        if isinstance(error, (InputError, TokenizerFileError)):
-            print(f"error: {error}", file=sys.stderr)
-            print(
-                "error: no output was written (earlier files under "
-                f"{args.output_prefix}_* are untouched); fix the input or pass "
-                "--skip-bad-lines to skip such lines",
-                file=sys.stderr,
-            )
-            return 1
         if isinstance(error, KeyboardInterrupt):
             print("\ninterrupted: no output was written", file=sys.stderr)
             return 130
@@ -281,15 +273,20 @@ def preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point."""
+def run(argv: list[str] | None) -> int:
+    """Parse the flags, then preprocess; raises on bad input."""
     args = get_args(argv)
     print(f"Opening {', '.join(args.input_files)}", file=sys.stderr)
-    try:
-        return preprocess(args)
-    except (TokenizerFileError, ImportError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    return preprocess(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; 1 with a one-line error for a bad input, nothing written."""
+    return run_tool(
+        lambda: run(argv),
+        (InputError, TokenizerFileError, ImportError),
+        note="no output was written (earlier files under that --output-prefix are untouched)",
+    )
 
 
 if __name__ == "__main__":

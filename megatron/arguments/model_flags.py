@@ -267,3 +267,9 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Stop attention across end-of-document tokens (not with pipeline parallelism).",
     )
+    group.add_argument(
+        "--check-labels",
+        action="store_true",
+        help="Debugging: check every micro-batch's labels are inside the vocabulary (an error "
+        "names the label and its position); costs a device sync per micro-batch.",
+    )

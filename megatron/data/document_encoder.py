@@ -67,6 +67,23 @@ def _unicode_error_message(line: bytes, error: UnicodeDecodeError) -> str:
     )
 
 
+def parse_json_line(line: bytes, strip_bom: bool = False) -> dict:
+    """The JSON object on one raw input line, or BadLineError saying why there is none."""
+    if strip_bom and line.startswith(UTF8_BOM):
+        line = line[len(UTF8_BOM) :]
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise BadLineError(_unicode_error_message(line, error)) from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise BadLineError(f"malformed JSON ({error.msg} at column {error.colno})") from None
+    if not isinstance(record, dict):
+        raise BadLineError(f"expected a JSON object, got a {type(record).__name__}")
+    return record
+
+
 class DocumentEncoder:
     """Parses and tokenizes lines; one instance per worker process."""
 
@@ -107,18 +124,7 @@ class DocumentEncoder:
 
     def encode_line(self, line: bytes, strip_bom: bool = False) -> dict[str, list[np.ndarray]]:
         """Token arrays of every key's sequences for one JSON line, or BadLineError."""
-        if strip_bom and line.startswith(UTF8_BOM):
-            line = line[len(UTF8_BOM) :]
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise BadLineError(_unicode_error_message(line, error)) from None
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise BadLineError(f"malformed JSON ({error.msg} at column {error.colno})") from None
-        if not isinstance(record, dict):
-            raise BadLineError(f"expected a JSON object, got a {type(record).__name__}")
+        record = parse_json_line(line, strip_bom)
         return {key: self._encode_document(record, key) for key in self.config.json_keys}
 
     def _encode_document(self, record: dict, key: str) -> list[np.ndarray]:

@@ -57,9 +57,15 @@ def logits_from_hidden(
     )
 
 
-def loss_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[s, b, vocab/tp] logits and [b, s] labels -> per-token fp32 loss [b, s]."""
-    return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1)).transpose(0, 1)
+def loss_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, check_labels: bool = False
+) -> torch.Tensor:
+    """[s, b, vocab/tp] logits and [b, s] labels -> per-token fp32 loss [b, s].
+
+    `check_labels` (`--check-labels`): a label outside the vocabulary raises ValueError.
+    """
+    target = labels.transpose(0, 1)  # [s, b]
+    return vocab_parallel_cross_entropy(logits, target, check_labels=check_labels).transpose(0, 1)
 
 
 class GPTModel(nn.Module):
@@ -99,7 +105,7 @@ class GPTModel(nn.Module):
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab(/tp)]
         if not self.config.parallel_output:
             raise ValueError("the loss needs vocab-parallel logits (parallel_output=True)")
-        return loss_from_logits(logits, labels)
+        return loss_from_logits(logits, labels, self.config.check_labels)
 
     def _check_inference(
         self,

@@ -13,6 +13,7 @@ This is one of the few modules that import DeepSpeed.
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -60,13 +61,15 @@ def _logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def masked_mean_loss(
-    logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor] | torch.Tensor
+    logits: torch.Tensor,
+    labels: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
+    check_labels: bool = False,
 ) -> torch.Tensor:
     """Mean per-token loss over the positions where `loss_mask` is 1 (all if no mask)."""
     if isinstance(labels, torch.Tensor):
-        return loss_from_logits(logits, labels).mean()
+        return loss_from_logits(logits, labels, check_labels).mean()
     targets, loss_mask = labels
-    losses = loss_from_logits(logits, targets)
+    losses = loss_from_logits(logits, targets, check_labels)
     loss_mask = loss_mask.float()
     return (losses * loss_mask).sum() / loss_mask.sum()
 
@@ -104,7 +107,7 @@ class GPTModelPipe(PipelineModule):
         recompute = config.recompute_granularity == "full"
         super().__init__(
             layers=specs,
-            loss_fn=masked_mean_loss,
+            loss_fn=partial(masked_mean_loss, check_labels=config.check_labels),
             topology=topology,
             partition_method=partition_method,
             activation_checkpoint_interval=config.recompute_num_layers if recompute else 0,

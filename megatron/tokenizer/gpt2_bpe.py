@@ -53,8 +53,11 @@ def _load_merges(merges_file: str) -> list[tuple[str, str]]:
     """The (left, right) symbol pairs of the merges file, in priority order."""
     if not os.path.isfile(merges_file):
         raise TokenizerFileError(f"--merge-file {merges_file}: no such file")
-    with open(merges_file, encoding="utf-8") as stream:
-        lines = stream.read().split("\n")
+    try:
+        with open(merges_file, encoding="utf-8") as stream:
+            lines = stream.read().split("\n")
+    except UnicodeDecodeError:
+        raise TokenizerFileError(f"--merge-file {merges_file}: not UTF-8 text") from None
     first = 1 if lines and lines[0].startswith("#version") else 0
     body = "\n".join(line for line in lines[first:] if line)
     if _MERGES_BODY.fullmatch(body):  # one C-speed check of every line
@@ -64,7 +67,7 @@ def _load_merges(merges_file: str) -> list[tuple[str, str]]:
         if line and (len(parts) != 2 or not all(parts)):
             raise TokenizerFileError(
                 f"--merge-file {merges_file}:{line_number}: expected two symbols separated "
-                f"by one space, got {line!r}"
+                f"by one space, got {line[:80]!r}"  # a binary file's "line" can be huge
             )
     raise AssertionError("unreachable")
 

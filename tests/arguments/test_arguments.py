@@ -77,6 +77,14 @@ def test_checkpoint_activations_means_full_uniform_recompute():
     assert config.params_dtype == "float32" and config.attention_backend == "sdpa"
 
 
+def test_check_labels_flag_reaches_model_config():
+    """--check-labels (off by default) becomes ModelConfig.check_labels."""
+    for extra, expected in (("", False), ("--check-labels", True)):
+        args = validated(extra)
+        args.padded_vocab_size = 128
+        assert ModelConfig.from_args(args).check_labels is expected
+
+
 def test_sequence_parallel_is_dropped_without_tensor_parallelism():
     """As Megatron: --sequence-parallel with one TP rank has nothing to split."""
     assert validated("--sequence-parallel").sequence_parallel is False

@@ -6,6 +6,8 @@ upstream gradient, this rank's logit gradient must equal the slice of the dense 
 Cases: fp32, a padded vocabulary (50 real ids padded to 64), bf16 logits (the loss stays
 fp32), logits of magnitude 1e4 (still finite), and Megatron's label smoothing, checked
 against an autograd re-implementation of its formula and, at tp 1, finite differences.
+With `check_labels`, a label outside the full (padded) vocabulary is a ValueError naming it;
+without, such a label still gives a finite loss, as before.
 Worlds of 1, 2 and 4 ranks run with tp = world size, and the 4-rank world also with tp 2.
 """
 
@@ -148,6 +150,27 @@ def _check_label_smoothing(padded: bool) -> None:
     assert not torch.allclose(loss, _reference(full, target, probe)[0], atol=1e-3)
 
 
+def _check_labels(bad: int, position: tuple[int, int]) -> None:
+    """`bad` at [s, b] `position`: ValueError naming it, its position and the full vocab."""
+    full = _random(SEQ, BATCH, VOCAB, seed=9)
+    target = _target(TARGETS)
+    local = _shard(full)
+    # In range: the check passes and changes nothing.
+    checked = vocab_parallel_cross_entropy(local, target, check_labels=True)
+    torch.testing.assert_close(checked, vocab_parallel_cross_entropy(local, target), **FP32)
+    target[position] = bad
+    target[SEQ - 1, BATCH - 1] = bad  # a later offender: the first one is named
+    with pytest.raises(ValueError) as raised:
+        vocab_parallel_cross_entropy(local, target, check_labels=True)
+    s, b = position
+    assert str(raised.value).startswith(
+        f"label {bad} at sequence position {s}, batch index {b} is outside the vocabulary "
+        f"of {VOCAB} "  # the whole vocabulary, not this rank's slice
+    )
+    # Off (the default): no check, a finite loss as before.
+    assert torch.isfinite(vocab_parallel_cross_entropy(local, target)).all()
+
+
 CHECKS = {
     "fp32": (_check_fp32, False),
     "padded vocab": (_check_fp32, True),
@@ -155,6 +178,8 @@ CHECKS = {
     "large logits": (_check_large_logits,),
     "label smoothing": (_check_label_smoothing, False),
     "label smoothing padded vocab": (_check_label_smoothing, True),
+    "label too large": (_check_labels, VOCAB, (2, 1)),
+    "label negative": (_check_labels, -1, (0, 2)),
 }
 
 
@@ -240,3 +265,10 @@ def test_gradient_matches_finite_differences_single_rank(label_smoothing):
     numeric = _finite_difference_grad(objective, logits.clone(), eps=1e-2)
     torch.testing.assert_close(x.grad, numeric, atol=2e-3, rtol=1e-3)
     assert x.grad.abs().max() > 0.05
+
+
+@pytest.mark.parametrize("world, tp", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("case", ["label too large", "label negative"])
+def test_check_labels_names_a_label_outside_the_vocabulary(spawned, world, tp, case):
+    """check_labels: ValueError with the label, its [s, b] position and the full vocab size."""
+    spawned[world].assert_ok(f"tp={tp} {case}")

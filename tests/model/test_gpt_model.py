@@ -447,6 +447,17 @@ def test_loss_is_per_token_cross_entropy():
     torch.testing.assert_close(losses, expected.view(3, 8), atol=1e-5, rtol=0)
 
 
+def test_check_labels_reaches_the_loss():
+    """`check_labels`: a label past the vocabulary is a ValueError in [b, s] terms; off, none."""
+    tokens, labels = random_batch(2, 8, 64)
+    labels[1, 5] = 64  # the model's (padded) vocabulary is 64
+    with torch.no_grad():
+        assert torch.isfinite(build_model(tiny_config()).eval()(tokens, labels=labels)).all()
+        checked = build_model(tiny_config(check_labels=True)).eval()
+        with pytest.raises(ValueError, match="label 64 at sequence position 5, batch index 1 "):
+            checked(tokens, labels=labels)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a CPU-only machine")
 def test_flash_backend_without_gpu_raises():
     """`attention_backend='flash'` on a CPU-only machine fails at construction, naming the GPU."""

@@ -263,3 +263,16 @@ def test_first_stage_position_table_is_trained(world):
         if results["stage"] == 0:
             pipe_table, reference_table = results["first_position_table"]
             torch.testing.assert_close(pipe_table, reference_table, atol=1e-6, rtol=1e-5)
+
+
+def test_pipeline_loss_checks_labels_when_asked():
+    """The pipeline's loss function honours `check_labels` (GPTModelPipe binds the config's)."""
+    from megatron.model.pipeline import masked_mean_loss
+
+    logits = torch.randn(SEQ, MICRO_BATCH, 64)  # [s, b, vocab]
+    labels = torch.randint(0, 64, (MICRO_BATCH, SEQ))
+    labels[1, 3] = -1
+    batch = (labels, torch.ones(MICRO_BATCH, SEQ))
+    assert torch.isfinite(masked_mean_loss(logits, batch))
+    with pytest.raises(ValueError, match="label -1 at sequence position 3, batch index 1 "):
+        masked_mean_loss(logits, batch, check_labels=True)

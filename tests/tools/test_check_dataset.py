@@ -4,9 +4,11 @@ one `error:` line naming the file and the entry or document."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from megatron.data.indexed_dataset import IndexedDatasetBuilder
 from tests.conftest import MERGE_FILE, VOCAB_FILE
+from tests.tools.one_line_errors import assert_one_line_error
 from tools import check_dataset
 
 
@@ -53,3 +55,36 @@ def test_a_changed_size_in_the_middle_is_named(tmp_path, capsys):
     assert code == 1 and "\n" not in error
     assert error.startswith(f"error: {prefix}.idx: corrupted index: sequence 11 starts at byte")
     assert error.endswith("; sequence 10 has size 211")
+
+
+# case -> (extra flags, the fragments the error line must name)
+BAD_RUNS = {
+    "missing_input": (["--input", "{d}/nope.jsonl"], ["--input {d}/nope.jsonl: no such file"]),
+    "input_is_a_folder": (["--input", "{d}"], ["--input {d}: is a folder"]),
+    "input_not_json": (["--input", "{notjson}"], ["{notjson}:1: malformed JSON"]),
+    "missing_json_key": (["--input", "{text}", "--json-key", "content"], ["{text}:1", "'content'"]),
+    "seq_length_0": (["--seq-length", "0"], ["--seq-length must be at least 1"]),
+    "missing_vocab": (["--vocab-file", "{d}/nope.json"], ["--vocab-file {d}/nope.json"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RUNS))
+def test_user_errors_are_one_line(tmp_path, capsys, case):
+    """Exit 1, no traceback, and one last `error:` line naming the file, line or flag."""
+    prefix = _dataset(tmp_path)
+    paths = {"d": tmp_path, "notjson": tmp_path / "a.bin", "text": tmp_path / "t.jsonl"}
+    paths["notjson"].write_bytes(b"\x00\x01 not JSON\n")
+    paths["text"].write_text('{"text": "hi"}\n')
+    flags, named = BAD_RUNS[case]
+    argv = ["--prefix", prefix, "--vocab-file", VOCAB_FILE, "--merge-file", MERGE_FILE]
+    argv += [f.format(**paths) for f in flags]  # a later --vocab-file wins
+    code = check_dataset.main(argv)
+    assert_one_line_error(code, capsys.readouterr().err, *[n.format(**paths) for n in named])
+
+
+def test_a_truncated_index_is_one_line(tmp_path, capsys):
+    prefix = _dataset(tmp_path)
+    data = open(prefix + ".idx", "rb").read()
+    open(prefix + ".idx", "wb").write(data[:40])
+    code, error = _check(prefix, capsys)
+    assert_one_line_error(code, error, f"{prefix}.idx", "truncated")

@@ -10,6 +10,7 @@ import pytest
 
 from megatron.data.indexed_dataset import IndexedDataset
 from tests.conftest import run_cli
+from tests.tools.one_line_errors import assert_one_line_error, file_under_a_file, snapshot
 
 GOOD_FILES = {
     "b.py": "print('b')\n",
@@ -105,3 +106,30 @@ def test_output_feeds_preprocess_data(converted, tmp_path, reference_bpe):
     dataset = IndexedDataset(str(tmp_path / "code_content_document"))
     expected = [reference_bpe.encode(r["content"]) + [50256] for r in _records(output)]
     assert [a.tolist() for a in dataset] == expected
+
+
+# case -> (flags, the fragments the error line must name)
+BAD_RUNS = {
+    "missing_input_dir": (["--input-dir", "{d}/nope", "--output", "{out}"], ["--input-dir"]),
+    "output_under_a_file": (["--input-dir", "{repo}", "--output", "{blocked}"], ["--output"]),
+    "output_is_a_folder": (["--input-dir", "{repo}", "--output", "{repo}"], ["--output {repo}"]),
+    "nothing_qualifies": (["--input-dir", "{repo}", "--output", "{out}", "--extensions", ".c"],
+                          ["no .c files", "{repo}"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RUNS))
+def test_user_errors_are_one_line(tmp_path, capsys, case):
+    """Exit 1, one last `error:` line naming the flag or folder; an earlier output unchanged."""
+    from tools import files_to_jsonl
+
+    paths = {"d": tmp_path, "repo": tmp_path / "repo", "out": tmp_path / "out.jsonl"}
+    paths["repo"].mkdir()
+    (paths["repo"] / "a.py").write_text("A = 1\n")
+    paths["out"].write_text('{"content": "an earlier output"}\n')
+    paths["blocked"] = file_under_a_file(tmp_path)
+    before = snapshot(tmp_path)
+    flags, named = BAD_RUNS[case]
+    code = files_to_jsonl.main([f.format(**paths) for f in flags])
+    assert_one_line_error(code, capsys.readouterr().err, *[n.format(**paths) for n in named])
+    assert snapshot(tmp_path) == before

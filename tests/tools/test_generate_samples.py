@@ -19,6 +19,12 @@ from megatron.checkpointing.shards import DenseCheckpoint, save_megatron_checkpo
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
 from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE
+from tests.tools.one_line_errors import (
+    assert_one_line_error,
+    damaged_checkpoint,
+    file_under_a_file,
+    snapshot,
+)
 from tools.generate_samples_gpt import INTERACTIVE_PROMPT, main
 
 TOOL = os.path.join(REPO_ROOT, "tools", "generate_samples_gpt.py")
@@ -142,3 +148,32 @@ def test_unconditional_samples(checkpoint, capsys, monkeypatch):
     assert main(["--load", checkpoint, "--num-samples", "2", "--out-seq-length", "4"]) == 0
     out = capsys.readouterr().out
     assert len(continuations(out)) == 2 and "not a prompt" not in out
+
+
+# case -> (flags after --load, the fragments the error line must name)
+BAD_RUNS = {
+    "no_checkpoint": (["{d}/empty", "--prompt", "x"], ["no checkpoint in {d}/empty"]),
+    "damaged_checkpoint": (["{d}/damaged", "--prompt", "x"], ["{damaged_file}"]),
+    "missing_input": (["{ckpt}", "--sample-input-file", "{d}/no.txt"], ["--sample-input-file"]),
+    "output_under_a_file": (["{ckpt}", "--prompt", "x", "--sample-output-file", "{blocked}"],
+                            ["--sample-output-file {blocked}"]),
+    "tokenizer_type": (["{ckpt}", "--prompt", "x", "--tokenizer-type", "Foo",
+                        "--sample-output-file", "{earlier}"], ["--tokenizer-type Foo"]),
+    "not_an_int": (["{ckpt}", "--prompt", "x", "--top_k", "abc"], ["--top_k", "'abc'"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RUNS))
+def test_user_errors_are_one_line(checkpoint, tmp_path, capsys, case):
+    """Exit 1, no traceback, one last `error:` line naming the flag or file; an earlier
+    --sample-output-file is left as it was."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "earlier.out").write_text("earlier samples\n")
+    paths = dict(d=tmp_path, ckpt=checkpoint, earlier=tmp_path / "earlier.out")
+    paths.update(blocked=file_under_a_file(tmp_path))
+    paths["damaged_file"] = damaged_checkpoint(tmp_path / "damaged")
+    before = snapshot(tmp_path)
+    flags, named = BAD_RUNS[case]
+    code = main(["--load"] + [f.format(**paths) for f in flags] + ["--out-seq-length", "2"])
+    assert_one_line_error(code, capsys.readouterr().err, *[n.format(**paths) for n in named])
+    assert snapshot(tmp_path) == before

@@ -30,6 +30,12 @@ from megatron.checkpointing.shards import (  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.tokenizer import GPT2BPETokenizer  # noqa: E402
 from tests.conftest import MERGE_FILE, VOCAB_FILE  # noqa: E402
+from tests.tools.one_line_errors import (  # noqa: E402
+    assert_one_line_error,
+    damaged_checkpoint,
+    file_under_a_file,
+    snapshot,
+)
 from tools.checkpoint import convert_from_hf, convert_to_hf  # noqa: E402
 
 TRUE_VOCAB = 50257
@@ -215,3 +221,51 @@ def test_models_gpt2_cannot_express_are_refused(tmp_path, capsys):
     assert convert_from_hf.main(["--load", str(hf), "--save", str(tmp_path / "o")]) == 1
     error = capsys.readouterr().err.splitlines()
     assert len(error) == 1 and "activation_function='relu'" in error[0]
+
+
+# tool -> case -> (flags, the fragments the error line must name)
+BAD_RUNS = {
+    "to_hf_damaged": ("to", ["--load", "{d}/damaged", "--save", "{d}/new"], ["{damaged_file}"]),
+    "to_hf_save_under_a_file": ("to", ["--load", "{ckpt}", "--save", "{blocked}"], ["--save"]),
+    "to_hf_bad_vocab": ("to", ["--load", "{ckpt}", "--save", "{d}/new", "--vocab-file",
+                               "{d}/notes.txt"], ["--vocab-file {d}/notes.txt"]),
+    "from_hf_config_not_json": ("from", ["--load", "{d}/notjson", "--save", "{d}/new"],
+                                ["--load {d}/notjson/config.json", "not a JSON config"]),
+    "from_hf_config_without_shape": ("from", ["--load", "{d}/bare", "--save", "{d}/new"],
+                                     ["--load {d}/bare", "'n_embd'"]),
+    "from_hf_no_weights": ("from", ["--load", "{d}/noweights", "--save", "{d}/new"],
+                           ["{d}/noweights"]),
+    "from_hf_save_is_a_file": ("from", ["--load", "{d}/bare", "--save", "{d}/notes.txt"],
+                               ["--save {d}/notes.txt"]),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory) -> str:
+    """A random 2-layer GPT with the GPT-2 tokenizer files in its args, at TP=1."""
+    config = dataclasses.replace(model_config(ARGS), vocab_size=TRUE_VOCAB)
+    state = dict(GPTModel(config).state_dict())
+    folder = str(tmp_path_factory.mktemp("small") / "checkpoint")
+    save_megatron_checkpoint(DenseCheckpoint(state, dict(ARGS), 3, TRUE_VOCAB), folder, 1, 1)
+    return folder
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RUNS))
+def test_user_errors_are_one_line(small_checkpoint, tmp_path, capsys, case):
+    """Exit 1, no traceback, one last `error:` line naming the flag or file; nothing written."""
+    (tmp_path / "notes.txt").write_text("a file, not a vocabulary nor a folder\n")
+    configs = {"notjson": "{not json", "bare": '{"model_type": "gpt2"}'}
+    configs["noweights"] = json.dumps(
+        transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2).to_dict()
+    )
+    for name, text in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+    paths = dict(d=tmp_path, ckpt=small_checkpoint, blocked=file_under_a_file(tmp_path))
+    paths["damaged_file"] = damaged_checkpoint(tmp_path / "damaged")
+    before = snapshot(tmp_path)
+    tool, flags, named = BAD_RUNS[case]
+    main = {"to": convert_to_hf.main, "from": convert_from_hf.main}[tool]
+    code = main([f.format(**paths) for f in flags])
+    assert_one_line_error(code, capsys.readouterr().err, *[n.format(**paths) for n in named])
+    assert snapshot(tmp_path) == before and not (tmp_path / "new").exists()

@@ -6,9 +6,12 @@ import os
 import subprocess
 
 import numpy as np
+import pytest
 
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tests.conftest import run_cli
+from tests.tools.one_line_errors import assert_one_line_error, file_under_a_file, snapshot
+from tools import merge_datasets
 
 
 def run_merge(*args: str) -> subprocess.CompletedProcess:
@@ -122,3 +125,53 @@ def test_output_equal_to_an_input_is_an_error(tmp_path):
     assert "is also an input" in result.stderr
     assert [(tmp_path / n).read_bytes() for n in ("a.bin", "a.idx")] == before
     assert sorted(os.listdir(tmp_path)) == ["a.bin", "a.idx", "b.bin", "b.idx"]
+
+
+# ------------------------------------------------------- one-line errors (issue 17), in-process
+
+
+def _truncated(prefix) -> str:
+    """A dataset whose .idx lost its tail."""
+    prefix = _write(prefix, A_DOCS)
+    data = open(prefix + ".idx", "rb").read()
+    open(prefix + ".idx", "wb").write(data[:40])
+    return prefix
+
+
+# case -> (arguments after --input, the fragments the error line must name)
+BAD_RUNS = {
+    "missing_input": (["{d}/nope", "--output-prefix", "{out}"], ["--input", "{d}/nope", "nothing"]),
+    "truncated_idx": (["{cut}", "--output-prefix", "{out}"], ["{cut}.idx", "truncated"]),
+    "output_under_a_file": (["{good}", "--output-prefix", "{blocked}"], ["--output-prefix"]),
+    "output_folder": (["{good}", "--output-prefix", "{d}/"], ["--output-prefix {d}/"]),
+    "no_output_flag": (["{good}"], ["--output-prefix", "required"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RUNS))
+def test_user_errors_are_one_line(tmp_path, capsys, case):
+    """Exit 1 and one last `error:` line naming the file or flag; the earlier output intact."""
+    paths = dict(
+        d=tmp_path,
+        good=_write(tmp_path / "good", B_DOCS),
+        out=_write(tmp_path / "out", C_DOCS),  # an earlier merge under the output prefix
+        cut=_truncated(tmp_path / "cut"),
+        blocked=file_under_a_file(tmp_path),
+    )
+    before = snapshot(tmp_path)
+    args, named = BAD_RUNS[case]
+    code = merge_datasets.main(["--input"] + [a.format(**paths) for a in args])
+    assert_one_line_error(code, capsys.readouterr().err, *[n.format(**paths) for n in named])
+    assert snapshot(tmp_path) == before
+
+
+def test_debug_variable_shows_the_traceback(tmp_path):
+    """The command line: one line by default; MEGATRON_DEBUG_TRACEBACKS=1 gives the traceback."""
+    argv = ["--input", str(tmp_path / "nope"), "--output-prefix", str(tmp_path / "out")]
+    result = run_merge(*argv)
+    assert_one_line_error(result.returncode, result.stderr, "--input")
+    debug = run_cli(
+        "tools/merge_datasets.py", *argv, env=dict(os.environ, MEGATRON_DEBUG_TRACEBACKS="1")
+    )
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
+    assert debug.stderr.strip().splitlines()[-1].startswith("megatron.data.indexed_dataset")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from megatron.training.monitor import format_validation_block
+from tests.tools.one_line_errors import assert_one_line_error, file_under_a_file, snapshot
 from tools.plot_loss import main, read_loss_curves
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -69,3 +70,21 @@ def test_a_missing_log_is_a_one_line_error(tmp_path, capsys):
     assert main(["--log", str(missing), "--output", str(tmp_path / "x.png")]) == 1
     error = capsys.readouterr().err
     assert error == f"error: cannot read log {missing}: No such file or directory\n"
+
+
+def test_an_unwritable_output_is_one_line_and_an_earlier_plot_stays(tmp_path, capsys):
+    """--output under a file, or a folder: one `error:` line naming --output; nothing changes."""
+    log, empty = tmp_path / "train.log", tmp_path / "empty.log"
+    log.write_text("".join(iteration_line(i, 2, 5.0) for i in (1, 2)), encoding="utf-8")
+    empty.write_text("nothing\n")
+    earlier = tmp_path / "loss.png"
+    earlier.write_bytes(PNG_MAGIC + b"an earlier plot")
+    blocked = file_under_a_file(tmp_path)
+    before = snapshot(tmp_path)
+    for output, named in ((blocked, f"--output {blocked}"), (tmp_path, f"--output {tmp_path}")):
+        code = main(["--log", str(log), "--output", str(output)])
+        assert_one_line_error(code, capsys.readouterr().err, named)
+    # A log with no losses: the earlier plot under --output is left as it was.
+    code = main(["--log", str(empty), "--output", str(earlier)])
+    assert_one_line_error(code, capsys.readouterr().err, str(empty))
+    assert snapshot(tmp_path) == before

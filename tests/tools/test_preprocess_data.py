@@ -13,6 +13,7 @@ import pytest
 
 from megatron.data.indexed_dataset import IndexedDataset
 from tests.conftest import run_cli
+from tests.tools.one_line_errors import assert_one_line_error, file_under_a_file, snapshot
 
 EOD = 50256
 BOM = b"\xef\xbb\xbf"
@@ -394,3 +395,48 @@ def test_spawn_workers_write_the_same_bytes(corpus, tmp_path):
             _read(f"{prefix}_{key}_document{s}") for key in args.json_keys for s in (".bin", ".idx")
         ]
     assert outputs["fork"] == outputs["spawn"]
+
+
+# ------------------------------------------------------- one-line errors (issue 17), in-process
+
+# case -> (flags besides --output-prefix, the fragments the error line must name)
+BAD_RUNS = {
+    "missing_input": (["--input", "{d}/nope.jsonl"], ["--input {d}/nope.jsonl: no such file"]),
+    "directory_input": (["--input", "{d}/sub"], ["--input {d}/sub: is a directory"]),
+    "bad_line": (["--input", "{bad}"], ["{bad}:2: malformed JSON", "--skip-bad-lines"]),
+    "tokenizer_type": (["--input", "{ok}", "--tokenizer-type", "Foo"], ["--tokenizer-type"]),
+    "merges_not_utf8": (["--input", "{ok}", "--merge-file", "{binary}"], ["--merge-file {binary}"]),
+    "workers_not_int": (["--input", "{ok}", "--workers", "x"], ["--workers", "'x'"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RUNS))
+def test_user_errors_are_one_line(tmp_path, capsys, case):
+    """Exit 1 (even for a bad flag) and one last `error:` line naming the file or flag, no
+    traceback; the earlier output under the prefix is byte for byte the same."""
+    from tools import preprocess_data
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "ok.jsonl").write_bytes(GOOD[0])
+    (tmp_path / "bad.jsonl").write_bytes(GOOD[0] + BAD_LINES["malformed_json"][0])
+    (tmp_path / "binary").write_bytes(b"\xff\xfe not text")
+    (tmp_path / "o_text_document.bin").write_bytes(b"earlier bin bytes")
+    (tmp_path / "o_text_document.idx").write_bytes(b"earlier idx bytes")
+    before = snapshot(tmp_path)
+    paths = {"d": tmp_path, **{n: tmp_path / f"{n}.jsonl" for n in ("ok", "bad")}}
+    paths["binary"] = tmp_path / "binary"
+    flags, named = BAD_RUNS[case]
+    argv = [f.format(**paths) for f in flags] + ["--output-prefix", str(tmp_path / "o")]
+    code = preprocess_data.main(argv)
+    assert_one_line_error(code, capsys.readouterr().err, *[n.format(**paths) for n in named])
+    assert snapshot(tmp_path) == before
+
+
+def test_output_under_a_file_is_one_line(tmp_path, capsys):
+    """An --output-prefix whose folder is a file: refused before any work, naming the flag."""
+    from tools import preprocess_data
+
+    (tmp_path / "ok.jsonl").write_bytes(GOOD[0])
+    blocked = file_under_a_file(tmp_path)
+    code = preprocess_data.main(["--input", str(tmp_path / "ok.jsonl"), "--output-prefix", blocked])
+    assert_one_line_error(code, capsys.readouterr().err, f"--output-prefix {blocked}", "a file")

@@ -30,6 +30,12 @@ from megatron.model import GPTModel
 from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE, run_cli
 from tests.model.helpers import spawn_collect
 from tests.pretrain_runs import launch
+from tests.tools.one_line_errors import (
+    assert_one_line_error,
+    damaged_checkpoint,
+    file_under_a_file,
+    snapshot,
+)
 from tools.checkpoint import reshard
 
 TRUE_VOCAB, DIVISIBLE = 100, 8  # padded to 104 at TP=1, 112 at TP=2, 128 at TP=4
@@ -225,3 +231,28 @@ def test_save_holding_a_checkpoint_is_refused(chain, capsys):
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and chain["dirs"][1] in error[0] and "--force" in error[0]
     assert sorted(os.listdir(chain["dirs"][1])) == before
+
+
+# case -> (--load, --save and more, the fragments the error line must name)
+BAD_RUNS = {
+    "no_checkpoint": (["{d}/empty", "--save", "{d}/new"], ["no checkpoint in {d}/empty"]),
+    "damaged_file": (["{d}/damaged", "--save", "{d}/new"], ["{damaged_file}"]),
+    "save_is_a_file": (["{d}/damaged", "--save", "{d}/notes.txt"], ["--save {d}/notes.txt"]),
+    "save_under_a_file": (["{d}/damaged", "--save", "{blocked}"], ["--save {blocked}"]),
+    "size_not_an_int": (["{d}/damaged", "--save", "{d}/new", "--target-tensor-parallel-size",
+                         "two"], ["--target-tensor-parallel-size", "'two'"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RUNS))
+def test_user_errors_are_one_line(tmp_path, capsys, case):
+    """Exit 1, no traceback, one last `error:` line naming the flag or file; nothing written."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("a file where --save should go\n")
+    paths = dict(d=tmp_path, damaged_file=damaged_checkpoint(tmp_path / "damaged"))
+    paths["blocked"] = file_under_a_file(tmp_path)
+    before = snapshot(tmp_path)
+    flags, named = BAD_RUNS[case]
+    code = reshard.main(["--load"] + [f.format(**paths) for f in flags])
+    assert_one_line_error(code, capsys.readouterr().err, *[n.format(**paths) for n in named])
+    assert snapshot(tmp_path) == before and not (tmp_path / "new").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.tools.one_line_errors import assert_one_line_error
 from tests.tools.test_generate_samples import GREEDY, continuations
 from tests.tools.test_generate_samples import checkpoint as checkpoint  # noqa: F401 (fixture)
 from tools.checkpoint import convert_to_hf, sample_hf
@@ -44,3 +45,27 @@ def test_a_folder_without_config_is_a_one_line_error(tmp_path, capsys):
     assert sample_hf.main(["--load", str(tmp_path), "--prompt", "x"]) == 1
     error = capsys.readouterr().err
     assert error.startswith("error: --load") and error.count("\n") == 1
+
+
+# case -> (flags after --load FOLDER --prompt x, the fragments the error line must name)
+BAD_RUNS = {
+    "top_p_above_1": (["--top-p", "5"], ["--top-p"]),
+    "no_new_tokens": (["--max-new-tokens", "0"], ["--max-new-tokens"]),
+    "not_an_int": (["--top-k", "many"], ["--top-k", "'many'"]),
+    "config_not_json": (["--load", "{d}/notjson"], ["{d}/notjson/config.json"]),
+    "no_weights": (["--load", "{d}/noweights"], ["{d}/noweights"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RUNS))
+def test_user_errors_are_one_line(tmp_path, capsys, case):
+    """Exit 1, no traceback, one last `error:` line naming the flag or folder."""
+    transformers = pytest.importorskip("transformers")
+    configs = {"notjson": "{not json", "noweights": transformers.GPT2Config().to_json_string()}
+    for name, text in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+    flags, named = BAD_RUNS[case]
+    argv = ["--load", str(tmp_path / "noweights"), "--prompt", "x"]
+    code = sample_hf.main(argv + [f.format(d=tmp_path) for f in flags])  # a later --load wins
+    assert_one_line_error(code, capsys.readouterr().err, *[n.format(d=tmp_path) for n in named])

@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
-from collections.abc import Callable
-
 from megatron.checkpointing.layouts import CheckpointConversionError
+from megatron.tokenizer.gpt2_bpe import TokenizerFileError
 
-# What a bad input raises in the conversion tools: each becomes a one-line error, not a traceback.
-CONVERSION_ERRORS = (CheckpointConversionError, OSError, RuntimeError, ImportError)
-
-
-def run_conversion(
-    convert: Callable[[argparse.Namespace], object], args: argparse.Namespace
-) -> int:
-    """Run `convert(args)`; 0, or 1 after a one-line `error:` on stderr for a bad input."""
-    try:
-        convert(args)
-    except CONVERSION_ERRORS as error:
-        print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
-        return 1
-    return 0
+# What a bad input raises in the conversion tools, besides OSError: each becomes a one-line
+# error through tools.cli_errors.run_tool. RuntimeError is torch.load's for a damaged file,
+# ImportError a missing transformers / safetensors.
+CONVERSION_ERRORS = (CheckpointConversionError, TokenizerFileError, RuntimeError, ImportError)

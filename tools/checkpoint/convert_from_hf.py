@@ -29,12 +29,13 @@ from megatron.checkpointing.shards import (  # noqa: E402
     DenseCheckpoint,
     save_megatron_checkpoint,
 )
-from tools.checkpoint import run_conversion  # noqa: E402
+from tools.checkpoint import CONVERSION_ERRORS  # noqa: E402
+from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--load", required=True, help="Hugging Face GPT-2 folder.")
     parser.add_argument("--save", required=True, help="Checkpoint directory to write.")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
@@ -46,7 +47,9 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--force", action="store_true", help="Overwrite a checkpoint already in --save."
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_output_path(args.save, "--save", is_folder=True)
+    return args
 
 
 def read_hf_config(folder: str) -> dict:
@@ -56,8 +59,14 @@ def read_hf_config(folder: str) -> dict:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise CheckpointConversionError(f"--load {folder} has no config.json")
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except ValueError as error:  # bad JSON, or not UTF-8
+        raise CheckpointConversionError(f"--load {path}: not a JSON config ({error})") from None
+    if not isinstance(config, dict):
+        raise CheckpointConversionError(f"--load {path}: expected a JSON object")
+    return config
 
 
 def read_hf_model(folder: str) -> tuple[dict, dict]:
@@ -105,9 +114,15 @@ def convert(args: argparse.Namespace) -> None:
             "--force to replace it"
         )
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
-    checkpoint_args = megatron_args_from_hf(
-        hf_config, tp, pp, args.make_vocab_size_divisible_by, args.seq_length
-    )
+    try:
+        checkpoint_args = megatron_args_from_hf(
+            hf_config, tp, pp, args.make_vocab_size_divisible_by, args.seq_length
+        )
+    except KeyError as missing:  # the shape fields it reads; save_pretrained writes them all
+        raise CheckpointConversionError(
+            f"--load {args.load}: config.json has no {missing} (a GPT-2 config lists n_layer, "
+            "n_embd, n_head, n_positions and vocab_size)"
+        ) from None
     print(f"reading Hugging Face GPT-2 {args.load} ...", flush=True)
     hf_config, hf_state = read_hf_model(args.load)
     checkpoint_args.update(tokenizer_args(args.load))
@@ -137,7 +152,7 @@ def convert(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; 1 with a one-line error for a bad input."""
-    return run_conversion(convert, get_args(argv))
+    return run_tool(lambda: convert(get_args(argv)), CONVERSION_ERRORS)
 
 
 if __name__ == "__main__":

@@ -30,12 +30,14 @@ from megatron.checkpointing.shards import (  # noqa: E402
     DenseCheckpoint,
     load_dense_checkpoint,
 )
-from tools.checkpoint import run_conversion  # noqa: E402
+from megatron.tokenizer import GPT2BPETokenizer  # noqa: E402
+from tools.checkpoint import CONVERSION_ERRORS  # noqa: E402
+from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--load", required=True, help="Checkpoint directory to read.")
     parser.add_argument("--save", required=True, help="Hugging Face folder to write.")
     parser.add_argument("--iteration", type=int, default=None, help="Default: the latest.")
@@ -49,9 +51,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_destination(path: str, force: bool) -> None:
-    """Refuse a `--save` that is a file, or a non-empty folder without `--force`."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise CheckpointConversionError(f"--save {path} exists and is not a directory")
+    """Refuse a `--save` that cannot be written, or a non-empty folder without `--force`."""
+    check_output_path(path, "--save", is_folder=True)
     if os.path.isdir(path) and os.listdir(path) and not force:
         raise CheckpointConversionError(
             f"--save {path} is not empty; choose another folder or pass --force"
@@ -68,6 +69,9 @@ def tokenizer_files(args: argparse.Namespace, dense: DenseCheckpoint) -> tuple[s
                 f"{flag} {path}: no such file (the checkpoint's {key}); pass {flag}"
             )
         files.append(path)
+    # Read once by our tokenizer: a bad file is a TokenizerFileError naming it, where
+    # transformers would fail with a bare Exception deep inside the export.
+    GPT2BPETokenizer(files[0], files[1])
     return files[0], files[1]
 
 
@@ -148,7 +152,7 @@ def convert(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; 1 with a one-line error for a bad input."""
-    return run_conversion(convert, get_args(argv))
+    return run_tool(lambda: convert(get_args(argv)), CONVERSION_ERRORS)
 
 
 if __name__ == "__main__":

@@ -27,12 +27,13 @@ from megatron.checkpointing.shards import (  # noqa: E402
     save_megatron_checkpoint,
 )
 from megatron.tokenizer.tokenizer import vocab_size_with_padding  # noqa: E402
-from tools.checkpoint import run_conversion  # noqa: E402
+from tools.checkpoint import CONVERSION_ERRORS  # noqa: E402
+from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line (Megatron checkpoint_util's flag names)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--load", required=True, help="Checkpoint directory to read.")
     parser.add_argument("--save", required=True, help="Directory to write (must hold none).")
     parser.add_argument(
@@ -59,7 +60,9 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--force", action="store_true", help="Overwrite a checkpoint already in --save."
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_output_path(args.save, "--save", is_folder=True)
+    return args
 
 
 def reshard(args: argparse.Namespace) -> None:
@@ -114,7 +117,7 @@ def reshard(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; 1 with a one-line error for a bad input."""
-    return run_conversion(reshard, get_args(argv))
+    return run_tool(lambda: reshard(get_args(argv)), CONVERSION_ERRORS)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,14 @@ import argparse
 import os
 import sys
 
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.path.pardir] * 2)))
+
+from tools.cli_errors import ToolArgumentParser, run_tool  # noqa: E402
+
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--load", required=True, help="Hugging Face folder (convert_to_hf.py).")
     parser.add_argument("--prompt", required=True, help="Text to continue.")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="Tokens to generate.")
@@ -26,13 +30,28 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=0.0, help="Nucleus sampling mass.")
     parser.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature.")
     parser.add_argument("--seed", type=int, default=1234, help="Seed for sampling.")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # Checked here: transformers reports these late, or (--top-p > 1) as an IndexError.
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.top_k < 0:
+        parser.error(f"--top-k must be at least 0, got {args.top_k}")
+    if not 0.0 <= args.top_p <= 1.0:
+        parser.error(f"--top-p must be in [0, 1], got {args.top_p}")
+    if args.temperature <= 0.0:
+        parser.error(f"--temperature must be positive, got {args.temperature}")
+    if not os.path.isfile(os.path.join(args.load, "config.json")):
+        raise FileNotFoundError(f"--load {args.load}: no config.json (not a Hugging Face folder)")
+    return args
 
 
 def complete(args: argparse.Namespace) -> str:
     """The prompt plus the model's continuation, decoded."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as error:
+        raise ImportError(f"{error}; install with pip install -e .[hf]") from None
 
     tokenizer = AutoTokenizer.from_pretrained(args.load)
     model = AutoModelForCausalLM.from_pretrained(args.load).eval()  # the dtype it was saved in
@@ -49,21 +68,10 @@ def complete(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; 1 with a one-line error for a missing folder or package."""
-    args = get_args(argv)
-    if not os.path.isfile(os.path.join(args.load, "config.json")):
-        print(
-            f"error: --load {args.load}: no config.json (not a Hugging Face folder)",
-            file=sys.stderr,
-        )
-        return 1
-    try:
-        text = complete(args)
-    except ImportError as error:
-        print(f"error: {error}; install with pip install -e .[hf]", file=sys.stderr)
-        return 1
-    print(text)
-    return 0
+    """Command-line entry point; 1 with a one-line error for a bad folder, flag or package."""
+    # OSError covers what transformers raises for a folder it cannot load (weights missing,
+    # config.json not JSON).
+    return run_tool(lambda: print(complete(get_args(argv))), (ImportError,))
 
 
 if __name__ == "__main__":

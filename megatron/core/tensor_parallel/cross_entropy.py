@@ -4,6 +4,9 @@ No rank ever holds the full `[s, b, vocab]` logits: each subtracts the global ma
 all-reduce), sums its exponentials (another), and picks the target logit if it owns the
 target id (a third). The backward is softmax minus one-hot, computed locally. Math runs in
 fp32 whatever the logits' dtype, as Megatron does.
+
+A target id outside the vocabulary is owned by no rank, so its loss is silently the log-sum-exp
+alone; `check_labels=True` (`--check-labels`) turns it into an error, at one device sync.
 """
 
 from __future__ import annotations
@@ -65,11 +68,43 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None
 
 
+class LabelOutOfVocabularyError(ValueError):
+    """A target id outside the vocabulary (`--check-labels`); the message says which and where."""
+
+
+def check_labels_in_vocabulary(target: torch.Tensor, vocab_size: int) -> None:
+    """LabelOutOfVocabularyError naming the first target id outside [0, vocab_size), and where.
+
+    `target` is `[s, b]` (Megatron's layout) or any shape (then the index is a tuple). Costs
+    one device sync; needs no collective, since every tensor-parallel rank holds all targets.
+    """
+    outside = (target < 0) | (target >= vocab_size)
+    if not bool(outside.any()):  # the device sync
+        return
+    index = tuple(int(i) for i in outside.nonzero()[0])
+    where = (
+        f"sequence position {index[0]}, batch index {index[1]}"
+        if len(index) == 2
+        else f"index {index}"
+    )
+    raise LabelOutOfVocabularyError(
+        f"label {int(target[index])} at {where} is outside the vocabulary of {vocab_size} "
+        "(the padded size the logits cover); were the data tokenized with another vocabulary?"
+    )
+
+
 def vocab_parallel_cross_entropy(
-    vocab_parallel_logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    check_labels: bool = False,
 ) -> torch.Tensor:
     """Per-token loss `[...]` from logits `[..., vocab/tp]` and target ids `[...]`, in fp32.
 
     Equals `F.cross_entropy(full_logits, target, reduction="none")` on the gathered logits.
+    `check_labels`: first raise ValueError for a target id outside the (padded) vocabulary.
     """
+    if check_labels:
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        check_labels_in_vocabulary(target, vocab_parallel_logits.size(-1) * tp)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing)
