@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -160,6 +161,33 @@ def signal_tree(process: subprocess.Popen, signum: int, include_launcher: bool =
             os.kill(pid, signum)
         except ProcessLookupError:
             pass
+
+
+# A launcher's own lines: torchrun's log lines, the deepspeed launcher's.
+_LAUNCHER_LINE = re.compile(
+    r"^([WEI]\d{4} [\d:.]+ \d+ torch/distributed/"
+    r"|\[\d{4}-\d\d-\d\d [\d:,]+\] \[[A-Z]+\] \[launch\.py:)"
+)
+
+
+def rank_output(output: str) -> list[str]:
+    """The lines of `output` before the launcher's closing report.
+
+    That report is torchrun's traceback and ChildFailedError banner, or log lines of the
+    launcher (torchrun's, deepspeed's) after the ranks' last line.
+    """
+    lines = output.splitlines()
+    if "ChildFailedError" in output:
+        lines = lines[: max(i for i, line in enumerate(lines) if line.startswith("Traceback"))]
+    while lines and (not lines[-1].strip() or _LAUNCHER_LINE.match(lines[-1])):
+        lines.pop()
+    return lines
+
+
+def last_rank_line(output: str) -> str:
+    """The last line the ranks printed, before the launcher's closing report."""
+    lines = rank_output(output)
+    return lines[-1] if lines else ""
 
 
 def iteration_logs(output: str) -> list[dict]:

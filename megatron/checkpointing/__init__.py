@@ -2,6 +2,7 @@
 
 - `save_load.py`: `save_checkpoint()` / `load_checkpoint()` / `find_checkpoint()`.
 - `commit.py`: how a checkpoint is published (staging directory, commit journal, trackers).
+- `disk.py`: free space before a save, one-line reasons when a write fails.
 - `deepspeed_engine.py`: the DeepSpeed engine's side of saving and loading.
 - `layouts.py`: finding and reading either layout; `file_format.py`: what a file holds.
 - `shards.py`, `shapes.py`: tensor-parallel (re)sharding and model shapes, for the tools.
@@ -11,6 +12,7 @@
 Megatron's import path is kept: `from megatron.checkpointing import save_checkpoint`.
 """
 
+from megatron.checkpointing.disk import CheckpointSaveError
 from megatron.checkpointing.save_load import (
     CheckpointError,
     check_checkpoint_args,
@@ -22,6 +24,7 @@ from megatron.checkpointing.train_state import TrainState
 
 __all__ = [
     "CheckpointError",
+    "CheckpointSaveError",
     "TrainState",
     "check_checkpoint_args",
     "find_checkpoint",

@@ -14,6 +14,10 @@ The protocol (`begin`, then `commit`, each a collective):
 4. Rank 0 rewrites the trackers, one atomic file each (DeepSpeed's `latest`, then Megatron's
    `latest_checkpointed_iteration.txt`), then deletes the journal.
 
+A write that fails on any rank (a full disk, a quota, a read-only directory) is agreed on by
+all ranks before step 2: rank 0 removes the staging directory, the previous checkpoint stays
+published, and every rank raises `CheckpointSaveError` with the first failure's one line.
+
 A kill before step 3 leaves the previous checkpoint published and its trackers untouched; a
 kill after it leaves the new one published, with the journal saying what the trackers must
 become. `read_tracker` and `read_deepspeed_tag` read the journal before the tracker files, so
@@ -29,6 +33,7 @@ POINT (one of `FAULT_POINTS`) in this process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -38,6 +43,7 @@ import signal
 import torch.distributed as dist
 
 from megatron.atomic_files import atomic_outputs
+from megatron.checkpointing.disk import CheckpointSaveError, check_free_space, describe_failure
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 DEEPSPEED_TRACKER_FILENAME = "latest"
@@ -101,47 +107,100 @@ def _remove_tree(path: str) -> None:
         shutil.rmtree(path)
 
 
-def begin(final: str) -> str:
+def begin(final: str, previous: tuple[str, int] | None = None) -> str:
     """Finish any interrupted commit, clear leftovers of `final`; returns the staging directory.
 
-    A collective: every rank calls it before writing.
+    `previous`: (directory, size in bytes) of the newest checkpoint, which the new one will
+    match; a save is refused before anything is written when the disk has less free. A
+    collective: every rank calls it before writing.
     """
     staging = staging_directory(final)
+    failure = None
     if _is_rank_zero():
-        os.makedirs(_parent(final), exist_ok=True)
-        _report(finish_interrupted_commit(_parent(final)))
-        for leftover in (staging, final + _REPLACED_SUFFIX):
-            _remove_tree(leftover)
-        os.makedirs(staging)
-    _barrier()
+        root = _parent(final)
+        try:
+            os.makedirs(root, exist_ok=True)
+            _report(finish_interrupted_commit(root))
+            for leftover in (staging, final + _REPLACED_SUFFIX):
+                _remove_tree(leftover)
+            if previous is not None:
+                failure = check_free_space(root, previous[1], _iteration_of(final), previous[0])
+            if failure is None:
+                os.makedirs(staging)
+        except OSError as error:
+            failure = describe_failure(error, root)
+    agree(failure, staging)
     return staging
 
 
-def commit(final: str, trackers: dict[str, str | None]) -> None:
+def _iteration_of(final: str) -> int | str:
+    name = os.path.basename(final)
+    match = re.search(r"(\d+)$", name)
+    return int(match.group(1)) if match else name
+
+
+def agree(failure: str | None, staging: str) -> None:
+    """Collective: if any rank's `failure` is set, every rank raises `CheckpointSaveError`.
+
+    Rank 0 first removes `staging`, so a full disk gets its space back and the save leaves
+    nothing behind. The error is the lowest failing rank's line; `None` means this rank is fine.
+    """
+    failures = [failure]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+    first = next((text for text in failures if text), None)
+    if first is None:
+        return
+    if _is_rank_zero():
+        with contextlib.suppress(OSError):  # what is left is never read, and cleared next save
+            _remove_tree(staging)
+    raise CheckpointSaveError(first)
+
+
+def commit(final: str, trackers: dict[str, str | None], failure: str | None = None) -> None:
     """Publish `final` from its staging directory, then set `trackers` (name -> text).
 
     A tracker whose text is None is removed. A collective: every rank calls it once its own
-    files are written and fsynced.
+    files are written and fsynced, with the line saying why its writing failed, if it did.
     """
-    _barrier()
+    staging = staging_directory(final)
+    agree(failure, staging)
+    published = False
     if _is_rank_zero():
         root = _parent(final)
-        staging = staging_directory(final)
-        fsync_tree(staging)
-        _write_journal(root, os.path.basename(final), trackers)
-        _fault_point("before-rename")
-        replaced = final + _REPLACED_SUFFIX
-        if os.path.isdir(final):
-            # Saving an iteration again (a rerun past a checkpoint that was never tracked).
-            os.replace(final, replaced)
-        os.replace(staging, final)
-        fsync_path(root)
-        _fault_point("after-rename")
-        _remove_tree(replaced)
-        _write_trackers(root, trackers, inject_faults=True)
-        _fault_point("after-trackers")
+        try:
+            fsync_tree(staging)
+            _write_journal(root, os.path.basename(final), trackers)
+            _fault_point("before-rename")
+            replaced = final + _REPLACED_SUFFIX
+            if os.path.isdir(final):
+                # Saving an iteration again (a rerun past a checkpoint that was never tracked).
+                os.replace(final, replaced)
+            os.replace(staging, final)
+            fsync_path(root)
+            published = True
+            _fault_point("after-rename")
+            _remove_tree(replaced)
+            _write_trackers(root, trackers, inject_faults=True)
+            _fault_point("after-trackers")
+            _end_journal(root)
+        except OSError as error:
+            failure = describe_failure(error, root)
+            if published:
+                failure += f"; {final} is complete and the next start finishes its trackers"
+            else:
+                _undo_unpublished(root, final)
+    agree(failure, staging)
+
+
+def _undo_unpublished(root: str, final: str) -> None:
+    """After a failed commit that never renamed `final` into place: drop its journal."""
+    replaced = final + _REPLACED_SUFFIX
+    with contextlib.suppress(OSError):  # else the next start's recovery does the same
+        if os.path.isdir(replaced) and not os.path.isdir(final):
+            os.replace(replaced, final)
         _end_journal(root)
-    _barrier()
 
 
 def megatron_trackers(text: str) -> dict[str, str | None]:

@@ -26,11 +26,13 @@ from deepspeed.checkpoint.constants import (
     UNIVERSAL_CHECKPOINT_VERSION_VALUE,
     VOCABULARY_PARAMETER_PATTERNS,
 )
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from megatron.checkpointing import commit as checkpoint_commit
+from megatron.checkpointing.disk import describe_failure, save_torch_file, tensor_bytes
 from megatron.checkpointing.file_format import SAFE_GLOBALS
 
 DEEPSPEED_SAFE_GLOBALS = [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
@@ -42,18 +44,53 @@ def tag_for(iteration: int) -> str:
 
 
 class SafeCheckpointEngine:
-    """Wraps the engine's checkpoint engine: fsync after every save, weights-only loads."""
+    """Wraps the engine's checkpoint engine: fsynced saves that keep failures, weights-only loads.
+
+    A write that fails (full disk, quota, permissions) does not raise inside the engine, whose
+    save is full of collectives the other ranks are waiting in: the first failure is kept,
+    later writes are skipped, and `take_failure` reports it once the engine's save returns.
+    """
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
+        self._failure: tuple[OSError, int] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    def record_failure(self, error: OSError, size: int = 0) -> None:
+        """Keep the first failed write of this save (`size`: bytes it was writing)."""
+        if self._failure is None:
+            self._failure = (error, size)
+
+    def take_failure(self, save_dir: str) -> str | None:
+        """The line saying why this save failed, or None; clears it for the next save."""
+        failure, self._failure = self._failure, None
+        return None if failure is None else describe_failure(failure[0], save_dir, failure[1])
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        """Create a checkpoint directory; a failure is kept, not raised."""
+        try:
+            self._inner.makedirs(path, exist_ok=exist_ok)
+        except OSError as error:
+            self.record_failure(error)
+
     def save(self, state_dict: dict, path: str) -> None:
-        """Write `state_dict` to `path` and flush it to disk."""
-        self._inner.save(state_dict, path)
-        checkpoint_commit.fsync_path(path)
+        """Write `state_dict` to `path` and flush it to disk; a failure is kept, not raised."""
+        if self._failure is not None:
+            return
+        try:
+            if isinstance(self._inner, TorchCheckpointEngine):
+                save_torch_file(
+                    state_dict,
+                    path,
+                    _use_new_zipfile_serialization=self._inner.zipfile_serialization,
+                )
+            else:
+                self._inner.save(state_dict, path)
+                checkpoint_commit.fsync_path(path)
+        except OSError as error:
+            self.record_failure(error, tensor_bytes(state_dict))
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """Read `path` without executing code from it."""
@@ -101,31 +138,50 @@ def universal_checkpoint_info(args: Any) -> dict:
     return info
 
 
-def install_safe_checkpoint_engine(engine: Any) -> None:
+def install_safe_checkpoint_engine(engine: Any) -> SafeCheckpointEngine:
     """Route `engine`'s checkpoint reads and writes through `SafeCheckpointEngine`."""
     if not isinstance(engine.checkpoint_engine, SafeCheckpointEngine):
-        engine.checkpoint_engine = SafeCheckpointEngine(engine.checkpoint_engine)
+        safe = SafeCheckpointEngine(engine.checkpoint_engine)
+        engine.checkpoint_engine = safe
+        copy_scripts = getattr(engine, "_copy_recovery_script", None)
+        if copy_scripts is not None:
+            # Rank 0 copies zero_to_fp32.py with shutil outside the checkpoint engine, just
+            # before the engine's closing barrier: a failure there must not skip the barrier.
+            def copy_or_keep_failure(save_path: str) -> None:
+                try:
+                    copy_scripts(save_path)
+                except OSError as error:
+                    safe.record_failure(error)
+
+            engine._copy_recovery_script = copy_or_keep_failure
+    return engine.checkpoint_engine
 
 
 def save_deepspeed(
-    engine: Any, save_dir: str, iteration: int, client_state: dict, args: Any
+    engine: Any,
+    save_dir: str,
+    iteration: int,
+    client_state: dict,
+    args: Any,
+    previous: tuple[str, int] | None = None,
 ) -> None:
-    """Save through the engine (a collective), publishing the tag only when complete."""
-    install_safe_checkpoint_engine(engine)
+    """Save through the engine (a collective), publishing the tag only when complete.
+
+    `previous`: the newest checkpoint and its size, for the free-space check.
+    """
+    safe = install_safe_checkpoint_engine(engine)
     client_state = {**client_state, UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(args)}
     tag = tag_for(iteration)
     final = os.path.join(save_dir, tag)
-    staging = checkpoint_commit.begin(final)
+    staging = checkpoint_commit.begin(final, previous)
     engine.save_checkpoint(
         save_dir, tag=os.path.basename(staging), client_state=client_state, save_latest=False
     )
-    checkpoint_commit.commit(
-        final,
-        {
-            checkpoint_commit.DEEPSPEED_TRACKER_FILENAME: tag,
-            checkpoint_commit.TRACKER_FILENAME: str(iteration),
-        },
-    )
+    trackers = {
+        checkpoint_commit.DEEPSPEED_TRACKER_FILENAME: tag,
+        checkpoint_commit.TRACKER_FILENAME: str(iteration),
+    }
+    checkpoint_commit.commit(final, trackers, safe.take_failure(save_dir))
 
 
 def load_deepspeed(

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron.atomic_files import atomic_outputs
 from megatron.checkpointing import commit as checkpoint_commit
+from megatron.checkpointing.disk import describe_failure, save_torch_file, tensor_bytes, tree_bytes
 from megatron.checkpointing.file_format import (
     CHECKPOINT_VERSION,
     HEAD_KEY,
@@ -139,11 +140,13 @@ def save_checkpoint(state, model, optimizer, scheduler, args: argparse.Namespace
         from megatron.checkpointing.deepspeed_engine import save_deepspeed
 
         rng = None if args.no_save_rng else gather_rng_states()
-        save_deepspeed(model, args.save, iteration, _client_state(state, args, rng), args)
+        client = _client_state(state, args, rng)
+        save_deepspeed(model, args.save, iteration, client, args, previous_checkpoint(args.save))
     else:
         rng = None if args.no_save_rng else gather_rng_states(_data_parallel_group())
         final = checkpoint_directory(args.save, iteration)
-        staging = checkpoint_commit.begin(final)
+        staging = checkpoint_commit.begin(final, previous_checkpoint(args.save))
+        failure = None
         if parallel_state.get_data_parallel_rank() == 0:
             checkpoint = _client_state(state, args, rng)
             checkpoint["model"] = nest_model_state(_unwrap(model).state_dict())
@@ -153,11 +156,32 @@ def save_checkpoint(state, model, optimizer, scheduler, args: argparse.Namespace
                 if getattr(model, "loss_scaler", None) is not None:
                     checkpoint["loss_scaler"] = model.loss_scaler.state_dict()
             path = _this_rank_file(staging)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with atomic_outputs(path) as (partial,):
-                torch.save(checkpoint, partial)
-        checkpoint_commit.commit(final, checkpoint_commit.megatron_trackers(str(iteration)))
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with atomic_outputs(path) as (partial,):
+                    save_torch_file(checkpoint, partial)
+            except OSError as error:
+                failure = describe_failure(error, args.save, tensor_bytes(checkpoint))
+        checkpoint_commit.commit(
+            final, checkpoint_commit.megatron_trackers(str(iteration)), failure
+        )
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
+
+
+def previous_checkpoint(save_dir: str) -> tuple[str, int] | None:
+    """(directory, size in bytes) of the newest checkpoint in `save_dir`, on rank 0 only.
+
+    A save's free-space check expects the new checkpoint to be as large as this one.
+    """
+    if (dist.is_initialized() and dist.get_rank() != 0) or not os.path.isdir(save_dir):
+        return None
+    try:
+        found = find_checkpoint(save_dir)
+    except (ValueError, OSError):  # an unreadable tracker: the save itself repairs or reports it
+        return None
+    if found is None or not os.path.isdir(found.directory):
+        return None
+    return found.directory, tree_bytes(found.directory)
 
 
 def _data_parallel_group():  # noqa: ANN202
