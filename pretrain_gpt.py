@@ -17,15 +17,17 @@ from functools import partial
 
 import torch
 
-from megatron.checkpointing import CheckpointError
+from megatron.checkpointing import CheckpointError, CheckpointSaveError
 from megatron.config import DataConfig, ModelConfig
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel.cross_entropy import LabelOutOfVocabularyError
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.indexed_dataset import IndexedDatasetError
 from megatron.model import GPTModel
 from megatron.model.model_size import model_size_report
 from megatron.tokenizer import TokenizerFileError
 from megatron.training import pretrain
+from megatron.training.failures import CollectiveFailure, report_error
 from megatron.training.loop import TrainingStopped
 from megatron.training.scheduler import SchedulerMismatchError
 from megatron.utils import current_device, get_ltor_masks_and_position_ids, print_rank_0
@@ -91,14 +93,17 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module, args: argparse
     return output_tensor, partial(loss_func, loss_mask)
 
 
-# Failures a user causes (bad files, a stopped run): one `error:` line, exit 1, no traceback
-# (MEGATRON_DEBUG_TRACEBACKS=1 shows it).
+# Failures a user causes or must act on (bad files, a full disk, a stopped run, a stalled or
+# dead rank): one `error:` line, exit 1, no traceback (MEGATRON_DEBUG_TRACEBACKS=1 shows it).
 USER_ERRORS = (
     TrainingStopped,
     SchedulerMismatchError,
     CheckpointError,
+    CheckpointSaveError,
     IndexedDatasetError,
     TokenizerFileError,
+    CollectiveFailure,
+    LabelOutOfVocabularyError,
 )
 
 
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as stopped:
         if os.environ.get("MEGATRON_DEBUG_TRACEBACKS", "0") not in ("", "0"):
             raise
-        print(f"error: {stopped}", file=sys.stderr, flush=True)
+        report_error(str(stopped))
         return 1
     finally:
         parallel_state.destroy_model_parallel()

@@ -19,6 +19,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from megatron.arguments import parse_args
 from megatron.arguments.precision import precision_summary, precision_warnings
@@ -44,25 +45,62 @@ def _single_process_environment() -> None:
 
 
 def initialize_distributed(
-    backend: str, local_rank: int, use_deepspeed: bool, timeout_minutes: int = 10
+    backend: str, local_rank: int, use_deepspeed: bool, timeout_minutes: float = 10
 ) -> None:
     """Join the default process group over `backend` (nccl on GPUs, gloo on CPUs).
 
     A collective that waits longer than `timeout_minutes` (--distributed-timeout-minutes) for
-    the other ranks fails the run instead of hanging it.
+    the other ranks fails the run instead of hanging it, in every process group.
     """
     if dist.is_initialized():
         return
+    timeout = timedelta(minutes=timeout_minutes)
+    # Groups made later without a timeout (ours, DeepSpeed's pipeline p2p groups) get torch's
+    # per-backend default, 30 minutes on gloo: make it this run's timeout instead.
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
     if torch.cuda.is_available():
         # One GPU per process, picked by the launcher's local rank.
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     _single_process_environment()
+    store = _store_of_this_restart(timeout)
+    if store is not None:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
     if use_deepspeed:
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
-    else:
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+        # Adopts the group above where there is one.
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+    elif store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def _store_of_this_restart(timeout: timedelta) -> dist.Store | None:
+    """Under a one-node `torchrun --max-restarts`, after a restart: a store namespace of its own.
+
+    torchrun's workers share its TCPStore across restarts without a per-attempt prefix, so a
+    restarted group can read the addresses of the ranks that died, then fail to connect or hang
+    (1 restart in 4 here, static or c10d rendezvous). With one agent its restart count is the
+    same in every rank; with several nodes each agent counts its own, so torch's path is kept.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        or os.environ.get("GROUP_WORLD_SIZE", "1") != "1"
+        or restart == "0"
+    ):
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"megatron/restart_{restart}", store)
 
 
 def write_whole_lines() -> None:

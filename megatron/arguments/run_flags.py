@@ -414,9 +414,10 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("parallelism")
     group.add_argument(
         "--distributed-timeout-minutes",
-        type=int,
+        type=float,
         default=10,
-        help="How long a collective may wait for the other ranks before the run fails.",
+        help="How long a collective may wait for the other ranks before the run fails (each "
+        "surviving rank then names the collective and writes its stack; fractions allowed).",
     )
     group.add_argument(
         "--tensor-model-parallel-size", type=int, default=1, help="GPUs each layer is split across."

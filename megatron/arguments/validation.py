@@ -293,6 +293,9 @@ def _backend(args: argparse.Namespace) -> None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     elif args.distributed_backend == "nccl" and not torch.cuda.is_available():
         raise ArgumentError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPUs")
+    timeout = getattr(args, "distributed_timeout_minutes", 10)
+    if not timeout > 0:
+        raise ArgumentError(f"--distributed-timeout-minutes {timeout:g}: must be above 0")
 
 
 def _deepspeed_config(args: argparse.Namespace, explicit_flags: set[str] | None) -> str:

@@ -21,6 +21,7 @@ from megatron.checkpointing import TrainState
 from megatron.config import ModelConfig
 from megatron.model.model_size import flops_per_token
 from megatron.training.batch_schedule import BatchSizeSchedule
+from megatron.training.fault_injection import inject_training_fault
 from megatron.training.monitor import (
     IterationStats,
     MetricsWriter,
@@ -198,6 +199,7 @@ class TrainingLoop:
             # Whichever engine steps the scheduler (ours, DeepSpeed's, the pipeline's) reads the
             # tokens consumed before this iteration, as Megatron-DeepSpeed's args do.
             self.scheduler.consumed_train_tokens = state.consumed_train_tokens
+            inject_training_fault(state.iteration + 1, dist.get_rank())
             self.timers("train-step", 1).start()
             result = self.step(train_iter, global_batch_size)
             self.timers("train-step", 1).stop()

@@ -25,6 +25,7 @@ from megatron.core import parallel_state
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.initialize import initialize_megatron
 from megatron.tokenizer import build_tokenizer
+from megatron.training.failures import collective_failures_reported
 from megatron.training.loop import TrainingLoop
 from megatron.training.monitor import MetricsWriter, Timers, format_validation_block
 from megatron.training.optimizer import (
@@ -228,6 +229,21 @@ def pretrain(
     """Megatron's `pretrain`: initialize, set up, train, evaluate, save. Returns the state."""
     start = time.time()
     args = initialize_megatron(extra_args_provider, args_defaults, argv)
+    stack_dir = args.save or args.tensorboard_dir or "."
+    with collective_failures_reported(stack_dir, args.distributed_timeout_minutes):
+        return _set_up_and_train(
+            train_valid_test_datasets_provider, model_provider, forward_step_func, args, start
+        )
+
+
+def _set_up_and_train(
+    train_valid_test_datasets_provider: Callable,
+    model_provider: Callable,
+    forward_step_func: ForwardStep,
+    args: argparse.Namespace,
+    start: float,
+) -> TrainState:
+    """Everything of `pretrain` after initialization."""
     tokenizer = build_tokenizer(args)  # sets args.padded_vocab_size
     args.eod_token_id = tokenizer.eod
     args.true_vocab_size = tokenizer.vocab_size  # saved in checkpoints for the conversion tools
