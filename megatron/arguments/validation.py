@@ -273,6 +273,31 @@ def _data_files(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--{flag.replace('_', '-')} {path}: no such file")
 
 
+def _run_directories(args: argparse.Namespace) -> None:
+    """--load is a directory if it exists; --save and the log directories can be created.
+
+    Checked before anything starts: a --save under a file would otherwise fail at the first
+    checkpoint, after hours of training.
+    """
+    load = getattr(args, "load", None)
+    if load and os.path.exists(load) and not os.path.isdir(load):
+        raise ArgumentError(f"--load {load}: a file, not a checkpoint directory")
+    for flag in ("save", "tensorboard_dir", "wandb_save_dir"):
+        path = getattr(args, flag, None)
+        if not path:
+            continue
+        name = "--" + flag.replace("_", "-")
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ArgumentError(f"{name} {path}: a file, not a directory")
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise ArgumentError(f"{name} {path}: cannot be created, {parent} is a file")
+        if not os.access(parent if not os.path.isdir(path) else path, os.W_OK | os.X_OK):
+            raise ArgumentError(f"{name} {path}: not writable by this user")
+
+
 def _schedule(args: argparse.Namespace) -> None:
     """Build the LR schedule once on a throwaway optimizer: its errors name the flags."""
     import torch
@@ -342,6 +367,7 @@ def validate_args(
         settle_gradient_accumulation_dtype(args, args.deepspeed_config_dict, config_source)
     _schedule(args)
     _data_files(args)
+    _run_directories(args)
     _backend(args)
     args.params_dtype = model_params_dtype(args)
     if args.deepspeed:

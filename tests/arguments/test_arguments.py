@@ -178,3 +178,18 @@ def test_missing_data_and_tokenizer_files_are_named(tmp_path):
         validated(f"--data-path {present} {present}")
     with pytest.raises(ArgumentError, match=f"--vocab-file {tmp_path}/v.json: no such file"):
         validated(f"--vocab-file {tmp_path}/v.json")
+
+
+def test_unusable_run_directories_are_refused_before_training(tmp_path):
+    """A --save, --tensorboard-dir or --load that cannot work is named at start-up."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory\n")
+    for extra, message in [
+        (f"--save {a_file}/ckpt --save-interval 1", "cannot be created, .* is a file"),
+        (f"--save {a_file} --save-interval 1", "--save .*: a file, not a directory"),
+        (f"--tensorboard-dir {a_file}/tb", "--tensorboard-dir .*: cannot be created"),
+        (f"--load {a_file}", "--load .*: a file, not a checkpoint directory"),
+    ]:
+        with pytest.raises(ArgumentError, match=message):
+            validated(extra)
+    validated(f"--save {tmp_path}/new/ckpt --save-interval 1")  # creatable
