@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import io
 import os
 import random
@@ -158,6 +159,10 @@ def initialize_megatron(
     `{"tokenizer_type": "GPT2BPETokenizer"}`). Returns the validated namespace.
     """
     write_whole_lines()
+    # A fatal signal (NCCL's watchdog aborts a rank whose collective timed out; a segfault in
+    # an extension) prints every thread's Python stack to stderr, where the launcher logs it.
+    if not faulthandler.is_enabled() and sys.__stderr__ is not None:
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
     args = parse_args(argv, extra_args_provider, world_size, defaults=args_defaults)
     initialize_distributed(
