@@ -35,6 +35,9 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
+# Restart every rank from the last checkpoint this many times when one fails or stalls
+# (--distributed-timeout-minutes ends a stalled job; see README "When a rank stalls or dies").
+MAX_RESTARTS=${MAX_RESTARTS:-0}
 WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
 
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-$ROOT/checkpoints/gpt_distributed_example}
@@ -73,6 +76,9 @@ DISTRIBUTED_ARGS=(
   --master_addr "$MASTER_ADDR"
   --master_port "$MASTER_PORT"
 )
+if [ "$MAX_RESTARTS" != 0 ]; then
+  DISTRIBUTED_ARGS+=(--max-restarts "$MAX_RESTARTS")
+fi
 GPT_ARGS=(
   --tensor-model-parallel-size "$TP"
   --num-layers "$NUM_LAYERS"

@@ -16,6 +16,8 @@ import os
 import re
 import signal
 
+import torch.distributed as dist
+
 FAULT_ENV = "MEGATRON_TRAINING_FAULT"
 _ACTIONS = {"stop": signal.SIGSTOP, "kill": signal.SIGKILL}
 
@@ -28,12 +30,13 @@ def parse_fault(text: str) -> tuple[int, int, int]:
     return _ACTIONS[match.group(1)], int(match.group(2)), int(match.group(3))
 
 
-def inject_training_fault(iteration: int, rank: int) -> None:
-    """Stop or kill this process if `MEGATRON_TRAINING_FAULT` names `iteration` and `rank`."""
+def inject_training_fault(iteration: int) -> None:
+    """Stop or kill this process if `MEGATRON_TRAINING_FAULT` names `iteration` and its rank."""
     wanted = os.environ.get(FAULT_ENV)
     if not wanted or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     signum, at_iteration, at_rank = parse_fault(wanted)
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if (iteration, rank) == (at_iteration, at_rank):
         print(f"[{FAULT_ENV}] rank {rank}: {signal.Signals(signum).name} at iteration {iteration}")
         os.kill(os.getpid(), signum)

@@ -199,7 +199,7 @@ class TrainingLoop:
             # Whichever engine steps the scheduler (ours, DeepSpeed's, the pipeline's) reads the
             # tokens consumed before this iteration, as Megatron-DeepSpeed's args do.
             self.scheduler.consumed_train_tokens = state.consumed_train_tokens
-            inject_training_fault(state.iteration + 1, dist.get_rank())
+            inject_training_fault(state.iteration + 1)
             self.timers("train-step", 1).start()
             result = self.step(train_iter, global_batch_size)
             self.timers("train-step", 1).stop()
