@@ -4,8 +4,13 @@ Every rank holds the same full logits and keeps its vocabulary slice; the per-to
 equal `F.cross_entropy(full, target, reduction="none")` and, after backward with a random
 upstream gradient, this rank's logit gradient must equal the slice of the dense gradient.
 Cases: fp32, a padded vocabulary (50 real ids padded to 64), bf16 logits (the loss stays
-fp32), logits of magnitude 1e4 (still finite), and Megatron's label smoothing, checked
-against an autograd re-implementation of its formula and, at tp 1, finite differences.
+fp32), logits of magnitude 1e4 (still finite) or 1e4 plus small values (the softmax keeps
+their low bits), and Megatron's label smoothing, checked against an autograd
+re-implementation of its formula and, at tp 1, finite differences.
+The loss runs in chunks of tokens: the cases run again with 5 tokens per chunk (12 tokens:
+chunks of 5, 5 and 2), where the forward still makes one max and one sum all-reduce and the
+backward none; and nothing saved for backward is an fp32 `[tokens, vocab/tp]` tensor (only
+the logits as given, and `[tokens]` vectors).
 With `check_labels`, a label outside the full (padded) vocabulary is a ValueError naming it;
 without, such a label still gives a finite loss, as before.
 Worlds of 1, 2 and 4 ranks run with tp = world size, and the 4-rank world also with tp 2.
@@ -13,12 +18,15 @@ Worlds of 1, 2 and 4 ranks run with tp = world size, and the 4-rank world also w
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel import cross_entropy, vocab_parallel_cross_entropy
 from tests.core.spawn_checks import BODY, run_checks_per_layout
 
 # (world size, tp): tp = world, and tp 2 inside 4 ranks (two data-parallel replicas), where
@@ -30,7 +38,8 @@ SEQ, BATCH, VOCAB, REAL_VOCAB = 4, 3, 64, 50
 TARGETS = [0, 15, 16, 31, 32, 47, 48, 63, 7, 20, 40, 55]
 # Only real ids (< 50); the last shard at tp 4 owns just 48 and 49 of them.
 PADDED_TARGETS = [0, 15, 16, 31, 32, 47, 48, 49, 7, 20, 40, 49]
-FP32 = {"atol": 1e-5, "rtol": 1e-5}
+FP32 = {"atol": 1e-6, "rtol": 1e-6}
+CHUNK_TOKENS = 5  # SEQ * BATCH = 12 tokens: chunks of 5, 5 and 2
 
 
 def _shard(tensor: torch.Tensor) -> torch.Tensor:
@@ -130,6 +139,18 @@ def _check_large_logits() -> None:
     torch.testing.assert_close(grad, _shard(ref_grad), **FP32)
 
 
+def _check_offset_logits() -> None:
+    """Logits ~1e4 + N(0, 3): the softmax ignores the offset, so its low bits must survive."""
+    full = _random(SEQ, BATCH, VOCAB, seed=11) * 3 + 1e4
+    target, probe = _target(TARGETS), _random(SEQ, BATCH, seed=12)
+    loss, grad = _parallel(full, target, probe)
+    ref_loss, ref_grad = _reference(full, target, probe)
+    # A softmax from exp(x - lse) with lse = max + log(sum) rounded in fp32 (ulp ~1e-3 at 1e4)
+    # would be off by ~1e-3 relative here.
+    torch.testing.assert_close(loss, ref_loss, **FP32)
+    torch.testing.assert_close(grad, _shard(ref_grad), **FP32)
+
+
 def _check_label_smoothing(padded: bool) -> None:
     """Forward and backward against the autograd formula and F.cross_entropy's smoothing."""
     label_smoothing = 0.1
@@ -171,15 +192,101 @@ def _check_labels(bad: int, position: tuple[int, int]) -> None:
     assert torch.isfinite(vocab_parallel_cross_entropy(local, target)).all()
 
 
+@contextlib.contextmanager
+def _small_chunks() -> Iterator[None]:
+    """Within: CHUNK_TOKENS tokens per chunk at this tp (the budgets are per fp32 chunk)."""
+    partition_vocab = VOCAB // parallel_state.get_tensor_model_parallel_world_size()
+    defaults = cross_entropy.CHUNK_BYTES, cross_entropy.CPU_CHUNK_BYTES
+    cross_entropy.CHUNK_BYTES = cross_entropy.CPU_CHUNK_BYTES = CHUNK_TOKENS * 4 * partition_vocab
+    try:
+        chunks = cross_entropy._token_chunks(torch.empty(SEQ * BATCH, partition_vocab))
+        assert [c.stop - c.start for c in chunks] == [5, 5, 2]
+        yield
+    finally:
+        cross_entropy.CHUNK_BYTES, cross_entropy.CPU_CHUNK_BYTES = defaults
+
+
+def _check_chunked(check: Callable[..., None], *args: object) -> None:
+    """`check` with 5-token chunks, counting the all-reduces: one max, one sum, all forward."""
+    calls = {"max": 0, "sum": 0}
+
+    def counted(name: str, reduce: Callable) -> Callable:
+        def wrapper(tensor: torch.Tensor) -> torch.Tensor:
+            calls[name] += 1
+            return reduce(tensor)
+
+        return wrapper
+
+    originals = (
+        cross_entropy.all_reduce_max_over_tensor_parallel,
+        cross_entropy.all_reduce_sum_over_tensor_parallel,
+    )
+    cross_entropy.all_reduce_max_over_tensor_parallel = counted("max", originals[0])
+    cross_entropy.all_reduce_sum_over_tensor_parallel = counted("sum", originals[1])
+    try:
+        with _small_chunks():
+            check(*args)
+    finally:
+        (
+            cross_entropy.all_reduce_max_over_tensor_parallel,
+            cross_entropy.all_reduce_sum_over_tensor_parallel,
+        ) = originals
+    # Each check calls the loss once (forward and backward): one all-reduce of each kind.
+    assert calls == {"max": 1, "sum": 1}, calls
+
+
+def _saved_for_backward(local: torch.Tensor, smoothing: float) -> list[torch.Tensor]:
+    """Every tensor the loss saves for backward (then runs the backward, which must work)."""
+    saved = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = vocab_parallel_cross_entropy(local, _target(TARGETS), label_smoothing=smoothing)
+    loss.sum().backward()
+    assert local.grad.dtype == local.dtype
+    return saved
+
+
+def _check_saved_tensors() -> None:
+    """Saved for backward: the logits as given (no copy) and [N]-sized vectors, nothing more."""
+    tokens = SEQ * BATCH
+    for dtype in (torch.float32, torch.bfloat16):
+        for smoothing in (0.0, 0.1):
+            local = _shard(_random(SEQ, BATCH, VOCAB, seed=10)).to(dtype, copy=True)
+            local.requires_grad_()
+            saved = _saved_for_backward(local, smoothing)
+            storage = local.untyped_storage().data_ptr()
+            logits = [t for t in saved if t.untyped_storage().data_ptr() == storage]
+            assert len(logits) == 1 and logits[0].dtype == dtype, [t.dtype for t in logits]
+            assert logits[0].shape == local.shape
+            others = [t for t in saved if t.untyped_storage().data_ptr() != storage]
+            # No [N, v/tp] tensor (fp32 or not), nor a view of one: at most a few [N] rows.
+            assert max(t.numel() for t in others) <= tokens, [t.shape for t in others]
+            assert max(t.untyped_storage().nbytes() for t in others) <= 4 * tokens * 4
+            assert local.size(-1) * tokens * 4 > 4 * tokens * 4  # the bound means something
+
+
 CHECKS = {
     "fp32": (_check_fp32, False),
     "padded vocab": (_check_fp32, True),
     "bf16": (_check_bf16,),
     "large logits": (_check_large_logits,),
+    "offset logits": (_check_offset_logits,),
     "label smoothing": (_check_label_smoothing, False),
     "label smoothing padded vocab": (_check_label_smoothing, True),
     "label too large": (_check_labels, VOCAB, (2, 1)),
     "label negative": (_check_labels, -1, (0, 2)),
+    "fp32 chunked": (_check_chunked, _check_fp32, False),
+    "padded vocab chunked": (_check_chunked, _check_fp32, True),
+    "bf16 chunked": (_check_chunked, _check_bf16),
+    "large logits chunked": (_check_chunked, _check_large_logits),
+    "offset logits chunked": (_check_chunked, _check_offset_logits),
+    "label smoothing chunked": (_check_chunked, _check_label_smoothing, False),
+    "label smoothing padded vocab chunked": (_check_chunked, _check_label_smoothing, True),
+    "saved tensors": (_check_saved_tensors,),
 }
 
 
@@ -211,9 +318,10 @@ def test_bf16_logits_give_fp32_loss(spawned, world, tp):
 
 
 @pytest.mark.parametrize("world, tp", LAYOUTS, ids=LAYOUT_IDS)
-def test_large_logits_stay_finite(spawned, world, tp):
-    """Logits of magnitude 1e4 give a finite loss and gradient equal to the reference."""
-    spawned[world].assert_ok(f"tp={tp} large logits")
+@pytest.mark.parametrize("case", ["large logits", "offset logits"])
+def test_large_logits_stay_finite(spawned, world, tp, case):
+    """Logits of magnitude 1e4 (or 1e4 + small) give a loss and gradient equal to the reference."""
+    spawned[world].assert_ok(f"tp={tp} {case}")
 
 
 @pytest.mark.parametrize("world, tp", LAYOUTS, ids=LAYOUT_IDS)
@@ -221,6 +329,30 @@ def test_large_logits_stay_finite(spawned, world, tp):
 def test_label_smoothing_matches_autograd_formula(spawned, world, tp, case):
     """Smoothed loss and gradient == autograd on Megatron's formula over the whole vocab."""
     spawned[world].assert_ok(f"tp={tp} {case}")
+
+
+@pytest.mark.parametrize("world, tp", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize(
+    "case",
+    [
+        "fp32 chunked",
+        "padded vocab chunked",
+        "bf16 chunked",
+        "large logits chunked",
+        "offset logits chunked",
+        "label smoothing chunked",
+        "label smoothing padded vocab chunked",
+    ],
+)
+def test_chunks_give_the_same_loss_with_one_all_reduce_each(spawned, world, tp, case):
+    """5-token chunks over 12 tokens: same checks, one max and one sum all-reduce in all."""
+    spawned[world].assert_ok(f"tp={tp} {case}")
+
+
+@pytest.mark.parametrize("world, tp", LAYOUTS, ids=LAYOUT_IDS)
+def test_no_fp32_logits_are_saved_for_backward(spawned, world, tp):
+    """fp32 and bf16 logits: backward keeps the logits as given and [tokens] vectors only."""
+    spawned[world].assert_ok(f"tp={tp} saved tensors")
 
 
 @pytest.mark.parametrize("world", SPAWN_WORLD_SIZES)
