@@ -226,10 +226,14 @@ def _flash_kernel_runs(torch: Any) -> str:
 def check_flash_attention() -> CheckResult:
     """Whether `--use-flash-attn` can run: torch's SDPA flash kernel or the flash_attn package."""
     torch = _import_torch()
-    try:
-        package = f"flash_attn {importlib.import_module('flash_attn').__version__}"
-    except Exception:  # optional; torch's flash kernel is used without it
-        package = "flash_attn package not installed (optional)"
+    from megatron.model.attention import flash_attn_2_version
+
+    version = flash_attn_2_version()
+    package = (
+        f"flash_attn {version}"
+        if version
+        else "flash_attn 2 not installed (optional; FlashAttention 4's flash_attn.cute is not it)"
+    )
     if not torch.cuda.is_available():
         message = "no GPU: attention uses SDPA's CPU kernels; --use-flash-attn needs a GPU"
         return CheckResult("flash_attn", WARN, message)

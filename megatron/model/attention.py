@@ -26,11 +26,30 @@ from megatron.config import ModelConfig
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 
+def flash_attn_2_version() -> str | None:
+    """The installed flash_attn 2's version, or None: absent, unusable, or FlashAttention 4 alone.
+
+    FlashAttention 4 installs `flash_attn.cute` with no `flash_attn/__init__.py`, which makes
+    `flash_attn` a namespace package without `flash_attn_func`; a flash_attn built for another
+    torch or CUDA fails on import. Either way SDPA's flash kernel is used instead.
+    """
+    spec = importlib.util.find_spec("flash_attn")
+    if spec is None or spec.origin in (None, "namespace"):
+        return None
+    try:
+        module = importlib.import_module("flash_attn")
+    except (ImportError, OSError):
+        return None
+    if not callable(getattr(module, "flash_attn_func", None)):
+        return None
+    return str(getattr(module, "__version__", "unknown version"))
+
+
 def flash_attention_status() -> tuple[bool, str]:
     """Whether flash attention can run here, and which implementation (or why not)."""
     if not torch.cuda.is_available():
         return False, "flash attention needs a CUDA GPU; this machine has none"
-    if importlib.util.find_spec("flash_attn") is not None:
+    if flash_attn_2_version() is not None:
         return True, "flash_attn package"
     major, _ = torch.cuda.get_device_capability()
     if major < 8:
