@@ -12,6 +12,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
+def nearest_existing(path: str) -> str:
+    """`path` (made absolute) if it exists, else its closest ancestor that does."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def partial_path(path: str) -> str:
     """The temporary name `path` is written under until it is complete."""
     return f"{path}.partial-{os.getpid()}"

@@ -16,6 +16,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from megatron.atomic_files import nearest_existing
+
 DEBUG_TRACEBACKS = "MEGATRON_DEBUG_TRACEBACKS"
 
 
@@ -67,9 +69,7 @@ def check_output_path(path: str, flag: str, is_folder: bool = False) -> None:
     """
     if is_folder and os.path.exists(path) and not os.path.isdir(path):
         raise OSError(f"{flag} {path} is a file, not a folder")
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
+    folder = nearest_existing(os.path.dirname(os.path.abspath(path)))
     if not os.path.isdir(folder):
         raise OSError(f"{flag} {path}: {folder} is a file, not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):

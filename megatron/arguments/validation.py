@@ -21,6 +21,7 @@ from megatron.arguments.ds_config import (
 from megatron.arguments.ds_unused_sections import set_aside_unused_sections
 from megatron.arguments.errors import ArgumentError
 from megatron.arguments.precision import check_flash_attention_precision
+from megatron.atomic_files import nearest_existing
 from megatron.config import model_params_dtype
 from megatron.training.batch_schedule import BatchSizeSchedule
 
@@ -289,9 +290,7 @@ def _run_directories(args: argparse.Namespace) -> None:
         name = "--" + flag.replace("_", "-")
         if os.path.exists(path) and not os.path.isdir(path):
             raise ArgumentError(f"{name} {path}: a file, not a directory")
-        parent = os.path.dirname(os.path.abspath(path))
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
+        parent = nearest_existing(os.path.dirname(os.path.abspath(path)))
         if not os.path.isdir(parent):
             raise ArgumentError(f"{name} {path}: cannot be created, {parent} is a file")
         if not os.access(parent if not os.path.isdir(path) else path, os.W_OK | os.X_OK):

@@ -24,6 +24,8 @@ from typing import Any, BinaryIO
 import torch
 import torch.distributed as dist
 
+from megatron.atomic_files import nearest_existing
+
 MEGABYTE = 1 << 20
 FAULT_ENV = "MEGATRON_SAVE_FAULT"
 # Failures for which the free space is what the user needs to know.
@@ -48,10 +50,7 @@ def tensor_bytes(state: Any) -> int:
 
 def free_bytes(path: str) -> int:
     """Free bytes for an unprivileged writer on the filesystem that holds `path` (or its parent)."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return shutil.disk_usage(path).free
+    return shutil.disk_usage(nearest_existing(path)).free
 
 
 def tree_bytes(path: str) -> int:

@@ -11,7 +11,6 @@ directory is gone, and that what was on disk before (a checkpoint, a user's file
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import re
 import subprocess
@@ -23,6 +22,7 @@ from megatron.checkpointing import CheckpointSaveError, disk
 from megatron.checkpointing import commit as checkpoint_commit
 from tests.checkpointing.compare import load_any, raw_trackers
 from tests.conftest import REPO_ROOT
+from tests.one_line_errors import snapshot
 from tests.pretrain_runs import last_rank_line, launch, rank_output, tiny_gpt_flags
 
 
@@ -87,17 +87,6 @@ def test_failed_commit_removes_staging_and_keeps_trackers(tmp_path) -> None:
     assert checkpoint_commit.read_tracker(root) == (2, False)
 
 
-def _snapshot(root: str) -> dict[str, str]:
-    """Relative path -> sha256 of every file under `root`."""
-    found = {}
-    for directory, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(directory, name)
-            with open(path, "rb") as handle:
-                found[os.path.relpath(path, root)] = hashlib.sha256(handle.read()).hexdigest()
-    return found
-
-
 def _mount_tmpfs(path: str, megabytes: int) -> bool:
     """Mount a `megabytes` tmpfs at `path`; False where this process may not mount."""
     os.makedirs(path, exist_ok=True)
@@ -119,7 +108,7 @@ def test_disk_full_mid_file_ends_run_in_one_line(stdlib_dataset: str, tmp_path) 
         os.makedirs(save)
         with open(os.path.join(save, "notes.txt"), "w") as handle:
             handle.write("the user's own file\n")
-        before = _snapshot(save)
+        before = snapshot(save)
         flags = tiny_gpt_flags(stdlib_dataset) + [
             "--global-batch-size", "2", "--train-iters", "2", "--eval-iters", "0",
             "--save", save, "--save-interval", "2",
@@ -133,7 +122,7 @@ def test_disk_full_mid_file_ends_run_in_one_line(stdlib_dataset: str, tmp_path) 
             last_rank_line(result.stdout),
         ), result.stdout[-2000:]
         assert "Traceback" not in result.stdout
-        assert _snapshot(save) == before  # no staging directory, no tracker, notes untouched
+        assert snapshot(save) == before  # no staging directory, no tracker, notes untouched
     finally:
         if mounted:
             subprocess.run(["umount", mount], check=False)

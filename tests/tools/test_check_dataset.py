@@ -8,7 +8,7 @@ import pytest
 
 from megatron.data.indexed_dataset import IndexedDatasetBuilder
 from tests.conftest import MERGE_FILE, VOCAB_FILE
-from tests.tools.one_line_errors import assert_one_line_error
+from tests.one_line_errors import assert_one_line_error
 from tools import check_dataset
 
 

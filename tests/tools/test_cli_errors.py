@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tools.one_line_errors import assert_one_line_error, file_under_a_file
+from tests.one_line_errors import assert_one_line_error, file_under_a_file
 from tools.cli_errors import (
     DEBUG_TRACEBACKS,
     ToolArgumentParser,

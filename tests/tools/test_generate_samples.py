@@ -19,7 +19,7 @@ from megatron.checkpointing.shards import DenseCheckpoint, save_megatron_checkpo
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
 from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE
-from tests.tools.one_line_errors import (
+from tests.one_line_errors import (
     assert_one_line_error,
     damaged_checkpoint,
     file_under_a_file,

@@ -30,7 +30,7 @@ from megatron.checkpointing.shards import (  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.tokenizer import GPT2BPETokenizer  # noqa: E402
 from tests.conftest import MERGE_FILE, VOCAB_FILE  # noqa: E402
-from tests.tools.one_line_errors import (  # noqa: E402
+from tests.one_line_errors import (  # noqa: E402
     assert_one_line_error,
     damaged_checkpoint,
     file_under_a_file,

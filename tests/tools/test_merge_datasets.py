@@ -10,7 +10,7 @@ import pytest
 
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tests.conftest import run_cli
-from tests.tools.one_line_errors import assert_one_line_error, file_under_a_file, snapshot
+from tests.one_line_errors import assert_one_line_error, file_under_a_file, snapshot
 from tools import merge_datasets
 
 

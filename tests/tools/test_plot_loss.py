@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from megatron.training.monitor import format_validation_block
-from tests.tools.one_line_errors import assert_one_line_error, file_under_a_file, snapshot
+from tests.one_line_errors import assert_one_line_error, file_under_a_file, snapshot
 from tools.plot_loss import main, read_loss_curves
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -13,7 +13,7 @@ import pytest
 
 from megatron.data.indexed_dataset import IndexedDataset
 from tests.conftest import run_cli
-from tests.tools.one_line_errors import assert_one_line_error, file_under_a_file, snapshot
+from tests.one_line_errors import assert_one_line_error, file_under_a_file, snapshot
 
 EOD = 50256
 BOM = b"\xef\xbb\xbf"

@@ -29,13 +29,13 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.model import GPTModel
 from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE, run_cli
 from tests.model.helpers import spawn_collect
-from tests.pretrain_runs import launch
-from tests.tools.one_line_errors import (
+from tests.one_line_errors import (
     assert_one_line_error,
     damaged_checkpoint,
     file_under_a_file,
     snapshot,
 )
+from tests.pretrain_runs import launch
 from tools.checkpoint import reshard
 
 TRUE_VOCAB, DIVISIBLE = 100, 8  # padded to 104 at TP=1, 112 at TP=2, 128 at TP=4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tools.one_line_errors import assert_one_line_error
+from tests.one_line_errors import assert_one_line_error
 from tests.tools.test_generate_samples import GREEDY, continuations
 from tests.tools.test_generate_samples import checkpoint as checkpoint  # noqa: F401 (fixture)
 from tools.checkpoint import convert_to_hf, sample_hf

@@ -15,7 +15,6 @@ SIGSTOPs or SIGKILLs itself as it begins an iteration), so nothing depends on ti
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -35,6 +34,7 @@ from megatron.training.fault_injection import FAULT_ENV
 from tests.checkpointing.compare import differences, rolled_back
 from tests.conftest import REPO_ROOT
 from tests.distributed import run_distributed
+from tests.one_line_errors import snapshot
 from tests.pretrain_runs import (
     command,
     cpu_env,
@@ -124,16 +124,6 @@ def test_report_error_feeds_torchrun_banner(tmp_path, capsys, monkeypatch) -> No
     json.loads(error_file.read_text())
 
 
-def _snapshot(root: str) -> dict[str, str]:
-    found = {}
-    for directory, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(directory, name)
-            with open(path, "rb") as handle:
-                found[os.path.relpath(path, root)] = hashlib.sha256(handle.read()).hexdigest()
-    return found
-
-
 TRAIN_ITERS = 6
 
 
@@ -154,7 +144,7 @@ def straight_run(stdlib_dataset: str, tmp_path_factory: pytest.TempPathFactory) 
 def test_stalled_rank_times_out_in_one_line(straight_run: tuple, tmp_path) -> None:
     flags, straight = straight_run
     save = rolled_back(straight, 2, str(tmp_path / "save"))
-    before = _snapshot(save)
+    before = snapshot(save)
     # 15 s: no healthy collective of start-up waits that long, even on a loaded machine.
     flags = flags + ["--load", save, "--save", save, "--distributed-timeout-minutes", "0.25"]
     log_path = str(tmp_path / "log.txt")
@@ -189,7 +179,7 @@ def test_stalled_rank_times_out_in_one_line(straight_run: tuple, tmp_path) -> No
     # Rank 1, let go, may add its own line about rank 0's exit; either is a rank's error line.
     assert last_rank_line(output).startswith("error: rank "), output[-3000:]
     assert not any(line.startswith("Traceback") for line in rank_output(output))
-    after = _snapshot(save)
+    after = snapshot(save)
     assert {name: digest for name, digest in after.items() if name in before} == before
     assert set(after) - set(before) <= {"stacks/rank0.txt", "stacks/rank1.txt"}
 

@@ -1,4 +1,7 @@
-"""The shape every tool's user error must have: exit 1 (2: a bad flag), one last `error:` line."""
+"""The shape of a user error: exit 1 (2: a bad flag), one last `error:` line, files unchanged.
+
+Shared by the tools' tests and the failing runs of pretrain_gpt.py (full disk, lost rank).
+"""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ def file_under_a_file(tmp_path) -> str:
 
 
 def snapshot(folder) -> dict[str, str]:
-    """Name -> SHA-256 of every file under `folder`, to show a failed run changed nothing."""
+    """Relative path -> SHA-256 of every file under `folder`, to show a failure changed nothing."""
     found = {}
     for root, _dirs, names in os.walk(folder):
         for name in names:
