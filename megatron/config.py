@@ -130,6 +130,12 @@ class ModelConfig:
     """Return logits split over the vocabulary (True for training) or gathered."""
     check_labels: bool = False
     """Raise on a label outside the (padded) vocabulary, at a device sync (`--check-labels`)."""
+    bias_gelu_fusion: bool = True
+    """On a GPU, run the MLP's bias add and GeLU as one compiled kernel (`--bias-gelu-fusion`)."""
+    bias_dropout_fusion: bool = True
+    """On a GPU, run bias add, dropout and residual add as one kernel (`--bias-dropout-fusion`)."""
+    torch_compile: bool = False
+    """Compile each transformer layer with `torch.compile` (`--torch-compile`)."""
 
     def __post_init__(self) -> None:
         """Fill the derived defaults and reject impossible shapes."""
@@ -218,4 +224,7 @@ class ModelConfig:
                 get("distribute_saved_activations") or get("partition_activations")
             ),
             check_labels=bool(get("check_labels")),
+            bias_gelu_fusion=bool(get("bias_gelu_fusion", True)),
+            bias_dropout_fusion=bool(get("bias_dropout_fusion", True)),
+            torch_compile=bool(get("torch_compile")),
         )

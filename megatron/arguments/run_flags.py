@@ -133,14 +133,22 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
         "--no-bias-gelu-fusion",
         action="store_false",
         dest="bias_gelu_fusion",
-        help="Use the exact (erf) GeLU instead of the tanh approximation of Megatron's fused "
-        "bias-GeLU, unless --openai-gelu.",
+        help="Unfused bias add and the exact (erf) GeLU (tanh with --openai-gelu), instead of "
+        "Megatron's fused tanh bias-GeLU (one compiled kernel on a GPU).",
     )
     group.add_argument(
         "--no-bias-dropout-fusion",
         action="store_false",
         dest="bias_dropout_fusion",
-        help="Accepted for Megatron compatibility; no effect (bias-dropout-add is not fused).",
+        help="Unfused bias add, dropout and residual add (fused into one compiled kernel on a "
+        "GPU by default).",
+    )
+    group.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="Compile each transformer layer with torch.compile (inductor): one graph shared "
+        "by all layers, elementwise work fused; the first iterations pay the compile time. "
+        "Generation with a key/value cache stays eager.",
     )
     group.add_argument(
         "--use-flash-attn",

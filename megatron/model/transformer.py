@@ -10,9 +10,9 @@ Megatron tools: `layers.{i}.input_layernorm`, `.self_attention.query_key_value`,
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
@@ -25,6 +25,7 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.tensor_parallel.layers import divide
 from megatron.model.attention import CoreAttention, RotaryEmbedding, apply_rotary_pos_emb
+from megatron.model.fused_ops import bias_dropout_add, bias_gelu, fuse_eagerly, fused
 from megatron.model.inference_params import InferenceParams
 from megatron.model.utils import LayerNorm, init_method_normal, scaled_init_method_normal
 
@@ -37,21 +38,13 @@ def _linear_kwargs(config: ModelConfig) -> dict:
     )
 
 
-def bias_dropout_add(
-    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
-) -> torch.Tensor:
-    """residual + dropout(x + bias): the end of each residual branch."""
-    if bias is not None:
-        x = x + bias
-    return residual + F.dropout(x, p=p, training=training)
-
-
 class ParallelMLP(nn.Module):
     """h -> ffn (column-parallel) -> GeLU -> h (row-parallel); returns (output, bias)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
+        self.bias_gelu_fusion = config.bias_gelu_fusion
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size,
             config.ffn_hidden_size,
@@ -71,8 +64,8 @@ class ParallelMLP(nn.Module):
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[s, b, h] -> ([s, b, h], bias to add after dropout's input)."""
         intermediate, bias = self.dense_h_to_4h(hidden)  # [s, b, ffn / tp]
-        intermediate = F.gelu(intermediate + bias, approximate=self.approximate)
-        return self.dense_4h_to_h(intermediate)
+        activation = fused(bias_gelu) if fuse_eagerly(hidden, self.bias_gelu_fusion) else bias_gelu
+        return self.dense_4h_to_h(activation(intermediate, bias, self.approximate))
 
 
 class ParallelAttention(nn.Module):
@@ -133,14 +126,17 @@ class ParallelAttention(nn.Module):
             return self.dense(self._attend_with_cache(query, key, value, inference_params))
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
         if self.recompute_core and self.training:
-            # Never distributed: the query holds this rank's own heads, not a replicated input.
-            context = checkpoint(self._core, False, query, key, value, attention_mask)
+            context = self._recomputed_core(query, key, value, attention_mask)
         else:
             context = self.core_attention(query, key, value, attention_mask)  # [s, b, np*hn]
         return self.dense(context)
 
-    def _core(self, query, key, value, attention_mask):
-        return self.core_attention(query, key, value, attention_mask)
+    # Eager even inside a compiled layer: the recomputation runs in the backward pass, outside
+    # the compiled function, so a compiled first pass would draw other dropout masks than it.
+    @torch.compiler.disable
+    def _recomputed_core(self, query, key, value, attention_mask):
+        # Never distributed: the query holds this rank's own heads, not a replicated input.
+        return checkpoint(self.core_attention, False, query, key, value, attention_mask)
 
     def _attend_with_cache(
         self,
@@ -165,13 +161,20 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelTransformerLayer(nn.Module):
-    """x + attn(LN(x)), then x + mlp(LN(x)), each branch ending in bias-dropout-add."""
+    """x + attn(LN(x)), then x + mlp(LN(x)), each branch ending in bias-dropout-add.
+
+    With `torch_compile` the layer's training and evaluation forward runs as one compiled
+    function (`compiled_layer_forward`), shared by every layer: the parameters are its inputs,
+    so N layers compile once. Generation with a key/value cache stays eager.
+    """
 
     def __init__(self, config: ModelConfig, layer_number: int) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel
+        self.bias_dropout_fusion = config.bias_dropout_fusion
+        self.torch_compile = config.torch_compile
         self.input_layernorm = LayerNorm(config)
         self.self_attention = ParallelAttention(config, layer_number)
         self.post_attention_layernorm = LayerNorm(config)
@@ -184,21 +187,45 @@ class ParallelTransformerLayer(nn.Module):
         inference_params: InferenceParams | None = None,
     ) -> torch.Tensor:
         """[s(/tp), b, h] -> [s(/tp), b, h]; `inference_params` is the key/value cache."""
-        # Sequence-split activations drop out independently on each TP rank.
+        # Sequence-split activations drop out independently on each TP rank. The fork stays
+        # outside the compiled function: a compiled dropout draws its seed from the generator
+        # that is current when the function is called.
         rng = (
             get_cuda_rng_tracker().fork()
             if self.sequence_parallel and self.training
             else contextlib.nullcontext()
         )
         with rng:
-            attention_out, attention_bias = self.self_attention(
-                self.input_layernorm(hidden), attention_mask, inference_params
-            )
-            hidden = bias_dropout_add(
-                attention_out, attention_bias, hidden, self.hidden_dropout, self.training
-            )
-            mlp_out, mlp_bias = self.mlp(self.post_attention_layernorm(hidden))
-            return bias_dropout_add(mlp_out, mlp_bias, hidden, self.hidden_dropout, self.training)
+            if self.torch_compile and inference_params is None:
+                return compiled_layer_forward()(self, hidden, attention_mask)
+            return self.layer_forward(hidden, attention_mask, inference_params)
+
+    def layer_forward(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        inference_params: InferenceParams | None = None,
+    ) -> torch.Tensor:
+        """The layer's arithmetic, on the RNG stream the caller chose."""
+        residual_add = (
+            fused(bias_dropout_add)
+            if fuse_eagerly(hidden, self.bias_dropout_fusion)
+            else bias_dropout_add
+        )
+        attention_out, attention_bias = self.self_attention(
+            self.input_layernorm(hidden), attention_mask, inference_params
+        )
+        hidden = residual_add(
+            attention_out, attention_bias, hidden, self.hidden_dropout, self.training
+        )
+        mlp_out, mlp_bias = self.mlp(self.post_attention_layernorm(hidden))
+        return residual_add(mlp_out, mlp_bias, hidden, self.hidden_dropout, self.training)
+
+
+@functools.cache
+def compiled_layer_forward():
+    """`ParallelTransformerLayer.layer_forward` under `torch.compile`, created on first use."""
+    return torch.compile(ParallelTransformerLayer.layer_forward)
 
 
 class ParallelTransformer(nn.Module):
