@@ -30,11 +30,21 @@ other processes than wall time), the ratio ours / baseline and a verdict against
 (ours at most 5% slower, by median wall time). `--profile` then prints torch.profiler's
 busiest ops for one step of each. The header (command, torch, threads, CPU) makes the output
 pasteable into benchmarks/RESULTS.md.
+
+`--torch-compile` adds two more models to the same interleaved rounds: ours with
+`--torch-compile` (each layer compiled; the embedding, logits and cross entropy stay eager) and
+the baseline under `torch.compile(model)` as nanoGPT compiles it (the whole model, loss
+included). Both start from the same weights and pass the same loss checks. It then prints
+compiled/eager for ours and ours-compiled/baseline-compiled, with two verdicts: compiled no
+slower than eager, and within 5% of the compiled baseline. Compilation happens in the warm-up
+steps (use --warmup 2 or more: the first step compiles the forward, the backward and, for the
+optimizer, nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import platform
@@ -295,6 +305,59 @@ def summarize(
     return {"median": median, "min": best, "cpu": statistics.median(cpu_times)}
 
 
+def check_agreement(runs: dict, tokens, labels, dropout: float) -> None:
+    """Same weights, same batch: every model gives the same loss, also after one AdamW step
+    each (with dropout 0; this checks the backward and the optimizer's parameter groups)."""
+    check_mode = "train mode" if dropout == 0.0 else "eval mode (dropout off)"
+    for model, _, _ in runs.values():
+        model.train(dropout == 0.0)
+    with torch.no_grad():
+        before = {name: fn(m, tokens, labels).item() for name, (m, _, fn) in runs.items()}
+    for model, _, _ in runs.values():
+        model.train()
+    after = None
+    if dropout == 0.0:
+        for model, optimizer, loss_fn in runs.values():
+            train_step(model, optimizer, loss_fn, tokens, labels)
+        with torch.no_grad():
+            after = {name: fn(m, tokens, labels).item() for name, (m, _, fn) in runs.items()}
+    worst = 0.0
+    for label, losses in (("same weights and batch, " + check_mode, before), ("after", after)):
+        if losses is None:
+            print("loss check after one AdamW step: skipped (dropout > 0 draws different masks)")
+            continue
+        diff = max(losses.values()) - min(losses.values())
+        worst = max(worst, diff)
+        shown = ", ".join(f"{name} {loss:.6f}" for name, loss in losses.items())
+        if label == "after":
+            label = "after one AdamW step each"
+        print(
+            f"loss check ({label}): {shown}, largest |diff| {diff:.2e} "
+            f"-> {'OK' if diff <= LOSS_TOLERANCE else 'FAIL'} (tolerance {LOSS_TOLERANCE:g})"
+        )
+    if not math.isfinite(worst) or worst > LOSS_TOLERANCE:
+        raise SystemExit("the models disagree: the comparison is not apples to apples")
+
+
+def compare(stats: dict, times: dict, name: str, reference: str, slack: float, what: str) -> None:
+    """Print `name`'s step time over `reference`'s and the verdict (at most `slack` slower)."""
+    ratio = stats[name]["median"] / stats[reference]["median"]
+    ratio_min = stats[name]["min"] / stats[reference]["min"]
+    paired = statistics.median(a / b for a, b in zip(times[name], times[reference]))
+    cpu_ratio = stats[name]["cpu"] / stats[reference]["cpu"]
+    print(
+        f"ratio {name}/{reference} (step time): median {ratio:.3f}, min {ratio_min:.3f}, "
+        f"median of per-round ratios {paired:.3f}; CPU time (median) {cpu_ratio:.3f}"
+    )
+    percent = abs(ratio - 1.0) * 100
+    direction = "slower" if ratio > 1.0 else "faster"
+    verdict = "PASS" if ratio <= 1.0 + slack else "FAIL"
+    target = f"within {slack:.0%}" if slack else "no slower"
+    print(
+        f"verdict: {name} is {percent:.1f}% {direction} than {what} (target: {target}) -> {verdict}"
+    )
+
+
 def main() -> None:
     """Parse the flags, check both models agree, time them interleaved, print the ratio."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -320,6 +383,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument(
         "--profile", action="store_true", help="then profile one step of each (torch.profiler)"
+    )
+    parser.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="also time ours with --torch-compile and the baseline under torch.compile",
     )
     args = parser.parse_args()
     if args.threads:
@@ -350,6 +418,14 @@ def main() -> None:
     ours = GPTModel(config).train()
     baseline = GPT(config, args.dropout).train()
     copy_ours_into_baseline(ours, baseline, config)
+    models = {"ours": (ours, our_loss), "baseline": (baseline, baseline_loss)}
+    if args.torch_compile:
+        ours_compiled = GPTModel(dataclasses.replace(config, torch_compile=True)).train()
+        ours_compiled.load_state_dict(ours.state_dict())
+        baseline_compiled = GPT(config, args.dropout).train()
+        copy_ours_into_baseline(ours, baseline_compiled, config)
+        models["ours-compiled"] = (ours_compiled, our_loss)
+        models["base-compiled"] = (torch.compile(baseline_compiled), baseline_loss)
 
     n_ours = sum(p.numel() for p in ours.parameters())
     n_base = sum(p.numel() for p in baseline.parameters())
@@ -367,58 +443,27 @@ def main() -> None:
 
     implementation = adamw_implementation()
     print(f"optimizer: torch.optim.AdamW({implementation}), lr 6e-4, wd 0.1 on 2-D weights")
-    opt_ours = make_optimizer(ours, implementation)
-    opt_base = make_optimizer(baseline, implementation)
-
-    # Same weights, same batch: same loss. With dropout 0, one AdamW step each must keep them
-    # equal too (this checks the backward and the optimizer's parameter groups).
-    checked = ((ours, our_loss), (baseline, baseline_loss))
-    check_mode = "train mode" if args.dropout == 0.0 else "eval mode (dropout off)"
-    for model in (ours, baseline):
-        model.train(args.dropout == 0.0)
-    with torch.no_grad():
-        before = [fn(m, tokens, labels).item() for m, fn in checked]
-    diff = abs(before[0] - before[1])
-    print(
-        f"loss check ({check_mode}, same weights and batch): ours {before[0]:.6f}, "
-        f"baseline {before[1]:.6f}, |diff| {diff:.2e} "
-        f"-> {'OK' if diff <= LOSS_TOLERANCE else 'FAIL'} (tolerance {LOSS_TOLERANCE:g})"
-    )
-    ours.train()
-    baseline.train()
-    if args.dropout == 0.0:
-        train_step(ours, opt_ours, our_loss, tokens, labels)
-        train_step(baseline, opt_base, baseline_loss, tokens, labels)
-        with torch.no_grad():
-            after = [fn(m, tokens, labels).item() for m, fn in checked]
-        diff_after = abs(after[0] - after[1])
-        print(
-            f"loss check after one AdamW step each: ours {after[0]:.6f}, baseline "
-            f"{after[1]:.6f}, |diff| {diff_after:.2e} "
-            f"-> {'OK' if diff_after <= LOSS_TOLERANCE else 'FAIL'}"
-        )
-        diff = max(diff, diff_after)
-    else:
-        print("loss check after one AdamW step: skipped (dropout > 0 draws different masks)")
-    if not math.isfinite(diff) or diff > LOSS_TOLERANCE:
-        raise SystemExit("the two models disagree: the comparison is not apples to apples")
+    runs = {
+        name: (model, make_optimizer(model, implementation), loss_fn)
+        for name, (model, loss_fn) in models.items()
+    }
+    check_agreement(runs, tokens, labels, args.dropout)
 
     print(
         f"timing: {args.warmup} warm-up + {args.iters} timed steps per model, "
         f"{tokens_per_step:,} tokens/step, {flops_per_step / 1e9:.1f} GFLOP/step "
         f"(flops_per_token {flops_per_token(config, s) / 1e6:.1f} MFLOP), interleaved rounds"
     )
-    runs = {
-        "ours": (ours, opt_ours, our_loss),
-        "baseline": (baseline, opt_base, baseline_loss),
-    }
     for _ in range(args.warmup):
         for model, optimizer, loss_fn in runs.values():
             train_step(model, optimizer, loss_fn, tokens, labels)
     times: dict[str, list[float]] = {name: [] for name in runs}
     cpu_times: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
     for round_index in range(args.iters):
-        order = list(runs) if round_index % 2 == 0 else list(reversed(runs))
+        # Each round starts with the next model, so machine noise hits them all alike.
+        shift = round_index % len(names)
+        order = names[shift:] + names[:shift]
         for name in order:
             wall, cpu = timed_step(*runs[name], tokens, labels)
             times[name].append(wall)
@@ -433,21 +478,12 @@ def main() -> None:
         name: summarize(name, times[name], cpu_times[name], tokens_per_step, flops_per_step)
         for name in runs
     }
-    ratio = stats["ours"]["median"] / stats["baseline"]["median"]
-    ratio_min = stats["ours"]["min"] / stats["baseline"]["min"]
-    paired = statistics.median(o / r for o, r in zip(times["ours"], times["baseline"]))
-    cpu_ratio = stats["ours"]["cpu"] / stats["baseline"]["cpu"]
-    print(
-        f"ratio ours/baseline (step time): median {ratio:.3f}, min {ratio_min:.3f}, "
-        f"median of per-round ratios {paired:.3f}; CPU time (median) {cpu_ratio:.3f}"
-    )
-    percent = abs(ratio - 1.0) * 100
-    direction = "slower" if ratio > 1.0 else "faster"
-    verdict = "PASS" if ratio <= 1.0 + TARGET_SLOWDOWN else "FAIL"
-    print(
-        f"verdict: ours is {percent:.1f}% {direction} than the nanoGPT-style baseline "
-        f"(target: within {TARGET_SLOWDOWN:.0%}) -> {verdict}"
-    )
+    compare(stats, times, "ours", "baseline", TARGET_SLOWDOWN, "the nanoGPT-style baseline")
+    if args.torch_compile:
+        compare(stats, times, "ours-compiled", "ours", 0.0, "ours eager")
+        compare(
+            stats, times, "ours-compiled", "base-compiled", TARGET_SLOWDOWN, "compiled baseline"
+        )
     if args.profile:
         for name, run in runs.items():
             profile_step(name, *run, tokens, labels)

@@ -12,7 +12,7 @@
 # schedules stretch to the new length; a checkpoint's schedule must otherwise match the flags).
 # Delete CHECKPOINT_PATH to start over.
 #
-# Real GPU: one GPU is used; add --fp16 or --bf16. More GPUs or nodes:
+# Real GPU: one GPU is used, in --bf16 (--fp16 before A100). More GPUs or nodes:
 #   examples/pretrain_gpt_distributed.sh (torchrun; NNODES, NODE_RANK, MASTER_ADDR there).
 # GPT-2 sizes: MODEL_SIZE=345M is Megatron-LM's original example (one 16 GB GPU with --fp16);
 #   124M and 1.5B too (see apply_model_size in scripts/common.sh). 1.5B does not fit one GPU:
@@ -46,6 +46,7 @@ EVAL_INTERVAL=${EVAL_INTERVAL:-20}
 EVAL_ITERS=${EVAL_ITERS:-2}
 
 require_data "$DATA_PATH" "$@"
+precision_args "$@"   # --bf16 on A100/H100-class GPUs, --fp16 on older ones, fp32 on CPU
 read -r -a DATA_PATHS <<< "$DATA_PATH"   # "PREFIX" or a blend "W1 PREFIX1 W2 PREFIX2"
 
 GPT_ARGS=(
@@ -82,4 +83,4 @@ OUTPUT_ARGS=(
 
 run_command "$PYTHON" "$ROOT/pretrain_gpt.py" \
   "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" \
-  --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" "$@"
+  --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" "${PRECISION_ARGS[@]}" "$@"

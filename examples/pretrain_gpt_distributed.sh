@@ -14,7 +14,7 @@
 # Delete CHECKPOINT_PATH to start over.
 #
 # Real GPUs: GPUS_PER_NODE defaults to the node's GPU count (NCCL is picked automatically);
-#   add --fp16 or --bf16. TP=2 splits each layer over 2 GPUs (data parallel over the rest).
+#   in --bf16 (--fp16 before A100). TP=2 splits each layer over 2 GPUs (data parallel over the rest).
 # GPT-2 sizes: MODEL_SIZE=124M, 345M or 1.5B sets the shape and Megatron's recipe (see
 #   apply_model_size in scripts/common.sh; any variable still overrides), e.g. Megatron-LM's
 #   original 8-GPU example: MODEL_SIZE=345M bash examples/pretrain_gpt_distributed.sh --fp16
@@ -66,6 +66,7 @@ EVAL_INTERVAL=${EVAL_INTERVAL:-20}
 EVAL_ITERS=${EVAL_ITERS:-2}
 
 require_data "$DATA_PATH" "$@"
+precision_args "$@"   # --bf16 on A100/H100-class GPUs, --fp16 on older ones, fp32 on CPU
 require_parallel_sizes "$WORLD_SIZE" "$TP" 1
 read -r -a DATA_PATHS <<< "$DATA_PATH"   # "PREFIX" or a blend "W1 PREFIX1 W2 PREFIX2"
 
@@ -114,4 +115,4 @@ OUTPUT_ARGS=(
 
 run_command torchrun "${DISTRIBUTED_ARGS[@]}" "$ROOT/pretrain_gpt.py" \
   "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" \
-  --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" "$@"
+  --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" "${PRECISION_ARGS[@]}" "$@"

@@ -38,6 +38,51 @@ default_procs_per_node() {
   if [ "$gpus" -gt 0 ]; then echo "$gpus"; else echo "$1"; fi
 }
 
+# The precision flag in the array PRECISION_ARGS: PRECISION=bf16|fp16|fp32|auto (default
+# auto: --bf16 on GPUs that compute in bf16 (compute capability 8.0+: A100, H100, L40S, ...;
+# AMD's ROCm GPUs), --fp16 on older ones (V100, T4), fp32 on a CPU). Nothing is added when the
+# script's extra arguments (the rest) pass --fp16 or --bf16, or when DS_CONFIG enables an fp16
+# or bf16 section: the user's own choice stands, and there is no second flag to contradict it.
+# shellcheck disable=SC2034  # PRECISION_ARGS is read by the script that sources this file
+precision_args() {
+  local choice=${PRECISION:-auto} arg
+  PRECISION_ARGS=()
+  for arg in "$@"; do
+    case "$arg" in --fp16|--bf16) return 0 ;; esac
+  done
+  if [ -n "${DS_CONFIG:-}" ] && [ -f "$DS_CONFIG" ] && "$PYTHON" -c 'import json, sys
+config = json.load(open(sys.argv[1]))
+on = [str(config.get(key, {}).get("enabled")).lower() for key in ("fp16", "bf16", "bfloat16")]
+sys.exit(0 if "true" in on else 1)' "$DS_CONFIG" 2>/dev/null; then
+    return 0
+  fi
+  if [ "$choice" = auto ]; then
+    choice=fp32
+    if [ "$(count_gpus)" -gt 0 ]; then choice=$(gpu_half_precision); fi
+  fi
+  case "$choice" in
+    bf16) PRECISION_ARGS=(--bf16) ;;
+    fp16) PRECISION_ARGS=(--fp16) ;;
+    fp32) ;;
+    *)
+      echo "error: PRECISION=$choice is not one of bf16, fp16, fp32, auto" >&2
+      exit 1
+      ;;
+  esac
+}
+
+# bf16 where the first visible GPU computes in it (compute capability 8.0+, or ROCm), else fp16.
+gpu_half_precision() {
+  local capability
+  capability=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1)
+  if [ -z "$capability" ]; then
+    capability=$("$PYTHON" -c 'import torch
+print("9.0" if torch.version.hip else "%d.%d" % torch.cuda.get_device_capability())' \
+      2>/dev/null || echo 0.0)
+  fi
+  if [ "${capability%%.*}" -ge 8 ] 2>/dev/null; then echo bf16; else echo fp16; fi
+}
+
 # MODEL_SIZE=124M|345M|1.5B: GPT-2's published shapes (small, medium, XL) on 1024-token
 # sequences, with Megatron-LM's GPT-2 recipe (512 sequences per step, 500k iterations, cosine
 # decay over 320k after 1% warmup, split 949,50,1) and the GPT-3 paper's learning rate for each

@@ -22,8 +22,9 @@
 # flags fill them in, and a flag that contradicts the JSON is an error naming both.
 #
 # Real GPUs: GPUS_PER_NODE defaults to the node's GPU count: data parallelism over all of them,
-#   ZeRO-1 partitioning the optimizer states (GPUS_PER_NODE=1 for one GPU). Add --fp16 (V100)
-#   or --bf16 (A100/H100) as extra flags, or use DS_CONFIG=examples/ds_configs/ds_zero2_fp16.json.
+#   ZeRO-1 partitioning the optimizer states (GPUS_PER_NODE=1 for one GPU). Precision: --bf16
+#   on A100/H100-class GPUs, --fp16 on older ones (V100), unless the extra flags or DS_CONFIG
+#   choose one (PRECISION=bf16|fp16|fp32 to force it; fp32 matmuls use TF32 on GPUs).
 #   PP=2 splits the layers into 2 pipeline stages, TP=2 each layer over 2 GPUs.
 # GPT-2 sizes: MODEL_SIZE=124M, 345M or 1.5B sets the shape and Megatron's recipe (see
 #   apply_model_size in scripts/common.sh; any variable still overrides), e.g.
@@ -76,6 +77,7 @@ EVAL_ITERS=${EVAL_ITERS:-2}
 SAVE_INTERVAL=${SAVE_INTERVAL:-20}
 
 require_data "$DATA_PATH" "$@"
+precision_args "$@"   # --bf16 on A100/H100-class GPUs, --fp16 on older ones, fp32 on CPU
 require_parallel_sizes "$WORLD_SIZE" "$TP" "$PP"
 deepspeed_launcher_args
 read -r -a DATA_PATHS <<< "$DATA_PATH"   # "PREFIX" or a blend "W1 PREFIX1 W2 PREFIX2"
@@ -121,4 +123,4 @@ DS_ARGS=(
 )
 
 run_command deepspeed "${DS_LAUNCHER_ARGS[@]}" "$ROOT/pretrain_gpt.py" \
-  "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${DS_ARGS[@]}" "$@"
+  "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${DS_ARGS[@]}" "${PRECISION_ARGS[@]}" "$@"

@@ -24,8 +24,8 @@
 # Batch sizes, precision, gradient clipping and the ZeRO stage may be left out of the JSON: the
 # flags fill them in, and a flag that contradicts the JSON is an error naming both.
 #
-# Real GPUs: the defaults use every GPU of the node (GPUS_PER_NODE) at TP=2; add --fp16 (V100)
-#   or --bf16 (A100/H100), or use DS_CONFIG=examples/ds_configs/ds_zero2_fp16.json. Keep TP
+# Real GPUs: the defaults use every GPU of the node (GPUS_PER_NODE) at TP=2, in --bf16
+#   (A100/H100) or --fp16 (V100) unless the flags or DS_CONFIG choose (PRECISION=... forces). Keep TP
 #   within a node (TP <= GPUS_PER_NODE); ZeRO-2 scales over the data-parallel ranks.
 # GPT-2 sizes: MODEL_SIZE=124M, 345M or 1.5B sets the shape and Megatron's recipe (see
 #   apply_model_size in scripts/common.sh; any variable still overrides). 345M needs no TP:
@@ -77,6 +77,7 @@ EVAL_ITERS=${EVAL_ITERS:-2}
 SAVE_INTERVAL=${SAVE_INTERVAL:-20}
 
 require_data "$DATA_PATH" "$@"
+precision_args "$@"   # --bf16 on A100/H100-class GPUs, --fp16 on older ones, fp32 on CPU
 require_parallel_sizes "$WORLD_SIZE" "$TP" "$PP"
 deepspeed_launcher_args
 read -r -a DATA_PATHS <<< "$DATA_PATH"   # "PREFIX" or a blend "W1 PREFIX1 W2 PREFIX2"
@@ -122,4 +123,4 @@ DS_ARGS=(
 )
 
 run_command deepspeed "${DS_LAUNCHER_ARGS[@]}" "$ROOT/pretrain_gpt.py" \
-  "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${DS_ARGS[@]}" "$@"
+  "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${DS_ARGS[@]}" "${PRECISION_ARGS[@]}" "$@"

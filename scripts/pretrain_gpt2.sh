@@ -13,7 +13,7 @@
 # schedules stretch to the new length; a checkpoint's schedule must otherwise match the flags).
 # Delete CHECKPOINT_PATH to start over.
 #
-# Real GPUs: this uses one GPU; add --fp16 (V100) or --bf16 (A100/H100). For several GPUs or
+# Real GPUs: this uses one GPU, in --bf16 (A100/H100) or --fp16 (V100). For several GPUs or
 #   nodes use scripts/pretrain_gpt2_model_parallel.sh (torchrun, tensor parallel) or
 #   examples/pretrain_gpt_distributed.sh (torchrun, data parallel), or the DeepSpeed scripts.
 # GPT-2 sizes: MODEL_SIZE=124M or 345M sets the shape and Megatron's recipe (see
@@ -49,6 +49,7 @@ EVAL_ITERS=${EVAL_ITERS:-2}
 SAVE_INTERVAL=${SAVE_INTERVAL:-20}
 
 require_data "$DATA_PATH" "$@"
+precision_args "$@"   # --bf16 on A100/H100-class GPUs, --fp16 on older ones, fp32 on CPU
 read -r -a DATA_PATHS <<< "$DATA_PATH"   # "PREFIX" or a blend "W1 PREFIX1 W2 PREFIX2"
 
 GPT_ARGS=(
@@ -86,4 +87,4 @@ OUTPUT_ARGS=(
 )
 
 run_command "$PYTHON" "$ROOT/pretrain_gpt.py" \
-  "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
+  "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${PRECISION_ARGS[@]}" "$@"

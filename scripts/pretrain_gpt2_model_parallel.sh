@@ -15,8 +15,8 @@
 # schedules stretch to the new length; a checkpoint's schedule must otherwise match the flags).
 # Delete CHECKPOINT_PATH to start over.
 #
-# Real GPUs: the defaults use every GPU of the node at TP=2 over NCCL; add --fp16 (V100) or
-#   --bf16 (A100/H100). Keep TP within a node (TP <= GPUS_PER_NODE).
+# Real GPUs: the defaults use every GPU of the node at TP=2 over NCCL, in --bf16
+#   (A100/H100) or --fp16 (V100) unless the flags choose (PRECISION=bf16|fp16|fp32 forces). Keep TP within a node (TP <= GPUS_PER_NODE).
 # GPT-2 sizes: MODEL_SIZE=124M, 345M or 1.5B sets the shape and Megatron's recipe (see
 #   apply_model_size in scripts/common.sh; any variable still overrides). 1.5B has 25 heads:
 #   TP must divide 25 (TP=5, or TP=1 with ZeRO-2 in scripts/ds_zero2_pretrain_gpt2_model_parallel.sh).
@@ -62,6 +62,7 @@ EVAL_ITERS=${EVAL_ITERS:-2}
 SAVE_INTERVAL=${SAVE_INTERVAL:-20}
 
 require_data "$DATA_PATH" "$@"
+precision_args "$@"   # --bf16 on A100/H100-class GPUs, --fp16 on older ones, fp32 on CPU
 require_parallel_sizes "$WORLD_SIZE" "$TP" 1
 read -r -a DATA_PATHS <<< "$DATA_PATH"   # "PREFIX" or a blend "W1 PREFIX1 W2 PREFIX2"
 
@@ -108,4 +109,4 @@ OUTPUT_ARGS=(
 )
 
 run_command torchrun "${DISTRIBUTED_ARGS[@]}" "$ROOT/pretrain_gpt.py" \
-  "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
+  "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${PRECISION_ARGS[@]}" "$@"

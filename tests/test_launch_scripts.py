@@ -196,13 +196,16 @@ def test_rerun_resumes_from_the_checkpoint(dataset: str, tmp_path) -> None:
     assert [fields["consumed samples"] for fields in iterations] == [12, 16]
 
 
-def _fake_commands(tmp_path, gpus: int) -> str:
-    """A PATH whose nvidia-smi lists `gpus` GPUs and whose launchers print their arguments."""
+def _fake_commands(tmp_path, gpus: int, compute_capability: str = "9.0") -> str:
+    """A PATH whose nvidia-smi lists `gpus` GPUs of `compute_capability` and whose launchers
+    print their arguments."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     listing = "".join(f"GPU {index}: NVIDIA H100 (UUID: GPU-{index})\\n" for index in range(gpus))
+    capabilities = f"{compute_capability}\\n" * gpus
     commands = {
-        "nvidia-smi": f'printf "{listing}"',
+        "nvidia-smi": f'if [ "$1" = --query-gpu=compute_cap ]; then printf "{capabilities}"; '
+        f'else printf "{listing}"; fi',
         "deepspeed": 'printf "%s\\n" deepspeed "$@"',
         "torchrun": 'printf "%s\\n" torchrun "$@"',
     }
@@ -254,6 +257,37 @@ def test_gpus_per_node_defaults_to_the_gpu_count(script: str, tp: int, dataset, 
         # micro-batch 4 x data-parallel size x gradient accumulation
         assert _flag(argv, "--global-batch-size") == str(4 * gpus // tp * accumulation)
         assert os.path.join(REPO_ROOT, "pretrain_gpt.py") in argv
+
+
+def test_precision_defaults_to_what_the_gpu_computes_in(dataset: str, tmp_path) -> None:
+    """--bf16 on compute capability 8.0+, --fp16 below, fp32 on a CPU; a precision the
+    command line, DS_CONFIG or PRECISION names is kept and never doubled."""
+    fp16_config = os.path.join(REPO_ROOT, "examples", "ds_configs", "ds_zero2_fp16.json")
+    cases = [
+        # (script, GPUs, compute capability, environment, extra arguments, expected flags)
+        ("scripts/ds_pretrain_gpt2.sh", 8, "9.0", {}, [], ["--bf16"]),
+        ("examples/pretrain_gpt_distributed.sh", 1, "8.0", {}, [], ["--bf16"]),
+        ("scripts/pretrain_gpt2_model_parallel.sh", 2, "7.0", {}, [], ["--fp16"]),
+        ("scripts/ds_pretrain_gpt2.sh", 8, "9.0", {}, ["--fp16"], ["--fp16"]),
+        ("scripts/ds_pretrain_gpt2.sh", 8, "9.0", {"DS_CONFIG": fp16_config}, [], []),
+        ("scripts/ds_pretrain_gpt2.sh", 8, "9.0", {"PRECISION": "fp32"}, [], []),
+        ("scripts/ds_pretrain_gpt2.sh", 8, "7.5", {"PRECISION": "bf16"}, [], ["--bf16"]),
+        ("scripts/ds_pretrain_gpt2.sh", 0, "", {"GPUS_PER_NODE": "1"}, [], []),
+    ]
+    for script, gpus, capability, env, extra, expected in cases:
+        path = _fake_commands(tmp_path, gpus, capability)
+        env = _script_env(DATA_PATH=dataset, PATH=path, **env)
+        if gpus:
+            del env["CUDA_VISIBLE_DEVICES"]
+        result = _run(script, *extra, env=env, timeout=60)
+        argv = result.stdout.splitlines()[1:]
+        assert result.returncode == 0, result.stdout
+        assert [a for a in argv if a in ("--bf16", "--fp16")] == expected, (script, gpus, env)
+
+    env = _script_env(DATA_PATH=dataset, PATH=_fake_commands(tmp_path, 8), PRECISION="tf32")
+    result = _run("scripts/ds_pretrain_gpt2.sh", env=env, timeout=60)
+    assert result.returncode == 1
+    assert result.stdout.strip() == "error: PRECISION=tf32 is not one of bf16, fp16, fp32, auto"
 
 
 def test_launcher_lines_for_several_nodes(dataset: str, tmp_path) -> None:
