@@ -55,7 +55,7 @@ def datasets_provider(args: argparse.Namespace, num_samples: list[int]) -> tuple
 
 
 def _tokens_and_labels(data: dict, args: argparse.Namespace, device: torch.device) -> tuple:
-    text = data["text"].long().to(device, non_blocking=True)
+    text = data["text"].to(device, non_blocking=True).long()  # from pinned memory on GPUs
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
         tokens,
@@ -73,8 +73,14 @@ def get_batch(data_iterator: Iterator, args: argparse.Namespace) -> tuple:
 
 
 def get_batch_pipe(data: dict, args: argparse.Namespace) -> tuple:
-    """A raw batch as the pipeline stages take it: ((tokens, position_ids), (labels, mask))."""
-    tokens, labels, loss_mask, _, position_ids = _tokens_and_labels(data, args, torch.device("cpu"))
+    """A raw batch as the pipeline stages take it: ((tokens, position_ids), (labels, mask)).
+
+    The tensors are already on this rank's device: the loader's batch is copied from pinned
+    memory without blocking, and DeepSpeed's own `.clone().to(device)` of each is then a copy
+    on the GPU. (Left on the CPU, DeepSpeed clones them into pageable memory and copies each
+    with a blocking transfer per micro-batch.)
+    """
+    tokens, labels, loss_mask, _, position_ids = _tokens_and_labels(data, args, current_device())
     return (tokens, position_ids), (labels, loss_mask)
 
 
