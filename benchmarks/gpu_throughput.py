@@ -1,213 +1,405 @@
-"""Training throughput and MFU of our GPT-2 on one GPU, in bf16, through DeepSpeed.
+"""What MFU does a real run get? GPT-2 iterations through pretrain_gpt.py's own engine, one GPU.
 
-    python benchmarks/gpu_throughput.py --model 124M 350M --seq-length 1024 --micro-batch-size 8
+    python benchmarks/gpu_throughput.py                          # 124M and 350M, eager + compile
+    python benchmarks/gpu_throughput.py --model 124M --modes compile --engines pipe nopipe
+    python benchmarks/gpu_throughput.py --device cpu --model tiny --iters 2 --warmup 1  # smoke run
 
-For each model size it builds `GPTModel` (bf16 parameters, SDPA attention, which picks the
-flash kernel on Ampere or newer), wraps it in `deepspeed.initialize` with bf16 and ZeRO-1 as
-a real run does, and times full training steps (forward, backward, optimizer step). It
-prints tokens/s, achieved TFLOP/s (model FLOPs from `megatron.model.flops_per_token`,
-recomputation excluded) and MFU against the GPU's dense bf16 peak (989 TFLOP/s for H100 and
-H200 SXM; pass --peak-tflops for other GPUs). A same-run baseline is the identical model in
-plain PyTorch with `torch.optim.AdamW(fused=True)`, so the ratio shows what the DeepSpeed
-path costs or gains. `--profile` then prints torch.profiler's top ops for 3 steps of each.
+Each measurement runs in its own process (clean memory peak, its own compile), started with
+the flags a user's run has: Megatron's model and batch flags, `--bf16` (`--fp16` before
+compute capability 8.0), `--deepspeed` with ZeRO-1, and the engine `pretrain_gpt.py` picks
+from them: DeepSpeed's pipeline engine at PP=1 (`pipe`, the `--deepspeed` default, what
+scripts/ds_pretrain_gpt2.sh runs), the plain DeepSpeed engine (`nopipe`,
+`--no-pipeline-parallel`) or no DeepSpeed (`plain`). The model, optimizer and engine come
+from `setup_model_and_optimizer(model_provider, args)`, and every iteration is one
+`TrainingLoop.step`: gradient accumulation over `--global-batch-size / --micro-batch-size`
+micro-batches (pinned host batches, as the data loader gives them), clipping, the LR
+schedule. `--modes eager compile` runs each without and with `--torch-compile`.
+
+The same-run baseline is nanoGPT's recipe at the same shape: its GPT-2 (the class in
+benchmarks/train_step_benchmark.py; fp32 weights, loss included in the graph) under
+`torch.compile`, bf16 autocast, fused AdamW, the same accumulation and clipping.
+
+Reported per run: ms per iteration, tokens/s, model TFLOP/s (Megatron's FLOPs per token,
+recomputation not counted), MFU against the device's dense bf16 peak from a table (or
+`--peak-tflops`) and against a large bf16 GEMM measured here, peak memory, and the attention
+kernel the profiler saw in one extra iteration. Targets (issue 18): GPT-2 124M, seq 1024, bf16,
+one H100: at least 45% MFU through pretrain_gpt.py's engine, and ahead of the baseline.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron.config import ModelConfig  # noqa: E402
-from megatron.model import GPTModel, flops_per_token, num_parameters  # noqa: E402
-
-SIZES = {
-    "124M": dict(num_layers=12, hidden_size=768, num_attention_heads=12),
-    "350M": dict(num_layers=24, hidden_size=1024, num_attention_heads=16),
-    "760M": dict(num_layers=24, hidden_size=1536, num_attention_heads=16),
+SIZES = {  # layers, hidden, heads
+    "tiny": (2, 128, 4),
+    "124M": (12, 768, 12),
+    "350M": (24, 1024, 16),
+    "760M": (24, 1536, 16),
+    "1.3B": (24, 2048, 16),
 }
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from the vendors' data sheets. The
+# first name found in torch.cuda.get_device_name() wins, so the specific ones come first.
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("GH200", 989.0),
+    ("H200", 989.0),
+    ("H100", 989.0),  # SXM
+    ("H800", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("V100", 125.0),  # fp16: V100 has no bf16
+)
+TARGET_MFU = 0.45
+RESULT = "RESULT "
 
 
 def parse_args() -> argparse.Namespace:
-    """Command-line flags (Megatron names where one exists)."""
+    """Command-line flags (Megatron's names where one exists)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", nargs="+", default=["124M", "350M"], choices=sorted(SIZES))
+    parser.add_argument("--model", nargs="+", default=["124M", "350M"], choices=list(SIZES))
+    parser.add_argument("--modes", nargs="+", default=["eager", "compile"])
+    parser.add_argument("--engines", nargs="+", default=["pipe"], help="pipe, nopipe, plain")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the nanoGPT baseline")
     parser.add_argument("--seq-length", type=int, default=1024)
     parser.add_argument("--micro-batch-size", type=int, default=8)
-    parser.add_argument("--vocab-size", type=int, default=50304)
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--global-batch-size", type=int, default=64, help="per iteration")
+    parser.add_argument("--vocab-size", type=int, default=50304, help="padded vocabulary")
+    parser.add_argument("--dropout", type=float, default=0.0, help="hidden and attention")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed (compile) iterations")
     parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument(
-        "--profile",
-        action="store_true",
-        help="then profile 3 steps of each path (torch.profiler: top ops by GPU and CPU time)",
+        "--run", nargs=3, metavar=("SIZE", "ENGINE", "MODE"), help=argparse.SUPPRESS
     )
     return parser.parse_args()
 
 
-def peak_tflops(requested: float | None) -> float:
-    """The dense bf16 peak of this GPU, from the flag or a known device name."""
-    if requested:
-        return requested
-    name = torch.cuda.get_device_name()
-    for key, value in PEAK_BF16_TFLOPS.items():
-        if key in name:
-            return value
-    raise SystemExit(f"unknown GPU {name!r}: pass --peak-tflops")
-
-
-def time_steps(step, iters: int, warmup: int) -> list[float]:
-    """Seconds per call of `step()` after `warmup` calls, synchronizing the GPU."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        step()
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work."""
+    if device == "cuda":
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return times
 
 
-def profile_steps(path: str, step, rows: int = 15) -> None:
-    """Run 3 steps under torch.profiler; print the ops with the most GPU and CPU time."""
+def half_precision(device: str) -> str:
+    """bf16, or fp16 on GPUs older than compute capability 8.0 (as the launch scripts pick)."""
+    if device == "cuda" and torch.cuda.get_device_capability()[0] < 8:
+        return "fp16"
+    return "bf16"
+
+
+def peak_tflops(requested: float | None, device: str) -> tuple[float | None, str]:
+    """The device's dense bf16 peak and where it came from (None when unknown)."""
+    if requested:
+        return requested, "--peak-tflops"
+    if device != "cuda":
+        return None, "no table entry for a CPU"
+    name = torch.cuda.get_device_name()
+    for key, value in PEAK_BF16_TFLOPS:
+        if key in name:
+            return value, f"table: {key}"
+    return None, f"{name!r} not in the table (pass --peak-tflops)"
+
+
+def gemm_tflops(device: str) -> float:
+    """TFLOP/s of a large half-precision matmul here: the ceiling the model's GEMMs can reach."""
+    n = 8192 if device == "cuda" else 1024
+    dtype = torch.bfloat16 if half_precision(device) == "bf16" else torch.float16
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    synchronize(device)
+    repeats = 20 if device == "cuda" else 3
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    synchronize(device)
+    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
+
+
+def batches(args: argparse.Namespace, device: str):
+    """Endless {'text': [micro-batch, seq + 1]} int64 token batches in pinned host memory."""
+    generator = torch.Generator().manual_seed(1234)
+    shape = (args.micro_batch_size, args.seq_length + 1)
+    pool = [torch.randint(0, 50257, shape, generator=generator) for _ in range(4)]
+    if device == "cuda":
+        pool = [tensor.pin_memory() for tensor in pool]
+    while True:
+        for tensor in pool:
+            yield {"text": tensor}
+
+
+def megatron_flags(size: str, engine: str, mode: str, args, ds_config: str) -> list[str]:
+    """The command line of a real pretrain_gpt.py run of this shape."""
+    layers, hidden, heads = SIZES[size]
+    flags = (
+        f"--num-layers {layers} --hidden-size {hidden} --num-attention-heads {heads} "
+        f"--seq-length {args.seq_length} --max-position-embeddings {args.seq_length} "
+        f"--micro-batch-size {args.micro_batch_size} --global-batch-size {args.global_batch_size} "
+        "--train-iters 1000000 --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine "
+        "--lr-warmup-iters 10 --weight-decay 0.1 --clip-grad 1.0 "
+        f"--hidden-dropout {args.dropout} --attention-dropout {args.dropout} "
+        f"--{half_precision(args.device)} --seed 1234 --log-interval 1000000 "
+        f"--distributed-backend {'nccl' if args.device == 'cuda' else 'gloo'}"
+    ).split()
+    if engine != "plain":
+        flags += ["--deepspeed", "--deepspeed_config", ds_config, "--zero-stage", "1"]
+    if engine == "nopipe":
+        flags.append("--no-pipeline-parallel")
+    if mode == "compile":
+        flags.append("--torch-compile")
+    return flags
+
+
+def attention_kernel(step, device: str) -> str:
+    """The attention kernels the profiler sees in one more iteration (by kernel name)."""
+    if device != "cuda":
+        return "sdpa (CPU)"
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    averages = prof.key_averages()
-    for key in ("self_cuda_time_total", "cpu_time_total"):
-        print(f"--- torch.profiler, 3 steps of the {path} path, by {key} ---")
-        print(averages.table(sort_by=key, row_limit=rows, max_name_column_width=60))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        synchronize(device)
+    names = [event.key.lower() for event in prof.key_averages()]
+    # Each kind: kernel-name fragments that must all appear in one kernel's name.
+    kinds = {
+        "flash": [("flash",)],
+        "memory-efficient": [("efficient_attention",), ("mem_eff",), ("fmha", "cutlass")],
+        "cudnn": [("cudnn", "sdpa")],
+    }
+    found = [
+        kind
+        for kind, patterns in kinds.items()
+        if any(all(part in name for part in parts) for parts in patterns for name in names)
+    ]
+    return "+".join(found) or "math (no fused attention kernel seen)"
 
 
-def build_model(size: str, args: argparse.Namespace) -> tuple[ModelConfig, GPTModel]:
-    """A bf16 GPTModel of the named size on the GPU (dropout as GPT-2: 0.1)."""
+def time_iterations(step, args: argparse.Namespace) -> dict:
+    """Warm-up, then the median seconds per iteration and the peak memory."""
+    for _ in range(args.warmup):
+        step()
+    synchronize(args.device)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.iters):
+        start = time.perf_counter()
+        step()
+        synchronize(args.device)
+        times.append(time.perf_counter() - start)
+    memory = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+    return {"seconds": statistics.median(times), "peak_gib": memory}
+
+
+def run_ours(size: str, engine: str, mode: str, args: argparse.Namespace) -> dict:
+    """One measurement through pretrain_gpt.py's engine (in this process)."""
+    from megatron.initialize import initialize_megatron
+    from megatron.training.loop import TrainingLoop
+    from megatron.training.monitor import Timers
+    from megatron.training.training import setup_model_and_optimizer
+    from pretrain_gpt import forward_step, model_provider
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as config:
+        json.dump({"zero_optimization": {"stage": 1}, "steps_per_print": 10**9}, config)
+    megatron_args = initialize_megatron(argv=megatron_flags(size, engine, mode, args, config.name))
+    # What build_tokenizer sets in a real run (GPT-2's vocabulary, padded).
+    megatron_args.padded_vocab_size, megatron_args.eod_token_id = args.vocab_size, 50256
+    model, optimizer, scheduler = setup_model_and_optimizer(model_provider, megatron_args)
+    loop = TrainingLoop(megatron_args, model, optimizer, scheduler, forward_step, Timers(0), None)
+    data = batches(args, args.device)
+
+    def step() -> None:
+        loop.step(data)
+
+    result = time_iterations(step, args)
+    result["attention"] = attention_kernel(step, args.device)
+    return result
+
+
+def run_baseline(size: str, args: argparse.Namespace) -> dict:
+    """nanoGPT's recipe at the same shape: compiled, bf16 autocast, fused AdamW (this process)."""
+    from train_step_benchmark import GPT
+
+    from megatron.config import ModelConfig
+
+    layers, hidden, heads = SIZES[size]
     config = ModelConfig(
-        **SIZES[size],
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
         vocab_size=args.vocab_size,
         max_position_embeddings=args.seq_length,
-        params_dtype="bfloat16",
     )
     torch.manual_seed(1234)
-    with torch.device("cuda"):
-        return config, GPTModel(config)
-
-
-def deepspeed_steps(model: GPTModel, batch: torch.Tensor, args: argparse.Namespace):
-    """A training-step closure through a DeepSpeed engine (bf16, ZeRO-1, clip 1.0)."""
-    import deepspeed
-
-    from megatron.core import parallel_state
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        mpu=parallel_state.mpu,
-        config={
-            "train_micro_batch_size_per_gpu": args.micro_batch_size,
-            "gradient_accumulation_steps": 1,
-            "bf16": {"enabled": True},
-            "zero_optimization": {"stage": 1},
-            "gradient_clipping": 1.0,
-            "steps_per_print": 10**9,
-        },
+    model = torch.compile(GPT(config, args.dropout).to(args.device).train())
+    fused = {"fused": True} if args.device == "cuda" else {}
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, **fused
     )
+    dtype = torch.bfloat16 if half_precision(args.device) == "bf16" else torch.float16
+    scaler = torch.amp.GradScaler(enabled=dtype == torch.float16)
+    accumulation = args.global_batch_size // args.micro_batch_size
+    data = batches(args, args.device)
 
-    def step():
-        loss = engine(batch, labels=batch).mean()
-        engine.backward(loss)
-        engine.step()
-
-    return step
-
-
-def torch_steps(model: GPTModel, batch: torch.Tensor):
-    """The same step in plain PyTorch (bf16 weights, fused AdamW): the same-run baseline."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-
-    def step():
-        loss = model(batch, labels=batch).mean()
-        loss.backward()
+    def step() -> None:
+        for _ in range(accumulation):
+            text = next(data)["text"].to(args.device, non_blocking=True)
+            with torch.autocast(args.device, dtype=dtype):
+                loss = model(text[:, :-1].contiguous(), text[:, 1:].contiguous()) / accumulation
+            scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
-    return step
+    result = time_iterations(step, args)
+    result["attention"] = attention_kernel(step, args.device)
+    return result
+
+
+def child(args: argparse.Namespace) -> None:
+    """`--run SIZE ENGINE MODE`: measure one run and print it as a RESULT line."""
+    size, engine, mode = args.run
+    if engine == "baseline":
+        result = run_baseline(size, args)
+    else:
+        result = run_ours(size, engine, mode, args)
+    print(RESULT + json.dumps(result), flush=True)
+
+
+def measure(size: str, engine: str, mode: str, args: argparse.Namespace) -> dict | None:
+    """Run one measurement in a fresh process; its result, or None (with its output shown)."""
+    env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    env.setdefault("MASTER_PORT", "29531")
+    if args.device == "cpu":
+        env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        *sys.argv[1:],
+        "--run",
+        size,
+        engine,
+        mode,
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT) :])
+    print(f"  {engine} {mode}: FAILED (exit {done.returncode}); its last output:")
+    print("    " + "\n    ".join((done.stdout + done.stderr).splitlines()[-25:]))
+    return None
+
+
+def report(label: str, result: dict, tokens: int, flops: float, peak, gemm: float) -> float:
+    """Print one result line; return its MFU (or the fraction of the GEMM ceiling on a CPU)."""
+    seconds = result["seconds"]
+    tflops = flops / seconds / 1e12
+    mfu = tflops / peak if peak else None
+    memory = f"{result['peak_gib']:5.1f} GiB" if result["peak_gib"] is not None else "    n/a"
+    print(
+        f"  {label:<26} {seconds * 1e3:9.1f} {tokens / seconds:11,.0f} {tflops:8.1f} "
+        f"{f'{mfu:6.1%}' if mfu is not None else '   n/a'} {tflops / gemm:7.1%} {memory}  "
+        f"{result['attention']}"
+    )
+    return mfu if mfu is not None else tflops / gemm
 
 
 def main() -> None:
-    """Measure and print one block per model size."""
+    """Measure each size: ours per engine and mode, then the baseline; print the verdicts."""
     args = parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU")
-    import deepspeed
-    import torch.distributed as dist
+    if args.run:
+        return child(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: no CUDA GPU here (use --device cpu for a smoke run)")
+    from megatron.model import flops_per_token, num_parameters
 
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29511")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    deepspeed.init_distributed(dist_backend="nccl")
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1234)
-    peak = peak_tflops(args.peak_tflops)
+    peak, source = peak_tflops(args.peak_tflops, args.device)
+    gemm = gemm_tflops(args.device)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "CPU"
     print(f"$ python {' '.join(sys.argv)}")
     print(
-        f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-        f"deepspeed {deepspeed.__version__} | CUDA {torch.version.cuda} | "
-        f"python {platform.python_version()} | peak bf16 {peak:.0f} TFLOP/s"
+        f"device: {name} | torch {torch.__version__} | CUDA {torch.version.cuda} | python "
+        f"{platform.python_version()} | peak bf16: {peak or 'unknown'} TFLOP/s ({source}) | "
+        f"measured {half_precision(args.device)} GEMM: {gemm:.0f} TFLOP/s"
     )
-    tokens = args.micro_batch_size * args.seq_length
+    from megatron.config import ModelConfig
+
     for size in args.model:
-        results = {}
-        for path in ("deepspeed", "torch"):
-            config, model = build_model(size, args)
-            batch = torch.randint(0, 50257, (args.micro_batch_size, args.seq_length), device="cuda")
-            step = (
-                deepspeed_steps(model, batch, args)
-                if path == "deepspeed"
-                else torch_steps(model, batch)
-            )
-            times = time_steps(step, args.iters, args.warmup)
-            results[path] = statistics.median(times)
-            if args.profile:
-                profile_steps(path, step)
-            del model, step
-            torch.cuda.empty_cache()
+        layers, hidden, heads = SIZES[size]
+        config = ModelConfig(
+            num_layers=layers,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            vocab_size=args.vocab_size,
+            max_position_embeddings=args.seq_length,
+        )
+        tokens = args.global_batch_size * args.seq_length
         flops = flops_per_token(config, args.seq_length) * tokens
         print(
-            f"GPT-2 {size}: {num_parameters(config):,} parameters, "
-            f"seq {args.seq_length}, micro-batch {args.micro_batch_size}, bf16"
+            f"\nGPT-2 {size}: {num_parameters(config):,} parameters, seq {args.seq_length}, "
+            f"micro-batch {args.micro_batch_size}, global batch {args.global_batch_size} "
+            f"({args.global_batch_size // args.micro_batch_size} micro-batches), "
+            f"{half_precision(args.device)}, dropout {args.dropout}"
         )
-        for path, seconds in results.items():
-            tflops = flops / seconds / 1e12
-            print(
-                f"  {path:9s}: {seconds * 1e3:8.1f} ms/step  {tokens / seconds:10,.0f} tokens/s  "
-                f"{tflops:6.1f} TFLOP/s  MFU {tflops / peak:6.1%}"
-            )
-        ratio = results["torch"] / results["deepspeed"]
-        print(f"  deepspeed path speed vs plain torch: {ratio:.3f}x")
-        print(f"  peak memory: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-        torch.cuda.reset_peak_memory_stats()
-    dist.destroy_process_group()
+        print(
+            f"  {'run':<26} {'ms/iter':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} "
+            f"{'of GEMM':>7} {'peak mem':>9}  attention"
+        )
+        mfus = {}
+        for engine in args.engines:
+            for mode in args.modes:
+                result = measure(size, engine, mode, args)
+                if result:
+                    label = f"ours {mode} ({engine})"
+                    mfus[label] = report(label, result, tokens, flops, peak, gemm)
+        if not args.no_baseline:
+            result = measure(size, "baseline", "compile", args)
+            if result:
+                mfus["baseline"] = report(
+                    "nanoGPT compiled baseline", result, tokens, flops, peak, gemm
+                )
+        verdicts(size, mfus, peak)
+
+
+def verdicts(size: str, mfus: dict[str, float], peak: float | None) -> None:
+    """Our best run against the baseline, and (124M, known peak) against the MFU target."""
+    ours = {label: mfu for label, mfu in mfus.items() if label != "baseline"}
+    if not ours:
+        return
+    best = max(ours, key=ours.get)
+    if "baseline" in mfus:
+        ratio = ours[best] / mfus["baseline"]
+        print(
+            f"  best: {best}, {ratio:.3f}x the baseline's throughput -> "
+            f"{'ahead' if ratio >= 1.0 else 'BEHIND'}"
+        )
+    if size == "124M" and peak:
+        verdict = "PASS" if ours[best] >= TARGET_MFU else "FAIL"
+        print(f"  target: MFU >= {TARGET_MFU:.0%} for 124M -> {ours[best]:.1%} {verdict}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Check the GPU code paths on a CUDA machine in one command, with everything tee'd to a log.
 #
-#   bash scripts/gpu_check.sh [LOG]              # LOG defaults to gpu_check.log
+#   bash scripts/gpu_check.sh [LOG]     # LOG: benchmarks/results/<device>-<date>.txt by default
 #   WHEELS=.whl bash scripts/gpu_check.sh "$OUT/gpu_check.log"   # no DeepSpeed installed yet
 #
 # Steps, in order (STEPS="..." runs a subset; each is PASS or FAIL in the closing summary, and
@@ -24,7 +24,10 @@
 #           PRECISIONS (default "bf16 fp16") on each engine in ENGINES (default "pipe nopipe":
 #           DeepSpeed's pipeline engine, the --deepspeed default, and --no-pipeline-parallel);
 #           the training loss must stay finite and fall by at least MIN_LOSS_DROP (default 2.0)
-#   bench   benchmarks/gpu_throughput.py --model $BENCH_MODELS (default "124M 350M")
+#   quickstart  bash examples/quickstart.sh (README command 1) on the GPU, in bf16 (its default
+#           there), with its own data, checkpoints and run under WORK
+#   bench   benchmarks/gpu_throughput.py --model $BENCH_MODELS (default "124M 350M"): MFU through
+#           pretrain_gpt.py's engine, eager and --torch-compile, against a compiled nanoGPT
 # Everything but the log goes to WORK (default: a new /tmp/gpu_check.XXXXXX, kept afterwards:
 # the corpus, each training run's log and its final checkpoint, about 0.6 GB per run).
 # Each step runs under a time limit. Exit status: 0 when every step passed, else 1.
@@ -150,10 +153,12 @@ if [ "${1:-}" = --internal ]; then
   exit
 fi
 
-log=$(realpath -m "${1:-gpu_check.log}")
+device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 |
+  tr '[:upper:] ' '[:lower:]-' | tr -cd 'a-z0-9-')
+log=$(realpath -m "${1:-benchmarks/results/${device:-no-gpu}-$(date -u +%F).txt}")
 mkdir -p "$(dirname "$log")" && : > "$log"
 exec > >(tee -a "$log") 2>&1
-steps=${STEPS:-env deps build doctor tests data train bench}
+steps=${STEPS:-env deps build doctor tests data train quickstart bench}
 work=${WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 mkdir -p "$work"
 start=$(date +%s)
@@ -232,9 +237,14 @@ if wants train; then
   done
 fi
 
+if wants quickstart; then
+  run_step quickstart 600 env DATA_DIR="$work/quickstart/data" RUN_DIR="$work/quickstart/run" \
+    CHECKPOINT_PATH="$work/quickstart/checkpoints" bash examples/quickstart.sh
+fi
+
 if wants bench; then
   # shellcheck disable=SC2086
-  run_step bench 300 "$python" benchmarks/gpu_throughput.py --model ${BENCH_MODELS:-124M 350M}
+  run_step bench 900 "$python" benchmarks/gpu_throughput.py --model ${BENCH_MODELS:-124M 350M}
 fi
 
 printf '\n== summary (%ss in all; log %s)\n' "$(($(date +%s) - start))" "$log"
