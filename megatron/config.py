@@ -135,7 +135,12 @@ class ModelConfig:
     bias_dropout_fusion: bool = True
     """On a GPU, run bias add, dropout and residual add as one kernel (`--bias-dropout-fusion`)."""
     torch_compile: bool = False
-    """Compile each transformer layer with `torch.compile` (`--torch-compile`)."""
+    """Compile with `torch.compile` (`--torch-compile`): each transformer layer, or at TP=1
+    the whole model from ids to loss (see `compile_whole_model`)."""
+    compile_whole_model: bool = True
+    """With `torch_compile` at TP=1, one graph from ids to loss. Off under ZeRO-3: its hooks
+    gather each module's parameters as the module runs, and the tied output layer uses the
+    embedding's weight outside that module, which a whole-model graph does not replay."""
 
     def __post_init__(self) -> None:
         """Fill the derived defaults and reject impossible shapes."""
@@ -227,4 +232,5 @@ class ModelConfig:
             bias_gelu_fusion=bool(get("bias_gelu_fusion", True)),
             bias_dropout_fusion=bool(get("bias_dropout_fusion", True)),
             torch_compile=bool(get("torch_compile")),
+            compile_whole_model=(get("zero_stage") or 0) < 3,
         )

@@ -146,9 +146,10 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--torch-compile",
         action="store_true",
-        help="Compile each transformer layer with torch.compile (inductor): one graph shared "
-        "by all layers, elementwise work fused; the first iterations pay the compile time. "
-        "Generation with a key/value cache stays eager.",
+        help="torch.compile (inductor): at TP=1 the whole model to the loss as one graph "
+        "(not under ZeRO-3), else each transformer layer (one graph shared by all layers); "
+        "elementwise work fused; the first iteration pays the compile time. Generation with a "
+        "key/value cache stays eager.",
     )
     group.add_argument(
         "--use-flash-attn",

@@ -12,10 +12,15 @@ The module tree reproduces Megatron's state-dict names
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.core.parallel_state import (
+    get_tensor_model_parallel_world_size as tensor_parallel_world_size,
+)
 from megatron.core.tensor_parallel import (
     linear_with_vocab_parallel_weight,
     vocab_parallel_cross_entropy,
@@ -99,6 +104,24 @@ class GPTModel(nn.Module):
             position_ids = self._check_inference(
                 input_ids, position_ids, attention_mask, inference_params
             )
+        elif (
+            self.config.torch_compile
+            and self.config.compile_whole_model
+            and tensor_parallel_world_size() == 1
+        ):
+            # No collective inside the model: one graph from the ids to the loss.
+            return compiled_gpt_forward()(self, input_ids, position_ids, attention_mask, labels)
+        return self.model_forward(input_ids, position_ids, attention_mask, labels, inference_params)
+
+    def model_forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        inference_params: InferenceParams | None = None,
+    ) -> torch.Tensor:
+        """`forward`'s arithmetic, after the key/value cache checks."""
         hidden = self.language_model(input_ids, position_ids, attention_mask, inference_params)
         logits = logits_from_hidden(hidden, self.word_embeddings_weight(), self.config)
         if labels is None:
@@ -130,3 +153,9 @@ class GPTModel(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(offset, offset + s, device=input_ids.device)[None]
         return position_ids
+
+
+@functools.cache
+def compiled_gpt_forward():
+    """`GPTModel.model_forward` under `torch.compile` (`--torch-compile` at TP=1), made once."""
+    return torch.compile(GPTModel.model_forward)

@@ -1,8 +1,9 @@
 """`--torch-compile` (each transformer layer compiled by inductor) against eager.
 
 In fp32 with dropout off a compiled model must train like the eager one: the same losses over
-10 AdamW steps within 1e-5 relative, at TP=1 (in this process) and at TP=2 with sequence
-parallelism and full recomputation (two gloo ranks). With dropout on, compiled dropout draws
+10 AdamW steps within 1e-5 relative, at TP=1 (in this process; the whole model is one graph)
+and at TP=2 with sequence parallelism and full recomputation (two gloo ranks; each layer is
+compiled, the collectives stay outside). With dropout on, compiled dropout draws
 other masks than eager (inductor has its own generator), so there the tests check what must
 still hold: a recomputed layer replays the masks its first pass drew, and selective
 recomputation keeps the attention core eager in both passes. The DeepSpeed paths (ZeRO-1,
@@ -62,7 +63,7 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_compiled_model_trains_like_eager_in_one_graph():
-    """TP=1: same 10 losses as eager, all layers in one compiled graph, no graph break."""
+    """TP=1: same 10 losses as eager, the whole model (ids to loss) one graph, no break."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     eager, compiled = train_losses(False), train_losses(True)
