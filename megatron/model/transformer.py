@@ -14,6 +14,7 @@ import functools
 
 import torch
 from torch import nn
+from torch.compiler import is_compiling
 
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
@@ -196,7 +197,8 @@ class ParallelTransformerLayer(nn.Module):
             else contextlib.nullcontext()
         )
         with rng:
-            if self.torch_compile and inference_params is None:
+            # Inside the whole-model graph (TP=1) the layer is traced as part of it.
+            if self.torch_compile and inference_params is None and not is_compiling():
                 return compiled_layer_forward()(self, hidden, attention_mask)
             return self.layer_forward(hidden, attention_mask, inference_params)
 
