@@ -16,6 +16,7 @@ alone; `check_labels=True` (`--check-labels`) turns it into an error, at one dev
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import (
@@ -159,7 +160,15 @@ def vocab_parallel_cross_entropy(
     `check_labels`: first raise ValueError for a target id outside the (padded) vocabulary.
     Saves for backward the logits as given and a few `[...]` vectors, never an fp32 copy.
     """
+    tp = parallel_state.get_tensor_model_parallel_world_size()
     if check_labels:
-        tp = parallel_state.get_tensor_model_parallel_world_size()
         check_labels_in_vocabulary(target, vocab_parallel_logits.size(-1) * tp)
+    if tp == 1 and label_smoothing == 0.0 and torch.compiler.is_compiling():
+        # Traced into a compiled graph (--torch-compile at TP=1), the plain formula lets
+        # inductor fuse the upcast, log-softmax and gather into a few reductions over the
+        # logits; the chunk loop would unroll into many small kernels (about 2x slower there).
+        logits = vocab_parallel_logits.float()
+        return F.cross_entropy(logits.flatten(0, -2), target.flatten(), reduction="none").view(
+            target.shape
+        )
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing)
