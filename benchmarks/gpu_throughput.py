@@ -238,20 +238,25 @@ def run_ours(size: str, engine: str, mode: str, args: argparse.Namespace) -> dic
     return result
 
 
-def run_baseline(size: str, args: argparse.Namespace) -> dict:
-    """nanoGPT's recipe at the same shape: compiled, bf16 autocast, fused AdamW (this process)."""
-    from train_step_benchmark import GPT
-
+def model_config(size: str, args: argparse.Namespace):
+    """The `ModelConfig` of GPT-2 `size` at the benchmark's sequence length and vocabulary."""
     from megatron.config import ModelConfig
 
     layers, hidden, heads = SIZES[size]
-    config = ModelConfig(
+    return ModelConfig(
         num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
         vocab_size=args.vocab_size,
         max_position_embeddings=args.seq_length,
     )
+
+
+def run_baseline(size: str, args: argparse.Namespace) -> dict:
+    """nanoGPT's recipe at the same shape: compiled, bf16 autocast, fused AdamW (this process)."""
+    from train_step_benchmark import GPT
+
+    config = model_config(size, args)
     torch.manual_seed(1234)
     model = torch.compile(GPT(config, args.dropout).to(args.device).train())
     fused = {"fused": True} if args.device == "cuda" else {}
@@ -346,17 +351,8 @@ def main() -> None:
         f"{platform.python_version()} | peak bf16: {peak or 'unknown'} TFLOP/s ({source}) | "
         f"measured {half_precision(args.device)} GEMM: {gemm:.0f} TFLOP/s"
     )
-    from megatron.config import ModelConfig
-
     for size in args.model:
-        layers, hidden, heads = SIZES[size]
-        config = ModelConfig(
-            num_layers=layers,
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            vocab_size=args.vocab_size,
-            max_position_embeddings=args.seq_length,
-        )
+        config = model_config(size, args)
         tokens = args.global_batch_size * args.seq_length
         flops = flops_per_token(config, args.seq_length) * tokens
         print(
