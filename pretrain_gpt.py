@@ -117,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run `pretrain` with GPT's providers; a stopped run exits 1 with the reason."""
     try:
         pretrain(datasets_provider, model_provider, forward_step, argv=argv)
+        # Joins the process group's threads now, while everything they use is alive: left to
+        # interpreter shutdown, a still-joinable C++ thread can abort the process (exit -6)
+        # after a clean finish. Only on success: after a failure a peer may be gone.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     except USER_ERRORS as stopped:
         if os.environ.get("MEGATRON_DEBUG_TRACEBACKS", "0") not in ("", "0"):
             raise
