@@ -101,9 +101,20 @@ class ModelConfig:
     init_method_std: float = 0.02
     """Std of the normal init; output layers use std / sqrt(2 L) (`--init-method-std`)."""
     activation: str = "gelu_tanh"
-    """`gelu_tanh` (Megatron's fused bias-GeLU and `--openai-gelu`) or `gelu` (exact erf)."""
+    """`gelu_tanh` (Megatron's fused bias-GeLU and `--openai-gelu`), `gelu` (exact erf) or
+    `swiglu` (`--swiglu`: silu(gate) * up, both halves of `dense_h_to_4h`)."""
+    normalization: str = "layernorm"
+    """`layernorm` or `rmsnorm` (`--normalization`; RMSNorm has a weight and no bias)."""
+    num_key_value_heads: int | None = None
+    """Key/value heads (`--num-key-value-heads`); fewer than the query heads is grouped-query
+    attention, 1 multi-query; default: one per query head."""
+    untie_embeddings_and_output_weights: bool = False
+    """A separate output layer `language_model.output_layer` instead of the word embeddings."""
+    add_bias_linear: bool = True
+    """Biases on the four linear layers of each block (`--disable-bias-linear` turns off)."""
     position_embedding_type: str = "learned_absolute"
-    """`learned_absolute` (GPT-2) or `rope` (`--use-rotary-position-embeddings`)."""
+    """`learned_absolute` (GPT-2), `rope` (`--use-rotary-position-embeddings`) or `none`
+    (`--no-position-embedding` alone)."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that rotary embeddings rotate (`--rotary-percent`)."""
     rotary_base: float = 10000.0
@@ -153,9 +164,17 @@ class ModelConfig:
                     f"--num-attention-heads ({self.num_attention_heads}); set --kv-channels"
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"--num-attention-heads ({self.num_attention_heads}) must be a multiple of "
+                f"--num-key-value-heads ({self.num_key_value_heads})"
+            )
         choices = {
-            "activation": ("gelu_tanh", "gelu"),
-            "position_embedding_type": ("learned_absolute", "rope"),
+            "activation": ("gelu_tanh", "gelu", "swiglu"),
+            "normalization": ("layernorm", "rmsnorm"),
+            "position_embedding_type": ("learned_absolute", "rope", "none"),
             "attention_backend": ("sdpa", "flash", "unfused"),
             "params_dtype": ("float32", "bfloat16", "float16"),
             "recompute_granularity": (None, "full", "selective"),
@@ -176,6 +195,11 @@ class ModelConfig:
     def projection_size(self) -> int:
         """Total attention width: heads x kv_channels."""
         return self.num_attention_heads * self.kv_channels
+
+    @property
+    def kv_projection_size(self) -> int:
+        """Width of the keys (and of the values): key/value heads x kv_channels."""
+        return self.num_key_value_heads * self.kv_channels
 
     @property
     def torch_dtype(self):
@@ -209,12 +233,12 @@ class ModelConfig:
             attention_dropout=get("attention_dropout", 0.1),
             layernorm_epsilon=get("layernorm_epsilon", 1e-5),
             init_method_std=get("init_method_std", 0.02),
-            activation="gelu_tanh"
-            if get("openai_gelu") or get("bias_gelu_fusion", True)
-            else "gelu",
-            position_embedding_type=(
-                "rope" if get("use_rotary_position_embeddings") else "learned_absolute"
-            ),
+            activation=_activation(args),
+            normalization=str(get("normalization") or "layernorm").lower(),
+            num_key_value_heads=get("num_key_value_heads"),
+            untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
+            add_bias_linear=bool(get("add_bias_linear", True)),
+            position_embedding_type=_position_embedding_type(args),
             rotary_percent=get("rotary_percent", 1.0),
             rotary_base=float(get("rope_theta", 10000)),
             attention_backend=backend,
@@ -234,3 +258,17 @@ class ModelConfig:
             torch_compile=bool(get("torch_compile")),
             compile_whole_model=(get("zero_stage") or 0) < 3,
         )
+
+
+def _activation(args: Namespace) -> str:
+    if getattr(args, "swiglu", False):
+        return "swiglu"
+    if getattr(args, "openai_gelu", False) or getattr(args, "bias_gelu_fusion", True):
+        return "gelu_tanh"
+    return "gelu"
+
+
+def _position_embedding_type(args: Namespace) -> str:
+    if getattr(args, "use_rotary_position_embeddings", False):
+        return "rope"
+    return "learned_absolute" if getattr(args, "add_position_embedding", True) else "none"

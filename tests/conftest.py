@@ -120,3 +120,40 @@ def stdlib_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tests.pretrain_runs import build_stdlib_dataset
 
     return build_stdlib_dataset(str(tmp_path_factory.mktemp("stdlib_data")))
+
+
+@pytest.fixture(scope="session")
+def stdlib_texts() -> list[str]:
+    """100 standard-library modules (each cut at 20,000 characters) and a few Unicode texts."""
+    from tests.tokenizer.trained_tokenizers import stdlib_texts
+
+    return stdlib_texts()
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_model(tmp_path_factory: pytest.TempPathFactory, stdlib_texts) -> str:
+    """A LLaMA-style SentencePiece BPE .model (1,000 pieces, byte fallback, <s> 1, </s> 2,
+    no pad) trained on `stdlib_texts`: for --tokenizer-model with the SentencePiece types."""
+    from tests.tokenizer.trained_tokenizers import train_sentencepiece
+
+    return train_sentencepiece(stdlib_texts, str(tmp_path_factory.mktemp("sentencepiece")))
+
+
+@pytest.fixture(scope="session")
+def _hf_bpe(tmp_path_factory: pytest.TempPathFactory, stdlib_texts) -> tuple[str, str]:
+    from tests.tokenizer.trained_tokenizers import train_hf_bpe
+
+    return train_hf_bpe(stdlib_texts, str(tmp_path_factory.mktemp("hf_bpe")))
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_json(_hf_bpe) -> str:
+    """A byte-level BPE tokenizer.json (1,000 tokens, <|endoftext|> id 0) trained on
+    `stdlib_texts`: for --tokenizer-type HFTokenizer --tokenizer-model."""
+    return _hf_bpe[0]
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(_hf_bpe) -> str:
+    """The same tokenizer as a folder AutoTokenizer loads (eos_token <|endoftext|>)."""
+    return _hf_bpe[1]

@@ -74,6 +74,18 @@ def build_stdlib_dataset(work_dir: str, documents: int = 100) -> str:
     return prefix + "_text_document"
 
 
+LLAMA_ARCHITECTURE = dict(
+    normalization="rmsnorm",
+    swiglu=True,
+    untie_embeddings_and_output_weights=True,
+    add_bias_linear=False,
+    use_rotary_position_embeddings=True,
+    add_position_embedding=False,
+    rope_theta=500000.0,
+)
+"""The saved args of a LLaMA-style checkpoint, beyond its sizes (what its flags validate to)."""
+
+
 def tiny_gpt_flags(data_prefix: str) -> list[str]:
     """A 2-layer GPT-2 (h=64, 4 heads, 64 tokens, dropout on) on `data_prefix`, on CPU."""
     return (

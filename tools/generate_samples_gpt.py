@@ -41,7 +41,7 @@ from megatron.core.tensor_parallel.mappings import (  # noqa: E402
 from megatron.initialize import initialize_distributed, set_random_seed  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.text_generation import check_sampling_args, generate  # noqa: E402
-from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer  # noqa: E402
+from megatron.tokenizer.base import MODEL_FILE_TOKENIZERS, Tokenizer  # noqa: E402
 from megatron.tokenizer.tokenizer import build_tokenizer, vocab_size_with_padding  # noqa: E402
 from megatron.utils import is_rank_0, print_rank_0  # noqa: E402
 from tools.cli_errors import (  # noqa: E402
@@ -71,6 +71,11 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     group.add_argument("--tokenizer-type", default=None, help="tokenizer class")
     group.add_argument("--vocab-file", default=None, help="GPT-2 vocab JSON")
     group.add_argument("--merge-file", default=None, help="GPT-2 BPE merges")
+    group.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="SentencePiece .model file or Hugging Face tokenizer (the other tokenizer types)",
+    )
     group = parser.add_argument_group(title="text generation")
     group.add_argument("--prompt", default=None, help="generate after this text, then exit")
     group.add_argument("--sample-input-file", default=None, help="prompts, one per line")
@@ -124,12 +129,16 @@ def initialize(tensor_model_parallel_size: int | None, seed: int) -> torch.devic
     return torch.device("cpu")
 
 
-def _tokenizer(args: argparse.Namespace, saved: dict) -> GPT2BPETokenizer:
+def _tokenizer(args: argparse.Namespace, saved: dict) -> Tokenizer:
     """The tokenizer of the flags, or of the checkpoint's args where a flag is not given."""
-    names = ("tokenizer_type", "vocab_file", "merge_file")
+    names = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
     chosen = {name: getattr(args, name) or saved.get(name) for name in names}
     chosen["tokenizer_type"] = chosen["tokenizer_type"] or "GPT2BPETokenizer"
-    for name in names[1:]:
+    chosen["vocab_extra_ids"] = saved.get("vocab_extra_ids") or 0
+    gpt2_files = (
+        ("vocab_file", "merge_file") if chosen["tokenizer_type"] == "GPT2BPETokenizer" else ()
+    )
+    for name in gpt2_files:
         if chosen[name] is not None and not os.path.isfile(chosen[name]):
             flag = "--" + name.replace("_", "-")
             raise FileNotFoundError(
@@ -156,18 +165,28 @@ def model_config(saved: dict, padded_vocab_size: int, args: argparse.Namespace) 
 
 def build_model_and_tokenizer(
     args: argparse.Namespace, device: torch.device
-) -> tuple[GPTModel, GPT2BPETokenizer]:
+) -> tuple[GPTModel, Tokenizer]:
     """The checkpoint's model (this TP rank's shard, eval mode on `device`) and tokenizer."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    tokenizer = _tokenizer(args, {}) if args.vocab_file and args.merge_file else None
+    # Flags that name a whole tokenizer build it first: its size serves checkpoints that do
+    # not record theirs. Otherwise the checkpoint's args fill in what the flags leave out.
+    if args.tokenizer_type in MODEL_FILE_TOKENIZERS:
+        given = bool(args.tokenizer_model)
+    else:
+        given = args.tokenizer_type in (None, "GPT2BPETokenizer") and bool(
+            args.vocab_file and args.merge_file
+        )
+    tokenizer = _tokenizer(args, {}) if given else None
     dense = load_dense_checkpoint(
         args.load, true_vocab_size=None if tokenizer is None else tokenizer.vocab_size
     )
     tokenizer = tokenizer or _tokenizer(args, dense.args)
-    if tokenizer.vocab_size != dense.true_vocab_size:
+    trained = dense.args.get("true_vocab_size") or dense.true_vocab_size
+    if tokenizer.vocab_size != trained:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but checkpoint {args.load} was "
-            f"trained with {dense.true_vocab_size}; check --vocab-file and --merge-file"
+            f"trained with {trained}; check --tokenizer-type and its files "
+            "(--vocab-file and --merge-file, or --tokenizer-model)"
         )
     padded = vocab_size_with_padding(
         tokenizer.vocab_size,
@@ -216,7 +235,7 @@ def shared_prompts(args: argparse.Namespace) -> Iterator[str | None]:
 
 
 def complete(
-    model: GPTModel, tokenizer: GPT2BPETokenizer, prompt: str | None, args: argparse.Namespace
+    model: GPTModel, tokenizer: Tokenizer, prompt: str | None, args: argparse.Namespace
 ) -> list[str]:
     """The continuations of `prompt` (or unconditional samples when None)."""
     context = tokenizer.tokenize(prompt) if prompt else [tokenizer.eod]

@@ -3,6 +3,14 @@
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
         --vocab-file dataset/gpt2-vocab.json --merge-file dataset/gpt2-merges.txt \\
         --tokenizer-type GPT2BPETokenizer --append-eod --workers 8
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/llama \\
+        --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tokenizer.model \\
+        --append-eod --workers 8
+
+--tokenizer-type SentencePieceTokenizer, GPTSentencePieceTokenizer and Llama2Tokenizer read a
+SentencePiece `.model` file, HFTokenizer a Hugging Face tokenizer folder or `tokenizer.json`,
+all given with --tokenizer-model. Token ids are stored as uint16 when the vocabulary has fewer
+than 65,500 tokens, else int32, as Megatron does.
 
 Writes `{output_prefix}_{key}_document.bin/.idx` (`_sentence` with --split-sentences) for
 every --json-keys key, byte for byte what Megatron-LM's preprocess_data.py writes for the
@@ -29,7 +37,12 @@ from megatron.data.document_encoder import (  # noqa: E402
     EncoderConfig,
 )
 from megatron.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
-from megatron.tokenizer.gpt2_bpe import TokenizerFileError  # noqa: E402
+from megatron.tokenizer.base import TokenizerFileError  # noqa: E402
+from megatron.tokenizer.tokenizer import (  # noqa: E402
+    MODEL_FILE_TOKENIZERS,
+    SUPPORTED_TOKENIZERS,
+    TokenizerConfig,
+)
 from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
 from tools.corpus_reader import CorpusReader, InputError, expand_inputs  # noqa: E402
 from tools.progress import Progress  # noqa: E402
@@ -69,13 +82,21 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     group.add_argument(
         "--tokenizer-type",
         default="GPT2BPETokenizer",
-        choices=["GPT2BPETokenizer"],
-        help="tokenizer to use",
+        choices=SUPPORTED_TOKENIZERS,
+        help="tokenizer to use (default: %(default)s)",
     )
     group.add_argument("--vocab-file", default=DEFAULT_VOCAB, help="GPT-2 vocab JSON")
     group.add_argument("--merge-file", default=DEFAULT_MERGES, help="GPT-2 BPE merges")
     group.add_argument(
-        "--append-eod", action="store_true", help="append <|endoftext|> to the end of each document"
+        "--tokenizer-model",
+        default=None,
+        help="SentencePiece .model file (SentencePieceTokenizer, GPTSentencePieceTokenizer, "
+        "Llama2Tokenizer) or Hugging Face tokenizer folder or tokenizer.json (HFTokenizer)",
+    )
+    group.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="append the end-of-document token (<|endoftext|> for GPT-2) to each document",
     )
     group.add_argument("--lang", default="english", help="language of the NLTK punkt model")
     group = parser.add_argument_group(title="output data")
@@ -108,6 +129,11 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(
                 f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
             )
+    if args.tokenizer_type in MODEL_FILE_TOKENIZERS and not args.tokenizer_model:
+        parser.error(
+            f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model "
+            f"({MODEL_FILE_TOKENIZERS[args.tokenizer_type]})"
+        )
     if args.dataset_impl != "mmap":
         parser.error(f"--dataset-impl {args.dataset_impl} is not supported; use mmap")
     if args.keep_newlines and not args.split_sentences:
@@ -228,14 +254,13 @@ def preprocess(args: argparse.Namespace) -> int:
     global _WORKER_ENCODER
     config = EncoderConfig(
         json_keys=args.json_keys,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
+        tokenizer=TokenizerConfig.from_args(args),
         append_eod=args.append_eod,
         split_sentences=args.split_sentences,
         keep_newlines=args.keep_newlines,
         lang=args.lang,
     )
-    # Built here first: bad vocab/merges files fail fast, warnings show once.
+    # Built here first: bad tokenizer files fail fast, warnings show once.
     encoder = DocumentEncoder(config)
     start_method = _start_method()
     if start_method == "fork":

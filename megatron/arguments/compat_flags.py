@@ -7,9 +7,9 @@ argparse's "unrecognized arguments". Each flag below is one of two kinds:
 - inert: accepted and without effect, because what it tunes does not exist here (apex kernels,
   Megatron's own DDP and pipeline communication, GPU overlap knobs) or cannot change the
   result. Its help text says why; docs/arguments.md lists them all.
-- refused: a feature we do not build (MoE, DeepSpeed-Ulysses, zero-bubble pipelines, LLaMA
-  variants, other model families). Its value that means "off" (`--num-experts 1`,
-  `--ds-sequence-parallel-size 1`, `--normalization layernorm`) is accepted; any other value
+- refused: a feature we do not build (MoE, DeepSpeed-Ulysses, zero-bubble pipelines, other
+  model families). Its value that means "off" (`--num-experts 1`,
+  `--ds-sequence-parallel-size 1`, `--transformer-impl local`) is accepted; any other value
   is refused in one line naming the flag (`refuse_unsupported_flags`, run by validate_args).
 
 Flags that have a meaning here are in `model_flags.py` / `run_flags.py`, Megatron-DeepSpeed's
@@ -216,27 +216,8 @@ REFUSED: list[CompatFlag] = [
         "--enable-zbh1-exact-semantics",
     ),
     *_refused(
-        "grouped-query attention is not built here (a value equal to --num-attention-heads "
-        "is accepted)",
-        "--num-key-value-heads:int",
-        accepts=lambda value, args: value == args.num_attention_heads,
-    ),
-    *_refused(
-        "grouped-query attention is not built here",
-        "--group-query-attention",
-        "--num-query-groups:int",
-    ),
-    *_refused(
-        "RMSNorm is not built here (layernorm is accepted)",
-        "--normalization:str",
-        accepts=_equals("layernorm", "LayerNorm"),
-    ),
-    *_refused(
-        "this GPT variant is not built here (GPT-2 architecture only)",
-        "--swiglu",
+        "this GPT variant is not built here (GPT-2 and LLaMA architectures only)",
         "--squared-relu",
-        "--untie-embeddings-and-output-weights",
-        "--disable-bias-linear",
         "--apply-layernorm-1p",
         "--apply-residual-connection-post-layernorm",
         "--embedding-weights-in-fp32",
@@ -245,27 +226,15 @@ REFUSED: list[CompatFlag] = [
         "--fp16-lm-cross-entropy",
         "--init-method-xavier-uniform",
     ),
+    *_refused("NullTokenizer is not built here", "--vocab-size:int"),
     *_refused(
-        "GPT without position embeddings is not built here (accepted with "
-        "--use-rotary-position-embeddings, which implies it)",
-        "--no-position-embedding",
-        accepts=lambda value, args: bool(args.use_rotary_position_embeddings),
-    ),
-    *_refused(
-        "Megatron-LM's --position-embedding-type: learned_absolute is the default here and "
-        "rope is --use-rotary-position-embeddings",
-        "--position-embedding-type:str",
-        accepts=lambda value, args: (
-            value == "learned_absolute"
-            or (value == "rope" and bool(args.use_rotary_position_embeddings))
-        ),
-    ),
-    *_refused(
-        "only the GPT-2 BPE tokenizer (--vocab-file/--merge-file) is built here",
-        "--tokenizer-model:str",
-        "--vocab-size:int",
+        "HFTokenizer loads a local tokenizer without running code from it",
         "--trust-remote-code",
+    ),
+    *_refused(
+        "the T5/BERT span-masking sentinels are not built here (0 is accepted)",
         "--vocab-extra-ids:int",
+        accepts=_equals(0),
     ),
     *_refused(
         "Transformer Engine and FP8 are not built here (--transformer-impl local is accepted)",

@@ -57,7 +57,11 @@ def add_model_size_flags(parser: argparse.ArgumentParser) -> None:
         help="Pad the vocabulary to a multiple of this times the tensor-parallel size.",
     )
     group.add_argument(
-        "--layernorm-epsilon", type=float, default=1e-5, help="Epsilon of every layer norm."
+        "--layernorm-epsilon",
+        "--norm-epsilon",
+        type=float,
+        default=1e-5,
+        help="Epsilon of every layer norm (LayerNorm or RMSNorm).",
     )
     group.add_argument(
         "--init-method-std",
@@ -91,16 +95,78 @@ def add_model_size_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--rotary-position-embeddings-theta",
+        "--rotary-base",
         dest="rope_theta",
-        type=int,
+        type=float,
         default=10000,
-        help="Base of the rotary angles (RoPE theta).",
+        help="Base of the rotary angles (RoPE theta; LLaMA-3 uses 500000). --rotary-base is "
+        "Megatron-LM's spelling.",
+    )
+    group.add_argument(
+        "--no-position-embedding",
+        dest="add_position_embedding",
+        action="store_false",
+        help="No learned absolute position embeddings (implied by "
+        "--use-rotary-position-embeddings; alone: no position information at all).",
+    )
+    group.add_argument(
+        "--position-embedding-type",
+        choices=["learned_absolute", "rope", "none"],
+        default=None,
+        help="Megatron-LM's spelling: rope is --use-rotary-position-embeddings, none is "
+        "--no-position-embedding.",
     )
     group.add_argument(
         "--rotary-percent",
         type=float,
         default=1.0,
         help="Fraction of each head's channels that RoPE rotates (default: %(default)s).",
+    )
+    group.add_argument(
+        "--normalization",
+        type=lambda text: text.lower(),
+        choices=["layernorm", "rmsnorm"],
+        default="layernorm",
+        help="layernorm (GPT-2) or rmsnorm (LLaMA; weight only, no bias). Megatron-LM's "
+        "spellings LayerNorm/RMSNorm are accepted.",
+    )
+    group.add_argument(
+        "--swiglu",
+        action="store_true",
+        help="SwiGLU MLP (silu(x W_gate) * x W_up); --ffn-hidden-size defaults to "
+        "int(8h / 3 / 64) * 64 with it, as in Megatron-DeepSpeed.",
+    )
+    group.add_argument(
+        "--num-key-value-heads",
+        type=int,
+        default=None,
+        help="Key/value heads: fewer than --num-attention-heads is grouped-query attention "
+        "(1: multi-query); each must be divisible by the tensor-parallel size. Default: "
+        "--num-attention-heads.",
+    )
+    group.add_argument(
+        "--group-query-attention",
+        action="store_true",
+        help="Megatron-LM's switch for grouped-query attention; the group count is "
+        "--num-query-groups.",
+    )
+    group.add_argument(
+        "--num-query-groups",
+        type=int,
+        default=None,
+        help="Megatron-LM's spelling of --num-key-value-heads (with --group-query-attention).",
+    )
+    group.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="Give the output layer its own weights (language_model.output_layer) instead of "
+        "the word embeddings.",
+    )
+    group.add_argument(
+        "--disable-bias-linear",
+        dest="add_bias_linear",
+        action="store_false",
+        help="No biases in the attention and MLP linear layers (LLaMA).",
     )
 
 
@@ -235,10 +301,14 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
         "--num-workers", type=int, default=2, help="DataLoader worker processes per rank."
     )
     group.add_argument(
-        "--vocab-file", default=None, help="GPT-2 BPE vocabulary (vocab.json); required."
+        "--vocab-file",
+        default=None,
+        help="GPT-2 BPE vocabulary (vocab.json); GPT2BPETokenizer needs it.",
     )
     group.add_argument(
-        "--merge-file", default=None, help="GPT-2 BPE merges (merges.txt); required."
+        "--merge-file",
+        default=None,
+        help="GPT-2 BPE merges (merges.txt); GPT2BPETokenizer needs it.",
     )
     group.add_argument(
         "--tokenizer-type",
@@ -249,10 +319,21 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
             "BertWordPieceCase",
             "SentencePieceTokenizer",
             "GPTSentencePieceTokenizer",
+            "Llama2Tokenizer",
             "HFTokenizer",
             "NullTokenizer",
         ],
-        help="Tokenizer; only %(default)s is built here (the others are refused in one line).",
+        help="Tokenizer (default: %(default)s, from --vocab-file/--merge-file). "
+        "SentencePieceTokenizer, GPTSentencePieceTokenizer and Llama2Tokenizer read a "
+        "SentencePiece --tokenizer-model, HFTokenizer a Hugging Face one; the BERT word-piece "
+        "tokenizers and NullTokenizer are refused in one line.",
+    )
+    group.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="SentencePiece .model file (SentencePieceTokenizer, GPTSentencePieceTokenizer, "
+        "Llama2Tokenizer), or Hugging Face tokenizer folder or tokenizer.json (HFTokenizer, "
+        "loaded offline).",
     )
     group.add_argument(
         "--eod-mask-loss", action="store_true", help="Leave end-of-document tokens out of the loss."

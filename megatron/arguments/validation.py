@@ -23,6 +23,7 @@ from megatron.arguments.errors import ArgumentError
 from megatron.arguments.precision import check_flash_attention_precision
 from megatron.atomic_files import nearest_existing
 from megatron.config import model_params_dtype
+from megatron.tokenizer.base import MODEL_FILE_TOKENIZERS
 from megatron.training.batch_schedule import BatchSizeSchedule
 
 
@@ -63,6 +64,7 @@ def _model_shape(args: argparse.Namespace) -> None:
             f"--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads "
             f"({args.num_attention_heads}); set --kv-channels"
         )
+    _architecture(args, tp)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -73,6 +75,51 @@ def _model_shape(args: argparse.Namespace) -> None:
     if args.sequence_parallel and args.seq_length % tp != 0:
         raise ArgumentError(
             f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by "
+            f"--tensor-model-parallel-size ({tp})"
+        )
+
+
+def _architecture(args: argparse.Namespace, tp: int) -> None:
+    """LLaMA-style options: position embeddings, key/value heads, SwiGLU's MLP width."""
+    kind = getattr(args, "position_embedding_type", None)
+    if kind == "rope":
+        args.use_rotary_position_embeddings = True
+    elif kind is not None and args.use_rotary_position_embeddings:
+        raise ArgumentError(
+            f"--position-embedding-type {kind} contradicts --use-rotary-position-embeddings"
+        )
+    if kind == "none" or args.use_rotary_position_embeddings:
+        args.add_position_embedding = False  # as Megatron-DeepSpeed: rope replaces them
+    if getattr(args, "group_query_attention", False):
+        groups = getattr(args, "num_query_groups", None)
+        if groups is None:
+            raise ArgumentError("--group-query-attention needs --num-query-groups")
+        if args.num_key_value_heads not in (None, groups):
+            raise ArgumentError(
+                f"--num-query-groups ({groups}) contradicts --num-key-value-heads "
+                f"({args.num_key_value_heads})"
+            )
+        args.num_key_value_heads = groups
+    if args.num_key_value_heads is None:
+        args.num_key_value_heads = args.num_attention_heads
+    kv_heads = args.num_key_value_heads
+    if kv_heads < 1 or args.num_attention_heads % kv_heads != 0:
+        raise ArgumentError(
+            f"--num-attention-heads ({args.num_attention_heads}) is not a multiple of "
+            f"--num-key-value-heads ({kv_heads})"
+        )
+    if kv_heads % tp != 0:
+        raise ArgumentError(
+            f"--num-key-value-heads ({kv_heads}) is not divisible by "
+            f"--tensor-model-parallel-size ({tp}): each rank holds whole key/value heads "
+            "(replicating them over ranks is not built here)"
+        )
+    if args.swiglu and args.ffn_hidden_size is None:
+        # Megatron-DeepSpeed's rule: two input projections, about the parameters of 4h.
+        args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+    if args.ffn_hidden_size is not None and args.ffn_hidden_size % tp != 0:
+        raise ArgumentError(
+            f"--ffn-hidden-size ({args.ffn_hidden_size}) is not divisible by "
             f"--tensor-model-parallel-size ({tp})"
         )
 
@@ -136,15 +183,27 @@ def _schedule_units(args: argparse.Namespace) -> None:
         )
 
 
+def _tokenizer_flags(args: argparse.Namespace) -> None:
+    """The tokenizer types built here get their files; the others are refused in one line."""
+    tokenizer = getattr(args, "tokenizer_type", None) or "GPT2BPETokenizer"
+    if tokenizer in MODEL_FILE_TOKENIZERS:
+        if not getattr(args, "tokenizer_model", None):
+            raise ArgumentError(
+                f"--tokenizer-type {tokenizer} needs --tokenizer-model "
+                f"({MODEL_FILE_TOKENIZERS[tokenizer]})"
+            )
+    elif tokenizer != "GPT2BPETokenizer":
+        raise ArgumentError(
+            f"--tokenizer-type {tokenizer}: not built here; use GPT2BPETokenizer "
+            f"(--vocab-file/--merge-file) or, with --tokenizer-model, "
+            f"{', '.join(MODEL_FILE_TOKENIZERS)}"
+        )
+
+
 def _their_spellings(args: argparse.Namespace, typed: set[str] | None) -> None:
     """Megatron-DeepSpeed's flags: features we lack refused in one line, shorthands expanded."""
     refuse_unsupported_flags(args, typed)
-    tokenizer = getattr(args, "tokenizer_type", "GPT2BPETokenizer")
-    if tokenizer != "GPT2BPETokenizer":
-        raise ArgumentError(
-            f"--tokenizer-type {tokenizer}: only GPT2BPETokenizer (--vocab-file/--merge-file) "
-            "is built here"
-        )
+    _tokenizer_flags(args)
     if getattr(args, "recompute_activations", False):
         # Megatron's shorthand, expanded (and the flag dropped) as its validate_args does.
         if args.recompute_granularity not in (None, "selective"):

@@ -19,6 +19,7 @@ import torch
 from deepspeed.checkpoint.constants import (
     ORIGINAL_VOCAB_SIZE,
     PADDED_VOCAB_SIZE,
+    PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0,
     PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
     TP_REPLICATED_PARAMETER_PATTERNS,
     UNIVERSAL_CHECKPOINT_INFO,
@@ -105,36 +106,47 @@ def universal_checkpoint_info(args: Any) -> dict:
     """What `deepspeed.checkpoint.ds_to_universal` needs to merge our tensor-parallel shards.
 
     Parameter-name patterns (matched from the start of the name) for the vocabulary (its
-    padding is stripped), parameters replicated across TP ranks, and row-parallel weights
-    (split along dim 1; the rest are column-parallel, split along dim 0).
+    padding is stripped; the untied output layer too), parameters replicated across TP ranks,
+    row-parallel weights (split along dim 1; the rest are column-parallel, split along dim 0),
+    and SwiGLU's gate-and-up weight, whose shards hold two sub-parameters each.
     """
     layer = r"\d+\." if args.pipeline_parallel else r"language_model\.encoder\.layers\.\d+\."
-    embedding = (
-        r"tied_modules\.embed\." if args.pipeline_parallel else r"language_model\.embedding\."
-    )
+    untied = getattr(args, "untie_embeddings_and_output_weights", False)
+    if args.pipeline_parallel:
+        embedding = r"0\." if untied else r"tied_modules\.embed\."
+    else:
+        embedding = r"language_model\.embedding\."
+    vocabulary = [embedding + r"word_embeddings\.weight"]
+    if untied:
+        pipe = args.pipeline_parallel
+        vocabulary.append(r"\d+\.lm_head\." if pipe else r"language_model\.output_layer\.")
     info = {
         UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-        VOCABULARY_PARAMETER_PATTERNS: [embedding + r"word_embeddings\.weight"],
+        VOCABULARY_PARAMETER_PATTERNS: vocabulary,
         ORIGINAL_VOCAB_SIZE: args.true_vocab_size,
         PADDED_VOCAB_SIZE: args.padded_vocab_size,
     }
-    if args.tensor_model_parallel_size > 1:
-        final_norm = (
-            r"\d+\.(weight|bias)$"
-            if args.pipeline_parallel
-            else (r"language_model\.encoder\.final_layernorm\.")
-        )
-        info[TP_REPLICATED_PARAMETER_PATTERNS] = [
-            embedding + r"position_embeddings\.weight",
-            layer + r"(input|post_attention)_layernorm\.",
-            layer + r"self_attention\.dense\.bias",
-            layer + r"mlp\.dense_4h_to_h\.bias",
-            final_norm,
-        ]
-        info[PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] = [
-            layer + r"self_attention\.dense\.weight",
-            layer + r"mlp\.dense_4h_to_h\.weight",
-        ]
+    if args.tensor_model_parallel_size == 1:
+        return info
+    # DeepSpeed refuses a pattern that matches no parameter: list only those the model has.
+    final_norm = (
+        r"\d+\.(weight|bias)$"
+        if args.pipeline_parallel
+        else (r"language_model\.encoder\.final_layernorm\.")
+    )
+    replicated = [layer + r"(input|post_attention)_layernorm\.", final_norm]
+    if getattr(args, "add_position_embedding", True) and not args.use_rotary_position_embeddings:
+        replicated.append(embedding + r"position_embeddings\.weight")
+    if getattr(args, "add_bias_linear", True):
+        replicated += [layer + r"self_attention\.dense\.bias", layer + r"mlp\.dense_4h_to_h\.bias"]
+    info[TP_REPLICATED_PARAMETER_PATTERNS] = replicated
+    info[PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] = [
+        layer + r"self_attention\.dense\.weight",
+        layer + r"mlp\.dense_4h_to_h\.weight",
+    ]
+    if getattr(args, "swiglu", False):
+        # Each rank's shard is [gate_r; up_r]: merged as [gate; up], not concatenated.
+        info[PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0] = [layer + r"mlp\.dense_h_to_4h\."]
     return info
 
 

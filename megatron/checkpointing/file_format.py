@@ -27,6 +27,8 @@ CHECKPOINT_VERSION = 3.0
 EMBEDDING_PREFIX = "language_model.embedding."
 ENCODER_PREFIX = "language_model.encoder."
 HEAD_KEY = "word_embeddings_for_head"
+OUTPUT_LAYER_PREFIX = "language_model.output_layer."
+"""The untied output layer (`--untie-embeddings-and-output-weights`), on the last stage."""
 MEGATRON_FILENAME = "model_optim_rng.pt"
 
 SAFE_GLOBALS = [
@@ -89,6 +91,7 @@ def nest_model_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
     embedding: dict[str, dict[str, torch.Tensor]] = {}
     encoder: dict[str, torch.Tensor] = {}
     head: dict[str, torch.Tensor] = {}
+    output: dict[str, torch.Tensor] = {}
     for name, tensor in flat.items():
         if name.startswith(EMBEDDING_PREFIX):
             module, _, param = name.removeprefix(EMBEDDING_PREFIX).partition(".")
@@ -97,6 +100,8 @@ def nest_model_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
             encoder[name.removeprefix(ENCODER_PREFIX)] = tensor
         elif name.startswith(HEAD_KEY + "."):
             head[name.removeprefix(HEAD_KEY + ".")] = tensor
+        elif name.startswith(OUTPUT_LAYER_PREFIX):
+            output[name.removeprefix(OUTPUT_LAYER_PREFIX)] = tensor
         else:
             raise KeyError(f"no place in Megatron's checkpoint layout for parameter {name!r}")
     language_model: dict[str, Any] = {}
@@ -104,6 +109,8 @@ def nest_model_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
         language_model["embedding"] = embedding
     if encoder:
         language_model["encoder"] = encoder
+    if output:
+        language_model["output_layer"] = output
     nested: dict[str, Any] = {"language_model": language_model}
     if head:
         nested[HEAD_KEY] = head
@@ -128,6 +135,8 @@ def flatten_model_state(model: dict[str, Any]) -> dict[str, torch.Tensor]:
     for name, tensor in encoder.items():
         name = name.replace(".attention.", ".self_attention.")
         flat[ENCODER_PREFIX + name] = tensor
+    for param, tensor in language_model.get("output_layer", {}).items():
+        flat[OUTPUT_LAYER_PREFIX + param] = tensor
     for param, tensor in model.get(HEAD_KEY, {}).items():
         flat[f"{HEAD_KEY}.{param}"] = tensor
     return flat

@@ -282,7 +282,8 @@ def _pipeline_weights(flat: dict, args: argparse.Namespace) -> dict:
         match = re.match(r"(language_model\.encoder\.layers\.)(\d+)(\..+)", name)
         if match:
             name = f"{match.group(1)}{int(match.group(2)) + offset}{match.group(3)}"
-        renamed[gpt_to_pipeline_name(name, args.num_layers)] = tensor
+        tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+        renamed[gpt_to_pipeline_name(name, args.num_layers, tied)] = tensor
     return renamed
 
 

@@ -3,7 +3,9 @@
 Each line is one JSON object; every `--json-keys` key holds a document (a string, or a list
 of strings taken as its sentences). Token ids and sequence lengths follow Megatron-LM's
 preprocess_data.py exactly: one sequence per document (or per non-empty sentence with
-`--split-sentences`), `<|endoftext|>` appended to the last sequence with `--append-eod`.
+`--split-sentences`), the tokenizer's end-of-document token (`<|endoftext|>` for GPT-2)
+appended to the last sequence with `--append-eod`. Any tokenizer `create_tokenizer` builds
+works: GPT-2 BPE, SentencePiece, Llama2 or Hugging Face.
 Lines that cannot be used are reported with their line number instead of crashing the run.
 """
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron.data.indexed_dataset import DType
-from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
+from megatron.tokenizer.tokenizer import TokenizerConfig, create_tokenizer
 
 UTF8_BOM = b"\xef\xbb\xbf"
 
@@ -27,8 +29,7 @@ class EncoderConfig:
     """What the encoder needs; built from preprocess_data's flags."""
 
     json_keys: list[str]
-    vocab_file: str
-    merge_file: str
+    tokenizer: TokenizerConfig
     append_eod: bool = False
     split_sentences: bool = False
     keep_newlines: bool = False
@@ -89,7 +90,7 @@ class DocumentEncoder:
 
     def __init__(self, config: EncoderConfig) -> None:
         self.config = config
-        self.tokenizer = GPT2BPETokenizer(config.vocab_file, config.merge_file)
+        self.tokenizer = create_tokenizer(config.tokenizer)
         # Token dtype of the .bin file, chosen from the vocabulary size as Megatron does.
         self.dtype = np.dtype(DType.optimal_dtype(self.tokenizer.vocab_size))
         self.split: Callable[[str], list[str]] = (

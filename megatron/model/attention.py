@@ -58,7 +58,11 @@ def flash_attention_status() -> tuple[bool, str]:
 
 
 class CoreAttention(nn.Module):
-    """[b, np, s, hn] query/key/value -> [s, b, np * hn] context, causal (or masked)."""
+    """[b, np, s, hn] query, [b, nkv, s, hn] key/value -> [s, b, np * hn] context, causal.
+
+    With fewer key/value heads than query heads (grouped-query attention) query head i reads
+    key/value head i // (np / nkv); SDPA and flash_attn do that without copying them.
+    """
 
     def __init__(self, config: ModelConfig, layer_number: int) -> None:
         super().__init__()
@@ -108,6 +112,8 @@ class CoreAttention(nn.Module):
 
     def _sdpa(self, query, key, value, mask, dropout_p, causal):
         kwargs = dict(dropout_p=dropout_p, scale=self.scale)
+        if key.size(1) != query.size(1):
+            kwargs["enable_gqa"] = True
         if mask is None:
             kwargs["is_causal"] = causal
         else:
@@ -129,6 +135,8 @@ class CoreAttention(nn.Module):
 
     def _unfused(self, query, key, value, mask, dropout_p, causal):
         b, np_, sq, hn = query.shape
+        if key.size(1) != np_:  # grouped-query: each key/value head serves np / nkv queries
+            key, value = (t.repeat_interleave(np_ // key.size(1), dim=1) for t in (key, value))
         sk = key.size(2)
         coeff = float(self.layer_number) if self.apply_query_key_layer_scaling else 1.0
         # [b * np, sq, sk]; dividing by coeff here and multiplying back in fp32 keeps fp16 finite.

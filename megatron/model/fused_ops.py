@@ -1,9 +1,10 @@
 """The transformer layer's elementwise work as fusible functions, and `torch.compile` plumbing.
 
 Megatron fuses two elementwise chains per residual branch with TorchScript:
-`bias_gelu` (the MLP's bias add and GeLU) and `bias_dropout_add` (the branch's bias add,
-dropout and residual add). Here they are plain torch functions. Under `--torch-compile` they
-sit inside each compiled layer and inductor turns each into one kernel; in an eager run on a
+`bias_gelu` (the MLP's bias add and GeLU; `bias_swiglu` with `--swiglu`) and
+`bias_dropout_add` (the branch's bias add, dropout and residual add). Here they are plain
+torch functions. Under `--torch-compile` they sit inside the compiled graph (the whole model
+at TP=1, each layer otherwise) and inductor turns each into one kernel; in an eager run on a
 GPU, `--bias-gelu-fusion` / `--bias-dropout-fusion` (both on by default, as in Megatron)
 compile just these functions, as Megatron Core's `jit_fuser` does. On the CPU eager runs them
 unfused: a compiled kernel there has not been measured to pay for its compile time.
@@ -23,6 +24,14 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> t
     if bias is not None:
         x = x + bias
     return F.gelu(x, approximate=approximate)
+
+
+def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(gate) * up of x + bias, whose last dimension is [gate | up] (`--swiglu`)."""
+    if bias is not None:
+        x = x + bias
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def bias_dropout_add(

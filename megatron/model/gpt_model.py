@@ -1,4 +1,7 @@
-"""GPT-2: embeddings, the transformer stack, and logits tied to the word embeddings.
+"""The GPT model: embeddings, the transformer stack, and the output layer.
+
+The output layer is the word embedding matrix (tied, GPT-2) or, with
+`--untie-embeddings-and-output-weights` (LLaMA), its own `language_model.output_layer`.
 
     model = GPTModel(config)
     loss = model(tokens, labels=labels)          # per-token loss [b, s], fp32
@@ -22,21 +25,37 @@ from megatron.core.parallel_state import (
     get_tensor_model_parallel_world_size as tensor_parallel_world_size,
 )
 from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
     linear_with_vocab_parallel_weight,
     vocab_parallel_cross_entropy,
 )
 from megatron.model.embedding import Embedding
 from megatron.model.inference_params import InferenceParams
 from megatron.model.transformer import ParallelTransformer
+from megatron.model.utils import init_method_normal
+
+
+def output_layer(config: ModelConfig) -> ColumnParallelLinear:
+    """The untied output layer: a vocab-parallel [vocab / tp, h] weight, no bias."""
+    return ColumnParallelLinear(
+        config.hidden_size,
+        config.vocab_size,
+        init_method_normal(config.init_method_std),
+        bias=False,
+        use_cpu_initialization=config.use_cpu_initialization,
+        params_dtype=config.torch_dtype,
+    )
 
 
 class TransformerLanguageModel(nn.Module):
-    """`embedding` + `encoder` (the layer stack and its final layer norm)."""
+    """`embedding` + `encoder` (the layer stack and its final norm) [+ `output_layer`]."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embedding = Embedding(config)
         self.encoder = ParallelTransformer(config)
+        if config.untie_embeddings_and_output_weights:
+            self.output_layer = output_layer(config)
 
     def forward(
         self,
@@ -51,12 +70,12 @@ class TransformerLanguageModel(nn.Module):
 
 
 def logits_from_hidden(
-    hidden: torch.Tensor, word_embeddings_weight: torch.Tensor, config: ModelConfig
+    hidden: torch.Tensor, output_weight: torch.Tensor, config: ModelConfig
 ) -> torch.Tensor:
     """[s(/tp), b, h] -> [s, b, vocab/tp], or [s, b, vocab] unless `parallel_output`."""
     return linear_with_vocab_parallel_weight(
         hidden,
-        word_embeddings_weight,
+        output_weight,
         sequence_parallel=config.sequence_parallel,
         gather_output=not config.parallel_output,
     )
@@ -74,7 +93,7 @@ def loss_from_logits(
 
 
 class GPTModel(nn.Module):
-    """The GPT-2 language model (one implementation; `pipeline.py` rearranges its layers)."""
+    """The GPT language model (one implementation; `pipeline.py` rearranges its layers)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -82,8 +101,14 @@ class GPTModel(nn.Module):
         self.language_model = TransformerLanguageModel(config)
 
     def word_embeddings_weight(self) -> torch.Tensor:
-        """The (vocab-split) embedding matrix, shared with the output layer."""
+        """The (vocab-split) embedding matrix."""
         return self.language_model.embedding.word_embeddings.weight
+
+    def output_weight(self) -> torch.Tensor:
+        """The (vocab-split) output matrix: the untied output layer's, or the embeddings'."""
+        if self.config.untie_embeddings_and_output_weights:
+            return self.language_model.output_layer.weight
+        return self.word_embeddings_weight()
 
     def forward(
         self,
@@ -123,7 +148,7 @@ class GPTModel(nn.Module):
     ) -> torch.Tensor:
         """`forward`'s arithmetic, after the key/value cache checks."""
         hidden = self.language_model(input_ids, position_ids, attention_mask, inference_params)
-        logits = logits_from_hidden(hidden, self.word_embeddings_weight(), self.config)
+        logits = logits_from_hidden(hidden, self.output_weight(), self.config)
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab(/tp)]
         if not self.config.parallel_output:

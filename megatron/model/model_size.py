@@ -12,22 +12,18 @@ from megatron.config import ModelConfig
 
 
 def num_parameters(config: ModelConfig, include_embeddings: bool = True) -> int:
-    """Total parameters of the (unsplit) model; the tied output layer counts once."""
+    """Total parameters of the (unsplit) model; a tied output layer counts once."""
     h, ffn, proj = config.hidden_size, config.ffn_hidden_size, config.projection_size
-    per_layer = (
-        2 * 2 * h  # two layer norms (weight, bias)
-        + h * 3 * proj
-        + 3 * proj  # query_key_value
-        + proj * h
-        + h  # attention dense
-        + h * ffn
-        + ffn  # dense_h_to_4h
-        + ffn * h
-        + h  # dense_4h_to_h
-    )
-    total = config.num_layers * per_layer + 2 * h  # + final layer norm
+    qkv = proj + 2 * config.kv_projection_size
+    mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
+    norm = h if config.normalization == "rmsnorm" else 2 * h  # weight (and bias)
+    weights = h * qkv + proj * h + h * mlp_in + ffn * h
+    biases = qkv + h + mlp_in + h if config.add_bias_linear else 0
+    total = config.num_layers * (2 * norm + weights + biases) + norm  # + final norm
     if include_embeddings:
         total += config.vocab_size * h
+        if config.untie_embeddings_and_output_weights:
+            total += config.vocab_size * h
         if config.position_embedding_type == "learned_absolute":
             total += config.max_position_embeddings * h
     return total
@@ -36,11 +32,13 @@ def num_parameters(config: ModelConfig, include_embeddings: bool = True) -> int:
 def flops_per_token(config: ModelConfig, seq_length: int) -> int:
     """Training (forward + backward) FLOPs per token at `seq_length`, recompute excluded."""
     h, ffn, proj = config.hidden_size, config.ffn_hidden_size, config.projection_size
+    mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
     per_layer = (
-        2 * h * 3 * proj  # query_key_value
+        2 * h * (proj + 2 * config.kv_projection_size)  # query_key_value
         + 2 * 2 * seq_length * proj  # q k^T and probs v
         + 2 * proj * h  # attention dense
-        + 2 * 2 * h * ffn  # the two MLP matmuls
+        + 2 * h * mlp_in  # dense_h_to_4h
+        + 2 * ffn * h  # dense_4h_to_h
     )
     forward = config.num_layers * per_layer + 2 * h * config.vocab_size  # + logits
     return 3 * forward

@@ -1,8 +1,10 @@
-"""GPT-2 as a DeepSpeed `PipelineModule`, built from the same layer classes as `GPTModel`.
+"""GPT as a DeepSpeed `PipelineModule`, built from the same layer classes as `GPTModel`.
 
 The layer sequence is: tied embedding ("embed"), the transformer layers, the final layer
 norm, and the tied embedding again computing the logits; DeepSpeed keeps the two copies of
-the word embedding in sync across the first and last stages. Inputs are
+the word embedding in sync across the first and last stages. With
+`--untie-embeddings-and-output-weights` the embedding is a plain first layer and the last
+layer is its own output matrix (`lm_head`, Megatron-DeepSpeed's `LMHeadPipe` name). Inputs are
 `((tokens, position_ids), (labels, loss_mask))` per micro-batch, as Megatron-DeepSpeed's
 `get_batch_pipe` yields them. Attention is causal; custom attention masks
 (`--reset-attention-mask`) are not carried between stages.
@@ -18,14 +20,15 @@ from functools import partial
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import checkpoint
 from megatron.model.embedding import Embedding
-from megatron.model.gpt_model import logits_from_hidden, loss_from_logits
+from megatron.model.gpt_model import logits_from_hidden, loss_from_logits, output_layer
 from megatron.model.transformer import ParallelTransformerLayer
-from megatron.model.utils import LayerNorm
+from megatron.model.utils import LayerNorm, RMSNorm
 
 EMBEDDING_KEY = "embed"
 
@@ -56,6 +59,23 @@ class LayerNormPipe(LayerNorm):
     """The final layer norm as a pipeline layer."""
 
 
+class RMSNormPipe(RMSNorm):
+    """The final RMSNorm as a pipeline layer."""
+
+
+class LMHeadPipe(nn.Module):
+    """The untied output layer as the last pipeline layer: hidden -> vocab-parallel logits."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.lm_head = output_layer(config)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[s(/tp), b, h] -> [s, b, vocab / tp]."""
+        return logits_from_hidden(hidden, self.lm_head.weight, self.config)
+
+
 def _logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
     return logits_from_hidden(hidden, embedding.word_embeddings.weight, embedding.config)
 
@@ -84,19 +104,23 @@ class GPTModelPipe(PipelineModule):
     def __init__(self, config: ModelConfig, partition_method: str = "type:transformer") -> None:
         # DeepSpeed records the tied attribute from the first spec with the key.
         tied = "word_embeddings.weight"
-        specs = [TiedLayerSpec(EMBEDDING_KEY, EmbeddingPipe, config, tied_weight_attr=tied)]
+        untied = config.untie_embeddings_and_output_weights
+        specs = [
+            LayerSpec(EmbeddingPipe, config)
+            if untied
+            else TiedLayerSpec(EMBEDDING_KEY, EmbeddingPipe, config, tied_weight_attr=tied)
+        ]
         specs += [
             LayerSpec(ParallelTransformerLayerPipe, config, number)
             for number in range(1, config.num_layers + 1)
         ]
-        specs.append(LayerSpec(LayerNormPipe, config))
+        norm = RMSNormPipe if config.normalization == "rmsnorm" else LayerNormPipe
+        specs.append(LayerSpec(norm, config))
         specs.append(
-            TiedLayerSpec(
-                EMBEDDING_KEY,
-                EmbeddingPipe,
-                config,
-                forward_fn=_logits,
-                tied_weight_attr=tied,
+            LayerSpec(LMHeadPipe, config)
+            if untied
+            else TiedLayerSpec(
+                EMBEDDING_KEY, EmbeddingPipe, config, forward_fn=_logits, tied_weight_attr=tied
             )
         )
         topology = PipeModelDataParallelTopology(
@@ -128,10 +152,16 @@ class GPTModelPipe(PipelineModule):
             super()._synchronize_tied_weights()
 
 
-def gpt_to_pipeline_name(name: str, num_layers: int) -> str:
-    """Map a `GPTModel` state-dict key to the matching `GPTModelPipe` key."""
+def gpt_to_pipeline_name(name: str, num_layers: int, tied: bool = True) -> str:
+    """Map a `GPTModel` state-dict key to the matching `GPTModelPipe` key.
+
+    `tied`: False for a model with `--untie-embeddings-and-output-weights`.
+    """
     if name.startswith("language_model.embedding."):
-        return f"tied_modules.{EMBEDDING_KEY}." + name.removeprefix("language_model.embedding.")
+        prefix = f"tied_modules.{EMBEDDING_KEY}." if tied else "0."
+        return prefix + name.removeprefix("language_model.embedding.")
+    if name == "language_model.output_layer.weight" and not tied:
+        return f"{num_layers + 2}.lm_head.weight"
     match = re.match(r"language_model\.encoder\.layers\.(\d+)\.(.+)", name)
     if match:
         return f"{int(match.group(1)) + 1}.{match.group(2)}"
@@ -145,7 +175,13 @@ def load_gpt_state_dict_into_pipeline(
 ) -> None:
     """Copy the local stage's parameters from a (same-TP) `GPTModel` state dict."""
     local = pipeline.state_dict()
+    tied = not pipeline_untied(pipeline)
     for name, tensor in state_dict.items():
-        pipe_name = gpt_to_pipeline_name(name, num_layers)
+        pipe_name = gpt_to_pipeline_name(name, num_layers, tied)
         if pipe_name in local:
             local[pipe_name].copy_(tensor)
+
+
+def pipeline_untied(pipeline: GPTModelPipe) -> bool:
+    """Whether `pipeline` has its own output layer (`--untie-embeddings-and-output-weights`)."""
+    return not pipeline.tied_modules

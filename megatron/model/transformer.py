@@ -1,10 +1,14 @@
-"""The pre-LN GPT-2 transformer: attention and MLP blocks, layers, and the layer stack.
+"""The pre-norm transformer: attention and MLP blocks, layers, and the layer stack.
 
 Activations are `[s, b, h]` (sequence first, as Megatron), which lets sequence parallelism
 split the first dimension. Module and parameter names are Megatron's, so state dicts load in
 Megatron tools: `layers.{i}.input_layernorm`, `.self_attention.query_key_value`,
 `.self_attention.dense`, `.post_attention_layernorm`, `.mlp.dense_h_to_4h`,
 `.mlp.dense_4h_to_h`, and `final_layernorm`.
+
+The GPT-2 block (LayerNorm, GeLU, learned positions) and the LLaMA block (RMSNorm, SwiGLU,
+grouped-query attention with rotary positions, no linear biases) are options of the same
+classes; see `ModelConfig`.
 """
 
 from __future__ import annotations
@@ -26,13 +30,20 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.tensor_parallel.layers import divide
 from megatron.model.attention import CoreAttention, RotaryEmbedding, apply_rotary_pos_emb
-from megatron.model.fused_ops import bias_dropout_add, bias_gelu, fuse_eagerly, fused
+from megatron.model.fused_ops import (
+    bias_dropout_add,
+    bias_gelu,
+    bias_swiglu,
+    fuse_eagerly,
+    fused,
+)
 from megatron.model.inference_params import InferenceParams
-from megatron.model.utils import LayerNorm, init_method_normal, scaled_init_method_normal
+from megatron.model.utils import build_norm, init_method_normal, scaled_init_method_normal
 
 
 def _linear_kwargs(config: ModelConfig) -> dict:
     return dict(
+        bias=config.add_bias_linear,
         sequence_parallel=config.sequence_parallel,
         use_cpu_initialization=config.use_cpu_initialization,
         params_dtype=config.torch_dtype,
@@ -40,17 +51,25 @@ def _linear_kwargs(config: ModelConfig) -> dict:
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel); returns (output, bias)."""
+    """h -> ffn (column-parallel) -> GeLU or SwiGLU -> h (row-parallel); (output, bias).
+
+    With `--swiglu` `dense_h_to_4h` is twice as wide and each TP rank's output is
+    [gate | up] of its ffn / tp channels (Megatron-DeepSpeed's layout, so its checkpoints
+    load): the TP=1 weight is [gate; up], and a rank's shard is [gate_r; up_r].
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.swiglu = config.activation == "swiglu"
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
         self.bias_gelu_fusion = config.bias_gelu_fusion
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size,
-            config.ffn_hidden_size,
+            config.ffn_hidden_size * (2 if self.swiglu else 1),
             init_method_normal(config.init_method_std),
             skip_bias_add=True,
+            # Stride 2: rank r holds blocks r and tp + r of the full [gate; up], its gate and up.
+            stride=2 if self.swiglu else 1,
             **_linear_kwargs(config),
         )
         self.dense_4h_to_h = RowParallelLinear(
@@ -64,13 +83,25 @@ class ParallelMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[s, b, h] -> ([s, b, h], bias to add after dropout's input)."""
-        intermediate, bias = self.dense_h_to_4h(hidden)  # [s, b, ffn / tp]
-        activation = fused(bias_gelu) if fuse_eagerly(hidden, self.bias_gelu_fusion) else bias_gelu
-        return self.dense_4h_to_h(activation(intermediate, bias, self.approximate))
+        intermediate, bias = self.dense_h_to_4h(hidden)  # [s, b, (2 x) ffn / tp]
+        fuse = fuse_eagerly(hidden, self.bias_gelu_fusion)
+        if self.swiglu:
+            activated = (fused(bias_swiglu) if fuse else bias_swiglu)(intermediate, bias)
+        else:
+            activated = (fused(bias_gelu) if fuse else bias_gelu)(
+                intermediate, bias, self.approximate
+            )
+        return self.dense_4h_to_h(activated)
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention over this rank's heads; returns (output, bias)."""
+    """Causal self-attention over this rank's heads; returns (output, bias).
+
+    `query_key_value` rows are grouped per key/value head, [nkv, nq / nkv + 2, hn]: each
+    group's query heads, then its key and its value (Megatron-DeepSpeed's layout; with one
+    key/value head per query head it is checkpoint version 3.0's [np, 3, hn]). A column split
+    gives each rank whole groups, so TP must divide `--num-key-value-heads`.
+    """
 
     def __init__(self, config: ModelConfig, layer_number: int) -> None:
         super().__init__()
@@ -78,14 +109,16 @@ class ParallelAttention(nn.Module):
         self.heads_per_partition = divide(
             config.num_attention_heads, world, "--num-attention-heads"
         )
+        self.groups_per_partition = divide(
+            config.num_key_value_heads, world, "--num-key-value-heads"
+        )
+        self.queries_per_group = config.num_attention_heads // config.num_key_value_heads
         self.kv_channels = config.kv_channels
         self.layer_number = layer_number
         self.recompute_core = config.recompute_granularity == "selective"
-        # Per-head interleaved rows [np, 3, hn] (checkpoint version 3.0): a column split
-        # gives each rank whole heads with their q, k and v together.
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size,
-            3 * config.projection_size,
+            config.projection_size + 2 * config.kv_projection_size,
             init_method_normal(config.init_method_std),
             **_linear_kwargs(config),
         )
@@ -115,10 +148,8 @@ class ParallelAttention(nn.Module):
         With `inference_params`, `hidden` holds the positions from its `sequence_len_offset`
         on; their keys/values join the cache and the queries attend to all cached positions.
         """
-        mixed, _ = self.query_key_value(hidden)  # [s, b, np * 3 * hn]
-        s, b = mixed.shape[:2]
-        mixed = mixed.view(s, b, self.heads_per_partition, 3 * self.kv_channels)
-        query, key, value = mixed.split(self.kv_channels, dim=-1)  # each [s, b, np, hn]
+        query, key, value = self._query_key_value(hidden)
+        s = query.size(0)
         offset = 0 if inference_params is None else inference_params.sequence_len_offset
         if self.rotary is not None:
             angles = self.rotary(s, offset)
@@ -131,6 +162,16 @@ class ParallelAttention(nn.Module):
         else:
             context = self.core_attention(query, key, value, attention_mask)  # [s, b, np*hn]
         return self.dense(context)
+
+    def _query_key_value(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[s, b, h] -> query [s, b, np, hn], key and value [s, b, nkv, hn] (this rank's)."""
+        mixed, _ = self.query_key_value(hidden)  # [s, b, nkv * (g + 2) * hn]
+        s, b = mixed.shape[:2]
+        g = self.queries_per_group
+        mixed = mixed.view(s, b, self.groups_per_partition, g + 2, self.kv_channels)
+        query, key, value = mixed.split([g, 1, 1], dim=3)
+        query = query.reshape(s, b, self.heads_per_partition, self.kv_channels)
+        return query, key.squeeze(3), value.squeeze(3)
 
     # Eager even inside a compiled layer: the recomputation runs in the backward pass, outside
     # the compiled function, so a compiled first pass would draw other dropout masks than it.
@@ -176,9 +217,9 @@ class ParallelTransformerLayer(nn.Module):
         self.sequence_parallel = config.sequence_parallel
         self.bias_dropout_fusion = config.bias_dropout_fusion
         self.torch_compile = config.torch_compile
-        self.input_layernorm = LayerNorm(config)
+        self.input_layernorm = build_norm(config)
         self.self_attention = ParallelAttention(config, layer_number)
-        self.post_attention_layernorm = LayerNorm(config)
+        self.post_attention_layernorm = build_norm(config)
         self.mlp = ParallelMLP(config)
 
     def forward(
@@ -244,7 +285,7 @@ class ParallelTransformer(nn.Module):
         numbers = layer_numbers or range(1, config.num_layers + 1)
         self.layers = nn.ModuleList(ParallelTransformerLayer(config, n) for n in numbers)
         if post_layer_norm:
-            self.final_layernorm = LayerNorm(config)
+            self.final_layernorm = build_norm(config)
 
     def _recomputed_layers(self, hidden, attention_mask):
         # uniform: recompute every group of N layers as one chunk; block: recompute each of

@@ -1,4 +1,4 @@
-"""Weight initialisers and small tensor helpers shared by the model's layers."""
+"""Weight initialisers and the normalization layers shared by the model's layers."""
 
 from __future__ import annotations
 
@@ -36,3 +36,29 @@ class LayerNorm(nn.LayerNorm):
         if config.sequence_parallel:
             mark_sequence_parallel(self.weight)
             mark_sequence_parallel(self.bias)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over h, computed in fp32 (`--normalization rmsnorm`, LLaMA's).
+
+    One parameter, `weight` (Megatron-DeepSpeed's name); under sequence parallelism its
+    gradient is summed over TP ranks, as the layer norm's.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.eps = config.layernorm_epsilon
+        self.weight = nn.Parameter(torch.ones(config.hidden_size, dtype=config.torch_dtype))
+        if config.sequence_parallel:
+            mark_sequence_parallel(self.weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., h] -> [..., h] in the input's dtype."""
+        x = hidden.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x.to(hidden.dtype) * self.weight
+
+
+def build_norm(config: ModelConfig) -> nn.Module:
+    """The layer norm `config.normalization` names: `LayerNorm` or `RMSNorm`."""
+    return RMSNorm(config) if config.normalization == "rmsnorm" else LayerNorm(config)

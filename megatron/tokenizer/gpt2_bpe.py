@@ -16,16 +16,13 @@ import re
 
 import numpy as np
 
+from megatron.tokenizer.base import TokenizerFileError
 from megatron.tokenizer.byte_encoding import bytes_to_unicode
 from megatron.tokenizer.native_bpe import build_native_engine
 
 END_OF_TEXT = "<|endoftext|>"
 # Merges file lines after '#version': two non-empty symbols separated by one space.
 _MERGES_BODY = re.compile(r"(?:[^ \n]+ [^ \n]+(?:\n|$))*")
-
-
-class TokenizerFileError(ValueError):
-    """A vocabulary or merges file cannot be used; the message names the file and line."""
 
 
 def _load_vocab(vocab_file: str) -> dict[str, int]:

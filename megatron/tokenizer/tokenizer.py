@@ -1,12 +1,85 @@
-"""`build_tokenizer(args)` and vocabulary padding, as in Megatron."""
+"""`build_tokenizer(args)` and vocabulary padding, as in Megatron.
+
+`create_tokenizer(TokenizerConfig)` builds one of Megatron's tokenizer types from its files:
+GPT2BPETokenizer (--vocab-file, --merge-file), the SentencePiece types SentencePieceTokenizer,
+GPTSentencePieceTokenizer and Llama2Tokenizer, and HFTokenizer (--tokenizer-model for those).
+"""
 
 from __future__ import annotations
 
 from argparse import Namespace
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from megatron.tokenizer.base import MODEL_FILE_TOKENIZERS, Tokenizer
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
+from megatron.tokenizer.hf_tokenizer import HFTokenizer
+from megatron.tokenizer.sentencepiece_tokenizer import (
+    GPTSentencePieceTokenizer,
+    Llama2Tokenizer,
+    SentencePieceTokenizer,
+)
 
-SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer",)
+SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer", *MODEL_FILE_TOKENIZERS)
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """Which tokenizer to build, from which files (Megatron's tokenizer flags)."""
+
+    tokenizer_type: str = "GPT2BPETokenizer"
+    """--tokenizer-type: one of SUPPORTED_TOKENIZERS."""
+    vocab_file: str | None = None
+    """--vocab-file: GPT-2's vocab.json (GPT2BPETokenizer)."""
+    merge_file: str | None = None
+    """--merge-file: GPT-2's merges.txt (GPT2BPETokenizer)."""
+    tokenizer_model: str | None = None
+    """--tokenizer-model: the SentencePiece model or Hugging Face tokenizer of the other types."""
+    vocab_extra_ids: int = 0
+    """--vocab-extra-ids: `<extra_id_N>` sentinels SentencePieceTokenizer adds (T5 style)."""
+
+    @classmethod
+    def from_args(cls, args: Namespace) -> TokenizerConfig:
+        """The tokenizer flags of a parsed namespace (absent ones take the defaults)."""
+        return cls(
+            tokenizer_type=getattr(args, "tokenizer_type", None) or "GPT2BPETokenizer",
+            vocab_file=getattr(args, "vocab_file", None),
+            merge_file=getattr(args, "merge_file", None),
+            tokenizer_model=getattr(args, "tokenizer_model", None),
+            vocab_extra_ids=getattr(args, "vocab_extra_ids", None) or 0,
+        )
+
+
+_MODEL_FILE_BUILDERS: dict[str, Callable[[TokenizerConfig], Tokenizer]] = {
+    "SentencePieceTokenizer": lambda config: SentencePieceTokenizer(
+        config.tokenizer_model, config.vocab_extra_ids
+    ),
+    "GPTSentencePieceTokenizer": lambda config: GPTSentencePieceTokenizer(config.tokenizer_model),
+    "Llama2Tokenizer": lambda config: Llama2Tokenizer(config.tokenizer_model),
+    "HFTokenizer": lambda config: HFTokenizer(config.tokenizer_model),
+}
+
+
+def create_tokenizer(config: TokenizerConfig) -> Tokenizer:
+    """The tokenizer `config` names; ValueError naming the flag for a missing or bad file."""
+    kind = config.tokenizer_type
+    if kind not in SUPPORTED_TOKENIZERS:
+        raise ValueError(
+            f"--tokenizer-type {kind} is not supported; choose one of "
+            f"{', '.join(SUPPORTED_TOKENIZERS)}"
+        )
+    if kind == "GPT2BPETokenizer":
+        if not config.vocab_file or not config.merge_file:
+            raise ValueError(
+                "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file "
+                "(the GPT-2 files are in dataset/gpt2-vocab.json and dataset/gpt2-merges.txt)"
+            )
+        return GPT2BPETokenizer(config.vocab_file, config.merge_file)
+    if not config.tokenizer_model:
+        raise ValueError(
+            f"--tokenizer-type {kind} needs --tokenizer-model ({MODEL_FILE_TOKENIZERS[kind]})"
+        )
+    return _MODEL_FILE_BUILDERS[kind](config)
 
 
 def vocab_size_with_padding(
@@ -35,26 +108,19 @@ def vocab_size_with_padding(
     return padded
 
 
-def build_tokenizer(args: Namespace) -> GPT2BPETokenizer:
+def build_tokenizer(args: Namespace) -> Tokenizer:
     """Build the tokenizer named by --tokenizer-type and set `args.padded_vocab_size`.
 
-    Reads `tokenizer_type`, `vocab_file`, `merge_file`, and optionally `rank` (only rank 0
-    logs), `make_vocab_size_divisible_by` (default 128) and `tensor_model_parallel_size`.
+    Reads the `TokenizerConfig` fields (`tokenizer_type`, `vocab_file`, `merge_file`,
+    `tokenizer_model`, `vocab_extra_ids`), and optionally `rank` (only rank 0 logs),
+    `make_vocab_size_divisible_by` (default 128) and `tensor_model_parallel_size`. Sets
+    `args.tokenizer_vocab_size` (the tokenizer's size) and `args.padded_vocab_size`.
     """
     verbose = getattr(args, "rank", 0) == 0
+    config = TokenizerConfig.from_args(args)
     if verbose:
-        print(f"> building {args.tokenizer_type} tokenizer ...", flush=True)
-    if args.tokenizer_type not in SUPPORTED_TOKENIZERS:
-        raise ValueError(
-            f"--tokenizer-type {args.tokenizer_type} is not supported; "
-            f"choose one of {', '.join(SUPPORTED_TOKENIZERS)}"
-        )
-    if not args.vocab_file or not args.merge_file:
-        raise ValueError(
-            "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file "
-            "(the GPT-2 files are in dataset/gpt2-vocab.json and dataset/gpt2-merges.txt)"
-        )
-    tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
+        print(f"> building {config.tokenizer_type} tokenizer ...", flush=True)
+    tokenizer = create_tokenizer(config)
     args.tokenizer_vocab_size = tokenizer.vocab_size  # the dataset's token ids must be below
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size,

@@ -3,6 +3,8 @@ we lack are refused in one line unless the value means "off"; shorthands expand.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron.arguments import ArgumentError, build_parser, typed_flags, validate_args
@@ -59,7 +61,6 @@ def test_a_feature_we_lack_is_refused_in_one_line_naming_the_flag(flag) -> None:
         "--num-experts 1 --moe-expert-parallel-size 1 --moe-loss-coeff 0.01 --topk 1",
         "--ds-sequence-parallel-size 1",
         "--normalization layernorm",
-        "--num-key-value-heads 4",
         "--transformer-impl local",
         "--DDP-impl torch",
         "--use-rotary-position-embeddings --no-position-embedding",
@@ -78,15 +79,64 @@ def test_the_value_that_means_off_is_accepted(extra: str) -> None:
         ("--num-experts 8 --moe-loss-coeff 0.1", "--num-experts 8"),
         ("--moe-loss-coeff 0.1 --num-experts 4", "--num-experts 4"),
         ("--ds-sequence-parallel-size 4", "--ds-sequence-parallel-size 4: DeepSpeed-Ulysses"),
-        ("--normalization rmsnorm", "--normalization rmsnorm: RMSNorm is not built here"),
-        ("--num-key-value-heads 2", "--num-key-value-heads 2: grouped-query attention"),
+        ("--squared-relu", "--squared-relu: this GPT variant is not built here"),
         ("--DDP-impl FSDP", "--DDP-impl FSDP"),
         ("--batch-size 8", "--batch-size 8: this flag is not supported here; use --micro-batch"),
-        ("--tokenizer-type GPTSentencePieceTokenizer", "--tokenizer-type GPTSentence"),
+        ("--tokenizer-type BertWordPieceCase", "--tokenizer-type BertWordPieceCase: not built"),
+        ("--tokenizer-type NullTokenizer", "--tokenizer-type NullTokenizer: not built here"),
+        (
+            "--tokenizer-type GPTSentencePieceTokenizer",
+            "--tokenizer-type GPTSentencePieceTokenizer needs --tokenizer-model",
+        ),
+        ("--tokenizer-type HFTokenizer", "--tokenizer-type HFTokenizer needs --tokenizer-model"),
     ],
 )
 def test_refusals_name_the_flag_and_value(extra: str, message: str) -> None:
     with pytest.raises(ArgumentError, match="^" + message.replace("(", r"\(")):
+        validated(extra)
+
+
+def test_llama_tokenizer_flags_are_accepted() -> None:
+    args = validated("--tokenizer-type Llama2Tokenizer --tokenizer-model ./tokenizer.model")
+    assert (args.tokenizer_type, args.tokenizer_model) == ("Llama2Tokenizer", "./tokenizer.model")
+
+
+def test_llama_architecture_flags_reach_the_model_config() -> None:
+    args = validated(
+        "--normalization RMSNorm --swiglu --group-query-attention --num-query-groups 2 "
+        "--untie-embeddings-and-output-weights --disable-bias-linear "
+        "--position-embedding-type rope --rotary-base 500000 --norm-epsilon 1e-6"
+    )
+    args.padded_vocab_size = 128
+    config = ModelConfig.from_args(args)
+    assert (config.normalization, config.activation) == ("rmsnorm", "swiglu")
+    assert config.num_key_value_heads == 2 and config.untie_embeddings_and_output_weights
+    assert not config.add_bias_linear and config.position_embedding_type == "rope"
+    assert config.rotary_base == 500000.0 and config.layernorm_epsilon == 1e-6
+    # Megatron-DeepSpeed's SwiGLU width rule: int(8h / 3 / 64) * 64.
+    assert config.ffn_hidden_size == int(4 * args.hidden_size * 2 / 3 / 64) * 64
+    nope = validated("--no-position-embedding")
+    nope.padded_vocab_size = 128
+    assert ModelConfig.from_args(nope).position_embedding_type == "none"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("--num-key-value-heads 3", "--num-attention-heads (4) is not a multiple of"),
+        ("--group-query-attention", "--group-query-attention needs --num-query-groups"),
+        (
+            "--num-key-value-heads 2 --group-query-attention --num-query-groups 1",
+            "--num-query-groups (1) contradicts --num-key-value-heads (2)",
+        ),
+        (
+            "--use-rotary-position-embeddings --position-embedding-type none",
+            "--position-embedding-type none contradicts --use-rotary-position-embeddings",
+        ),
+    ],
+)
+def test_llama_flag_mistakes_are_refused_in_one_line(extra: str, message: str) -> None:
+    with pytest.raises(ArgumentError, match="^" + re.escape(message)):
         validated(extra)
 
 

@@ -31,8 +31,6 @@ REFUSED = {
     "--deepspeed",
     # The script passes --fp16 while its config enables bf16 and disables fp16.
     "offload_pp__ds_pretrain_gpt_350M": '--fp16 (True) contradicts "fp16.enabled" (false)',
-    "pretrain_llama2_distributed": "--num-key-value-heads 4: grouped-query attention",
-    "pretrain_llama_distributed": "--normalization rmsnorm: RMSNorm is not built here",
     "sequence_parallel__ds_pretrain_gpt_1.3B_seq_parallel_32k": _ULYSSES,
     "sequence_parallel__ds_pretrain_gpt_30B_seq_parallel_32k": _ULYSSES,
     "sequence_parallel__ds_pretrain_gpt_6.7B_fpdt_32k": _ULYSSES,
@@ -85,6 +83,8 @@ def test_script_parses_and_validates_or_is_refused_in_one_line(
     ):
         if flag in argv:
             assert getattr(args, dest) == int(argv[argv.index(flag) + 1])
+    if "--tokenizer-model" in argv:  # the LLaMA scripts' GPTSentencePieceTokenizer
+        assert args.tokenizer_model == argv[argv.index("--tokenizer-model") + 1]
     if "--override-opt_param-scheduler" in argv:
         assert args.override_lr_scheduler
 

@@ -279,3 +279,55 @@ def test_zenn_config_with_optimizer_and_wandb_sections_runs_offline(
     assert len(losses) == 10 and sum(losses[-3:]) < sum(losses[:3]) - 0.6, losses
     # DeepSpeed's W&B monitor wrote an offline run.
     assert list(wandb_dir.glob("wandb/offline-run-*")), os.listdir(wandb_dir)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_dataset(sentencepiece_model: str, stdlib_texts: list[str], tmp_path_factory):
+    """The stdlib texts tokenized by tools/preprocess_data.py with the SentencePiece model."""
+    work = tmp_path_factory.mktemp("sentencepiece_data")
+    corpus = work / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in stdlib_texts))
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "tools", "preprocess_data.py")]
+        + ["--input", str(corpus), "--output-prefix", str(work / "llama")]
+        + [
+            "--tokenizer-type",
+            "GPTSentencePieceTokenizer",
+            "--tokenizer-model",
+            sentencepiece_model,
+        ]
+        + ["--append-eod", "--workers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return str(work / "llama_text_document")
+
+
+@pytest.mark.slow
+def test_llama2_distributed_torchrun_sentencepiece_gqa(
+    sentencepiece_dataset: str, sentencepiece_model: str, tmp_path
+) -> None:
+    """examples_deepspeed/pretrain_llama2_distributed.sh: torchrun with --deepspeed, bf16,
+    GPTSentencePieceTokenizer, RMSNorm, SwiGLU, untied output, no biases, rotary positions,
+    grouped-query attention (4 heads over 2 key/value heads) at TP=2."""
+    sizes = {
+        **ITERATIONS,
+        "--tensor-model-parallel-size": ["2"],
+        "--pipeline-model-parallel-size": ["1"],
+        "--ffn-hidden-size": ["128"],
+        "--num-key-value-heads": ["2"],
+        "--tokenizer-model": [sentencepiece_model],
+        "--lr-warmup-iters": ["2"],
+    }
+    output, logs, _ = _run(
+        "pretrain_llama2_distributed",
+        "torchrun",
+        sizes,
+        sentencepiece_dataset,
+        str(tmp_path),
+        False,
+    )
+    assert logs[-1]["iteration"] == 10
+    assert "> building GPTSentencePieceTokenizer tokenizer" in output

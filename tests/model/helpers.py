@@ -97,18 +97,20 @@ def loss_and_grads(
 def gather_shards(tensor: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
     """The full (unsplit) tensor of a tensor-parallel parameter's shard; others unchanged.
 
-    Uses the `partition_dim` attribute the parallel layers set (stride 1 everywhere here).
+    Uses the `partition_dim` and `partition_stride` attributes the parallel layers set: with
+    stride s each shard is s blocks, and the full tensor is block 0 of every rank, then
+    block 1 of every rank, ... (SwiGLU's [gate_r; up_r] shards give [gate; up]).
     """
     world = parallel_state.get_tensor_model_parallel_world_size()
     if world == 1 or not getattr(param, "tensor_model_parallel", False):
         return tensor.detach().clone()
-    if param.partition_stride != 1:
-        raise ValueError(f"strided partitions are not handled (stride {param.partition_stride})")
     parts = [torch.empty_like(tensor) for _ in range(world)]
     dist.all_gather(
         parts, tensor.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group()
     )
-    return torch.cat(parts, dim=param.partition_dim)
+    dim, stride = param.partition_dim, param.partition_stride
+    blocks = [part.chunk(stride, dim=dim) for part in parts]
+    return torch.cat([blocks[rank][j] for j in range(stride) for rank in range(world)], dim=dim)
 
 
 def full_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

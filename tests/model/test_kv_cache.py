@@ -3,7 +3,7 @@
 A model run over a whole sequence and the same model fed the sequence in pieces (one token
 at a time, a prompt then single tokens, or several multi-token chunks on a non-empty cache)
 must give the same logits at every position, for each attention backend and both kinds of
-position embedding.
+position embedding, and grouped-query attention (whose cache holds only the key/value heads).
 """
 
 from __future__ import annotations
@@ -21,6 +21,18 @@ VARIANTS = {
     "unfused-layer-scaling": dict(attention_backend="unfused", apply_query_key_layer_scaling=True),
     "sdpa-rope": dict(position_embedding_type="rope"),
     "unfused-rope": dict(attention_backend="unfused", position_embedding_type="rope"),
+    # LLaMA-style: the cache holds the 2 key/value heads, not the 4 query heads.
+    "sdpa-llama": dict(
+        position_embedding_type="rope",
+        normalization="rmsnorm",
+        activation="swiglu",
+        num_key_value_heads=2,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+    ),
+    "unfused-mqa": dict(
+        attention_backend="unfused", position_embedding_type="rope", num_key_value_heads=1
+    ),
 }
 SPLITS = {
     "token-by-token": [1] * SEQ,

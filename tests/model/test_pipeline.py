@@ -64,8 +64,13 @@ def reference_loss(model: torch.nn.Module) -> torch.Tensor:
     return total / MICRO_BATCHES
 
 
-def pipeline_body(rank: int, world: int, tp: int) -> dict[str, object]:
-    """One eval batch and one train step through DeepSpeed, and the same by hand."""
+def pipeline_body(
+    rank: int, world: int, tp: int, overrides: dict | None = None
+) -> dict[str, object]:
+    """One eval batch and one train step through DeepSpeed, and the same by hand.
+
+    `overrides` replace fields of `CONFIG` (the LLaMA-style options in test_llama.py).
+    """
     import deepspeed
 
     from megatron.model.pipeline import (
@@ -77,12 +82,13 @@ def pipeline_body(rank: int, world: int, tp: int) -> dict[str, object]:
     deepspeed.init_distributed(dist_backend="gloo")
     parallel_state.initialize_model_parallel(tp, 2)
     model_parallel_cuda_manual_seed(3)
-    config = ModelConfig(**CONFIG)
+    config = ModelConfig(**{**CONFIG, **(overrides or {})})
     reference = build_model(config)
     reference_state = reference.state_dict()
-    mapping = {name: gpt_to_pipeline_name(name, LAYERS) for name in reference_state}
+    tied = not config.untie_embeddings_and_output_weights
+    mapping = {name: gpt_to_pipeline_name(name, LAYERS, tied) for name in reference_state}
     try:
-        gpt_to_pipeline_name("language_model.output_layer.weight", LAYERS)
+        gpt_to_pipeline_name("language_model.output_layer.weight", LAYERS, tied=True)
         unknown_name_error = None
     except KeyError as error:
         unknown_name_error = str(error)
@@ -149,8 +155,12 @@ def pipeline_body(rank: int, world: int, tp: int) -> dict[str, object]:
         "reference_next": reference_next.item(),
         "updated": updated,
         "first_position_table": (
-            pipe_state[mapping[EMBEDDING_KEYS[1]]].clone(),
-            reference.state_dict()[EMBEDDING_KEYS[1]].clone(),
+            (
+                pipe_state[mapping[EMBEDDING_KEYS[1]]].clone(),
+                reference.state_dict()[EMBEDDING_KEYS[1]].clone(),
+            )
+            if EMBEDDING_KEYS[1] in reference_state
+            else None
         ),
     }
 

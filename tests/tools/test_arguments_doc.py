@@ -88,7 +88,7 @@ def test_help_defaults_expand_and_pipes_are_escaped():
 def test_real_help_defaults_expand(rendered: str):
     """The %(default)s fields of our own flags are filled in, none left raw."""
     assert "Fraction of each head's channels that RoPE rotates (default: 1.0)." in rendered
-    assert "Tokenizer; only GPT2BPETokenizer is built here" in rendered
+    assert "Tokenizer (default: GPT2BPETokenizer, from --vocab-file/--merge-file)" in rendered
     assert "%(" not in rendered
 
 

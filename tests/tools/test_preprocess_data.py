@@ -378,8 +378,7 @@ def test_spawn_workers_write_the_same_bytes(corpus, tmp_path):
         )
         config = preprocess_data.EncoderConfig(
             json_keys=args.json_keys,
-            vocab_file=args.vocab_file,
-            merge_file=args.merge_file,
+            tokenizer=preprocess_data.TokenizerConfig.from_args(args),
             append_eod=True,
         )
         level_outputs = {
@@ -405,6 +404,19 @@ BAD_RUNS = {
     "directory_input": (["--input", "{d}/sub"], ["--input {d}/sub: is a directory"]),
     "bad_line": (["--input", "{bad}"], ["{bad}:2: malformed JSON", "--skip-bad-lines"]),
     "tokenizer_type": (["--input", "{ok}", "--tokenizer-type", "Foo"], ["--tokenizer-type"]),
+    "no_tokenizer_model": (
+        ["--input", "{ok}", "--tokenizer-type", "Llama2Tokenizer"],
+        ["--tokenizer-type Llama2Tokenizer needs --tokenizer-model"],
+    ),
+    "missing_tokenizer_model": (
+        ["--input", "{ok}", "--tokenizer-type", "HFTokenizer", "--tokenizer-model", "{d}/t.json"],
+        ["--tokenizer-model {d}/t.json: no such file"],
+    ),
+    "bad_tokenizer_model": (
+        ["--input", "{ok}", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model"]
+        + ["{binary}"],
+        ["--tokenizer-model {binary}: not a SentencePiece model"],
+    ),
     "merges_not_utf8": (["--input", "{ok}", "--merge-file", "{binary}"], ["--merge-file {binary}"]),
     "workers_not_int": (["--input", "{ok}", "--workers", "x"], ["--workers", "'x'"]),
 }
