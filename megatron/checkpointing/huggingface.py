@@ -1,6 +1,11 @@
-"""Our GPT-2 weights and flags <-> Hugging Face `GPT2LMHeadModel` names, layouts and config.
+"""Which Hugging Face model computes a checkpoint's; GPT-2 <-> `GPT2LMHeadModel` conversion.
 
-Pure torch and plain dicts (the tools in tools/checkpoint/ import `transformers`):
+`hf_architecture(config)` picks `GPT2LMHeadModel` (LayerNorm, GeLU, learned positions, biases,
+tied output layer) or `LlamaForCausalLM` (RMSNorm, SwiGLU, RoPE: see `huggingface_llama.py`)
+and refuses, in one line naming what differs, a model neither computes exactly.
+
+GPT-2 conversion, pure torch and plain dicts (the tools in tools/checkpoint/ import
+`transformers`):
 
 - HF's `Conv1D` stores weights [in, out], the transpose of our `Linear` [out, in];
 - HF's `c_attn` output columns are [q (all heads) | k | v], [3, np, hn]; our
@@ -12,13 +17,17 @@ Pure torch and plain dicts (the tools in tools/checkpoint/ import `transformers`
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import torch
 
+from megatron.checkpointing.huggingface_llama import ARCHITECTURE as LLAMA
+from megatron.checkpointing.huggingface_llama import llama_differences
 from megatron.checkpointing.layouts import CheckpointConversionError
+from megatron.checkpointing.shapes import model_config  # noqa: F401 - the tools import it here
 from megatron.config import ModelConfig
+
+GPT2 = "GPT2LMHeadModel"
 
 TO_HF_ACTIVATION = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 FROM_HF_ACTIVATION = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -49,39 +58,59 @@ _IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 """Causal-mask buffers older transformers versions saved with the weights."""
 
 
-def model_config(args: dict[str, Any]) -> ModelConfig:
-    """The `ModelConfig` a checkpoint's args build (the same rule `pretrain_gpt.py` uses)."""
-    namespace = argparse.Namespace(**{"padded_vocab_size": 1, **args})
-    try:
-        return ModelConfig.from_args(namespace)
-    except (AttributeError, ValueError) as error:
-        raise CheckpointConversionError(
-            f"the checkpoint's args do not describe a model: {error}"
-        ) from None
-
-
-def check_hf_compatible(config: ModelConfig) -> None:
-    """Raise unless Hugging Face's GPT-2 computes exactly what `config` describes."""
+def gpt2_differences(config: ModelConfig) -> list[str]:
+    """What in `config` Hugging Face's GPT-2 cannot compute (empty: it converts exactly)."""
+    differences = []
     if config.position_embedding_type != "learned_absolute":
-        raise CheckpointConversionError(
-            f"position embeddings {config.position_embedding_type!r} (rotary) have no GPT-2 "
-            "counterpart in Hugging Face transformers; only learned absolute positions convert"
+        kind = " (rotary)" if config.position_embedding_type == "rope" else ""
+        differences.append(
+            f"position embeddings {config.position_embedding_type!r}{kind} (GPT-2: learned "
+            "absolute)"
         )
     if config.activation not in TO_HF_ACTIVATION:
-        raise CheckpointConversionError(f"activation {config.activation!r} has no GPT-2 form")
-    if config.kv_channels * config.num_attention_heads != config.hidden_size:
-        raise CheckpointConversionError(
-            f"kv_channels {config.kv_channels} x num_attention_heads "
-            f"{config.num_attention_heads} != hidden_size {config.hidden_size}: GPT-2 needs "
-            "head width = hidden / heads"
+        differences.append(f"activation {config.activation!r} (GPT-2: a GeLU)")
+    if config.normalization != "layernorm":
+        differences.append(f"normalization {config.normalization!r} (GPT-2: layernorm)")
+    if config.num_key_value_heads != config.num_attention_heads:
+        differences.append(
+            f"num_key_value_heads {config.num_key_value_heads} (GPT-2: one per query head)"
         )
+    if config.untie_embeddings_and_output_weights:
+        differences.append("an untied output layer (GPT-2: tied to the word embeddings)")
+    if not config.add_bias_linear:
+        differences.append("no linear biases (GPT-2: biases)")
+    if config.kv_channels * config.num_attention_heads != config.hidden_size:
+        differences.append(
+            f"kv_channels {config.kv_channels} x num_attention_heads "
+            f"{config.num_attention_heads} != hidden_size {config.hidden_size} (GPT-2: head "
+            "width = hidden / heads)"
+        )
+    return differences
+
+
+def hf_architecture(config: ModelConfig) -> str:
+    """`GPT2LMHeadModel` or `LlamaForCausalLM`: the Hugging Face class computing `config`'s model.
+
+    Raises, naming what differs from the closer of the two, when neither does exactly.
+    """
+    candidates = {GPT2: gpt2_differences(config), LLAMA: llama_differences(config)}
+    for name, differences in candidates.items():
+        if not differences:
+            return name
+    name = min(candidates, key=lambda n: len(candidates[n]))
+    raise CheckpointConversionError(
+        f"no Hugging Face model computes this checkpoint's exactly; the closest, {name}, "
+        f"differs in: {'; '.join(candidates[name])}"
+    )
 
 
 def hf_config_kwargs(
     config: ModelConfig, true_vocab_size: int, eod_token_id: int = EOD_TOKEN_ID
 ) -> dict[str, Any]:
     """`GPT2Config(**kwargs)` for a model of `config` with the tokenizer's vocabulary."""
-    check_hf_compatible(config)
+    differences = gpt2_differences(config)
+    if differences:
+        raise CheckpointConversionError(f"{GPT2} cannot compute {'; '.join(differences)}")
     return dict(
         architectures=["GPT2LMHeadModel"],
         vocab_size=true_vocab_size,
@@ -181,8 +210,12 @@ def megatron_args_from_hf(
 ) -> dict[str, Any]:
     """Checkpoint args (Megatron flag names) that rebuild the GPT-2 of `hf_config` (a dict)."""
     activation = FROM_HF_ACTIVATION.get(hf_config.get("activation_function", "gelu_new"))
+    if hf_config.get("model_type") != "gpt2":
+        raise CheckpointConversionError(
+            f"config.json has model_type={hf_config.get('model_type')!r}; only 'gpt2' and "
+            "'llama' convert"
+        )
     problems = {
-        "model_type": (hf_config.get("model_type"), "gpt2"),
         "scale_attn_weights": (hf_config.get("scale_attn_weights", True), True),
         "scale_attn_by_inverse_layer_idx": (
             hf_config.get("scale_attn_by_inverse_layer_idx", False),

@@ -12,7 +12,8 @@ DeepSpeed layout (`engine.save_checkpoint`)::
     {dir}/{tag}/mp_rank_{tp:02d}_model_states.pt   `module` (flat GPTModel names) + client state
     {dir}/{tag}/layer_{idx:02d}-model_{tp:02d}-model_states.pt   pipeline engine: `module` is
         None and layer idx holds that layer's own keys (0 embedding, 1..L transformer layers,
-        L+1 final norm; the tied logits layer L+2 is not written)
+        L+1 final norm, L+2 the untied output layer `lm_head.weight`; the tied logits layer
+        L+2 is not written)
     {dir}/{tag}/zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt   ZeRO-3: placeholders
 
 The tensor arithmetic (merging shards, renumbering pipeline layers) lives in
@@ -218,18 +219,22 @@ def _deepspeed_sizes(metadata: dict[str, Any]) -> tuple[int, int]:
 
 
 def _pipeline_layer_name(layer: int, num_layers: int, key: str) -> str:
-    """GPTModel name of key `key` of pipeline layer `layer` (0 .. num_layers + 1)."""
+    """GPTModel name of key `key` of pipeline layer `layer` (0 .. num_layers + 2)."""
     if layer == 0:
         return "language_model.embedding." + key
     if layer <= num_layers:
         return f"language_model.encoder.layers.{layer - 1}.{key}"
-    return "language_model.encoder.final_layernorm." + key
+    if layer == num_layers + 1:
+        return "language_model.encoder.final_layernorm." + key
+    return "language_model.output_layer." + key.removeprefix("lm_head.")
 
 
 def _read_pipeline_layers(directory: str, tp_rank: int, num_layers: int) -> dict[str, Any]:
     flat: dict[str, Any] = {}
-    for layer in range(num_layers + 2):
+    for layer in range(num_layers + 3):
         path = deepspeed_layer_file(directory, layer, tp_rank)
+        if layer == num_layers + 2 and not os.path.isfile(path):
+            break  # tied output layer: DeepSpeed writes the embedding once, as layer 0
         if not os.path.isfile(path):
             raise CheckpointConversionError(
                 f"missing shard file {path} (pipeline layer {layer} of tensor-parallel rank "

@@ -6,30 +6,40 @@ match its own args fails with the parameter and the flags named instead of deep 
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import torch
 
 from megatron.checkpointing.layouts import CheckpointConversionError
+from megatron.config import ModelConfig
 
 WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"
+OUTPUT_LAYER = "language_model.output_layer.weight"
+"""The untied output layer (`--untie-embeddings-and-output-weights`), vocab-parallel."""
 
 
-def uses_rope(args: dict[str, Any]) -> bool:
-    """Whether the checkpoint's flags select rotary position embeddings."""
-    return bool(args.get("use_rotary_position_embeddings")) or (
-        args.get("position_embedding_type") == "rope"
-    )
+def model_config(args: dict[str, Any]) -> ModelConfig:
+    """The `ModelConfig` a checkpoint's args build (the same rule `pretrain_gpt.py` uses)."""
+    defaults = {"padded_vocab_size": 1, "max_position_embeddings": args.get("seq_length")}
+    namespace = argparse.Namespace(**{**defaults, **args})
+    try:
+        return ModelConfig.from_args(namespace)
+    except (AttributeError, TypeError, ValueError) as error:
+        raise CheckpointConversionError(
+            f"the checkpoint's args do not describe a model: {error}"
+        ) from None
 
 
 def model_dims(args: dict[str, Any]) -> dict[str, int]:
-    """num_layers, hidden, heads, kv_channels, ffn and max_positions from checkpoint args."""
+    """num_layers, hidden, heads, kv_heads, kv_channels, ffn and max_positions from args."""
     try:
         hidden, heads = int(args["hidden_size"]), int(args["num_attention_heads"])
         dims = {"num_layers": int(args["num_layers"]), "hidden": hidden, "heads": heads}
     except (KeyError, TypeError) as error:
         raise CheckpointConversionError(f"the checkpoint's args lack {error}") from None
+    dims["kv_heads"] = int(args.get("num_key_value_heads") or heads)
     dims["kv_channels"] = int(args.get("kv_channels") or hidden // heads)
     dims["ffn"] = int(args.get("ffn_hidden_size") or 4 * hidden)
     dims["max_positions"] = int(args.get("max_position_embeddings") or args.get("seq_length") or 0)
@@ -37,31 +47,45 @@ def model_dims(args: dict[str, Any]) -> dict[str, int]:
 
 
 def expected_shapes(args: dict[str, Any], vocab_rows: int) -> dict[str, tuple[int, ...]]:
-    """The full (TP=1) shape of every GPTModel parameter the args describe."""
-    d = model_dims(args)
-    h, qkv = d["hidden"], 3 * d["heads"] * d["kv_channels"]
+    """The full (TP=1) shape of every GPTModel parameter the args describe.
+
+    QKV rows are grouped per key/value head ([nkv, nq/nkv + 2, hn]); with SwiGLU
+    `dense_h_to_4h` holds the gate rows, then the up rows ([2 ffn, h]).
+    """
+    d, config = model_dims(args), model_config(args)
+    h, hn = d["hidden"], d["kv_channels"]
+    qkv, ffn = (d["heads"] + 2 * d["kv_heads"]) * hn, d["ffn"]
+    h_to_4h = 2 * ffn if config.activation == "swiglu" else ffn
     shapes: dict[str, tuple[int, ...]] = {WORD_EMBEDDINGS: (vocab_rows, h)}
-    if not uses_rope(args):
+    if config.position_embedding_type == "learned_absolute":
         shapes[POSITION_EMBEDDINGS] = (d["max_positions"], h)
     layer = {
         "input_layernorm.weight": (h,),
-        "input_layernorm.bias": (h,),
         "self_attention.query_key_value.weight": (qkv, h),
-        "self_attention.query_key_value.bias": (qkv,),
-        "self_attention.dense.weight": (h, qkv // 3),
-        "self_attention.dense.bias": (h,),
+        "self_attention.dense.weight": (h, d["heads"] * hn),
         "post_attention_layernorm.weight": (h,),
-        "post_attention_layernorm.bias": (h,),
-        "mlp.dense_h_to_4h.weight": (d["ffn"], h),
-        "mlp.dense_h_to_4h.bias": (d["ffn"],),
-        "mlp.dense_4h_to_h.weight": (h, d["ffn"]),
-        "mlp.dense_4h_to_h.bias": (h,),
+        "mlp.dense_h_to_4h.weight": (h_to_4h, h),
+        "mlp.dense_4h_to_h.weight": (h, ffn),
     }
+    if config.normalization == "layernorm":
+        layer.update({"input_layernorm.bias": (h,), "post_attention_layernorm.bias": (h,)})
+    if config.add_bias_linear:
+        layer.update(
+            {
+                "self_attention.query_key_value.bias": (qkv,),
+                "self_attention.dense.bias": (h,),
+                "mlp.dense_h_to_4h.bias": (h_to_4h,),
+                "mlp.dense_4h_to_h.bias": (h,),
+            }
+        )
     for number in range(d["num_layers"]):
         for key, shape in layer.items():
             shapes[f"language_model.encoder.layers.{number}.{key}"] = shape
     shapes["language_model.encoder.final_layernorm.weight"] = (h,)
-    shapes["language_model.encoder.final_layernorm.bias"] = (h,)
+    if config.normalization == "layernorm":
+        shapes["language_model.encoder.final_layernorm.bias"] = (h,)
+    if config.untie_embeddings_and_output_weights:
+        shapes[OUTPUT_LAYER] = (vocab_rows, h)
     return shapes
 
 
@@ -72,15 +96,16 @@ def check_shapes(state: dict[str, torch.Tensor], args: dict[str, Any], source: s
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise CheckpointConversionError(
-            f"{source} does not match its args (num_layers, position embeddings): missing "
+            f"{source} does not match its args (num_layers, position embeddings, normalization, "
+            f"add_bias_linear, untie_embeddings_and_output_weights): missing "
             f"{missing[:3]}, unexpected {unexpected[:3]}"
         )
     for name, shape in expected.items():
         if tuple(state[name].shape) != shape:
             raise CheckpointConversionError(
                 f"{source}: {name} has shape {tuple(state[name].shape)}, but the checkpoint's "
-                f"args (hidden_size, num_attention_heads, kv_channels, ffn_hidden_size, "
-                f"max_position_embeddings) give {shape}"
+                f"args (hidden_size, num_attention_heads, num_key_value_heads, kv_channels, "
+                f"ffn_hidden_size, swiglu, max_position_embeddings) give {shape}"
             )
 
 

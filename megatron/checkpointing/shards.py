@@ -7,17 +7,23 @@ A `DenseCheckpoint` holds the flat `GPTModel.state_dict()` names of the whole mo
 shards concatenated, pipeline stages joined, vocabulary trimmed to the tokenizer's size).
 Each parameter is split the way the parallel layers split it:
 
-- vocab-parallel rows (dim 0): `word_embeddings.weight`, padded first (the source's dummy
-  rows when they were kept, see `DenseCheckpoint.vocab_padding`, then zero rows);
+- vocab-parallel rows (dim 0): `word_embeddings.weight` and the untied `output_layer.weight`,
+  padded first (the source's dummy rows when they were kept, see
+  `DenseCheckpoint.vocab_padding`, then zero rows);
 - column-parallel rows (dim 0): `query_key_value` and `dense_h_to_4h` weights and biases; the
-  QKV rows are per-head interleaved ([np, 3, hn], checkpoint version 3.0), so a contiguous
-  chunk holds whole heads;
+  QKV rows are grouped per key/value head ([nkv, nq/nkv + 2, hn]: a group's query heads, then
+  its key and its value head; [np, 3, hn] without GQA, checkpoint version 3.0), so a
+  contiguous chunk holds whole groups. With SwiGLU each rank's `dense_h_to_4h` is its gate
+  rows, then its up rows: the dense tensor is [gate; up] and each half is split on its own.
+  A SwiGLU MLP is told by its shapes (`dense_h_to_4h` has twice as many rows as
+  `dense_4h_to_h` has columns; for GeLU they are equal), so no caller can forget it;
 - row-parallel columns (dim 1): `self_attention.dense.weight`, `mlp.dense_4h_to_h.weight`;
-- replicated: layer norms, position embeddings, and the row-parallel biases.
+- replicated: layer norms (LayerNorm or RMSNorm), position embeddings, the row-parallel biases.
 
 Pipeline stage p of PP holds layers [p L/PP, (p+1) L/PP); the first stage also the embedding,
-the last the final layer norm and (PP > 1) `word_embeddings_for_head`, the tied copy of the
-word embeddings. In Megatron's files each stage numbers its layers from 0.
+the last the final layer norm and either the untied `output_layer` or (PP > 1)
+`word_embeddings_for_head`, the tied copy of the word embeddings. In Megatron's files each
+stage numbers its layers from 0.
 
 Optimizer and RNG state are not carried: resharding optimizer state is what DeepSpeed's
 universal checkpoint is for.
@@ -50,16 +56,19 @@ from megatron.checkpointing.layouts import (
     write_megatron_directory,
 )
 from megatron.checkpointing.shapes import (
+    OUTPUT_LAYER,
     POSITION_EMBEDDINGS,
     WORD_EMBEDDINGS,
     check_shapes,
+    model_config,
     model_dims,
     resolve_true_vocab_size,
 )
+from megatron.config import ModelConfig
 from megatron.tokenizer.tokenizer import vocab_size_with_padding
 
 HEAD_WEIGHT = HEAD_KEY + ".weight"
-VOCAB_PARALLEL = (WORD_EMBEDDINGS, HEAD_WEIGHT)
+VOCAB_PARALLEL = (WORD_EMBEDDINGS, HEAD_WEIGHT, OUTPUT_LAYER)
 COLUMN_PARALLEL = (
     ".self_attention.query_key_value.weight",
     ".self_attention.query_key_value.bias",
@@ -108,6 +117,8 @@ class DenseCheckpoint:
 
     Written back first when padding again, so a checkpoint converted to the same padded size
     continues training exactly (the dummy logits are part of the softmax); None: zeros."""
+    output_layer_padding: torch.Tensor | None = None
+    """The same rows of the untied output layer (None: zeros, or no output layer)."""
 
 
 # --- tensor-parallel splits ------------------------------------------------------------------
@@ -122,6 +133,62 @@ def partition_dim(name: str) -> int | None:
     if name.endswith(REPLICATED):
         return None
     raise CheckpointConversionError(f"no tensor-parallel rule for parameter {name!r}")
+
+
+def check_tp_divides(config: ModelConfig, tp_size: int) -> None:
+    """Raise unless `tp_size` splits the model's heads, key/value heads and MLP evenly."""
+    for name, size in (
+        ("num_attention_heads", config.num_attention_heads),
+        ("num_key_value_heads", config.num_key_value_heads),
+        ("ffn_hidden_size", config.ffn_hidden_size),
+    ):
+        if size % tp_size != 0:
+            raise CheckpointConversionError(
+                f"tensor-parallel size {tp_size} does not divide {name} {size}"
+            )
+
+
+def swiglu_tensors(state: dict[str, torch.Tensor]) -> set[str]:
+    """The `dense_h_to_4h` weights and biases of `state` (whole or one rank's) that are SwiGLU's.
+
+    SwiGLU's `dense_h_to_4h` has twice as many rows as `dense_4h_to_h` has columns (gate and
+    up); a GeLU MLP's are equal.
+    """
+    found = set()
+    for name, tensor in state.items():
+        if name.endswith(".mlp.dense_h_to_4h.weight"):
+            prefix = name.removesuffix("dense_h_to_4h.weight")
+            down = state.get(prefix + "dense_4h_to_h.weight")
+            if down is not None and tensor.size(0) == 2 * down.size(1):
+                found.update((name, prefix + "dense_h_to_4h.bias"))
+    return found
+
+
+def _chunk(name: str, tensor: torch.Tensor, tp: int, swiglu: bool) -> list:
+    """The `tp` tensor-parallel shards of full tensor `name` (replicated: `tp` copies)."""
+    dim = partition_dim(name)
+    if dim is None:
+        return [tensor] * tp
+    halves = tensor.chunk(2, dim=0) if swiglu else [tensor]
+    for half in halves:
+        if half.size(dim) % tp != 0:
+            raise CheckpointConversionError(
+                f"{name} has size {half.size(dim)} along dim {dim}, which tensor-parallel "
+                f"size {tp} does not divide"
+            )
+    parts = [half.chunk(tp, dim=dim) for half in halves]
+    return [torch.cat([part[rank] for part in parts], dim=dim) for rank in range(tp)]
+
+
+def _join(name: str, parts: Sequence[torch.Tensor], swiglu: bool) -> torch.Tensor:
+    """The full tensor `name` from its tensor-parallel shards (replicated: rank 0's)."""
+    dim = partition_dim(name)
+    if dim is None:
+        return parts[0].clone()
+    if not swiglu:
+        return torch.cat(list(parts), dim=dim)
+    halves = [part.chunk(2, dim=0) for part in parts]  # each rank: [gate_r; up_r]
+    return torch.cat([half[0] for half in halves] + [half[1] for half in halves])
 
 
 def _resize_vocab(state: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
@@ -140,11 +207,15 @@ def _resize_vocab(state: dict[str, torch.Tensor], rows: int) -> dict[str, torch.
 
 
 def shard_state_dict(
-    dense: dict[str, torch.Tensor], tp_size: int, tp_rank: int, padded_vocab_size: int
+    dense: dict[str, torch.Tensor],
+    tp_size: int,
+    tp_rank: int,
+    padded_vocab_size: int,
 ) -> dict[str, torch.Tensor]:
     """The GPTModel state dict of tensor-parallel rank `tp_rank` of `tp_size`.
 
     The vocabulary is padded with zero rows to `padded_vocab_size` before it is split.
+    Attention heads are not counted here: `check_tp_divides` checks a model's split.
     """
     if not 0 <= tp_rank < tp_size:
         raise CheckpointConversionError(f"tensor-parallel rank {tp_rank} not in [0, {tp_size})")
@@ -154,26 +225,18 @@ def shard_state_dict(
             f"padded vocabulary size {padded_vocab_size} is smaller than the {rows} rows of "
             f"{WORD_EMBEDDINGS}"
         )
-    padded = _resize_vocab(dense, padded_vocab_size)
-    shard = {}
-    for name, tensor in padded.items():
-        dim = partition_dim(name)
-        if dim is None:
-            shard[name] = tensor.clone()
-            continue
-        if tensor.size(dim) % tp_size != 0:
-            raise CheckpointConversionError(
-                f"{name} has size {tensor.size(dim)} along dim {dim}, which tensor-parallel "
-                f"size {tp_size} does not divide"
-            )
-        shard[name] = tensor.chunk(tp_size, dim=dim)[tp_rank].clone()
-    return shard
+    padded, swiglu = _resize_vocab(dense, padded_vocab_size), swiglu_tensors(dense)
+    return {
+        name: _chunk(name, tensor, tp_size, name in swiglu)[tp_rank].clone()
+        for name, tensor in padded.items()
+    }
 
 
 def merge_tp_shards(shards: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Concatenate the state dicts of all TP ranks (replicated tensors from rank 0).
 
-    The vocabulary stays padded; see `DenseCheckpoint` for the trimmed form.
+    The vocabulary stays padded; see `DenseCheckpoint` for the trimmed form. SwiGLU's
+    `dense_h_to_4h` joins the ranks' gate halves, then their up halves.
     """
     names = list(shards[0])
     for rank, shard in enumerate(shards[1:], start=1):
@@ -182,12 +245,8 @@ def merge_tp_shards(shards: Sequence[dict[str, torch.Tensor]]) -> dict[str, torc
             raise CheckpointConversionError(
                 f"tensor-parallel rank {rank} holds other parameters than rank 0 ({extra} ...)"
             )
-    merged = {}
-    for name in names:
-        dim = partition_dim(name)
-        parts = [shard[name] for shard in shards]
-        merged[name] = parts[0].clone() if dim is None else torch.cat(parts, dim=dim)
-    return merged
+    swiglu = swiglu_tensors(shards[0])
+    return {name: _join(name, [shard[name] for shard in shards], name in swiglu) for name in names}
 
 
 # --- pipeline stages -------------------------------------------------------------------------
@@ -222,8 +281,9 @@ def pipeline_stage_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The parameters stage `pp_rank` of `pp_size` holds, global layer numbers.
 
-    First stage: the embeddings; last stage: the final layer norm and, when PP > 1,
-    `word_embeddings_for_head.weight` (the tied output copy). Write it in Megatron's files with
+    First stage: the embeddings; last stage: the final layer norm and the untied output layer,
+    or, when PP > 1, `word_embeddings_for_head.weight` (the tied output copy). Write it in
+    Megatron's files with
     `nest_model_state(renumber_layers(stage, -stage_layers(...).start))`.
     """
     layers = stage_layers(num_layers, pp_size, pp_rank)
@@ -235,13 +295,14 @@ def pipeline_stage_state_dict(
             keep = int(match.group(2)) in layers
         elif name.startswith("language_model.embedding."):
             keep = first
-        elif name.startswith("language_model.encoder.final_layernorm."):
+        elif name.startswith("language_model.encoder.final_layernorm.") or name == OUTPUT_LAYER:
             keep = last
         else:
             raise CheckpointConversionError(f"no pipeline stage holds parameter {name!r}")
         if keep:
             stage[name] = tensor
-    if last and pp_size > 1 and WORD_EMBEDDINGS in flat_tp_rank_state:
+    tied = OUTPUT_LAYER not in flat_tp_rank_state
+    if last and pp_size > 1 and tied and WORD_EMBEDDINGS in flat_tp_rank_state:
         stage[HEAD_WEIGHT] = flat_tp_rank_state[WORD_EMBEDDINGS]
     return stage
 
@@ -331,8 +392,10 @@ def load_dense_checkpoint(
     number = located.iteration
     if number is None or located.release:
         number = 0 if located.release else int(metadata.get("iteration", 0))
+    output = merged.get(OUTPUT_LAYER)
     return DenseCheckpoint(
         vocab_padding=merged[WORD_EMBEDDINGS][vocab:].clone(),
+        output_layer_padding=None if output is None else output[vocab:].clone(),
         state_dict=_resize_vocab(merged, vocab),
         args=args,
         iteration=number,
@@ -370,19 +433,12 @@ def save_megatron_checkpoint(
     Iteration 0 is written as `release`. Nothing is touched when `save_dir` already holds a
     checkpoint (unless `overwrite`) or when the model cannot be split this way.
     """
-    dims = model_dims(dense.args)
+    dims, config = model_dims(dense.args), model_config(dense.args)
     if tp_size < 1 or pp_size < 1:
         raise CheckpointConversionError(
             f"parallel sizes must be >= 1, got TP {tp_size} PP {pp_size}"
         )
-    if dims["heads"] % tp_size != 0:
-        raise CheckpointConversionError(
-            f"tensor-parallel size {tp_size} does not divide num_attention_heads {dims['heads']}"
-        )
-    if dims["ffn"] % tp_size != 0:
-        raise CheckpointConversionError(
-            f"tensor-parallel size {tp_size} does not divide ffn_hidden_size {dims['ffn']}"
-        )
+    check_tp_divides(config, tp_size)
     stage_layers(dims["num_layers"], pp_size, 0)  # raises unless PP divides the layers
     check_shapes(dense.state_dict, dense.args, "the model to save")
     divisible = (
@@ -394,9 +450,12 @@ def save_megatron_checkpoint(
     )
     release = dense.iteration == 0
     state = dict(dense.state_dict)
-    if dense.vocab_padding is not None:  # the source's dummy rows first, then zeros
-        kept = dense.vocab_padding[: padded - dense.true_vocab_size]
-        state[WORD_EMBEDDINGS] = torch.cat([state[WORD_EMBEDDINGS], kept])
+    for name, rows in (
+        (WORD_EMBEDDINGS, dense.vocab_padding),
+        (OUTPUT_LAYER, dense.output_layer_padding),
+    ):
+        if rows is not None and name in state:  # the source's dummy rows first, then zeros
+            state[name] = torch.cat([state[name], rows[: padded - dense.true_vocab_size]])
     files = {}
     for tp_rank in range(tp_size):
         shard = shard_state_dict(state, tp_size, tp_rank, padded)

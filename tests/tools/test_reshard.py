@@ -1,8 +1,10 @@
 """tools/checkpoint/reshard.py: TP/PP resharding, and DeepSpeed checkpoints of real runs.
 
-A random GPT saved at TP=2 is resharded TP=2 -> TP=1 -> TP=4: the weights stay bit-identical,
-and the TP=2 and TP=4 files, loaded rank by rank into the tensor-parallel GPTModel in one
-spawned 4-rank gloo world, give the dense model's logits. Two real `pretrain_gpt.py
+A random GPT-2 saved at TP=2, and a random LLaMA-style model (RMSNorm, SwiGLU, 8 query and 4
+key/value heads, RoPE, untied output layer, no linear biases) saved at TP=2 x PP=2, are
+resharded to TP=1 -> TP=4 -> TP=2: the weights stay bit-identical, and the TP=2 and TP=4
+files, loaded rank by rank into the tensor-parallel GPTModel in one spawned 4-rank gloo world,
+give the dense model's logits. Two real `pretrain_gpt.py
 --deepspeed` runs with ZeRO-1 (TP=2 on the non-pipeline engine; PP=2 in bf16 on the pipeline
 engine, whose files carry DeepSpeed's bf16 optimizer metadata) are converted to Megatron's
 layout with the weights of the DeepSpeed files, bit for bit.
@@ -35,7 +37,7 @@ from tests.one_line_errors import (
     file_under_a_file,
     snapshot,
 )
-from tests.pretrain_runs import launch
+from tests.pretrain_runs import LLAMA_ARCHITECTURE, launch
 from tools.checkpoint import reshard
 
 TRUE_VOCAB, DIVISIBLE = 100, 8  # padded to 104 at TP=1, 112 at TP=2, 128 at TP=4
@@ -50,6 +52,15 @@ ARGS = dict(
     hidden_dropout=0.0,
     attention_dropout=0.0,
 )
+LLAMA_ARGS = dict(
+    ARGS,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    ffn_hidden_size=48,
+    **LLAMA_ARCHITECTURE,
+)
+VARIANTS = {"gpt2": (ARGS, 1), "llama": (LLAMA_ARGS, 2)}
+"""name -> (args, pipeline-parallel size of the source checkpoint)."""
 TOKENS = torch.randint(0, TRUE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
 WORD = "language_model.embedding.word_embeddings.weight"
 
@@ -64,22 +75,28 @@ def dense_logits(state: dict[str, torch.Tensor], args: dict) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory) -> dict[str, object]:
-    """A random GPT saved at TP=2, resharded by the tool to TP=1, then from there to TP=4."""
-    root = tmp_path_factory.mktemp("reshard")
-    torch.manual_seed(0)
-    config = dataclasses.replace(model_config(ARGS), vocab_size=TRUE_VOCAB)
-    state = {k: torch.randn_like(t) * 0.3 for k, t in GPTModel(config).state_dict().items()}
-    source = DenseCheckpoint(state, dict(ARGS), 30, TRUE_VOCAB, {"consumed_train_samples": 240})
-    dirs = {tp: str(root / f"tp{tp}") for tp in (1, 2, 4)}
-    save_megatron_checkpoint(source, dirs[2], 2, 1)
-    for src, dst in ((2, 1), (1, 4)):
-        argv = ["--load", dirs[src], "--save", dirs[dst], "--target-tensor-parallel-size", str(dst)]
-        assert reshard.main(argv + ["--target-pipeline-parallel-size", "1"]) == 0
-    return {"state": state, "dirs": dirs}
+def chains(tmp_path_factory) -> dict[str, dict]:
+    """Per variant: a random model saved at TP=2, resharded by the tool to TP=1, TP=4, TP=2."""
+    out = {}
+    for name, (args, pp) in VARIANTS.items():
+        root = tmp_path_factory.mktemp(f"reshard_{name}")
+        torch.manual_seed(0)
+        config = dataclasses.replace(model_config(args), vocab_size=TRUE_VOCAB)
+        state = {k: torch.randn_like(t) * 0.3 for k, t in GPTModel(config).state_dict().items()}
+        progress = {"consumed_train_samples": 240}
+        source = DenseCheckpoint(state, dict(args), 30, TRUE_VOCAB, progress)
+        save_megatron_checkpoint(source, str(root / "source"), 2, pp)
+        dirs = {tp: str(root / f"tp{tp}") for tp in (1, 2, 4)}
+        for src, tp in ((str(root / "source"), 1), (dirs[1], 4), (dirs[4], 2)):
+            argv = ["--load", src, "--save", dirs[tp], "--target-tensor-parallel-size", str(tp)]
+            assert reshard.main(argv + ["--target-pipeline-parallel-size", "1"]) == 0
+        out[name] = {"args": args, "state": state, "dirs": dirs}
+    return out
 
 
-def test_reshard_keeps_weights_and_progress(chain):
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_reshard_keeps_weights_and_progress(chains, variant):
+    chain = chains[variant]
     for tp, directory in chain["dirs"].items():
         loaded = load_dense_checkpoint(directory)
         assert loaded.args["tensor_model_parallel_size"] == tp
@@ -90,12 +107,22 @@ def test_reshard_keeps_weights_and_progress(chain):
             assert torch.equal(loaded.state_dict[name], tensor), (tp, name)
 
 
-def test_dense_forward_agrees_across_sizes(chain):
-    expected = dense_logits(chain["state"], ARGS)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_dense_forward_agrees_across_sizes(chains, variant):
+    chain = chains[variant]
+    expected = dense_logits(chain["state"], chain["args"])
     for directory in chain["dirs"].values():
         loaded = load_dense_checkpoint(directory)
         padded = shard_state_dict(loaded.state_dict, 1, 0, loaded.args["padded_vocab_size"])
         assert torch.equal(dense_logits(padded, loaded.args), expected)
+
+
+def test_reshard_to_a_tp_not_dividing_the_key_value_heads_is_refused(chains, tmp_path, capsys):
+    argv = ["--load", chains["llama"]["dirs"][1], "--save", str(tmp_path / "tp8")]
+    assert reshard.main(argv + ["--target-tensor-parallel-size", "8"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error == ["error: tensor-parallel size 8 does not divide num_key_value_heads 4"]
+    assert not (tmp_path / "tp8").exists()
 
 
 def _parallel_logits(tp: int, directory: str) -> torch.Tensor:
@@ -117,16 +144,21 @@ def _parallel_logits(tp: int, directory: str) -> torch.Tensor:
     return logits
 
 
-def _parallel_body(rank: int, world: int, dirs: dict[int, str]) -> dict[str, torch.Tensor]:
+def _parallel_body(rank: int, world: int, dirs: dict[str, dict]) -> dict[str, torch.Tensor]:
     del rank, world
-    return {"tp4": _parallel_logits(4, dirs[4]), "tp2": _parallel_logits(2, dirs[2])}
+    return {
+        f"{name}-tp{tp}": _parallel_logits(tp, variant[tp])
+        for name, variant in dirs.items()
+        for tp in (4, 2)
+    }
 
 
-def test_parallel_forward_at_tp2_and_tp4(chain):
-    expected = dense_logits(chain["state"], ARGS)
-    for results in spawn_collect(_parallel_body, 4, chain["dirs"]):
-        torch.testing.assert_close(results["tp4"], expected, atol=1e-5, rtol=0)
-        torch.testing.assert_close(results["tp2"], expected, atol=1e-5, rtol=0)
+def test_parallel_forward_at_tp2_and_tp4(chains):
+    expected = {name: dense_logits(c["state"], c["args"]) for name, c in chains.items()}
+    dirs = {name: chain["dirs"] for name, chain in chains.items()}
+    for results in spawn_collect(_parallel_body, 4, dirs):
+        for key, logits in results.items():
+            torch.testing.assert_close(logits, expected[key.split("-")[0]], atol=1e-5, rtol=0)
 
 
 # --- DeepSpeed checkpoints of real pretrain_gpt.py runs ---------------------------------------
@@ -224,13 +256,14 @@ def test_missing_load_directory_is_one_line_error(tmp_path):
     assert not os.path.exists(save)
 
 
-def test_save_holding_a_checkpoint_is_refused(chain, capsys):
-    before = sorted(os.listdir(chain["dirs"][1]))
-    argv = ["--load", chain["dirs"][2], "--save", chain["dirs"][1]]
+def test_save_holding_a_checkpoint_is_refused(chains, capsys):
+    dirs = chains["gpt2"]["dirs"]
+    before = sorted(os.listdir(dirs[1]))
+    argv = ["--load", dirs[2], "--save", dirs[1]]
     assert reshard.main(argv) == 1
     error = capsys.readouterr().err.strip().splitlines()
-    assert len(error) == 1 and chain["dirs"][1] in error[0] and "--force" in error[0]
-    assert sorted(os.listdir(chain["dirs"][1])) == before
+    assert len(error) == 1 and dirs[1] in error[0] and "--force" in error[0]
+    assert sorted(os.listdir(dirs[1])) == before
 
 
 # case -> (--load, --save and more, the fragments the error line must name)

@@ -1,4 +1,4 @@
-"""Checkpoint conversion tools: reshard, and to/from Hugging Face GPT-2."""
+"""Checkpoint conversion tools: reshard, and to/from Hugging Face GPT-2 and LLaMA."""
 
 from __future__ import annotations
 

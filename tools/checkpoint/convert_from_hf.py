@@ -1,4 +1,4 @@
-"""Import a Hugging Face GPT-2 folder as a Megatron-layout `release` checkpoint.
+"""Import a Hugging Face GPT-2 or LLaMA folder as a Megatron-layout `release` checkpoint.
 
     python tools/checkpoint/convert_from_hf.py --load hf/gpt2 --save checkpoints/gpt2_tp2 \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1
@@ -6,9 +6,12 @@
         --num-layers 12 --hidden-size 768 --num-attention-heads 12 ...   # the flags printed
 
 Reads `config.json` and the weights (safetensors or pytorch_model.bin) with
-`GPT2LMHeadModel.from_pretrained`, refuses what our GPT cannot compute (other activations,
-untied output layer, cross-attention, unscaled or layer-scaled attention), and writes the
-checkpoint with args complete enough for `pretrain_gpt.py --load` to check the model shape.
+`GPT2LMHeadModel` / `LlamaForCausalLM.from_pretrained` (by the config's `model_type`),
+refuses what our GPT cannot compute (GPT-2: other activations, an untied output layer,
+cross-attention, unscaled or layer-scaled attention; LLaMA: RoPE scaling, activations other
+than silu, attention and MLP biases that differ), and writes the checkpoint with args complete
+enough for `pretrain_gpt.py --load` to build the same model (LLaMA: RMSNorm, SwiGLU, RoPE
+theta, key/value heads, untied output layer, no linear biases) and tokenizer.
 The vocabulary is padded to a multiple of `--make-vocab-size-divisible-by` x TP.
 Needs `pip install transformers safetensors`.
 """
@@ -22,7 +25,15 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.path.pardir] * 2)))
 
-from megatron.checkpointing.huggingface import from_hf_state_dict, megatron_args_from_hf  # noqa: E402
+from megatron.checkpointing.huggingface import (  # noqa: E402
+    from_hf_state_dict,
+    megatron_args_from_hf,
+    model_config,
+)
+from megatron.checkpointing.huggingface_llama import (  # noqa: E402
+    from_llama_state_dict,
+    megatron_args_from_llama,
+)
 from megatron.checkpointing.layouts import holds_checkpoint  # noqa: E402
 from megatron.checkpointing.shards import (  # noqa: E402
     CheckpointConversionError,
@@ -30,13 +41,14 @@ from megatron.checkpointing.shards import (  # noqa: E402
     save_megatron_checkpoint,
 )
 from tools.checkpoint import CONVERSION_ERRORS  # noqa: E402
+from tools.checkpoint.hf_tokenizer import imported_tokenizer_args  # noqa: E402
 from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
     parser = ToolArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("--load", required=True, help="Hugging Face GPT-2 folder.")
+    parser.add_argument("--load", required=True, help="Hugging Face GPT-2 or LLaMA folder.")
     parser.add_argument("--save", required=True, help="Checkpoint directory to write.")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
@@ -69,21 +81,36 @@ def read_hf_config(folder: str) -> dict:
     return config
 
 
-def read_hf_model(folder: str) -> tuple[dict, dict]:
-    """(config dict, state dict) of the GPT-2 in `folder`, loaded offline."""
-    from transformers import GPT2LMHeadModel
+SHAPE_FIELDS = {
+    "gpt2": "n_layer, n_embd, n_head, n_positions and vocab_size",
+    "llama": "num_hidden_layers, hidden_size, num_attention_heads, intermediate_size, "
+    "max_position_embeddings and vocab_size",
+}
+"""What each family's config.json must list (save_pretrained writes them all)."""
 
-    model = GPT2LMHeadModel.from_pretrained(folder, local_files_only=True)
+
+def read_hf_model(folder: str, model_type: str) -> tuple[dict, dict]:
+    """(config dict, state dict) of the GPT-2 or LLaMA in `folder`, loaded offline."""
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    model_class = GPT2LMHeadModel if model_type == "gpt2" else LlamaForCausalLM
+    model = model_class.from_pretrained(folder, local_files_only=True)
     return model.config.to_dict(), dict(model.state_dict())
 
 
-def tokenizer_args(folder: str) -> dict:
-    """vocab_file / merge_file for the checkpoint args, when the folder has them."""
-    paths = {
-        "vocab_file": os.path.join(folder, "vocab.json"),
-        "merge_file": os.path.join(folder, "merges.txt"),
-    }
-    return {key: os.path.abspath(p) if os.path.isfile(p) else None for key, p in paths.items()}
+def checkpoint_args(args: argparse.Namespace, hf_config: dict) -> dict:
+    """The Megatron args of the model `hf_config` describes; raises naming what is missing."""
+    model_type = hf_config.get("model_type")
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    build = megatron_args_from_llama if model_type == "llama" else megatron_args_from_hf
+    try:
+        return build(hf_config, tp, pp, args.make_vocab_size_divisible_by, args.seq_length)
+    except KeyError as missing:
+        fields = SHAPE_FIELDS.get(model_type, SHAPE_FIELDS["gpt2"])
+        raise CheckpointConversionError(
+            f"--load {args.load}: config.json has no {missing} (a {model_type} config lists "
+            f"{fields})"
+        ) from None
 
 
 def model_flags(args: dict) -> str:
@@ -100,8 +127,23 @@ def model_flags(args: dict) -> str:
         f"--tensor-model-parallel-size {args['tensor_model_parallel_size']}",
         f"--pipeline-model-parallel-size {args['pipeline_model_parallel_size']}",
     ]
-    if not args["bias_gelu_fusion"]:
+    if args.get("swiglu"):
+        flags += [
+            f"--kv-channels {args['kv_channels']}",
+            f"--num-key-value-heads {args['num_key_value_heads']}",
+            "--normalization rmsnorm --swiglu --use-rotary-position-embeddings",
+            f"--rotary-position-embeddings-theta {args['rope_theta']:g}",
+            "--no-position-embedding",
+        ]
+        if args["untie_embeddings_and_output_weights"]:
+            flags.append("--untie-embeddings-and-output-weights")
+        if not args["add_bias_linear"]:
+            flags.append("--disable-bias-linear")
+    elif not args["bias_gelu_fusion"]:
         flags.append("--no-bias-gelu-fusion")
+    if args.get("tokenizer_model"):
+        flags.append(f"--tokenizer-type {args['tokenizer_type']}")
+        flags.append(f"--tokenizer-model {args['tokenizer_model']}")
     return " ".join(flags)
 
 
@@ -114,27 +156,25 @@ def convert(args: argparse.Namespace) -> None:
             "--force to replace it"
         )
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
-    try:
-        checkpoint_args = megatron_args_from_hf(
-            hf_config, tp, pp, args.make_vocab_size_divisible_by, args.seq_length
-        )
-    except KeyError as missing:  # the shape fields it reads; save_pretrained writes them all
-        raise CheckpointConversionError(
-            f"--load {args.load}: config.json has no {missing} (a GPT-2 config lists n_layer, "
-            "n_embd, n_head, n_positions and vocab_size)"
-        ) from None
-    print(f"reading Hugging Face GPT-2 {args.load} ...", flush=True)
-    hf_config, hf_state = read_hf_model(args.load)
-    checkpoint_args.update(tokenizer_args(args.load))
-    state = from_hf_state_dict(hf_state, checkpoint_args["num_attention_heads"])
+    megatron_args = checkpoint_args(args, hf_config)
+    model_type = hf_config["model_type"]
+    print(f"reading Hugging Face {model_type} {args.load} ...", flush=True)
+    hf_config, hf_state = read_hf_model(args.load, model_type)
+    tokenizer = imported_tokenizer_args(args.load)
+    if tokenizer["tokenizer_type"] is not None:
+        megatron_args.update(tokenizer)
+    if model_type == "llama":
+        state = from_llama_state_dict(hf_state, model_config(megatron_args))
+    else:
+        state = from_hf_state_dict(hf_state, megatron_args["num_attention_heads"])
     print(
-        f"read {checkpoint_args['num_layers']} layers, hidden {checkpoint_args['hidden_size']}, "
-        f"{checkpoint_args['num_attention_heads']} heads, vocabulary {hf_config['vocab_size']}",
+        f"read {megatron_args['num_layers']} layers, hidden {megatron_args['hidden_size']}, "
+        f"{megatron_args['num_attention_heads']} heads, vocabulary {hf_config['vocab_size']}",
         flush=True,
     )
     dense = DenseCheckpoint(
         state_dict=state,
-        args=checkpoint_args,
+        args=megatron_args,
         iteration=0,
         true_vocab_size=hf_config["vocab_size"],
         layout="huggingface",
@@ -146,7 +186,7 @@ def convert(args: argparse.Namespace) -> None:
         f"wrote Megatron checkpoint {directory}: tensor-parallel {tp} x pipeline-parallel {pp}",
         flush=True,
     )
-    flags = model_flags(checkpoint_args)
+    flags = model_flags(megatron_args)
     print(f"train from it with: pretrain_gpt.py --load {args.save} --finetune {flags}", flush=True)
 
 

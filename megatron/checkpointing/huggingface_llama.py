@@ -1,0 +1,251 @@
+"""Our LLaMA-style weights and flags <-> Hugging Face `LlamaForCausalLM` names, layouts, config.
+
+A checkpoint converts when it is RMSNorm + SwiGLU + RoPE over whole heads (`rotary_percent`
+1), with or without grouped-query attention, an untied output layer and linear biases (HF's
+`attention_bias` / `mlp_bias`, both on or both off like our `add_bias_linear`). Pure torch and
+plain dicts (the tools in tools/checkpoint/ import `transformers`):
+
+- our `query_key_value` rows are grouped per key/value head, [nkv, nq/nkv + 2, hn]: each
+  group's query heads, then its key head, then its value head. HF's `q_proj` holds the query
+  heads in order (head i uses key/value head i // (nq/nkv), the same grouping), `k_proj` and
+  `v_proj` the key/value heads;
+- our `dense_h_to_4h` (TP=1) is [gate; up]: `gate_proj` then `up_proj`;
+- both sides rotate the two halves of each head's channels (HF's `rotate_half`, our
+  `apply_rotary_pos_emb`) with the same angles, so q/k rows need no permutation;
+- Linear weights are [out, in] on both sides.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron.checkpointing.layouts import CheckpointConversionError
+from megatron.checkpointing.shapes import OUTPUT_LAYER, WORD_EMBEDDINGS
+from megatron.config import ModelConfig
+
+ARCHITECTURE = "LlamaForCausalLM"
+_TOP = {
+    WORD_EMBEDDINGS: "model.embed_tokens.weight",
+    "language_model.encoder.final_layernorm.weight": "model.norm.weight",
+    OUTPUT_LAYER: "lm_head.weight",
+}
+_LAYER = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.dense.weight": "self_attn.o_proj.weight",
+    "self_attention.dense.bias": "self_attn.o_proj.bias",
+    "mlp.dense_4h_to_h.weight": "mlp.down_proj.weight",
+    "mlp.dense_4h_to_h.bias": "mlp.down_proj.bias",
+}
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+_LAYER_PREFIX = "language_model.encoder.layers."
+
+
+def llama_differences(config: ModelConfig) -> list[str]:
+    """What in `config` Hugging Face's LLaMA cannot compute (empty: it converts exactly)."""
+    wanted = {
+        "normalization": "rmsnorm",
+        "activation": "swiglu",
+        "position_embedding_type": "rope",
+        "rotary_percent": 1.0,
+    }
+    return [
+        f"{name} {getattr(config, name)!r} (LLaMA: {value!r})"
+        for name, value in wanted.items()
+        if getattr(config, name) != value
+    ]
+
+
+def llama_config_kwargs(
+    config: ModelConfig, true_vocab_size: int, bos_token_id: int | None, eos_token_id: int | None
+) -> dict[str, Any]:
+    """`LlamaConfig(**kwargs)` for a model of `config` with the tokenizer's vocabulary."""
+    differences = llama_differences(config)
+    if differences:
+        raise CheckpointConversionError(f"{ARCHITECTURE} cannot compute {', '.join(differences)}")
+    return dict(
+        architectures=[ARCHITECTURE],
+        vocab_size=true_vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.kv_channels,
+        hidden_act="silu",
+        max_position_embeddings=config.max_position_embeddings,
+        initializer_range=config.init_method_std,
+        rms_norm_eps=config.layernorm_epsilon,
+        rope_theta=float(config.rotary_base),
+        attention_bias=config.add_bias_linear,
+        attention_dropout=config.attention_dropout,
+        mlp_bias=config.add_bias_linear,
+        tie_word_embeddings=not config.untie_embeddings_and_output_weights,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+    )
+
+
+def _qkv_to_hf(tensor: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+    """Our grouped rows [nkv, g + 2, hn](, h) -> HF's q [nq hn], k and v [nkv hn] (, h)."""
+    nkv = config.num_key_value_heads
+    group = config.num_attention_heads // nkv
+    grouped = tensor.reshape(nkv, group + 2, config.kv_channels, *tensor.shape[1:])
+    parts = (grouped[:, :group], grouped[:, group], grouped[:, group + 1])
+    return [part.reshape(-1, *tensor.shape[1:]).contiguous() for part in parts]
+
+
+def _qkv_from_hf(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig):
+    """HF's q, k, v projections -> our rows grouped per key/value head."""
+    nkv, hn = config.num_key_value_heads, config.kv_channels
+    rest = q.shape[1:]
+    grouped = torch.cat(
+        [
+            q.reshape(nkv, -1, hn, *rest),
+            k.reshape(nkv, 1, hn, *rest),
+            v.reshape(nkv, 1, hn, *rest),
+        ],
+        dim=1,
+    )  # [nkv, g + 2, hn(, h)]
+    return grouped.reshape(-1, *rest).contiguous()
+
+
+def to_llama_state_dict(
+    state: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """Our full (TP=1) GPTModel state dict -> `LlamaForCausalLM` names (tied lm_head left out)."""
+    out = {}
+    for name, tensor in state.items():
+        if name in _TOP:
+            out[_TOP[name]] = tensor.clone()
+            continue
+        number, _, key = name.removeprefix(_LAYER_PREFIX).partition(".")
+        module, _, param = key.rpartition(".")
+        hf = f"model.layers.{number}."
+        if not name.startswith(_LAYER_PREFIX):
+            raise CheckpointConversionError(f"no Hugging Face LLaMA counterpart for {name!r}")
+        if module == "self_attention.query_key_value":
+            for hf_module, part in zip(_QKV, _qkv_to_hf(tensor, config)):
+                out[f"{hf}{hf_module}.{param}"] = part
+        elif module == "mlp.dense_h_to_4h":  # [gate; up]
+            for hf_module, part in zip(_GATE_UP, tensor.chunk(2, dim=0)):
+                out[f"{hf}{hf_module}.{param}"] = part.clone()
+        elif key in _LAYER:
+            out[hf + _LAYER[key]] = tensor.clone()
+        else:
+            raise CheckpointConversionError(f"no Hugging Face LLaMA counterpart for {name!r}")
+    return out
+
+
+def _pop(hf_state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in hf_state:
+        raise CheckpointConversionError(f"the LLaMA weights lack {name}")
+    return hf_state.pop(name)
+
+
+def from_llama_state_dict(
+    hf_state: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """`LlamaForCausalLM` weights -> our full GPTModel state dict (`config` from its args).
+
+    With tied embeddings (`untie_embeddings_and_output_weights` False) `lm_head.weight`, when
+    present, must equal the embeddings.
+    """
+    remaining = {k: v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}
+    out: dict[str, torch.Tensor] = {}
+    for number in range(config.num_layers):
+        hf, ours = f"model.layers.{number}.", f"{_LAYER_PREFIX}{number}."
+        for param in ("weight", "bias"):
+            if f"{hf}{_QKV[0]}.{param}" in remaining:
+                q, k, v = (_pop(remaining, f"{hf}{name}.{param}") for name in _QKV)
+                out[f"{ours}self_attention.query_key_value.{param}"] = _qkv_from_hf(q, k, v, config)
+            if f"{hf}{_GATE_UP[0]}.{param}" in remaining:
+                gate, up = (_pop(remaining, f"{hf}{name}.{param}") for name in _GATE_UP)
+                out[f"{ours}mlp.dense_h_to_4h.{param}"] = torch.cat([gate, up])
+        for key, hf_key in _LAYER.items():
+            if hf + hf_key in remaining:
+                out[ours + key] = remaining.pop(hf + hf_key).clone()
+    for ours, hf in _TOP.items():
+        if hf in remaining:
+            out[ours] = remaining.pop(hf).clone()
+    if remaining:
+        raise CheckpointConversionError(f"unknown LLaMA parameter {sorted(remaining)[0]!r}")
+    if not config.untie_embeddings_and_output_weights:
+        head = out.pop(OUTPUT_LAYER, None)
+        if head is not None and not torch.equal(head, out.get(WORD_EMBEDDINGS, head)):
+            raise CheckpointConversionError(
+                "lm_head.weight differs from model.embed_tokens.weight, but config.json has "
+                "tie_word_embeddings true"
+            )
+    return out
+
+
+def _rope_theta(hf_config: dict[str, Any]) -> float:
+    """RoPE theta of a config.json (transformers 5's `rope_parameters`, or older `rope_theta`)."""
+    rope = hf_config.get("rope_parameters") or {}
+    scaling = hf_config.get("rope_scaling") or {}
+    kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise CheckpointConversionError(
+            f"config.json has RoPE scaling {kind!r}; only plain RoPE (rope_type default) converts"
+        )
+    return float(rope.get("rope_theta") or hf_config.get("rope_theta") or 10000.0)
+
+
+def megatron_args_from_llama(
+    hf_config: dict[str, Any],
+    tp_size: int,
+    pp_size: int,
+    make_vocab_size_divisible_by: int,
+    seq_length: int | None = None,
+) -> dict[str, Any]:
+    """Checkpoint args (Megatron flag names) that rebuild the LLaMA of `hf_config` (a dict)."""
+    act = hf_config.get("hidden_act", "silu")
+    bias = bool(hf_config.get("attention_bias", False))
+    if act != "silu":
+        raise CheckpointConversionError(f"config.json has hidden_act={act!r}; only 'silu'")
+    if bool(hf_config.get("mlp_bias", False)) != bias:
+        raise CheckpointConversionError(
+            "config.json has attention_bias != mlp_bias; our --disable-bias-linear sets both"
+        )
+    hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
+    head_dim = hf_config.get("head_dim") or hidden // heads
+    positions = hf_config["max_position_embeddings"]
+    if seq_length is not None and seq_length > positions:
+        raise CheckpointConversionError(
+            f"--seq-length {seq_length} exceeds the model's max_position_embeddings {positions}"
+        )
+    return dict(
+        num_layers=hf_config["num_hidden_layers"],
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=hf_config.get("num_key_value_heads") or heads,
+        ffn_hidden_size=hf_config["intermediate_size"],
+        kv_channels=head_dim,
+        max_position_embeddings=positions,
+        seq_length=seq_length or positions,
+        layernorm_epsilon=hf_config.get("rms_norm_eps", 1e-6),
+        init_method_std=hf_config.get("initializer_range", 0.02),
+        hidden_dropout=0.0,
+        attention_dropout=float(hf_config.get("attention_dropout") or 0.0),
+        normalization="rmsnorm",
+        swiglu=True,
+        openai_gelu=False,
+        bias_gelu_fusion=False,
+        untie_embeddings_and_output_weights=not hf_config.get("tie_word_embeddings", False),
+        add_bias_linear=bias,
+        use_rotary_position_embeddings=True,
+        add_position_embedding=False,
+        position_embedding_type="rope",
+        rope_theta=_rope_theta(hf_config),
+        rotary_percent=1.0,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        true_vocab_size=hf_config["vocab_size"],
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+    )
