@@ -107,6 +107,31 @@ apply_model_size() {
   : "${LOG_INTERVAL:=100}" "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}" "${SAVE_INTERVAL:=10000}"
 }
 
+# MODEL_SIZE for examples/pretrain_llama2_distributed.sh: LLaMA-2's shapes and recipe (4096
+# tokens, 1024 sequences = 4M tokens per step, 250k steps = 1T tokens, LR 3e-4 -> 3e-5 cosine
+# after 2000 warmup steps, as Megatron-DeepSpeed's script). llama-1.3B is that script's own
+# shape (16 query heads over 4 key/value heads); llama2-70B has 8 key/value heads (GQA), 7B and
+# 13B one per query head. Unset or "llama-tiny": the script's small CPU defaults. Only
+# variables the environment leaves unset are filled in.
+apply_llama_model_size() {
+  case "${MODEL_SIZE:-llama-tiny}" in
+    llama-tiny) return 0 ;;
+    llama-1.3B) : "${NUM_LAYERS:=24}" "${HIDDEN_SIZE:=2048}" "${FFN_HIDDEN_SIZE:=5504}"                   "${NUM_HEADS:=16}" "${NUM_KV_HEADS:=4}" "${SEQ_LENGTH:=2048}" ;;
+    llama2-7B) : "${NUM_LAYERS:=32}" "${HIDDEN_SIZE:=4096}" "${FFN_HIDDEN_SIZE:=11008}"                  "${NUM_HEADS:=32}" "${NUM_KV_HEADS:=32}" ;;
+    llama2-13B) : "${NUM_LAYERS:=40}" "${HIDDEN_SIZE:=5120}" "${FFN_HIDDEN_SIZE:=13824}"                   "${NUM_HEADS:=40}" "${NUM_KV_HEADS:=40}" ;;
+    llama2-70B) : "${NUM_LAYERS:=80}" "${HIDDEN_SIZE:=8192}" "${FFN_HIDDEN_SIZE:=28672}"                   "${NUM_HEADS:=64}" "${NUM_KV_HEADS:=8}" ;;
+    *)
+      echo "error: MODEL_SIZE=$MODEL_SIZE is not one of llama-tiny, llama-1.3B, llama2-7B," \
+        "llama2-13B, llama2-70B" >&2
+      exit 1
+      ;;
+  esac
+  : "${SEQ_LENGTH:=4096}" "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=1024}"
+  : "${TRAIN_STEPS:=250000}" "${LR:=3e-4}" "${MIN_LR:=3e-5}" "${LR_WARMUP_STEPS:=2000}"
+  : "${LOG_INTERVAL:=10}" "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}" "${SAVE_INTERVAL:=10000}"
+  : "${ACTIVATION_CHECKPOINT:=true}"
+}
+
 # Say what to do and exit 1 unless every prefix in the --data-path words ($1: "PREFIX" or
 # "W1 PREFIX1 W2 PREFIX2 ...") has its .bin and .idx. Skipped when the script's extra
 # arguments (the rest) give their own --data-path.

@@ -52,9 +52,17 @@ LAUNCH_SCRIPTS = {
     "scripts/pretrain_gpt2_model_parallel.sh",
     "examples/pretrain_gpt.sh",
     "examples/pretrain_gpt_distributed.sh",
+    "examples/pretrain_llama2_distributed.sh",
 }
 SLURM_SCRIPT = "examples/pretrain_gpt_slurm.sh"
-MODEL_SIZES = {"124M", "345M", "1.5B", "tiny"}  # apply_model_size in scripts/common.sh
+# apply_model_size and apply_llama_model_size in scripts/common.sh
+MODEL_SIZES = {"124M", "345M", "1.5B", "tiny"} | {
+    "llama-tiny",
+    "llama-1.3B",
+    "llama2-7B",
+    "llama2-13B",
+    "llama2-70B",
+}
 # Environment variables naming files of the repository.
 REPO_FILE_VARIABLES = {"LAUNCH_SCRIPT", "DS_CONFIG"}
 # Arguments under these folders are files shipped with the repository (data/, checkpoints/,

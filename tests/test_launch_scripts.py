@@ -9,6 +9,7 @@ gloo. Launcher lines for GPUs and several nodes are checked with stand-in `nvidi
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shutil
@@ -32,7 +33,11 @@ SCRIPTS = {
     "examples/pretrain_gpt_distributed.sh": ("torchrun", 2, 1),
 }
 # Checked for syntax and by shellcheck, and run with stand-in launchers below.
-OTHER_SCRIPTS = ["examples/pretrain_gpt_slurm.sh", "examples/quickstart.sh"]
+OTHER_SCRIPTS = [
+    "examples/pretrain_gpt_slurm.sh",
+    "examples/quickstart.sh",
+    "examples/pretrain_llama2_distributed.sh",
+]
 DS_CONFIGS = sorted(glob.glob(os.path.join(REPO_ROOT, "examples", "ds_configs", "*.json")))
 # The shortened run: 4 iterations of micro-batches of 2 sequences of 32 tokens, validation
 # (and a checkpoint) every 2 iterations. Some settings go through the environment, some as
@@ -375,6 +380,51 @@ def test_model_size_presets(script: str, dataset: str, tmp_path) -> None:
     code, argv, output = _launch(script, dataset, path, MODEL_SIZE="2B")
     assert code == 1 and not argv
     assert "error: MODEL_SIZE=2B is not one of 124M, 345M, 1.5B, tiny" in output
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_llama2_script_model_size_and_launchers(launcher: str, dataset: str, tmp_path) -> None:
+    """examples/pretrain_llama2_distributed.sh: Megatron-DeepSpeed's LLaMA flags, a LLaMA-2
+    preset with its GQA shape, bf16 written into the DeepSpeed config on an H100, either
+    launcher; a SentencePiece TOKENIZER_MODEL replaces the GPT-2 files."""
+    script = "examples/pretrain_llama2_distributed.sh"
+    path = _fake_commands(tmp_path, gpus=8)
+    run_dir = tmp_path / "run"
+    code, argv, output = _launch(
+        script,
+        dataset,
+        path,
+        MODEL_SIZE="llama2-70B",
+        TP="8",
+        PP="1",
+        LAUNCHER=launcher,
+        RUN_DIR=str(run_dir),
+        TOKENIZER_MODEL="tokenizer.model",
+    )
+    assert code == 0, output
+    assert argv[0] == launcher and _processes(argv) == "8"
+    expected = {
+        "--num-layers": "80",
+        "--hidden-size": "8192",
+        "--ffn-hidden-size": "28672",
+        "--num-attention-heads": "64",
+        "--num-key-value-heads": "8",
+        "--seq-length": "4096",
+        "--global-batch-size": "1024",
+        "--normalization": "rmsnorm",
+        "--tokenizer-type": "GPTSentencePieceTokenizer",
+        "--tokenizer-model": "tokenizer.model",
+    }
+    assert {flag: _flag(argv, flag) for flag in expected} == expected
+    for switch in ("--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"):
+        assert switch in argv
+    assert "--bf16" in argv and "--vocab-file" not in argv
+    config = json.loads((run_dir / "deepspeed.json").read_text())
+    assert config["bf16"] == {"enabled": True} and config["train_batch_size"] == 1024
+
+    code, argv, output = _launch(script, dataset, path, MODEL_SIZE="llama3")
+    assert code == 1 and not argv
+    assert "error: MODEL_SIZE=llama3 is not one of llama-tiny" in output
 
 
 def _fake_slurm(tmp_path, nodes: list[str]) -> str:
