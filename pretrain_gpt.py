@@ -117,11 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run `pretrain` with GPT's providers; a stopped run exits 1 with the reason."""
     try:
         pretrain(datasets_provider, model_provider, forward_step, argv=argv)
-        # Joins the process group's threads now, while everything they use is alive: left to
-        # interpreter shutdown, a still-joinable C++ thread can abort the process (exit -6)
-        # after a clean finish. Only on success: after a failure a peer may be gone.
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
     except USER_ERRORS as stopped:
         if os.environ.get("MEGATRON_DEBUG_TRACEBACKS", "0") not in ("", "0"):
             raise
@@ -129,7 +124,26 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         parallel_state.destroy_model_parallel()
+        _destroy_process_group()
     return 0
+
+
+def _destroy_process_group() -> None:
+    """Join the process group's threads now, while everything they use is alive.
+
+    Left to interpreter shutdown, a still-joinable gloo thread can abort the process (exit -6,
+    and a fatal-error dump glued onto other ranks' lines), after a clean finish or after the
+    one-line error of a stopped run alike. Tearing the group down makes no collective call,
+    so a peer that is already gone cannot hold it up.
+    """
+    if not torch.distributed.is_initialized():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        torch.distributed.destroy_process_group()
+    except Exception:  # noqa: BLE001 - exiting anyway; the run's own outcome is what counts
+        pass
 
 
 if __name__ == "__main__":
