@@ -37,12 +37,8 @@ from megatron.data.document_encoder import (  # noqa: E402
     EncoderConfig,
 )
 from megatron.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
-from megatron.tokenizer.base import TokenizerFileError  # noqa: E402
-from megatron.tokenizer.tokenizer import (  # noqa: E402
-    MODEL_FILE_TOKENIZERS,
-    SUPPORTED_TOKENIZERS,
-    TokenizerConfig,
-)
+from megatron.tokenizer.base import TokenizerFileError, missing_tokenizer_model  # noqa: E402
+from megatron.tokenizer.tokenizer import SUPPORTED_TOKENIZERS, TokenizerConfig  # noqa: E402
 from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
 from tools.corpus_reader import CorpusReader, InputError, expand_inputs  # noqa: E402
 from tools.progress import Progress  # noqa: E402
@@ -129,11 +125,9 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(
                 f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
             )
-    if args.tokenizer_type in MODEL_FILE_TOKENIZERS and not args.tokenizer_model:
-        parser.error(
-            f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model "
-            f"({MODEL_FILE_TOKENIZERS[args.tokenizer_type]})"
-        )
+    problem = missing_tokenizer_model(args.tokenizer_type, args.tokenizer_model)
+    if problem:
+        parser.error(problem)
     if args.dataset_impl != "mmap":
         parser.error(f"--dataset-impl {args.dataset_impl} is not supported; use mmap")
     if args.keep_newlines and not args.split_sentences:

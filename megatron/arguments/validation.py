@@ -23,7 +23,7 @@ from megatron.arguments.errors import ArgumentError
 from megatron.arguments.precision import check_flash_attention_precision
 from megatron.atomic_files import nearest_existing
 from megatron.config import model_params_dtype
-from megatron.tokenizer.base import MODEL_FILE_TOKENIZERS
+from megatron.tokenizer.base import MODEL_FILE_TOKENIZERS, missing_tokenizer_model
 from megatron.training.batch_schedule import BatchSizeSchedule
 
 
@@ -187,11 +187,9 @@ def _tokenizer_flags(args: argparse.Namespace) -> None:
     """The tokenizer types built here get their files; the others are refused in one line."""
     tokenizer = getattr(args, "tokenizer_type", None) or "GPT2BPETokenizer"
     if tokenizer in MODEL_FILE_TOKENIZERS:
-        if not getattr(args, "tokenizer_model", None):
-            raise ArgumentError(
-                f"--tokenizer-type {tokenizer} needs --tokenizer-model "
-                f"({MODEL_FILE_TOKENIZERS[tokenizer]})"
-            )
+        problem = missing_tokenizer_model(tokenizer, getattr(args, "tokenizer_model", None))
+        if problem:
+            raise ArgumentError(problem)
     elif tokenizer != "GPT2BPETokenizer":
         raise ArgumentError(
             f"--tokenizer-type {tokenizer}: not built here; use GPT2BPETokenizer "

@@ -22,6 +22,16 @@ MODEL_FILE_TOKENIZERS = {
 }
 
 
+def missing_tokenizer_model(tokenizer_type: str, tokenizer_model: str | None) -> str | None:
+    """The one-line problem when a type that reads --tokenizer-model is given none, else None."""
+    if tokenizer_type in MODEL_FILE_TOKENIZERS and not tokenizer_model:
+        return (
+            f"--tokenizer-type {tokenizer_type} needs --tokenizer-model "
+            f"({MODEL_FILE_TOKENIZERS[tokenizer_type]})"
+        )
+    return None
+
+
 class TokenizerFileError(ValueError):
     """A tokenizer file cannot be used; the message names its flag and the file (and line)."""
 

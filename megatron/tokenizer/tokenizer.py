@@ -11,7 +11,7 @@ from argparse import Namespace
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron.tokenizer.base import MODEL_FILE_TOKENIZERS, Tokenizer
+from megatron.tokenizer.base import MODEL_FILE_TOKENIZERS, Tokenizer, missing_tokenizer_model
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron.tokenizer.hf_tokenizer import HFTokenizer
 from megatron.tokenizer.sentencepiece_tokenizer import (
@@ -75,10 +75,9 @@ def create_tokenizer(config: TokenizerConfig) -> Tokenizer:
                 "(the GPT-2 files are in dataset/gpt2-vocab.json and dataset/gpt2-merges.txt)"
             )
         return GPT2BPETokenizer(config.vocab_file, config.merge_file)
-    if not config.tokenizer_model:
-        raise ValueError(
-            f"--tokenizer-type {kind} needs --tokenizer-model ({MODEL_FILE_TOKENIZERS[kind]})"
-        )
+    problem = missing_tokenizer_model(kind, config.tokenizer_model)
+    if problem:
+        raise ValueError(problem)
     return _MODEL_FILE_BUILDERS[kind](config)
 
 
