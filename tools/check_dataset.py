@@ -22,16 +22,16 @@ import numpy as np
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 from megatron.config import DataConfig  # noqa: E402
+from megatron.data.corpus_reader import InputError  # noqa: E402
 from megatron.data.document_encoder import BadLineError, parse_json_line  # noqa: E402
 from megatron.data.gpt_dataset import build_train_valid_test_datasets  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetError  # noqa: E402
+from megatron.data.progress import Progress  # noqa: E402
 from megatron.data.token_check import check_token_ids  # noqa: E402
 from megatron.tokenizer import GPT2BPETokenizer  # noqa: E402
 from megatron.tokenizer.gpt2_bpe import TokenizerFileError  # noqa: E402
 from tools.cli_errors import ToolArgumentParser, check_input_file, run_tool  # noqa: E402
-from tools.corpus_reader import InputError  # noqa: E402
 from tools.preprocess_data import DEFAULT_MERGES, DEFAULT_VOCAB  # noqa: E402
-from tools.progress import Progress  # noqa: E402
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -22,8 +22,8 @@ import sysconfig
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 from megatron.atomic_files import atomic_outputs  # noqa: E402
+from megatron.data.progress import Progress  # noqa: E402
 from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
-from tools.progress import Progress  # noqa: E402
 
 DEFAULT_EXCLUDES = ["site-packages/*", "*/site-packages/*", "*/__pycache__/*", "__pycache__/*"]
 

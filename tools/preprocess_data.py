@@ -22,32 +22,21 @@ and output appears under its final name only once it is complete: a bad line sto
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import sys
-import warnings
-from collections import deque
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.atomic_files import discard, partial_path, publish  # noqa: E402
-from megatron.data.document_encoder import (  # noqa: E402
-    DocumentEncoder,
-    EncodedBatch,
-    EncoderConfig,
-)
-from megatron.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
+from megatron.data.corpus_reader import InputError, expand_inputs  # noqa: E402
+from megatron.data.corpus_tokenizer import TokenizeOptions, tokenize_corpus  # noqa: E402
+from megatron.data.document_encoder import EncoderConfig  # noqa: E402
 from megatron.tokenizer.base import TokenizerFileError, missing_tokenizer_model  # noqa: E402
 from megatron.tokenizer.tokenizer import SUPPORTED_TOKENIZERS, TokenizerConfig  # noqa: E402
 from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
-from tools.corpus_reader import CorpusReader, InputError, expand_inputs  # noqa: E402
-from tools.progress import Progress  # noqa: E402
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 DEFAULT_VOCAB = os.path.join(REPO_ROOT, "dataset", "gpt2-vocab.json")
 DEFAULT_MERGES = os.path.join(REPO_ROOT, "dataset", "gpt2-merges.txt")
-# Bad lines printed in full with --skip-bad-lines; the rest are only counted.
-SHOWN_BAD_LINES = 20
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -141,111 +130,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# The worker's encoder. With fork (Linux) it is built once in the parent and inherited, which
-# saves each worker the tokenizer start-up; with spawn each worker builds its own.
-_WORKER_ENCODER: DocumentEncoder | None = None
-
-
-def _init_worker(config: EncoderConfig) -> None:
-    global _WORKER_ENCODER
-    warnings.simplefilter("ignore")  # the main process already showed any warning once
-    if _WORKER_ENCODER is None:
-        _WORKER_ENCODER = DocumentEncoder(config)
-
-
-def _start_method() -> str:
-    # fork only on Linux: elsewhere (macOS) it is unsafe, and Python defaults to spawn.
-    return "fork" if sys.platform.startswith("linux") else "spawn"
-
-
-def _encode_batch(file_index: int, first_line: int, lines: list[bytes]) -> EncodedBatch:
-    assert _WORKER_ENCODER is not None
-    return _WORKER_ENCODER.encode_lines(file_index, first_line, lines)
-
-
-class OutputDataset:
-    """One `.bin/.idx` pair written under temporary names and renamed when complete."""
-
-    def __init__(self, prefix: str, dtype: type) -> None:
-        self.prefix = prefix
-        self.final_paths = [prefix + ".bin", prefix + ".idx"]
-        self.partial_paths = [partial_path(path) for path in self.final_paths]
-        self.builder = IndexedDatasetBuilder(self.partial_paths[0], dtype=dtype)
-
-    def commit(self) -> None:
-        """Write the index, flush both files to disk, then give them their final names."""
-        self.builder.finalize(self.partial_paths[1])
-        publish(self.partial_paths, self.final_paths)
-
-    def discard(self) -> None:
-        """Remove the temporary files; the final names were never touched."""
-        self.builder.close()
-        discard(self.partial_paths)
-
-
-class BatchWriter:
-    """Adds encoded batches to the outputs in input order; reports or counts bad lines."""
-
-    def __init__(self, outputs: dict[str, OutputDataset], args: argparse.Namespace) -> None:
-        self.outputs = outputs
-        self.input_files = args.input_files
-        self.skip_bad_lines = args.skip_bad_lines
-        total_bytes = sum(os.path.getsize(path) for path in args.input_files)
-        self.progress = Progress(total_bytes, args.log_interval)
-        self.bad_lines = 0
-        self.blank_lines = 0
-
-    def write(self, batch: EncodedBatch, position: int) -> None:
-        """Add one batch; `position` is how far the reader was when it was sent."""
-        path = self.input_files[batch.file_index]
-        for line_number, reason in batch.errors:
-            location = f"{path}:{line_number}: {reason}"
-            if not self.skip_bad_lines:
-                raise InputError(
-                    f"{location} (fix the line, or pass --skip-bad-lines to skip such lines)"
-                )
-            self.bad_lines += 1
-            if self.bad_lines <= SHOWN_BAD_LINES:
-                print(f"warning: {location} (skipped)", file=sys.stderr)
-        for key, encoded in batch.keys.items():
-            self.outputs[key].builder.add_documents(
-                encoded.tokens, encoded.sequence_lengths, encoded.sequences_per_document
-            )
-        self.blank_lines += batch.num_blank_lines
-        self.progress.update(batch.num_documents, batch.num_bytes, position)
-
-
-def encode_in_order(
-    args: argparse.Namespace, config: EncoderConfig, start_method: str, writer: BatchWriter
-) -> None:
-    """Send line batches to the worker pool and write the results back in input order."""
-    reader = CorpusReader(args.input_files)
-    window = 4 * args.workers  # batches in flight: bounds memory on any input size
-    context = multiprocessing.get_context(start_method)
-    with context.Pool(args.workers, initializer=_init_worker, initargs=(config,)) as pool:
-        pending: deque = deque()
-        try:
-            for file_index, first_line, lines in reader.batches(args.chunk_size):
-                task = pool.apply_async(_encode_batch, (file_index, first_line, lines))
-                pending.append((reader.position, task))
-                if len(pending) >= window:
-                    position, task = pending.popleft()
-                    writer.write(task.get(), position)
-            while pending:
-                position, task = pending.popleft()
-                writer.write(task.get(), position)
-        except BaseException:
-            # Let the batches in flight finish (at most `window`) before the pool terminates:
-            # a worker killed while sending its result can deadlock Pool.terminate, which
-            # hung a bad-line run. Idle workers terminate cleanly, as on success.
-            for _, task in pending:
-                task.wait()
-            raise
-
-
 def preprocess(args: argparse.Namespace) -> int:
     """Run the conversion; returns the process exit code."""
-    global _WORKER_ENCODER
     config = EncoderConfig(
         json_keys=args.json_keys,
         tokenizer=TokenizerConfig.from_args(args),
@@ -254,39 +140,23 @@ def preprocess(args: argparse.Namespace) -> int:
         keep_newlines=args.keep_newlines,
         lang=args.lang,
     )
-    # Built here first: bad tokenizer files fail fast, warnings show once.
-    encoder = DocumentEncoder(config)
-    start_method = _start_method()
-    if start_method == "fork":
-        _WORKER_ENCODER = encoder
-    level = "sentence" if args.split_sentences else "document"
-    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
-    outputs = {
-        key: OutputDataset(f"{args.output_prefix}_{key}_{level}", encoder.dtype.type)
-        for key in args.json_keys
-    }
-    writer = BatchWriter(outputs, args)
+    options = TokenizeOptions(
+        workers=args.workers,
+        chunk_size=args.chunk_size,
+        log_interval=args.log_interval,
+        skip_bad_lines=args.skip_bad_lines,
+        input_label=f"--input {' '.join(args.input)}",
+    )
     try:
-        encode_in_order(args, config, start_method, writer)
-        if writer.progress.documents == 0:
-            skipped = f" after skipping {writer.bad_lines} bad lines" if writer.bad_lines else ""
-            raise InputError(f"--input {' '.join(args.input)}: no documents found{skipped}")
-        for output in outputs.values():
-            output.commit()
-    except BaseException as error:
-        for output in outputs.values():
-            output.discard()
-        if isinstance(error, KeyboardInterrupt):
-            print("\ninterrupted: no output was written", file=sys.stderr)
-            return 130
-        raise
-    writer.progress.finish(writer.bad_lines, writer.blank_lines)
-    for output in outputs.values():
-        builder = output.builder
+        summary = tokenize_corpus(args.input_files, args.output_prefix, config, options)
+    except KeyboardInterrupt:
+        print("\ninterrupted: no output was written", file=sys.stderr)
+        return 130
+    for prefix, builder in summary.outputs.items():
         print(
-            f"wrote {output.prefix}.bin/.idx: {builder.num_documents} documents, "
+            f"wrote {prefix}.bin/.idx: {builder.num_documents} documents, "
             f"{builder.num_sequences} sequences, {builder.num_tokens} tokens "
-            f"({encoder.dtype.name})",
+            f"({builder.dtype.name})",
             file=sys.stderr,
         )
     return 0

@@ -357,39 +357,24 @@ def test_missing_vocab_file(tmp_path):
 def test_spawn_workers_write_the_same_bytes(corpus, tmp_path):
     """The spawn start method (used off Linux) builds each worker's encoder itself and
     produces the same files as fork."""
+    from megatron.data.corpus_tokenizer import TokenizeOptions, tokenize_corpus
+    from megatron.data.document_encoder import EncoderConfig
+    from megatron.tokenizer.tokenizer import TokenizerConfig
     from tools import preprocess_data
 
     outputs = {}
     for method in ("fork", "spawn"):
         prefix = str(tmp_path / method)
         args = preprocess_data.get_args(
-            [
-                "--input",
-                *corpus["inputs"],
-                "--output-prefix",
-                prefix,
-                "--workers",
-                "2",
-                "--append-eod",
-                "--json-keys",
-                "text",
-                "title",
-            ]
+            ["--input", *corpus["inputs"], "--output-prefix", prefix, "--json-keys", "text"]
+            + ["title"]
         )
-        config = preprocess_data.EncoderConfig(
+        config = EncoderConfig(
             json_keys=args.json_keys,
-            tokenizer=preprocess_data.TokenizerConfig.from_args(args),
+            tokenizer=TokenizerConfig.from_args(args),
             append_eod=True,
         )
-        level_outputs = {
-            key: preprocess_data.OutputDataset(f"{prefix}_{key}_document", np.uint16)
-            for key in args.json_keys
-        }
-        writer = preprocess_data.BatchWriter(level_outputs, args)
-        preprocess_data._WORKER_ENCODER = None  # spawn workers must build their own
-        preprocess_data.encode_in_order(args, config, method, writer)
-        for output in level_outputs.values():
-            output.commit()
+        tokenize_corpus(args.input_files, prefix, config, TokenizeOptions(workers=2), method)
         outputs[method] = [
             _read(f"{prefix}_{key}_document{s}") for key in args.json_keys for s in (".bin", ".idx")
         ]
