@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from megatron.arguments import parse_args
+from megatron.arguments.ds_activation_checkpointing import activation_checkpointing_line
 from megatron.arguments.precision import precision_summary, precision_warnings
 from megatron.arguments.validation import batch_arithmetic, format_arguments
 from megatron.core import parallel_state
@@ -148,6 +149,23 @@ def set_random_seed(seed: int) -> None:
     tp_random.model_parallel_cuda_manual_seed(seed)
 
 
+def use_deepspeed_activation_checkpointing(args: argparse.Namespace) -> None:
+    """Recompute with `deepspeed.checkpointing`, configured as the validated `args` say.
+
+    The flags' fields hold the settings in effect: validation settled them with the DeepSpeed
+    config's "activation_checkpointing" section (`megatron.arguments.ds_activation_checkpointing`).
+    """
+    tp_random.use_deepspeed_checkpointing(
+        parallel_state.mpu,
+        num_checkpoints=args.num_layers,
+        partition_activations=args.partition_activations,
+        contiguous_checkpointing=args.contigious_checkpointing,
+        checkpoint_in_cpu=args.checkpoint_in_cpu,
+        synchronize=args.synchronize_each_layer,
+        profile=args.profile_backward,
+    )
+
+
 def initialize_megatron(
     extra_args_provider: Callable[[argparse.ArgumentParser], object] | None = None,
     args_defaults: dict | None = None,
@@ -181,15 +199,7 @@ def initialize_megatron(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     )
     if args.deepspeed_activation_checkpointing:
-        tp_random.use_deepspeed_checkpointing(
-            parallel_state.mpu,
-            num_checkpoints=args.num_layers,
-            partition_activations=args.partition_activations,
-            contiguous_checkpointing=args.contigious_checkpointing,
-            checkpoint_in_cpu=args.checkpoint_in_cpu,
-            synchronize=args.synchronize_each_layer,
-            profile=args.profile_backward,
-        )
+        use_deepspeed_activation_checkpointing(args)
     set_random_seed(args.seed)
     print_rank_0(format_arguments(args))
     print_rank_0(
@@ -198,6 +208,8 @@ def initialize_megatron(
         f"{args.pipeline_model_parallel_size} x data-parallel {args.data_parallel_size}"
     )
     print_rank_0(batch_arithmetic(args))
+    if args.deepspeed_activation_checkpointing:
+        print_rank_0(activation_checkpointing_line(args))
     print_rank_0(precision_summary(args, tf32=enable_tf32()))
     for line in precision_warnings(args) + args.deepspeed_config_notes:
         print_rank_0(line)

@@ -132,10 +132,6 @@ INERT: list[CompatFlag] = [
     ),
     *_inert(
         "read nowhere in Megatron-DeepSpeed; ZeRO is tuned in the DeepSpeed config",
-        "--zero-reduce-scatter",
-        "--zero-contigious-gradients",
-        "--zero-reduce-bucket-size:int",
-        "--zero-allgather-bucket-size:int",
         "--use-pin-memory",
         "--no-load-lr-state",
     ),

@@ -2,9 +2,11 @@
 
 DeepSpeed receives the dict built here (`deepspeed.initialize(config=...)`), never the file.
 Every fact both sides can state (batch sizes, precision and loss scaling, gradient clipping,
-ZeRO stage) follows one rule: a flag the user typed and a config key that disagree are an
-`ArgumentError` naming the flag, the key, the file and both values; a fact stated on one side
-only is copied to the other, so `args` (what we log and compute with) and DeepSpeed agree.
+ZeRO stage and tuning) follows one rule: a flag the user typed and a config key that disagree
+are an `ArgumentError` naming the flag, the key, the file and both values; a fact stated on one
+side only is copied to the other, so `args` (what we log and compute with) and DeepSpeed agree.
+DeepSpeed's early `"zero_optimization": true|false` is read as stage 1 / 0. The
+"activation_checkpointing" section is settled in `ds_activation_checkpointing.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from megatron.arguments.errors import ArgumentError
+from megatron.arguments.ds_activation_checkpointing import reconcile_activation_checkpointing
+from megatron.arguments.errors import ArgumentError, flag_name
 
 # DeepSpeed prints its own line every `steps_per_print` steps; our loop prints Megatron's. Its
 # default (None) also stays quiet, but the pipeline engine's timer logging computes
@@ -86,6 +89,7 @@ def reconcile_deepspeed_config(
     _precision(shared)
     shared.share("clip_grad", "gradient_clipping", float)
     _zero(shared)
+    shared.notes += reconcile_activation_checkpointing(args, shared.config, explicit_flags, source)
     # ZeRO accepts only the exact optimizer types DeepSpeed lists (torch.optim.Adam/AdamW pass,
     # any subclass fails an assert); we pass our own, so allow it unless the file says otherwise.
     shared.config.setdefault("zero_allow_untested_optimizer", True)
@@ -163,7 +167,7 @@ class _SharedFacts:
         the side that is silent takes the other's value."""
         section_name, _, leaf = key.rpartition(".")
         section = self.section(section_name) if section_name else self.config
-        flag, flag_value = "--" + dest.replace("_", "-"), getattr(self.args, dest)
+        flag, flag_value = flag_name(self.args, dest), getattr(self.args, dest)
         if leaf not in section:
             section[leaf] = self._converted(flag, flag_value, to_config)
             return
@@ -230,9 +234,10 @@ def _batch(shared: _SharedFacts) -> None:
         accumulation = global_batch // per_step
     elif global_batch != per_step * accumulation:
         raise ArgumentError(
-            f"{source}: DeepSpeed needs train_batch_size (--global-batch-size) = "
-            "train_micro_batch_size_per_gpu (--micro-batch-size) x gradient_accumulation_steps "
-            f"x data-parallel size, but {global_batch} != {micro} x {accumulation} x {dp}"
+            f"{source}: DeepSpeed needs train_batch_size ({flag_name(args, 'global_batch_size')}) "
+            f"= train_micro_batch_size_per_gpu ({flag_name(args, 'micro_batch_size')}) x "
+            "gradient_accumulation_steps x data-parallel size, but "
+            f"{global_batch} != {micro} x {accumulation} x {dp}"
         )
     args.global_batch_size, args.gradient_accumulation_steps = global_batch, accumulation
     shared.config["train_batch_size"] = global_batch
@@ -290,7 +295,9 @@ def _precision(shared: _SharedFacts) -> None:
 
 
 def _zero(shared: _SharedFacts) -> None:
-    args = shared.args
+    args, config = shared.args, shared.config
+    if isinstance(config.get("zero_optimization"), bool):
+        _early_zero_switch(shared, config["zero_optimization"])
     if args.zero_stage is None and "stage" not in shared.section("zero_optimization"):
         args.zero_stage = 0
     shared.share("zero_stage", "zero_optimization.stage", int)
@@ -299,6 +306,55 @@ def _zero(shared: _SharedFacts) -> None:
             f'{shared.source}: "zero_optimization.stage" must be 0, 1, 2 or 3, '
             f"not {args.zero_stage}"
         )
+    _zero_tuning_flags(shared)
+
+
+def _early_zero_switch(shared: _SharedFacts, enabled: bool) -> None:
+    """DeepSpeed's first form, `"zero_optimization": true|false`, in today's words.
+
+    DeepSpeed 0.19 still reads it (`read_zero_config_deprecated`): true is ZeRO stage 1, with
+    the top-level "allgather_size" as its allgather_bucket_size; false is stage 0.
+    """
+    config = shared.config
+    section: dict[str, Any] = {"stage": 1 if enabled else 0}
+    if enabled and "allgather_size" in config:
+        section["allgather_bucket_size"] = config.pop("allgather_size")
+    config["zero_optimization"] = section
+    shared.notes.append(
+        f' > {shared.source}: "zero_optimization": {json.dumps(enabled)} (DeepSpeed\'s early '
+        f'form) is read as "zero_optimization": {json.dumps(section)}, as DeepSpeed reads it'
+    )
+
+
+# Megatron-LM v1.1.5's ZeRO flags and the zero_optimization keys they state.
+_ZERO_TUNING_FLAGS = (
+    ("zero_reduce_bucket_size", "reduce_bucket_size", int),
+    ("zero_allgather_bucket_size", "allgather_bucket_size", int),
+    ("zero_contigious_gradients", "contiguous_gradients", bool),
+    ("zero_reduce_scatter", "reduce_scatter", bool),
+)
+
+
+def _zero_tuning_flags(shared: _SharedFacts) -> None:
+    """The flags fill the keys the config leaves out (DeepSpeed ignores them at stage 0)."""
+    section = shared.section("zero_optimization")
+    for dest, leaf, kind in _ZERO_TUNING_FLAGS:
+        flag, value = flag_name(shared.args, dest), getattr(shared.args, dest, None)
+        if kind is int and value is not None and value < 1:
+            raise ArgumentError(f"{flag} ({value}) must be at least 1")
+        if value is None and leaf not in section:
+            continue
+        if kind is bool:
+            shared.share(dest, f"zero_optimization.{leaf}", bool)
+            continue
+        # DeepSpeed takes sizes written as 5e8 (JSON numbers with an exponent are floats).
+        size = section.get(leaf)
+        if leaf in section and not (_KINDS[float][0](size) and float(size).is_integer()):
+            raise ArgumentError(
+                f'{shared.source}: "zero_optimization.{leaf}" must be a whole number of '
+                f"elements, not {size!r}"
+            )
+        shared.share(dest, f"zero_optimization.{leaf}", float, from_config=int)
 
 
 def settle_gradient_accumulation_dtype(args: argparse.Namespace, config: dict, source: str) -> None:

@@ -477,36 +477,68 @@ def add_deepspeed_flags(parser: argparse.ArgumentParser) -> None:
         help="ZeRO stage (zero_optimization.stage); the config's, else 0, when unset; "
         "--deepspeed only.",
     )
+    for option, key, kind, what in _ZERO_TUNING_FLAGS:
+        group.add_argument(
+            option,
+            default=None,
+            help=f"{what} (zero_optimization.{key}; Megatron-LM v1.1.5's flag): fills the "
+            "DeepSpeed config where it is silent; --deepspeed only.",
+            **kind,
+        )
     group.add_argument(
         "--deepspeed-activation-checkpointing",
         action="store_true",
-        help="Recompute activations with deepspeed.checkpointing (configured by the next flags).",
+        help="Recompute activations with deepspeed.checkpointing, configured by the next flags "
+        "and the DeepSpeed config's activation_checkpointing section (a typed flag wins); "
+        "without this flag that section has no effect.",
     )
-    group.add_argument(
+    for option, key, what in _ACTIVATION_CHECKPOINTING_FLAGS:
+        group.add_argument(
+            option,
+            action="store_true",
+            help=f"{what}. With --deepspeed-activation-checkpointing, unset takes the "
+            f"DeepSpeed config's activation_checkpointing.{key}.",
+        )
+
+
+# Megatron-LM v1.1.5's ZeRO flags: option, DeepSpeed key, argparse kind, meaning. Unset is
+# None, so a flag not given never overrides the config or DeepSpeed's default.
+_SIZE, _SWITCH = {"type": int, "metavar": "N"}, {"action": "store_true"}
+_ZERO_TUNING_FLAGS = (
+    ("--zero-reduce-bucket-size", "reduce_bucket_size", _SIZE, "Elements per reduction bucket"),
+    (
+        "--zero-allgather-bucket-size",
+        "allgather_bucket_size",
+        _SIZE,
+        "Elements per parameter all-gather bucket",
+    ),
+    (
+        "--zero-contigious-gradients",
+        "contiguous_gradients",
+        _SWITCH,
+        "Copy gradients to one buffer",
+    ),
+    ("--zero-reduce-scatter", "reduce_scatter", _SWITCH, "Average gradients by reduce-scatter"),
+)
+# DeepSpeed activation checkpointing: option, key of the config's section, meaning.
+_ACTIVATION_CHECKPOINTING_FLAGS = (
+    (
         "--partition-activations",
-        action="store_true",
-        help="Split checkpointed activations across tensor-parallel ranks (as "
-        "--distribute-saved-activations).",
-    )
-    group.add_argument(
-        "--checkpoint-in-cpu",
-        action="store_true",
-        help="Keep activation checkpoints in CPU memory (DeepSpeed activation checkpointing).",
-    )
-    group.add_argument(
+        "partition_activations",
+        "Split checkpointed activations across tensor-parallel ranks (as "
+        "--distribute-saved-activations)",
+    ),
+    ("--checkpoint-in-cpu", "cpu_checkpointing", "Keep activation checkpoints in CPU memory"),
+    (
         "--contigious-checkpointing",
-        action="store_true",
-        help="Copy activation checkpoints into one contiguous buffer (DeepSpeed activation "
-        "checkpointing; Megatron-DeepSpeed's spelling).",
-    )
-    group.add_argument(
+        "contiguous_memory_optimization",
+        "Copy activation checkpoints into one contiguous buffer; needs partitioned activations "
+        "(Megatron-DeepSpeed's spelling)",
+    ),
+    (
         "--synchronize-each-layer",
-        action="store_true",
-        help="Synchronize CUDA at the start and end of each checkpointed layer (DeepSpeed "
-        "activation checkpointing).",
-    )
-    group.add_argument(
-        "--profile-backward",
-        action="store_true",
-        help="Time the backward pass of checkpointed layers (DeepSpeed activation checkpointing).",
-    )
+        "synchronize_checkpoint_boundary",
+        "Synchronize the device at the start and end of each checkpointed layer",
+    ),
+    ("--profile-backward", "profile", "Time the forward and backward of checkpointed layers"),
+)

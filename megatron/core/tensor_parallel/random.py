@@ -233,5 +233,23 @@ def checkpoint(
     `distribute_saved_activations` keeps only this rank's 1/tp share of the first input.
     """
     if _DEEPSPEED_CHECKPOINTING is not None:
-        return _DEEPSPEED_CHECKPOINTING.checkpoint(function, *inputs)
+        return _deepspeed_checkpoint(function, *inputs)
     return _CheckpointFunction.apply(function, distribute_saved_activations, *inputs)
+
+
+def _deepspeed_checkpoint(function: Callable[..., Any], *inputs: Any) -> Any:
+    """`deepspeed.checkpointing.checkpoint` given the tensor inputs only.
+
+    With partitioned activations DeepSpeed 0.19 saves a size slot after every input and, for a
+    non-tensor input (a causal layer's `attention_mask` of None), counts that slot as one more
+    argument: the recompute gets too many. The non-tensors are passed from here instead.
+    """
+    is_tensor = [isinstance(value, torch.Tensor) for value in inputs]
+    tensors = [value for value, tensor in zip(inputs, is_tensor) if tensor]
+    others = [None if tensor else value for value, tensor in zip(inputs, is_tensor)]
+
+    def run(*recomputed: torch.Tensor) -> Any:
+        given = iter(recomputed)
+        return function(*(next(given) if tensor else o for o, tensor in zip(others, is_tensor)))
+
+    return _DEEPSPEED_CHECKPOINTING.checkpoint(run, *tensors)
