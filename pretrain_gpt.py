@@ -21,8 +21,10 @@ from megatron.checkpointing import CheckpointError, CheckpointSaveError
 from megatron.config import DataConfig, ModelConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.cross_entropy import LabelOutOfVocabularyError
+from megatron.data.corpus_reader import InputError
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.indexed_dataset import IndexedDatasetError
+from megatron.data.json_corpus import ensure_tokenized
 from megatron.model import GPTModel
 from megatron.model.model_size import model_size_report
 from megatron.tokenizer import TokenizerFileError
@@ -49,8 +51,13 @@ def model_provider(args: argparse.Namespace) -> torch.nn.Module:
 
 def datasets_provider(args: argparse.Namespace, num_samples: list[int]) -> tuple:
     """Train/valid/test GPT datasets over `--data-path` (blended when weighted)."""
+    if args.train_data_corpus is not None:  # v1's loose-JSON --train-data, tokenized once
+        ensure_tokenized(args.train_data_corpus, args.data_cache_path)
     if not args.data_path:
-        raise SystemExit("error: --data-path is required (a prefix from tools/preprocess_data.py)")
+        raise SystemExit(
+            "error: --data-path is required (a prefix from tools/preprocess_data.py; or "
+            "--train-data with loose-JSON files)"
+        )
     return build_train_valid_test_datasets(DataConfig.from_args(args), num_samples)
 
 
@@ -107,6 +114,7 @@ USER_ERRORS = (
     CheckpointError,
     CheckpointSaveError,
     IndexedDatasetError,
+    InputError,
     TokenizerFileError,
     CollectiveFailure,
     LabelOutOfVocabularyError,

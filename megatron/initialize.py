@@ -211,6 +211,6 @@ def initialize_megatron(
     if args.deepspeed_activation_checkpointing:
         print_rank_0(activation_checkpointing_line(args))
     print_rank_0(precision_summary(args, tf32=enable_tf32()))
-    for line in precision_warnings(args) + args.deepspeed_config_notes:
+    for line in args.compat_notes + precision_warnings(args) + args.deepspeed_config_notes:
         print_rank_0(line)
     return args

@@ -421,7 +421,7 @@ def check_python_script(script: str, args: tuple[str, ...], helps: HelpCache) ->
         return [f"{script}: only zero_to_fp32.py is expected in a checkpoint ({TEACH})"]
     if _missing(script):
         return _missing(script)
-    if os.path.normpath(script) == "pretrain_gpt.py":
+    if os.path.normpath(script) in ("pretrain_gpt.py", "pretrain_gpt2.py"):  # one parser
         return pretrain_problems(args)
     return helps.problems((script,), args, script)
 

@@ -168,7 +168,6 @@ INERT: list[CompatFlag] = [
     ),
 ]
 
-_TENSOR_PARALLEL = "use --tensor-model-parallel-size"
 REFUSED: list[CompatFlag] = [
     *_refused(
         "Mixture-of-Experts is not built here (one expert per layer is accepted)",
@@ -266,11 +265,6 @@ REFUSED: list[CompatFlag] = [
         "--standalone-embedding-stage",
         "--pipeline-model-parallel-split-rank:int",
     ),
-    *_refused("is not supported here; use --micro-batch-size", "--batch-size:int"),
-    *_refused(
-        "is not supported here; use --lr-warmup-iters or --lr-warmup-samples", "--warmup:int"
-    ),
-    *_refused(f"is not supported here; {_TENSOR_PARALLEL}", "--model-parallel-size:int"),
     *_refused(
         "separate per-split dataset lists are not built here; use --data-path with --split",
         "--train-data-path:strs",

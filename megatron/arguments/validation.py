@@ -19,12 +19,19 @@ from megatron.arguments.ds_config import (
     settle_gradient_accumulation_dtype,
 )
 from megatron.arguments.ds_unused_sections import set_aside_unused_sections
-from megatron.arguments.errors import ArgumentError
+from megatron.arguments.errors import ArgumentError, flag_name
 from megatron.arguments.precision import check_flash_attention_precision
+from megatron.arguments.v1_flags import train_data_corpus, translate_v1_flags
 from megatron.atomic_files import nearest_existing
 from megatron.config import model_params_dtype
 from megatron.tokenizer.base import MODEL_FILE_TOKENIZERS, missing_tokenizer_model
 from megatron.training.batch_schedule import BatchSizeSchedule
+
+# GPT-2's vocabulary and merges, shipped with the repository (dataset/), used when
+# GPT2BPETokenizer is asked for without --vocab-file/--merge-file (as Megatron-LM v1 was).
+_DATASET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "dataset")
+SHIPPED_GPT2_VOCAB = os.path.join(_DATASET_DIR, "gpt2-vocab.json")
+SHIPPED_GPT2_MERGES = os.path.join(_DATASET_DIR, "gpt2-merges.txt")
 
 
 def _require(args: argparse.Namespace, *flags: str) -> None:
@@ -42,8 +49,9 @@ def _parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
         )
     if world_size % (tp * pp) != 0:
         raise ArgumentError(
-            f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
-            f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}"
+            f"world size ({world_size}) is not divisible by "
+            f"{flag_name(args, 'tensor_model_parallel_size')} ({tp}) x "
+            f"{flag_name(args, 'pipeline_model_parallel_size')} ({pp}) = {tp * pp}"
         )
     args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp)
@@ -131,9 +139,9 @@ def _batch_sizes(args: argparse.Namespace) -> None:
         args.global_batch_size = per_step
     if args.global_batch_size % per_step != 0:
         raise ArgumentError(
-            f"--global-batch-size ({args.global_batch_size}) is not divisible by "
-            f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
-            f"({args.data_parallel_size}) = {per_step}"
+            f"{flag_name(args, 'global_batch_size')} ({args.global_batch_size}) is not "
+            f"divisible by {flag_name(args, 'micro_batch_size')} ({args.micro_batch_size}) x "
+            f"data-parallel size ({args.data_parallel_size}) = {per_step}"
         )
     args.gradient_accumulation_steps = args.global_batch_size // per_step
     if (args.train_iters is None) == (args.train_samples is None):
@@ -186,6 +194,14 @@ def _schedule_units(args: argparse.Namespace) -> None:
 def _tokenizer_flags(args: argparse.Namespace) -> None:
     """The tokenizer types built here get their files; the others are refused in one line."""
     tokenizer = getattr(args, "tokenizer_type", None) or "GPT2BPETokenizer"
+    shipped = os.path.isfile(SHIPPED_GPT2_VOCAB) and os.path.isfile(SHIPPED_GPT2_MERGES)
+    if tokenizer == "GPT2BPETokenizer" and not (args.vocab_file or args.merge_file) and shipped:
+        # Megatron-LM v1 fetched GPT-2's files itself; the same files ship in dataset/.
+        args.vocab_file, args.merge_file = SHIPPED_GPT2_VOCAB, SHIPPED_GPT2_MERGES
+        args.compat_notes.append(
+            f" > GPT2BPETokenizer without --vocab-file/--merge-file: using GPT-2's files "
+            f"shipped in {os.path.dirname(SHIPPED_GPT2_VOCAB)}"
+        )
     if tokenizer in MODEL_FILE_TOKENIZERS:
         problem = missing_tokenizer_model(tokenizer, getattr(args, "tokenizer_model", None))
         if problem:
@@ -314,7 +330,11 @@ def _data_files(args: argparse.Namespace) -> None:
     from megatron.data.blendable_dataset import parse_data_path
     from megatron.data.indexed_dataset import data_file_path, dataset_exists, index_file_path
 
-    if getattr(args, "data_path", None):
+    args.train_data_corpus = None
+    if getattr(args, "train_data", None):
+        args.train_data_corpus = train_data_corpus(args)  # tokenized once training starts
+        args.data_path = [args.train_data_corpus.data_prefix]
+    elif getattr(args, "data_path", None):
         try:
             prefixes, _ = parse_data_path(args.data_path)
         except ValueError as error:
@@ -370,6 +390,12 @@ def _schedule(args: argparse.Namespace) -> None:
 def _backend(args: argparse.Namespace) -> None:
     import torch
 
+    # The launcher's LOCAL_RANK wins over a --local_rank in the script: DeepSpeedExamples'
+    # ds_pretrain_gpt2.sh passes `--local_rank 0` after the launcher's own `--local_rank=N`,
+    # which would put every rank of a node on its first GPU.
+    if os.environ.get("LOCAL_RANK", "").isdigit():
+        args.local_rank = int(os.environ["LOCAL_RANK"])
+
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     elif args.distributed_backend == "nccl" and not torch.cuda.is_available():
@@ -388,7 +414,13 @@ def _deepspeed_config(args: argparse.Namespace, explicit_flags: set[str] | None)
     if args.deepspeed_config_dict is not None:  # programmatic use: a dict instead of a file
         config, source = args.deepspeed_config_dict, "args.deepspeed_config_dict"
     elif args.deepspeed_config is None:
-        raise ArgumentError("--deepspeed needs --deepspeed_config FILE")
+        # DeepSpeed itself would stop; every fact it needs is in the flags, so build it from them.
+        config, source = {}, "the flags (no --deepspeed_config given)"
+        args.compat_notes.append(
+            " > --deepspeed without --deepspeed_config: DeepSpeed's config is built from the "
+            "flags (batch sizes, precision, gradient clipping, --zero-stage, else DeepSpeed's "
+            "defaults)"
+        )
     else:
         config = load_deepspeed_config(args.deepspeed_config)
         source = f"--deepspeed_config {args.deepspeed_config}"
@@ -409,6 +441,8 @@ def validate_args(
     args.deepspeed_config = getattr(args, "deepspeed_config", None)
     # Start-up lines about the DeepSpeed config (printed by initialize_megatron).
     args.deepspeed_config_notes = []
+    args.compat_notes = []  # start-up lines about spellings and defaults of other versions
+    translate_v1_flags(args, explicit_flags, world_size)  # v1 spellings -> today's settings
     _their_spellings(args, explicit_flags)
     _parallel_sizes(args, world_size)
     _model_shape(args)
@@ -447,7 +481,7 @@ def format_arguments(args: argparse.Namespace) -> str:
     """Megatron's sorted argument block (`------ arguments ------`, name ........ value)."""
     lines = ["------------------------ arguments ------------------------"]
     for name in sorted(vars(args), key=str.lower):
-        if name == "deepspeed_config_notes":
+        if name in ("deepspeed_config_notes", "compat_notes"):
             continue  # printed as their own start-up lines
         dots = "." * (48 - len(name))
         lines.append(f"  {name} {dots} {getattr(args, name)}")

@@ -81,7 +81,6 @@ def test_the_value_that_means_off_is_accepted(extra: str) -> None:
         ("--ds-sequence-parallel-size 4", "--ds-sequence-parallel-size 4: DeepSpeed-Ulysses"),
         ("--squared-relu", "--squared-relu: this GPT variant is not built here"),
         ("--DDP-impl FSDP", "--DDP-impl FSDP"),
-        ("--batch-size 8", "--batch-size 8: this flag is not supported here; use --micro-batch"),
         ("--tokenizer-type BertWordPieceCase", "--tokenizer-type BertWordPieceCase: not built"),
         ("--tokenizer-type NullTokenizer", "--tokenizer-type NullTokenizer: not built here"),
         (
