@@ -1,4 +1,5 @@
-"""Shared fixtures: the real GPT-2 files, the reference tokenizer, the megatron-core oracle."""
+"""Shared fixtures: the real GPT-2 files, the reference tokenizer, the megatron-core oracle,
+transformers 4.x for the Hugging Face exports."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ MERGE_FILE = os.path.join(REPO_ROOT, "dataset", "gpt2-merges.txt")
 # The released megatron-core whose writer, helpers and GPTDataset our outputs must equal.
 MEGATRON_CORE_VERSION = "0.16.1"
 ORACLE_DIR = os.path.join(REPO_ROOT, ".cache", f"megatron-core-{MEGATRON_CORE_VERSION}")
+# The transformers 4.x release (and the tokenizers / huggingface-hub it needs) that our Hugging
+# Face exports must load in besides the installed 5.x: the last 4.46, inside `>=4.45`.
+TRANSFORMERS_4 = ("transformers==4.46.3", "tokenizers==0.20.3", "huggingface-hub==0.26.5")
+TRANSFORMERS_4_DIR = os.path.join(REPO_ROOT, ".cache", "transformers-4.46.3")
 
 
 @pytest.fixture(scope="session")
@@ -81,6 +86,64 @@ def ensure_megatron_core_oracle() -> str:
         if not os.path.isfile(marker):
             os.replace(unpacked, ORACLE_DIR)
     return ORACLE_DIR
+
+
+def ensure_transformers_4() -> str:
+    """Install `TRANSFORMERS_4` into .cache/ (fetched from PyPI once); returns its folder.
+
+    `pip install --no-deps --target`: torch, numpy, safetensors and the rest still come from
+    this interpreter's environment, which stays untouched; the folder, first on a subprocess's
+    PYTHONPATH, only shadows transformers 5 and its newer tokenizers and huggingface-hub.
+    """
+    marker = os.path.join(TRANSFORMERS_4_DIR, "transformers", "__init__.py")
+    if os.path.isfile(marker):
+        return TRANSFORMERS_4_DIR
+    os.makedirs(os.path.dirname(TRANSFORMERS_4_DIR), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(TRANSFORMERS_4_DIR)) as scratch:
+        target = os.path.join(scratch, "site-packages")
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--target",
+            target,
+            *TRANSFORMERS_4,
+        ]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0 or not os.path.isfile(
+            os.path.join(target, "transformers", "__init__.py")
+        ):
+            pytest.fail(
+                f"could not fetch {TRANSFORMERS_4[0]}, the release our Hugging Face exports must "
+                f"load in besides 5.x: {' '.join(command)} failed:\n{result.stderr[-2000:]}"
+            )
+        if not os.path.isfile(marker):
+            os.replace(target, TRANSFORMERS_4_DIR)
+    return TRANSFORMERS_4_DIR
+
+
+def run_transformers_4(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run `python {script} {args}` in the repository root with transformers 4.x importable
+    (`ensure_transformers_4`) instead of the installed 5.x; fails the test if it fails."""
+    env = dict(os.environ, PYTHONPATH=ensure_transformers_4(), PYTHONWARNINGS="ignore")
+    result = subprocess.run(
+        [sys.executable, script, *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if result.returncode != 0:
+        pytest.fail(
+            f"{script} under {TRANSFORMERS_4[0]} failed:\n{result.stdout[-3000:]}\n"
+            f"{result.stderr[-3000:]}"
+        )
+    return result
 
 
 def run_cli(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -13,6 +13,13 @@ GPT-2 conversion, pure torch and plain dicts (the tools in tools/checkpoint/ imp
 - the output layer is tied to the word embeddings on both sides;
 - our `gelu_tanh` is HF's `gelu_new` (`gelu_pytorch_tanh` computes the same), `gelu` is
   the exact erf form on both sides.
+
+`hf_config_json` writes config.json itself, not through the installed transformers' config
+class, so that every release we declare (`transformers>=4.45`, 4.x and 5.x) reads the same
+model from it whichever one ran the export: a key 5.x moved is written in both places (the
+RoPE base as 4.x's `rope_theta` and 5.x's `rope_parameters`, the dtype as 4.x's `torch_dtype`
+and 5.x's `dtype`), and every key the computation depends on is explicit, not left to a
+release's default. The importer reads either form (`huggingface_llama.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any
 import torch
 
 from megatron.checkpointing.huggingface_llama import ARCHITECTURE as LLAMA
-from megatron.checkpointing.huggingface_llama import llama_differences
+from megatron.checkpointing.huggingface_llama import llama_config_json, llama_differences
 from megatron.checkpointing.layouts import CheckpointConversionError
 from megatron.checkpointing.shapes import model_config  # noqa: F401 - the tools import it here
 from megatron.config import ModelConfig
@@ -104,15 +111,16 @@ def hf_architecture(config: ModelConfig) -> str:
     )
 
 
-def hf_config_kwargs(
+def gpt2_config_json(
     config: ModelConfig, true_vocab_size: int, eod_token_id: int = EOD_TOKEN_ID
 ) -> dict[str, Any]:
-    """`GPT2Config(**kwargs)` for a model of `config` with the tokenizer's vocabulary."""
+    """config.json (less the dtype) of the `GPT2LMHeadModel` computing `config`'s model."""
     differences = gpt2_differences(config)
     if differences:
         raise CheckpointConversionError(f"{GPT2} cannot compute {'; '.join(differences)}")
     return dict(
-        architectures=["GPT2LMHeadModel"],
+        architectures=[GPT2],
+        model_type="gpt2",
         vocab_size=true_vocab_size,
         n_positions=config.max_position_embeddings,
         n_embd=config.hidden_size,
@@ -125,10 +133,32 @@ def hf_config_kwargs(
         attn_pdrop=config.attention_dropout,
         layer_norm_epsilon=config.layernorm_epsilon,
         initializer_range=config.init_method_std,
+        scale_attn_weights=True,
+        scale_attn_by_inverse_layer_idx=False,
+        add_cross_attention=False,
         bos_token_id=eod_token_id,
         eos_token_id=eod_token_id,
         tie_word_embeddings=True,
     )
+
+
+def hf_config_json(
+    config: ModelConfig,
+    true_vocab_size: int,
+    bos_token_id: int | None,
+    eos_token_id: int | None,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """config.json of the Hugging Face model computing `config`'s, weights of `dtype`.
+
+    GPT-2 uses `eos_token_id` (our end of document) as its bos too, as OpenAI's GPT-2 does.
+    """
+    if hf_architecture(config) == GPT2:
+        keys = gpt2_config_json(config, true_vocab_size, eos_token_id)
+    else:
+        keys = llama_config_json(config, true_vocab_size, bos_token_id, eos_token_id)
+    name = str(dtype).removeprefix("torch.")
+    return {**keys, "torch_dtype": name, "dtype": name}
 
 
 def _qkv_to_hf(tensor: torch.Tensor, heads: int) -> torch.Tensor:

@@ -52,22 +52,36 @@ def llama_differences(config: ModelConfig) -> list[str]:
         "position_embedding_type": "rope",
         "rotary_percent": 1.0,
     }
-    return [
+    differences = [
         f"{name} {getattr(config, name)!r} (LLaMA: {value!r})"
         for name, value in wanted.items()
         if getattr(config, name) != value
     ]
+    if config.hidden_size % config.num_attention_heads:
+        differences.append(
+            f"hidden_size {config.hidden_size} not a multiple of num_attention_heads "
+            f"{config.num_attention_heads} (transformers 5's LLaMA config requires it)"
+        )
+    return differences
 
 
-def llama_config_kwargs(
+def llama_config_json(
     config: ModelConfig, true_vocab_size: int, bos_token_id: int | None, eos_token_id: int | None
 ) -> dict[str, Any]:
-    """`LlamaConfig(**kwargs)` for a model of `config` with the tokenizer's vocabulary."""
+    """config.json (less the dtype) of the `LlamaForCausalLM` computing `config`'s model.
+
+    Read alike by transformers 4.45+ and 5.x (see `huggingface.py`): the RoPE base is both
+    4.x's top-level `rope_theta` and 5.x's `rope_parameters`. 4.45 is our floor because
+    `head_dim` is read from it on and `mlp_bias` from 4.41 (earlier releases would take hidden //
+    heads and drop MLP biases without an error).
+    """
     differences = llama_differences(config)
     if differences:
         raise CheckpointConversionError(f"{ARCHITECTURE} cannot compute {', '.join(differences)}")
+    theta = float(config.rotary_base)
     return dict(
         architectures=[ARCHITECTURE],
+        model_type="llama",
         vocab_size=true_vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.ffn_hidden_size,
@@ -79,7 +93,8 @@ def llama_config_kwargs(
         max_position_embeddings=config.max_position_embeddings,
         initializer_range=config.init_method_std,
         rms_norm_eps=config.layernorm_epsilon,
-        rope_theta=float(config.rotary_base),
+        rope_theta=theta,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
         attention_bias=config.add_bias_linear,
         attention_dropout=config.attention_dropout,
         mlp_bias=config.add_bias_linear,
@@ -184,15 +199,41 @@ def from_llama_state_dict(
 
 
 def _rope_theta(hf_config: dict[str, Any]) -> float:
-    """RoPE theta of a config.json (transformers 5's `rope_parameters`, or older `rope_theta`)."""
-    rope = hf_config.get("rope_parameters") or {}
-    scaling = hf_config.get("rope_scaling") or {}
-    kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
+    """RoPE base of a config.json by transformers 4 (top-level `rope_theta`, `rope_scaling`) or
+    5 (`rope_parameters`); refuses scaled or partial RoPE and bases the two would read apart."""
+    places = {"": hf_config}  # key prefix -> where transformers 4 or 5 may look
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = hf_config.get(key) or {}
+        if not isinstance(rope, dict):
+            raise CheckpointConversionError(f"config.json has {key}={rope!r}; expected an object")
+        field = "type" if "type" in rope and "rope_type" not in rope else "rope_type"
+        if rope.get(field, "default") != "default":
+            raise CheckpointConversionError(
+                f"config.json has {key}.{field}={rope[field]!r}; only plain RoPE ('default') "
+                "converts"
+            )
+        places[f"{key}."] = rope
+
+    def given(name: str) -> dict[str, float]:
+        """`name`'s values by key, where config.json sets one; each must be a number."""
+        found = {p + name: d[name] for p, d in places.items() if d.get(name) is not None}
+        for key, value in found.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise CheckpointConversionError(f"config.json has {key}={value!r}; not a number")
+        return {key: float(value) for key, value in found.items()}
+
+    for key, value in given("partial_rotary_factor").items():
+        if value != 1.0:
+            raise CheckpointConversionError(
+                f"config.json has {key}={value:g}; only 1 (RoPE over whole heads) converts"
+            )
+    thetas = given("rope_theta")
+    if len(set(thetas.values())) > 1:
         raise CheckpointConversionError(
-            f"config.json has RoPE scaling {kind!r}; only plain RoPE (rope_type default) converts"
+            f"config.json has {' but '.join(f'{k}={v:g}' for k, v in thetas.items())}: "
+            "transformers 4 and 5 would read different RoPE bases"
         )
-    return float(rope.get("rope_theta") or hf_config.get("rope_theta") or 10000.0)
+    return next(iter(thetas.values()), 10000.0)
 
 
 def megatron_args_from_llama(

@@ -78,7 +78,10 @@ VARIANT_ARGS = {
     "gelu": dict(openai_gelu=False, bias_gelu_fusion=False),
     "llama": LLAMA_ARGS,
 }
-GPT2_CONFIG = dict(architectures=["GPT2LMHeadModel"], n_positions=32, n_inner=256)
+GPT2_CONFIG = dict(
+    architectures=["GPT2LMHeadModel"], n_positions=32, n_inner=256, torch_dtype="float32",
+    dtype="float32",
+)  # fmt: skip
 HF_CONFIG = {  # what each export's config.json says (besides vocabulary and bos / eos)
     "gelu_new": dict(GPT2_CONFIG, activation_function="gelu_new"),
     "gelu": dict(GPT2_CONFIG, activation_function="gelu"),
@@ -93,10 +96,13 @@ HF_CONFIG = {  # what each export's config.json says (besides vocabulary and bos
         hidden_act="silu",
         max_position_embeddings=32,
         rms_norm_eps=1e-5,
+        rope_theta=500000.0,  # transformers 4.x reads it here, 5.x in rope_parameters
         rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},
         tie_word_embeddings=False,
         attention_bias=False,
         mlp_bias=False,
+        torch_dtype="float32",
+        dtype="float32",
     ),
 }
 MODEL_FIELDS = (
@@ -364,6 +370,10 @@ NOT_EXACTLY_LLAMA = {
         "position_embedding_type 'learned_absolute' (LLaMA: 'rope')",
     ),
     "partial rotary": (dict(rotary_percent=0.5), "rotary_percent 0.5 (LLaMA: 1.0)"),
+    "heads not dividing hidden": (
+        dict(num_attention_heads=6, kv_channels=16),
+        "hidden_size 64 not a multiple of num_attention_heads 6",
+    ),
 }
 
 

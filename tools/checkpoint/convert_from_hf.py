@@ -8,10 +8,13 @@
 Reads `config.json` and the weights (safetensors or pytorch_model.bin) with
 `GPT2LMHeadModel` / `LlamaForCausalLM.from_pretrained` (by the config's `model_type`),
 refuses what our GPT cannot compute (GPT-2: other activations, an untied output layer,
-cross-attention, unscaled or layer-scaled attention; LLaMA: RoPE scaling, activations other
-than silu, attention and MLP biases that differ), and writes the checkpoint with args complete
-enough for `pretrain_gpt.py --load` to build the same model (LLaMA: RMSNorm, SwiGLU, RoPE
-theta, key/value heads, untied output layer, no linear biases) and tokenizer.
+cross-attention, unscaled or layer-scaled attention; LLaMA: RoPE scaling or partial RoPE,
+activations other than silu, attention and MLP biases that differ), and writes the checkpoint
+with args complete enough for `pretrain_gpt.py --load` to build the same model (LLaMA:
+RMSNorm, SwiGLU, RoPE theta, key/value heads, untied output layer, no linear biases) and
+tokenizer.
+A LLaMA config.json may come from transformers 4 (top-level `rope_theta`, `rope_scaling`) or
+5 (`rope_parameters`); one whose RoPE bases disagree between the two places is refused.
 The vocabulary is padded to a multiple of `--make-vocab-size-divisible-by` x TP.
 Needs `pip install transformers safetensors`.
 """

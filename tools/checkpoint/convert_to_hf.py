@@ -6,7 +6,9 @@ Writes `config.json` (`GPT2LMHeadModel` for GPT-2-shaped models; `LlamaForCausal
 RMSNorm + SwiGLU + RoPE ones, grouped-query attention and an untied output layer included),
 `model.safetensors` and the tokenizer files (see `hf_tokenizer.py`), so that
 `AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer.from_pretrained(dir)` load it
-offline. A model neither class computes exactly is refused in one line naming what differs.
+offline, with transformers 4.45+ or 5.x alike (config.json carries both releases' keys: see
+`megatron/checkpointing/huggingface.py`). A model neither class computes exactly is refused
+in one line naming what differs.
 The vocabulary is trimmed to the tokenizer's size (the padding rows are dropped).
 The folder is written under `{save}.partial-{pid}` and renamed when complete; an existing
 non-empty `--save` is refused unless `--force`. Needs `pip install transformers safetensors`.
@@ -15,6 +17,7 @@ non-empty `--save` is refused unless `--force`. Needs `pip install transformers 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -24,14 +27,11 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.
 from megatron.checkpointing.huggingface import (  # noqa: E402
     GPT2,
     hf_architecture,
-    hf_config_kwargs,
+    hf_config_json,
     model_config,
     to_hf_state_dict,
 )
-from megatron.checkpointing.huggingface_llama import (  # noqa: E402
-    llama_config_kwargs,
-    to_llama_state_dict,
-)
+from megatron.checkpointing.huggingface_llama import to_llama_state_dict  # noqa: E402
 from megatron.checkpointing.shards import (  # noqa: E402
     CheckpointConversionError,
     DenseCheckpoint,
@@ -81,7 +81,6 @@ def write_folder(folder: str, dense: DenseCheckpoint, tokenizer: TokenizerSource
     Returns the Hugging Face architecture written.
     """
     from safetensors.torch import save_file
-    from transformers import GPT2Config, LlamaConfig
 
     config = model_config(dense.args)
     architecture = hf_architecture(config)
@@ -90,12 +89,12 @@ def write_folder(folder: str, dense: DenseCheckpoint, tokenizer: TokenizerSource
     )
     if architecture == GPT2:
         weights = to_hf_state_dict(dense.state_dict, config.num_attention_heads)
-        hf_config = GPT2Config(**hf_config_kwargs(config, dense.true_vocab_size, eos))
     else:
         weights = to_llama_state_dict(dense.state_dict, config)
-        hf_config = LlamaConfig(**llama_config_kwargs(config, dense.true_vocab_size, bos, eos))
-    hf_config.dtype = next(iter(weights.values())).dtype
-    hf_config.save_pretrained(folder)
+    dtype = next(iter(weights.values())).dtype
+    hf_config = hf_config_json(config, dense.true_vocab_size, bos, eos, dtype)
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     path = os.path.join(folder, "model.safetensors")
     save_file(weights, path, metadata={"format": "pt"})
     os.chmod(path, 0o644)  # safetensors creates it owner-only; the other files are 0644
