@@ -27,6 +27,7 @@ from megatron.data.indexed_dataset import IndexedDatasetError
 from megatron.data.json_corpus import ensure_tokenized
 from megatron.model import GPTModel
 from megatron.model.model_size import model_size_report
+from megatron.model.pipeline_chunks import build_pipeline_chunks
 from megatron.tokenizer import TokenizerFileError
 from megatron.training import pretrain
 from megatron.training.failures import CollectiveFailure, report_error
@@ -36,9 +37,21 @@ from megatron.utils import current_device, get_ltor_masks_and_position_ids, prin
 
 
 def model_provider(args: argparse.Namespace) -> torch.nn.Module:
-    """GPT-2 as a `GPTModelPipe` under DeepSpeed's pipeline engine, else a `GPTModel`."""
+    """GPT-2 as a `GPTModelPipe` under DeepSpeed's pipeline engine, this rank's chunks under
+    Megatron's pipeline schedules, else a `GPTModel`."""
     config = ModelConfig.from_args(args)
     print_rank_0(model_size_report(config, args.seq_length))
+    if args.plain_pipeline:
+        chunks = build_pipeline_chunks(
+            config,
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            args.virtual_pipeline_model_parallel_size or 1,
+        )
+        # What the schedule needs from GPT: the stage inputs and targets, and the loss.
+        chunks.batch_fn = partial(get_batch_pipe, args=args)
+        chunks.loss_func = loss_func
+        return chunks
     if args.pipeline_parallel:
         from megatron.model.pipeline import GPTModelPipe
 

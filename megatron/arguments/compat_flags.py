@@ -259,9 +259,8 @@ REFUSED: list[CompatFlag] = [
         accepts=_equals("local", "torch"),
     ),
     *_refused(
-        "interleaved and embedding-only pipeline stages are not built here (DeepSpeed's "
-        "PipelineModule splits the layers)",
-        "--num-layers-per-virtual-pipeline-stage:int",
+        "embedding-only pipeline stages and encoder-decoder (T5) pipeline splits are not built "
+        "here; every stage holds an equal share of the GPT's layers",
         "--standalone-embedding-stage",
         "--pipeline-model-parallel-split-rank:int",
     ),

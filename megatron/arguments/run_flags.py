@@ -1,14 +1,13 @@
 """Flag groups of `pretrain_gpt.py` that describe the run.
 
-Training length and batch sizes, learning-rate schedule, checkpointing, logging, distributed
-set-up, DeepSpeed. Names, defaults and meanings follow Megatron-LM / Megatron-DeepSpeed;
-`megatron.arguments.build_parser` assembles these groups.
+Training length and batch sizes, learning-rate schedule, checkpointing, logging (the parallel
+layout and DeepSpeed are in `parallel_flags.py`). Names, defaults and meanings follow
+Megatron-LM / Megatron-DeepSpeed; `megatron.arguments.build_parser` assembles these groups.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
 
 def add_training_flags(parser: argparse.ArgumentParser) -> None:
@@ -416,129 +415,3 @@ def add_logging_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--wandb-save-dir", default=None, help="W&B's local directory; ./wandb when unset."
     )
-
-
-def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
-    """The distributed flags."""
-    group = parser.add_argument_group("parallelism")
-    group.add_argument(
-        "--distributed-timeout-minutes",
-        type=float,
-        default=10,
-        help="How long a collective may wait for the other ranks before the run fails (each "
-        "surviving rank then names the collective and writes its stack; fractions allowed).",
-    )
-    group.add_argument(
-        "--tensor-model-parallel-size", type=int, default=1, help="GPUs each layer is split across."
-    )
-    group.add_argument(
-        "--pipeline-model-parallel-size",
-        type=int,
-        default=1,
-        help="Pipeline stages the layers are split into; above 1 needs --deepspeed.",
-    )
-    group.add_argument(
-        "--sequence-parallel",
-        action="store_true",
-        help="Split layer-norm and dropout activations along the sequence across "
-        "tensor-parallel ranks; ignored with one tensor-parallel rank.",
-    )
-    group.add_argument(
-        "--distributed-backend",
-        choices=["nccl", "gloo"],
-        default=None,
-        help="torch.distributed backend; nccl when a GPU is present, gloo otherwise.",
-    )
-    group.add_argument(
-        "--no-pipeline-parallel",
-        action="store_true",
-        help="With --deepspeed, use DeepSpeed's plain engine instead of its pipeline engine "
-        "(pipeline size 1 only).",
-    )
-    group.add_argument(
-        "--local-rank",
-        "--local_rank",
-        type=int,
-        default=int(os.environ.get("LOCAL_RANK", "0")),
-        dest="local_rank",
-        help="This process's GPU on its node, set by the launcher (deepspeed passes "
-        "--local_rank, torchrun sets LOCAL_RANK); default: $LOCAL_RANK, else 0.",
-    )
-
-
-def add_deepspeed_flags(parser: argparse.ArgumentParser) -> None:
-    """The deepspeed flags."""
-    group = parser.add_argument_group("DeepSpeed ZeRO and activation checkpointing")
-    group.add_argument(
-        "--zero-stage",
-        type=int,
-        choices=[0, 1, 2, 3],
-        default=None,
-        help="ZeRO stage (zero_optimization.stage); the config's, else 0, when unset; "
-        "--deepspeed only.",
-    )
-    for option, key, kind, what in _ZERO_TUNING_FLAGS:
-        group.add_argument(
-            option,
-            default=None,
-            help=f"{what} (zero_optimization.{key}; Megatron-LM v1.1.5's flag): fills the "
-            "DeepSpeed config where it is silent; --deepspeed only.",
-            **kind,
-        )
-    group.add_argument(
-        "--deepspeed-activation-checkpointing",
-        action="store_true",
-        help="Recompute activations with deepspeed.checkpointing, configured by the next flags "
-        "and the DeepSpeed config's activation_checkpointing section (a typed flag wins); "
-        "without this flag that section has no effect.",
-    )
-    for option, key, what in _ACTIVATION_CHECKPOINTING_FLAGS:
-        group.add_argument(
-            option,
-            action="store_true",
-            help=f"{what}. With --deepspeed-activation-checkpointing, unset takes the "
-            f"DeepSpeed config's activation_checkpointing.{key}.",
-        )
-
-
-# Megatron-LM v1.1.5's ZeRO flags: option, DeepSpeed key, argparse kind, meaning. Unset is
-# None, so a flag not given never overrides the config or DeepSpeed's default.
-_SIZE, _SWITCH = {"type": int, "metavar": "N"}, {"action": "store_true"}
-_ZERO_TUNING_FLAGS = (
-    ("--zero-reduce-bucket-size", "reduce_bucket_size", _SIZE, "Elements per reduction bucket"),
-    (
-        "--zero-allgather-bucket-size",
-        "allgather_bucket_size",
-        _SIZE,
-        "Elements per parameter all-gather bucket",
-    ),
-    (
-        "--zero-contigious-gradients",
-        "contiguous_gradients",
-        _SWITCH,
-        "Copy gradients to one buffer",
-    ),
-    ("--zero-reduce-scatter", "reduce_scatter", _SWITCH, "Average gradients by reduce-scatter"),
-)
-# DeepSpeed activation checkpointing: option, key of the config's section, meaning.
-_ACTIVATION_CHECKPOINTING_FLAGS = (
-    (
-        "--partition-activations",
-        "partition_activations",
-        "Split checkpointed activations across tensor-parallel ranks (as "
-        "--distribute-saved-activations)",
-    ),
-    ("--checkpoint-in-cpu", "cpu_checkpointing", "Keep activation checkpoints in CPU memory"),
-    (
-        "--contigious-checkpointing",
-        "contiguous_memory_optimization",
-        "Copy activation checkpoints into one contiguous buffer; needs partitioned activations "
-        "(Megatron-DeepSpeed's spelling)",
-    ),
-    (
-        "--synchronize-each-layer",
-        "synchronize_checkpoint_boundary",
-        "Synchronize the device at the start and end of each checkpointed layer",
-    ),
-    ("--profile-backward", "profile", "Time the forward and backward of checkpointed layers"),
-)

@@ -20,6 +20,7 @@ from megatron.arguments.ds_config import (
 )
 from megatron.arguments.ds_unused_sections import set_aside_unused_sections
 from megatron.arguments.errors import ArgumentError, flag_name
+from megatron.arguments.pipeline_checks import settle_pipeline
 from megatron.arguments.precision import check_flash_attention_precision
 from megatron.arguments.v1_flags import train_data_corpus, translate_v1_flags
 from megatron.atomic_files import nearest_existing
@@ -278,22 +279,8 @@ def _recompute(args: argparse.Namespace) -> None:
 
 
 def _pipeline_and_checkpoints(args: argparse.Namespace) -> None:
+    settle_pipeline(args)
     pipelined = args.pipeline_model_parallel_size > 1
-    if pipelined and not args.deepspeed:
-        raise ArgumentError(
-            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} needs "
-            "--deepspeed (pipeline parallelism runs on DeepSpeed's PipelineModule)"
-        )
-    if pipelined and args.no_pipeline_parallel:
-        raise ArgumentError(
-            "--no-pipeline-parallel contradicts --pipeline-model-parallel-size "
-            f"{args.pipeline_model_parallel_size}"
-        )
-    if pipelined and args.reset_attention_mask:
-        raise ArgumentError(
-            "--reset-attention-mask is not supported with --pipeline-model-parallel-size > 1: "
-            "the pipeline stages pass only hidden states"
-        )
     # Megatron-DeepSpeed runs DeepSpeed's pipeline engine whenever --deepspeed is on, unless
     # --no-pipeline-parallel; that engine supports ZeRO stages 0 and 1 only.
     zero_stage = getattr(args, "zero_stage", None) or 0

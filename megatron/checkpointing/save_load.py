@@ -132,6 +132,38 @@ def _unwrap(model) -> torch.nn.Module:  # noqa: ANN001 - PlainTrainer, engine or
     return getattr(module, "module", module)
 
 
+def model_states(module: torch.nn.Module) -> dict:
+    """Megatron's `model` entry, or `model0`, `model1`, ... for this rank's pipeline chunks
+    with virtual stages (each chunk numbering its layers from 0, as Megatron-LM)."""
+    if isinstance(module, torch.nn.ModuleList):  # Megatron's schedules: this rank's chunks
+        if len(module) > 1:
+            return {f"model{i}": nest_model_state(c.state_dict()) for i, c in enumerate(module)}
+        module = module[0]
+    return {"model": nest_model_state(module.state_dict())}
+
+
+def load_model_states(module: torch.nn.Module, client: dict, path: str) -> None:
+    """Load what `model_states` saved (either form) into `module`."""
+    if isinstance(module, torch.nn.ModuleList) and len(module) > 1:
+        keys = [f"model{i}" for i in range(len(module))]
+        if not all(key in client for key in keys):
+            raise CheckpointError(
+                f"{path} holds no {', '.join(keys)} for this run's {len(module)} virtual "
+                f"pipeline stages; convert it with {RESHARD_TOOL}"
+            )
+        for chunk, key in zip(module, keys):
+            chunk.load_state_dict(flatten_model_state(client[key]))
+        return
+    if isinstance(module, torch.nn.ModuleList):
+        module = module[0]
+    if "model" not in client:
+        raise CheckpointError(
+            f"{path} holds virtual pipeline stages (model0, model1, ...), this run none; "
+            f"convert it with {RESHARD_TOOL}"
+        )
+    module.load_state_dict(flatten_model_state(client["model"]))
+
+
 def save_checkpoint(state, model, optimizer, scheduler, args: argparse.Namespace) -> None:  # noqa: ANN001
     """Save `state.iteration` to `--save` in this run's layout (a collective on all ranks)."""
     iteration = state.iteration
@@ -149,7 +181,7 @@ def save_checkpoint(state, model, optimizer, scheduler, args: argparse.Namespace
         failure = None
         if parallel_state.get_data_parallel_rank() == 0:
             checkpoint = _client_state(state, args, rng)
-            checkpoint["model"] = nest_model_state(_unwrap(model).state_dict())
+            checkpoint.update(model_states(_unwrap(model)))
             if not args.no_save_optim:
                 checkpoint["optimizer"] = optimizer.state_dict()
                 checkpoint["opt_param_scheduler"] = scheduler.state_dict()
@@ -199,6 +231,15 @@ def check_checkpoint_args(saved: dict, args: argparse.Namespace, path: str) -> N
                 f"--target-tensor-parallel-size {args.tensor_model_parallel_size} "
                 f"--target-pipeline-parallel-size {args.pipeline_model_parallel_size}"
             )
+    theirs = saved.get("virtual_pipeline_model_parallel_size") or 1
+    ours = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    if theirs != ours:
+        raise CheckpointError(
+            f"{path} was saved with {theirs} virtual pipeline stage(s) per rank, this run has "
+            f"{ours}: convert it with {RESHARD_TOOL} --load {args.load} --save NEW_DIR "
+            f"--target-pipeline-parallel-size {args.pipeline_model_parallel_size} "
+            f"--target-virtual-pipeline-parallel-size {ours}"
+        )
     for name, flag in MODEL_SHAPE_FLAGS.items():
         theirs, ours = saved.get(name), getattr(args, name, None)
         if theirs is not None and ours is not None and theirs != ours:
@@ -355,7 +396,7 @@ def load_checkpoint(model, optimizer, scheduler, args: argparse.Namespace):  # n
     elif args.deepspeed:
         _load_weights(model, flatten_model_state(client["model"]), args, path)
     else:
-        _unwrap(model).load_state_dict(flatten_model_state(client["model"]))
+        load_model_states(_unwrap(model), client, path)
         if load_optimizer and "optimizer" in client:
             optimizer.load_state_dict(client["optimizer"])
             scheduler.load_state_dict(client["opt_param_scheduler"])

@@ -65,6 +65,7 @@ from megatron.checkpointing.shapes import (
     resolve_true_vocab_size,
 )
 from megatron.config import ModelConfig
+from megatron.core.pipeline_parallel.layout import chunk_layer_numbers, stage_index
 from megatron.tokenizer.tokenizer import vocab_size_with_padding
 
 HEAD_WEIGHT = HEAD_KEY + ".weight"
@@ -305,6 +306,49 @@ def pipeline_stage_state_dict(
     if last and pp_size > 1 and tied and WORD_EMBEDDINGS in flat_tp_rank_state:
         stage[HEAD_WEIGHT] = flat_tp_rank_state[WORD_EMBEDDINGS]
     return stage
+
+
+def chunk_state_dict(
+    flat_tp_rank_state: dict[str, torch.Tensor],
+    num_layers: int,
+    pp_size: int,
+    virtual_size: int,
+    pp_rank: int,
+    chunk: int,
+) -> dict[str, torch.Tensor]:
+    """Model chunk `chunk` of pipeline rank `pp_rank` (Megatron's schedules; with virtual
+    stages, Megatron-LM's `model{chunk}`), its layers numbered from 0 as in Megatron's files.
+
+    The layers are `megatron.core.pipeline_parallel.layout.chunk_layer_numbers`'; stage 0
+    holds the embeddings, the last stage the final norm and the output layer or, tied,
+    `word_embeddings_for_head.weight`.
+    """
+    try:
+        layers = chunk_layer_numbers(num_layers, pp_size, virtual_size, pp_rank, chunk)
+    except ValueError as error:
+        raise CheckpointConversionError(str(error)) from None
+    stages = pp_size * virtual_size
+    stage = stage_index(pp_rank, chunk, pp_size)
+    first, last = stage == 0, stage == stages - 1
+    out = {}
+    for name, tensor in flat_tp_rank_state.items():
+        match = _LAYER.fullmatch(name)
+        if match:
+            number = int(match.group(2)) + 1  # Megatron's layer numbers count from 1
+            if number in layers:
+                out[f"{match.group(1)}{number - layers.start}{match.group(3)}"] = tensor
+        elif name.startswith("language_model.embedding."):
+            if first:
+                out[name] = tensor
+        elif name.startswith("language_model.encoder.final_layernorm.") or name == OUTPUT_LAYER:
+            if last:
+                out[name] = tensor
+        else:
+            raise CheckpointConversionError(f"no pipeline stage holds parameter {name!r}")
+    tied = OUTPUT_LAYER not in flat_tp_rank_state
+    if last and stages > 1 and tied and WORD_EMBEDDINGS in flat_tp_rank_state:
+        out[HEAD_WEIGHT] = flat_tp_rank_state[WORD_EMBEDDINGS]
+    return out
 
 
 def merge_pipeline_stages(stages: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ from megatron.training.monitor import (
     format_iteration_log,
     memory_report,
 )
+from megatron.training.pipeline_step import train_step_pipelined
 from megatron.training.signal_handler import ExitSignalHandler
 from megatron.training.step import (
     ForwardStep,
@@ -155,6 +156,10 @@ class TrainingLoop:
             self._set_global_batch_size(global_batch_size)
         if args.pipeline_parallel:
             return train_step_pipeline(data_iterator, self.model, args)
+        if args.plain_pipeline:
+            return train_step_pipelined(
+                data_iterator, self.model, args, global_batch_size, self.timers
+            )
         if args.deepspeed:
             return train_step_deepspeed(
                 self.forward_step_func,

@@ -22,8 +22,10 @@ import torch.distributed as dist
 from megatron import checkpointing
 from megatron.checkpointing import TrainState
 from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.schedules import PipelineRunner, initialize_tied_embedding
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.initialize import initialize_megatron
+from megatron.model.pipeline_chunks import activation_shape
 from megatron.tokenizer import build_tokenizer
 from megatron.training.failures import collective_failures_reported
 from megatron.training.loop import TrainingLoop
@@ -34,6 +36,7 @@ from megatron.training.optimizer import (
     loss_scaler_from_args,
     optimizer_from_args,
 )
+from megatron.training.pipeline_step import MicroBatchLoss, PipelineTrainer, evaluate_pipelined
 from megatron.training.scheduler import scheduler_from_args
 from megatron.training.step import (
     ForwardStep,
@@ -105,6 +108,8 @@ def setup_model_and_optimizer(model_provider: Callable, args: argparse.Namespace
             engine.set_batch_fn(model._megatron_batch_fn)
         return engine, optimizer, scheduler
     model.to(current_device())
+    if args.plain_pipeline:
+        return _pipeline_trainer(model, args)
     optimizer = _build_optimizer(model, args, guard=True)
     scheduler = scheduler_from_args(optimizer, args)
     if parallel_state.get_data_parallel_world_size() > 1:
@@ -120,6 +125,33 @@ def setup_model_and_optimizer(model_provider: Callable, args: argparse.Namespace
         loss_scaler=loss_scaler_from_args(args),
         autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
+    )
+    return trainer, optimizer, scheduler
+
+
+def _pipeline_trainer(chunks: torch.nn.ModuleList, args: argparse.Namespace):
+    """Megatron's schedules without DeepSpeed: this rank's chunks, AdamW, the runner."""
+    initialize_tied_embedding(chunks)
+    optimizer = _build_optimizer(chunks, args, guard=True)
+    scheduler = scheduler_from_args(optimizer, args)
+    loss = MicroBatchLoss(chunks.loss_func)
+    trainer = PipelineTrainer(
+        model=chunks,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loss_scaler=loss_scaler_from_args(args),
+        autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        runner=PipelineRunner(
+            chunks,
+            loss,
+            current_device(),
+            (args.micro_batch_size, args.seq_length),
+            activation_shape(chunks[0].config, args.micro_batch_size, args.seq_length),
+            chunks[0].config.torch_dtype,
+        ),
+        batch_fn=chunks.batch_fn,
+        loss=loss,
     )
     return trainer, optimizer, scheduler
 
@@ -177,6 +209,8 @@ def evaluate(
     args: argparse.Namespace,
 ) -> dict[str, float]:
     """Mean reported losses over `--eval-iters` global batches, averaged over DP ranks."""
+    if args.plain_pipeline:
+        return evaluate_pipelined(data_iterator, model, args)
     if args.pipeline_parallel:
         losses = [float(model.eval_batch(data_iter=data_iterator)) for _ in range(args.eval_iters)]
         return {"lm loss": sum(losses) / args.eval_iters}

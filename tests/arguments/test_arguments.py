@@ -107,7 +107,11 @@ def test_sequence_parallel_is_dropped_without_tensor_parallelism():
         ("--max-position-embeddings 16", 1, r"--seq-length \(32\).*--max-position-embeddings"),
         ("--train-samples 8", 1, "exactly one of --train-iters and --train-samples"),
         ("--min-lr 1", 1, r"--min-lr \(1.0\) is larger than --lr"),
-        ("--pipeline-model-parallel-size 2", 2, "needs --deepspeed"),
+        (
+            "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2",
+            2,
+            "is not divisible by --pipeline-model-parallel-size 2 x 2 virtual",
+        ),
         ("--distributed-backend nccl", 1, "nccl needs CUDA"),
         ("--lr-warmup-fraction 0.1 --lr-warmup-iters 5", 1, "--lr-warmup-fraction"),
         ("--lr-decay-samples 100", 1, "--lr-decay-samples cannot be combined with --train-iters"),

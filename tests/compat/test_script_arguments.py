@@ -25,10 +25,6 @@ REFUSED = {
     "MoE__ds_pretrain_gpt_125M_dense_cl": _CURRICULUM,
     "curriculum_learning__ds_pretrain_gpt2": _CURRICULUM,
     "rebase__ds_pretrain_gpt_1.3B_rope_slw": _CURRICULUM,
-    # Megatron's own pipeline engine (no --deepspeed) is not built; DeepSpeed's is.
-    "examples__pretrain_gpt3_175B": "--pipeline-model-parallel-size 16 needs --deepspeed",
-    "examples__pretrain_gpt_distributed_with_mp": "--pipeline-model-parallel-size 2 needs "
-    "--deepspeed",
     # The script passes --fp16 while its config enables bf16 and disables fp16.
     "offload_pp__ds_pretrain_gpt_350M": '--fp16 (True) contradicts "fp16.enabled" (false)',
     "sequence_parallel__ds_pretrain_gpt_1.3B_seq_parallel_32k": _ULYSSES,

@@ -1,0 +1,158 @@
+"""Training and evaluation steps of pipeline parallelism without DeepSpeed (Megatron's schedules).
+
+A `PipelineTrainer` is the plain path's `PlainTrainer` (fp32 parameters as master weights,
+half-precision compute under autocast, Megatron's fp16 loss scaling, `GuardedAdamW` clipping
+with the norm over every stage) whose model is this rank's pipeline chunks, run by a
+`PipelineRunner`. One step reads the global batch's micro-batches, runs them through the
+1F1B (or interleaved 1F1B) schedule, sums the tied embedding's two gradients, averages the
+gradients over data-parallel ranks, and steps. The loss is computed on the last stage and
+sent to every stage, so each rank's log line shows what Megatron's last rank prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.schedules import (
+    PipelineRunner,
+    average_gradients,
+    broadcast_from_last_stage,
+    sync_tied_embedding_grads,
+)
+from megatron.training.monitor import Timers
+from megatron.training.step import (
+    PlainTrainer,
+    StepResult,
+    _is_nan,
+    accumulate_reported,
+    average_over_data_parallel,
+)
+
+
+class MicroBatchLoss:
+    """The schedule's loss function: the user's `loss_func(loss_mask, per_token_loss)`.
+
+    Keeps each micro-batch's reported values (for the log line) and multiplies the loss by
+    the fp16 loss scale of the step.
+    """
+
+    def __init__(self, loss_func: Callable) -> None:
+        self.loss_func = loss_func
+        self.scale = 1.0
+        self.reported: list[dict[str, torch.Tensor]] = []
+
+    def __call__(self, output: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Loss of one micro-batch on the last stage, scaled."""
+        loss, reported = self.loss_func(loss_mask, output)
+        self.reported.append(reported)
+        return loss.float() * self.scale
+
+    def run(self, runner: PipelineRunner, microbatches: int, batch: tuple, train: bool) -> None:
+        """`runner.run` on `batch`, keeping the reported values of its real micro-batches.
+
+        A schedule's first step also calls the loss once while torch infers the stages'
+        shapes; that call's values are dropped.
+        """
+        before = len(self.reported)
+        runner.run(microbatches, *batch, train=train)
+        added = self.reported[before:]
+        self.reported = self.reported[:before] + added[len(added) - microbatches :]
+
+
+@dataclass
+class PipelineTrainer(PlainTrainer):
+    """`PlainTrainer` over pipeline chunks: `model` is this rank's `nn.ModuleList` of chunks."""
+
+    runner: PipelineRunner | None = None
+    batch_fn: Callable | None = None
+    """A micro-batch dict -> ((tokens, position_ids), (labels, loss_mask)), on the device."""
+    loss: MicroBatchLoss | None = None
+
+
+def _global_batch(data_iterator: Iterator, trainer: PipelineTrainer, microbatches: int) -> tuple:
+    """The next `microbatches` micro-batches, concatenated: (inputs, labels, loss_mask)."""
+    parts = [trainer.batch_fn(next(data_iterator)) for _ in range(microbatches)]
+    inputs = tuple(torch.cat([part[0][i] for part in parts]) for i in range(len(parts[0][0])))
+    labels = torch.cat([part[1][0] for part in parts])
+    loss_mask = torch.cat([part[1][1] for part in parts])
+    return inputs, labels, loss_mask
+
+
+def _reported(trainer: PipelineTrainer, microbatches: int) -> dict[str, float]:
+    """The micro-batches' reported values, averaged over them and the data-parallel ranks of
+    the last stage, then sent to every stage."""
+    losses: dict[str, float] = {}
+    if parallel_state.is_pipeline_last_stage():
+        sums: dict[str, torch.Tensor] = {}
+        for reported in trainer.loss.reported:
+            accumulate_reported(sums, reported)
+        losses = average_over_data_parallel(sums, microbatches)
+    trainer.loss.reported = []
+    return broadcast_from_last_stage(losses)
+
+
+def train_step_pipelined(
+    data_iterator: Iterator,
+    trainer: PipelineTrainer,
+    args: argparse.Namespace,
+    global_batch_size: int | None = None,
+    timers: Timers | None = None,
+) -> StepResult:
+    """One global batch through the pipeline schedule, then the plain path's update."""
+    timers = timers or Timers(0)
+    microbatches = trainer.gradient_accumulation_steps
+    scale = trainer.loss_scaler.scale if trainer.loss_scaler is not None else 1.0
+    timers("forward-backward", 1).start()
+    batch = _global_batch(data_iterator, trainer, microbatches)
+    trainer.loss.scale = scale
+    with trainer.autocast():
+        trainer.loss.run(trainer.runner, microbatches, batch, train=True)
+    timers("forward-backward").stop()
+    timers("optimizer", 1).start()
+    sync_tied_embedding_grads(trainer.model)
+    params = [param for group in trainer.optimizer.param_groups for param in group["params"]]
+    average_gradients(params, parallel_state.get_data_parallel_group())
+    if scale != 1.0:
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(1.0 / scale)
+    # Clips with the norm over every stage and tensor-parallel rank; skips a non-finite step.
+    trainer.optimizer.step()
+    skipped = bool(trainer.optimizer.overflow)
+    if trainer.loss_scaler is not None:
+        trainer.loss_scaler.update(skipped)
+    if not skipped:
+        trainer.scheduler.step(increment=global_batch_size or args.global_batch_size)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    timers("optimizer").stop()
+    losses = _reported(trainer, microbatches)
+    return StepResult(
+        losses=losses,
+        skipped=skipped,
+        nan=_is_nan(losses),
+        grad_norm=None if skipped else trainer.optimizer.grad_norm,
+        loss_scale=trainer.loss_scaler.scale if trainer.loss_scaler is not None else None,
+    )
+
+
+def evaluate_pipelined(
+    data_iterator: Iterator, trainer: PipelineTrainer, args: argparse.Namespace
+) -> dict[str, float]:
+    """Mean reported losses over `--eval-iters` global batches, forward only, every stage."""
+    microbatches = trainer.gradient_accumulation_steps
+    trainer.loss.scale = 1.0
+    trainer.loss.reported = []
+    trainer.model.eval()
+    try:
+        for _ in range(args.eval_iters):
+            batch = _global_batch(data_iterator, trainer, microbatches)
+            with trainer.autocast():
+                trainer.loss.run(trainer.runner, microbatches, batch, train=False)
+    finally:
+        trainer.model.train()
+    return _reported(trainer, microbatches * args.eval_iters)
