@@ -121,7 +121,15 @@ def _iteration_lines(output: str) -> list[dict]:
     return [log for log in logs if "lm loss" in log]  # skipped iterations print no loss
 
 
-def _run(name: str, launcher: str, sizes: dict, dataset: str, scratch: str, cpu_bf16: bool):
+def _run(
+    name: str,
+    launcher: str,
+    sizes: dict,
+    dataset: str,
+    scratch: str,
+    cpu_bf16: bool,
+    ranks: int = 2,
+):
     script = load_script(os.path.join(SCRIPTS_DIR, name + ".json"))
     argv, config = script.argv, script.ds_config
     if cpu_bf16:
@@ -132,7 +140,7 @@ def _run(name: str, launcher: str, sizes: dict, dataset: str, scratch: str, cpu_
         script, argv=with_values(argv, {**TINY, **sizes}), ds_config=config
     )
     argv = localized(script, dataset, scratch)
-    done = _launch(launcher, argv)
+    done = _launch(launcher, argv, ranks=ranks)
     assert done.returncode == 0, done.stdout[-4000:]
     logs = _iteration_lines(done.stdout)
     assert logs, done.stdout[-4000:]
@@ -218,6 +226,39 @@ def test_examples_pretrain_gpt_distributed_fp16_torch_distributed_launch(
     )
     assert logs[-1]["iteration"] == 10
     assert all(log["number of nan iterations"] == 0 for log in logs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["--fp16", "--bf16"])
+def test_examples_distributed_with_mp_runs_megatrons_pipeline_schedule(
+    precision: str, stdlib_dataset: str, tmp_path
+) -> None:
+    """examples/pretrain_gpt_distributed_with_mp.sh: TP=2 x PP=2 with --sequence-parallel and
+    no DeepSpeed (Megatron's 1F1B on torch.distributed.pipelining), 4 processes under
+    torch.distributed.launch, in the script's fp16 and in bf16."""
+    sizes = {
+        **ITERATIONS,
+        "--lr-warmup-fraction": [".1"],
+        "--tensorboard-dir": ["tb"],
+        # The script's --fp16 or bf16 instead; dynamic fp16 scaling from 2^12 (see above).
+        "--fp16": None,
+        precision: [],
+        **({"--initial-loss-scale": ["4096"]} if precision == "--fp16" else {}),
+    }
+    output, logs, tags = _run(
+        "examples__pretrain_gpt_distributed_with_mp",
+        "torch.distributed.launch",
+        sizes,
+        stdlib_dataset,
+        str(tmp_path),
+        False,
+        ranks=4,
+    )
+    assert logs[-1]["iteration"] == 10
+    assert "tensor-parallel 2 x pipeline-parallel 2 x data-parallel 1" in output
+    assert all(log["number of nan iterations"] == 0 for log in logs)
+    # The loss is the last stage's, written by the last rank as Megatron does.
+    assert "lm-loss-training/lm loss" in tags
 
 
 @pytest.mark.slow
