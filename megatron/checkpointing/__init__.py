@@ -5,7 +5,8 @@
 - `disk.py`: free space before a save, one-line reasons when a write fails.
 - `deepspeed_engine.py`: the DeepSpeed engine's side of saving and loading.
 - `layouts.py`: finding and reading either layout; `file_format.py`: what a file holds.
-- `shards.py`, `shapes.py`: tensor-parallel (re)sharding and model shapes, for the tools.
+- `shards.py`, `shapes.py`: tensor-parallel (re)sharding and model shapes, for the tools;
+  `pipeline_stages.py`: which layers each pipeline stage (virtual ones too) holds.
 - `huggingface.py`: GPT-2 weights to and from Hugging Face `transformers`.
 - `rng_state.py`, `train_state.py`: the RNG states and the counters a checkpoint carries.
 

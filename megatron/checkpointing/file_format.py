@@ -4,8 +4,10 @@
   `{"language_model": {"embedding": {"word_embeddings": {"weight": W},
   "position_embeddings": {"weight": P}}, "encoder": {"layers.0.input_layernorm.weight": ...,
   "final_layernorm.weight": ...}}}`; pipeline stages hold their part of it (middle stages
-  only `encoder`, the last stage also `word_embeddings_for_head`). In memory we use the
-  flat names of `GPTModel.state_dict()` (`language_model.encoder.layers.0...`).
+  only `encoder`, the last stage also `word_embeddings_for_head`), under `model`, or with
+  virtual pipeline stages one per model chunk under `model0`, `model1`, ... (Megatron-LM's
+  keys). In memory we use the flat names of `GPTModel.state_dict()`
+  (`language_model.encoder.layers.0...`).
 - Files are read with `torch.load(weights_only=True)`: tensors, plain Python values, and the
   few types allow-listed here (`argparse.Namespace` for `args`, numpy's RNG state), so
   loading a checkpoint can never run code from it.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import zipfile
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -65,6 +68,17 @@ def rank_file(directory: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
     """`{directory}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt` of one model-parallel rank."""
     name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
     return os.path.join(directory, name, MEGATRON_FILENAME)
+
+
+def chunk_keys(virtual_size: int) -> list[str]:
+    """A rank file's model entries: `model`, or Megatron-LM's `model0`, `model1`, ... for
+    `virtual_size` > 1 virtual pipeline stages (one model chunk each)."""
+    return ["model"] if virtual_size == 1 else [f"model{chunk}" for chunk in range(virtual_size)]
+
+
+def model_entries(chunks: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """{`chunk_keys` name: nested model} of one rank's model chunks."""
+    return dict(zip(chunk_keys(len(chunks)), chunks))
 
 
 def plain_args(args: argparse.Namespace) -> argparse.Namespace:

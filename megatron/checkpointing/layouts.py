@@ -5,6 +5,7 @@ Megatron layout (plain torch runs, and what the conversion tools write)::
     {dir}/latest_checkpointed_iteration.txt        "N" or "release"
     {dir}/iter_{N:07d}/mp_rank_{tp:02d}/model_optim_rng.pt            (PP = 1)
     {dir}/iter_{N:07d}/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt   (PP > 1)
+        each holds `model`, or `model0`, `model1`, ... (one per virtual pipeline stage)
 
 DeepSpeed layout (`engine.save_checkpoint`)::
 
@@ -37,7 +38,13 @@ import torch
 
 from megatron.checkpointing import commit as checkpoint_commit
 from megatron.checkpointing.commit import DEEPSPEED_TRACKER_FILENAME, TRACKER_FILENAME
-from megatron.checkpointing.file_format import args_dict, checkpoint_directory, load_file, rank_file
+from megatron.checkpointing.file_format import (
+    args_dict,
+    checkpoint_directory,
+    chunk_keys,
+    load_file,
+    rank_file,
+)
 
 
 class CheckpointConversionError(ValueError):
@@ -154,13 +161,23 @@ def _megatron_sizes(directory: str) -> tuple[int, int, dict[str, Any]]:
     return int(tp), int(pp), first
 
 
-def read_megatron_files(directory: str) -> tuple[dict[str, Any], list[list[dict[str, Any]]]]:
-    """(metadata, models[tp][pp]) of a Megatron-layout checkpoint: each rank file's `model`.
+def _virtual_size(first: dict[str, Any]) -> int:
+    """Model chunks per rank file: the args' `virtual_pipeline_model_parallel_size`, else the
+    number of `model0`, `model1`, ... entries (1: a single `model`)."""
+    saved = args_dict(first.get("args")).get("virtual_pipeline_model_parallel_size")
+    counted = len([key for key in first if re.fullmatch(r"model\d+", key)])
+    return int(saved or counted or 1)
 
-    Metadata is the first file without its model, optimizer and RNG entries; the optimizer
+
+def read_megatron_files(directory: str) -> tuple[dict[str, Any], list[list[list[dict]]]]:
+    """(metadata, models[tp][pp][chunk]) of a Megatron-layout checkpoint: each rank file's
+    `model`, or its `model0`, `model1`, ... with virtual pipeline stages.
+
+    Metadata is the first file without its models, optimizer and RNG entries; the optimizer
     state of the other files is dropped as soon as each is read.
     """
     tp, pp, first = _megatron_sizes(directory)
+    keys = chunk_keys(_virtual_size(first))
     models = []
     for tp_rank in range(tp):
         row = []
@@ -175,11 +192,15 @@ def read_megatron_files(directory: str) -> tuple[dict[str, Any], list[list[dict[
                 )
             else:
                 contents = load_file(path)
-            if "model" not in contents:
-                raise CheckpointConversionError(f"{path} has no 'model' entry")
-            row.append(contents["model"])
+            missing = [key for key in keys if key not in contents]
+            if missing:
+                raise CheckpointConversionError(
+                    f"{path} has no {missing[0]!r} entry (the checkpoint has {len(keys)} model "
+                    "chunk(s) per file)"
+                )
+            row.append([contents[key] for key in keys])
         models.append(row)
-    skip = {"model", "optimizer", "opt_param_scheduler", "rng_state", "loss_scaler"}
+    skip = {"optimizer", "opt_param_scheduler", "rng_state", "loss_scaler", *keys}
     metadata = {k: v for k, v in first.items() if k not in skip}
     metadata.setdefault("args", {})
     return metadata, models

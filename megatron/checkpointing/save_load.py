@@ -33,8 +33,10 @@ from megatron.checkpointing.file_format import (
     HEAD_KEY,
     args_dict,
     checkpoint_directory,
+    chunk_keys,
     flatten_model_state,
     load_file,
+    model_entries,
     nest_model_state,
     plain_args,
     rank_file,
@@ -132,36 +134,30 @@ def _unwrap(model) -> torch.nn.Module:  # noqa: ANN001 - PlainTrainer, engine or
     return getattr(module, "module", module)
 
 
+def _chunks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """This rank's model chunks: Megatron's schedules build a `ModuleList`, the rest one model."""
+    return list(module) if isinstance(module, torch.nn.ModuleList) else [module]
+
+
 def model_states(module: torch.nn.Module) -> dict:
     """Megatron's `model` entry, or `model0`, `model1`, ... for this rank's pipeline chunks
     with virtual stages (each chunk numbering its layers from 0, as Megatron-LM)."""
-    if isinstance(module, torch.nn.ModuleList):  # Megatron's schedules: this rank's chunks
-        if len(module) > 1:
-            return {f"model{i}": nest_model_state(c.state_dict()) for i, c in enumerate(module)}
-        module = module[0]
-    return {"model": nest_model_state(module.state_dict())}
+    return model_entries([nest_model_state(chunk.state_dict()) for chunk in _chunks(module)])
 
 
 def load_model_states(module: torch.nn.Module, client: dict, path: str) -> None:
-    """Load what `model_states` saved (either form) into `module`."""
-    if isinstance(module, torch.nn.ModuleList) and len(module) > 1:
-        keys = [f"model{i}" for i in range(len(module))]
-        if not all(key in client for key in keys):
-            raise CheckpointError(
-                f"{path} holds no {', '.join(keys)} for this run's {len(module)} virtual "
-                f"pipeline stages; convert it with {RESHARD_TOOL}"
-            )
-        for chunk, key in zip(module, keys):
-            chunk.load_state_dict(flatten_model_state(client[key]))
-        return
-    if isinstance(module, torch.nn.ModuleList):
-        module = module[0]
-    if "model" not in client:
+    """Load what `model_states` saved into `module`."""
+    chunks = _chunks(module)
+    keys = chunk_keys(len(chunks))
+    missing = [key for key in keys if key not in client]
+    if missing:
+        held = sorted(key for key in client if re.fullmatch(r"model\d*", key))
         raise CheckpointError(
-            f"{path} holds virtual pipeline stages (model0, model1, ...), this run none; "
-            f"convert it with {RESHARD_TOOL}"
+            f"{path} holds {', '.join(held) or 'no model'}, this run's {len(chunks)} model "
+            f"chunk(s) per pipeline rank need {', '.join(keys)}; convert it with {RESHARD_TOOL}"
         )
-    module.load_state_dict(flatten_model_state(client["model"]))
+    for chunk, key in zip(chunks, keys):
+        chunk.load_state_dict(flatten_model_state(client[key]))
 
 
 def save_checkpoint(state, model, optimizer, scheduler, args: argparse.Namespace) -> None:  # noqa: ANN001

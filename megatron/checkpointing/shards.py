@@ -1,6 +1,6 @@
 """Checkpoint weights as one dense model, and the tensor- and pipeline-parallel splits of it.
 
-    dense = load_dense_checkpoint("checkpoints/gpt2")          # either layout, any TP x PP
+    dense = load_dense_checkpoint("checkpoints/gpt2")      # either layout, any TP x PP (x V)
     save_megatron_checkpoint(dense, "checkpoints/gpt2_tp4", tp_size=4, pp_size=1)
 
 A `DenseCheckpoint` holds the flat `GPTModel.state_dict()` names of the whole model (tensor
@@ -20,10 +20,9 @@ Each parameter is split the way the parallel layers split it:
 - row-parallel columns (dim 1): `self_attention.dense.weight`, `mlp.dense_4h_to_h.weight`;
 - replicated: layer norms (LayerNorm or RMSNorm), position embeddings, the row-parallel biases.
 
-Pipeline stage p of PP holds layers [p L/PP, (p+1) L/PP); the first stage also the embedding,
-the last the final layer norm and either the untied `output_layer` or (PP > 1)
-`word_embeddings_for_head`, the tied copy of the word embeddings. In Megatron's files each
-stage numbers its layers from 0.
+Which parameters each pipeline stage holds (virtual stages included: Megatron's local layer
+numbers, `model0`, `model1`, ... per rank file) is decided in `pipeline_stages.py`;
+`save_megatron_checkpoint(..., virtual_size=2)` writes such files.
 
 Optimizer and RNG state are not carried: resharding optimizer state is what DeepSpeed's
 universal checkpoint is for.
@@ -32,7 +31,6 @@ universal checkpoint is for.
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,9 +39,8 @@ import torch
 
 from megatron.checkpointing.file_format import (
     CHECKPOINT_VERSION,
-    HEAD_KEY,
     args_dict,
-    flatten_model_state,
+    model_entries,
     nest_model_state,
     plain_args,
     rank_file,
@@ -55,6 +52,12 @@ from megatron.checkpointing.layouts import (
     read_megatron_files,
     write_megatron_directory,
 )
+from megatron.checkpointing.pipeline_stages import (
+    HEAD_WEIGHT,
+    check_pipeline_split,
+    chunk_state_dict,
+    join_chunks,
+)
 from megatron.checkpointing.shapes import (
     OUTPUT_LAYER,
     POSITION_EMBEDDINGS,
@@ -65,10 +68,8 @@ from megatron.checkpointing.shapes import (
     resolve_true_vocab_size,
 )
 from megatron.config import ModelConfig
-from megatron.core.pipeline_parallel.layout import chunk_layer_numbers, stage_index
 from megatron.tokenizer.tokenizer import vocab_size_with_padding
 
-HEAD_WEIGHT = HEAD_KEY + ".weight"
 VOCAB_PARALLEL = (WORD_EMBEDDINGS, HEAD_WEIGHT, OUTPUT_LAYER)
 COLUMN_PARALLEL = (
     ".self_attention.query_key_value.weight",
@@ -94,7 +95,6 @@ PROGRESS_KEYS = (
     "consecutive_bad_iterations",
 )
 """Counters older files keep at the top level instead of in `train_state`."""
-_LAYER = re.compile(r"(language_model\.encoder\.layers\.)(\d+)(\..+)")
 
 
 @dataclass
@@ -250,129 +250,6 @@ def merge_tp_shards(shards: Sequence[dict[str, torch.Tensor]]) -> dict[str, torc
     return {name: _join(name, [shard[name] for shard in shards], name in swiglu) for name in names}
 
 
-# --- pipeline stages -------------------------------------------------------------------------
-
-
-def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
-    """Global layer numbers of pipeline stage `pp_rank` (Megatron's even split)."""
-    if num_layers % pp_size != 0:
-        raise CheckpointConversionError(
-            f"pipeline-parallel size {pp_size} does not divide num_layers {num_layers}"
-        )
-    per_stage = num_layers // pp_size
-    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
-
-
-def renumber_layers(state: dict[str, torch.Tensor], shift: int) -> dict[str, torch.Tensor]:
-    """`state` with every `language_model.encoder.layers.{i}` renamed to `{i + shift}`.
-
-    shift = -first layer of a stage gives Megatron's local numbering; +first undoes it.
-    """
-    out = {}
-    for name, tensor in state.items():
-        match = _LAYER.fullmatch(name)
-        if match:
-            name = f"{match.group(1)}{int(match.group(2)) + shift}{match.group(3)}"
-        out[name] = tensor
-    return out
-
-
-def pipeline_stage_state_dict(
-    flat_tp_rank_state: dict[str, torch.Tensor], num_layers: int, pp_size: int, pp_rank: int
-) -> dict[str, torch.Tensor]:
-    """The parameters stage `pp_rank` of `pp_size` holds, global layer numbers.
-
-    First stage: the embeddings; last stage: the final layer norm and the untied output layer,
-    or, when PP > 1, `word_embeddings_for_head.weight` (the tied output copy). Write it in
-    Megatron's files with
-    `nest_model_state(renumber_layers(stage, -stage_layers(...).start))`.
-    """
-    layers = stage_layers(num_layers, pp_size, pp_rank)
-    first, last = pp_rank == 0, pp_rank == pp_size - 1
-    stage = {}
-    for name, tensor in flat_tp_rank_state.items():
-        match = _LAYER.fullmatch(name)
-        if match:
-            keep = int(match.group(2)) in layers
-        elif name.startswith("language_model.embedding."):
-            keep = first
-        elif name.startswith("language_model.encoder.final_layernorm.") or name == OUTPUT_LAYER:
-            keep = last
-        else:
-            raise CheckpointConversionError(f"no pipeline stage holds parameter {name!r}")
-        if keep:
-            stage[name] = tensor
-    tied = OUTPUT_LAYER not in flat_tp_rank_state
-    if last and pp_size > 1 and tied and WORD_EMBEDDINGS in flat_tp_rank_state:
-        stage[HEAD_WEIGHT] = flat_tp_rank_state[WORD_EMBEDDINGS]
-    return stage
-
-
-def chunk_state_dict(
-    flat_tp_rank_state: dict[str, torch.Tensor],
-    num_layers: int,
-    pp_size: int,
-    virtual_size: int,
-    pp_rank: int,
-    chunk: int,
-) -> dict[str, torch.Tensor]:
-    """Model chunk `chunk` of pipeline rank `pp_rank` (Megatron's schedules; with virtual
-    stages, Megatron-LM's `model{chunk}`), its layers numbered from 0 as in Megatron's files.
-
-    The layers are `megatron.core.pipeline_parallel.layout.chunk_layer_numbers`'; stage 0
-    holds the embeddings, the last stage the final norm and the output layer or, tied,
-    `word_embeddings_for_head.weight`.
-    """
-    try:
-        layers = chunk_layer_numbers(num_layers, pp_size, virtual_size, pp_rank, chunk)
-    except ValueError as error:
-        raise CheckpointConversionError(str(error)) from None
-    stages = pp_size * virtual_size
-    stage = stage_index(pp_rank, chunk, pp_size)
-    first, last = stage == 0, stage == stages - 1
-    out = {}
-    for name, tensor in flat_tp_rank_state.items():
-        match = _LAYER.fullmatch(name)
-        if match:
-            number = int(match.group(2)) + 1  # Megatron's layer numbers count from 1
-            if number in layers:
-                out[f"{match.group(1)}{number - layers.start}{match.group(3)}"] = tensor
-        elif name.startswith("language_model.embedding."):
-            if first:
-                out[name] = tensor
-        elif name.startswith("language_model.encoder.final_layernorm.") or name == OUTPUT_LAYER:
-            if last:
-                out[name] = tensor
-        else:
-            raise CheckpointConversionError(f"no pipeline stage holds parameter {name!r}")
-    tied = OUTPUT_LAYER not in flat_tp_rank_state
-    if last and stages > 1 and tied and WORD_EMBEDDINGS in flat_tp_rank_state:
-        out[HEAD_WEIGHT] = flat_tp_rank_state[WORD_EMBEDDINGS]
-    return out
-
-
-def merge_pipeline_stages(stages: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Join stage state dicts (global layer numbers); the head copy of the embedding is dropped.
-
-    A checkpoint whose first stage lost its word embeddings takes them from the head copy.
-    """
-    merged: dict[str, torch.Tensor] = {}
-    head = None
-    for number, stage in enumerate(stages):
-        for name, tensor in stage.items():
-            if name == HEAD_WEIGHT:
-                head = tensor
-                continue
-            if name in merged:
-                raise CheckpointConversionError(
-                    f"parameter {name!r} appears in pipeline stage {number} and an earlier stage"
-                )
-            merged[name] = tensor
-    if WORD_EMBEDDINGS not in merged and head is not None:
-        merged[WORD_EMBEDDINGS] = head
-    return merged
-
-
 # --- reading and writing whole checkpoints ---------------------------------------------------
 
 
@@ -387,22 +264,6 @@ def _train_state(metadata: dict[str, Any], args: dict[str, Any]) -> dict[str, An
     return saved
 
 
-def _megatron_tp_shards(models: list[list[dict[str, Any]]], num_layers: int) -> list[dict]:
-    """Each TP rank's state dict, its pipeline stages joined (local -> global numbering)."""
-    pp_size = len(models[0])
-    shards = []
-    for row in models:
-        stages = [
-            renumber_layers(
-                flatten_model_state(model),
-                stage_layers(num_layers, pp_size, pp_rank).start,
-            )
-            for pp_rank, model in enumerate(row)
-        ]
-        shards.append(merge_pipeline_stages(stages))
-    return shards
-
-
 def load_dense_checkpoint(
     load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None
 ) -> DenseCheckpoint:
@@ -415,7 +276,8 @@ def load_dense_checkpoint(
     if located.layout == "megatron":
         metadata, models = read_megatron_files(located.directory)
         args = args_dict(metadata.get("args"))
-        shards = _megatron_tp_shards(models, model_dims(args)["num_layers"])
+        num_layers = model_dims(args)["num_layers"]
+        shards = [join_chunks(row, num_layers) for row in models]
     else:
         metadata, shards = read_deepspeed_files(load_dir, located)
         args = args_dict(metadata.get("args"))
@@ -449,13 +311,20 @@ def load_dense_checkpoint(
     )
 
 
-def _target_args(dense: DenseCheckpoint, tp: int, pp: int, divisible: int, padded: int) -> dict:
+def _target_args(dense: DenseCheckpoint, sizes: tuple[int, int, int], divisible: int) -> dict:
+    """`dense.args` for files split (TP, PP, V) with vocabulary padding `divisible`."""
+    tp, pp, virtual = sizes
+    layers = dense.args["num_layers"]
     args = dict(dense.args)
     args.update(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=virtual if virtual > 1 else None,
+        num_layers_per_virtual_pipeline_stage=layers // (pp * virtual) if virtual > 1 else None,
         make_vocab_size_divisible_by=divisible,
-        padded_vocab_size=padded,
+        padded_vocab_size=vocab_size_with_padding(
+            dense.true_vocab_size, divisible, tp, verbose=False
+        ),
         true_vocab_size=dense.true_vocab_size,
     )
     for key in ("consumed_train_samples", "consumed_valid_samples"):
@@ -471,28 +340,25 @@ def save_megatron_checkpoint(
     pp_size: int,
     make_vocab_size_divisible_by: int | None = None,
     overwrite: bool = False,
+    virtual_size: int = 1,
 ) -> str:
-    """Write `dense` in Megatron's layout split TP x PP; returns the checkpoint directory.
+    """Write `dense` in Megatron's layout split TP x PP (x V virtual pipeline stages, each
+    rank file then holding `model0`, `model1`, ...); returns the checkpoint directory.
 
     Iteration 0 is written as `release`. Nothing is touched when `save_dir` already holds a
     checkpoint (unless `overwrite`) or when the model cannot be split this way.
     """
-    dims, config = model_dims(dense.args), model_config(dense.args)
-    if tp_size < 1 or pp_size < 1:
-        raise CheckpointConversionError(
-            f"parallel sizes must be >= 1, got TP {tp_size} PP {pp_size}"
-        )
-    check_tp_divides(config, tp_size)
-    stage_layers(dims["num_layers"], pp_size, 0)  # raises unless PP divides the layers
+    num_layers = model_dims(dense.args)["num_layers"]
+    if tp_size < 1:
+        raise CheckpointConversionError(f"tensor-parallel size must be >= 1, got {tp_size}")
+    check_tp_divides(model_config(dense.args), tp_size)
+    check_pipeline_split(num_layers, pp_size, virtual_size)
     check_shapes(dense.state_dict, dense.args, "the model to save")
     divisible = (
         make_vocab_size_divisible_by or dense.args.get("make_vocab_size_divisible_by") or 128
     )
-    padded = vocab_size_with_padding(dense.true_vocab_size, divisible, tp_size, verbose=False)
-    args = plain_args(
-        argparse.Namespace(**_target_args(dense, tp_size, pp_size, divisible, padded))
-    )
-    release = dense.iteration == 0
+    target = _target_args(dense, (tp_size, pp_size, virtual_size), divisible)
+    padded = target["padded_vocab_size"]
     state = dict(dense.state_dict)
     for name, rows in (
         (WORD_EMBEDDINGS, dense.vocab_padding),
@@ -500,19 +366,27 @@ def save_megatron_checkpoint(
     ):
         if rows is not None and name in state:  # the source's dummy rows first, then zeros
             state[name] = torch.cat([state[name], rows[: padded - dense.true_vocab_size]])
+    metadata = {
+        "args": plain_args(argparse.Namespace(**target)),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": dense.iteration,
+    }
     files = {}
     for tp_rank in range(tp_size):
         shard = shard_state_dict(state, tp_size, tp_rank, padded)
         for pp_rank in range(pp_size):
-            stage = pipeline_stage_state_dict(shard, dims["num_layers"], pp_size, pp_rank)
-            start = stage_layers(dims["num_layers"], pp_size, pp_rank).start
+            chunks = [
+                nest_model_state(
+                    chunk_state_dict(shard, num_layers, pp_size, virtual_size, pp_rank, chunk)
+                )
+                for chunk in range(virtual_size)
+            ]
             files[rank_file("", tp_rank, pp_rank, pp_size)] = {
-                "args": args,
-                "checkpoint_version": CHECKPOINT_VERSION,
-                "iteration": dense.iteration,
-                "model": nest_model_state(renumber_layers(stage, -start)),
+                **metadata,
+                **model_entries(chunks),
                 "train_state": dict(dense.train_state),
             }
+    release = dense.iteration == 0
     directory = "release" if release else f"iter_{dense.iteration:07d}"
     tracker = "release" if release else str(dense.iteration)
     return write_megatron_directory(save_dir, directory, files, tracker, overwrite)

@@ -1,4 +1,4 @@
-"""A resharded checkpoint resumes with the same loss: DeepSpeed PP=2 -> Megatron TP=2 -> TP=1.
+"""A resharded checkpoint resumes with the same loss, across engines and pipeline layouts.
 
 A DeepSpeed pipeline run (PP=2, ZeRO-1) stops at iteration 2. Resumed as it is, its next
 iteration has some loss; converted by `tools/checkpoint/reshard.py` to Megatron's layout at
@@ -6,6 +6,13 @@ TP=2 (plain torch, 2 ranks) and then to TP=1 (one process), each resumes at iter
 the same loss (dropout off; only reduction order differs), keeping the run's progress. The
 vocabulary is padded to the same 50304 rows at every size (`--make-vocab-size-divisible-by
 64`): the padding logits are part of the softmax, as in Megatron.
+
+A 4-layer run at PP=1 stops at iteration 2; its checkpoint is resharded to PP=2, from there to
+PP=1 and on to PP=4, and to PP=2 x 2 virtual stages. Iterations 3-5 log the same losses at
+PP=1, under Megatron's 1F1B at PP=2 and PP=4 (4 ranks), its interleaved 1F1B at PP=2 x 2, and
+DeepSpeed's pipeline engine loading the PP=2 files (Megatron's local layer numbers placed at
+the stage's offset); that engine refuses the virtual-stage files in one line naming the
+conversion.
 """
 
 from __future__ import annotations
@@ -19,6 +26,11 @@ from tests.conftest import REPO_ROOT
 from tests.pretrain_runs import cpu_env, iteration_logs, launch, tiny_gpt_flags
 
 DS_ZERO1 = ["--deepspeed", "--deepspeed_config", f"{REPO_ROOT}/examples/ds_configs/ds_zero1.json"]
+FOUR_LAYERS = [
+    "--num-layers", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+    "--global-batch-size", "8", "--train-iters", "5", "--exit-interval", "5",
+]  # fmt: skip
+"""The pipeline case: 4 micro-batches of 2 per step on every layout (one data-parallel rank)."""
 
 
 def _flags(dataset: str, *extra: str) -> list[str]:
@@ -30,45 +42,87 @@ def _flags(dataset: str, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _reshard(source: str, target: str, tp: int, pp: int) -> None:
+def _pp(size: int) -> list[str]:
+    return ["--pipeline-model-parallel-size", str(size)]
+
+
+def _reshard(source: str, target: str, tp: int, pp: int, virtual: int = 1) -> None:
     result = subprocess.run(
         [
             sys.executable, f"{REPO_ROOT}/tools/checkpoint/reshard.py", "--load", source,
             "--save", target, "--target-tensor-parallel-size", str(tp),
             "--target-pipeline-parallel-size", str(pp),
+            "--target-virtual-pipeline-parallel-size", str(virtual),
         ],
         capture_output=True, text=True, env=cpu_env(), timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def _next_loss(run: subprocess.CompletedProcess) -> float:
+def _losses(run: subprocess.CompletedProcess, iterations: list[int]) -> list[float]:
     assert run.returncode == 0, run.stdout[-3000:]
     logs = iteration_logs(run.stdout)
-    assert [log["iteration"] for log in logs] == [3]
-    return logs[0]["lm loss"]
+    assert [log["iteration"] for log in logs] == iterations
+    return [log["lm loss"] for log in logs]
 
 
 @pytest.mark.slow
 def test_resharded_checkpoint_resumes_with_the_same_loss(stdlib_dataset: str, tmp_path) -> None:
     original = str(tmp_path / "pp2")
     first = launch(
-        2, _flags(stdlib_dataset, *DS_ZERO1, "--pipeline-model-parallel-size", "2",
-                  "--save", original, "--save-interval", "2", "--exit-interval", "2"),
+        2, _flags(stdlib_dataset, *DS_ZERO1, *_pp(2), "--save", original, "--save-interval",
+                  "2", "--exit-interval", "2"),
     )  # fmt: skip
     assert first.returncode == 0, first.stdout[-3000:]
-    reference = _next_loss(
-        launch(2, _flags(stdlib_dataset, *DS_ZERO1, "--pipeline-model-parallel-size", "2",
-                         "--load", original))
-    )  # fmt: skip
+    reference = _losses(
+        launch(2, _flags(stdlib_dataset, *DS_ZERO1, *_pp(2), "--load", original)), [3]
+    )
 
     tp2, tp1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
     _reshard(original, tp2, tp=2, pp=1)
-    on_tp2 = _next_loss(
-        launch(2, _flags(stdlib_dataset, "--tensor-model-parallel-size", "2", "--load", tp2))
+    on_tp2 = _losses(
+        launch(2, _flags(stdlib_dataset, "--tensor-model-parallel-size", "2", "--load", tp2)), [3]
     )
     _reshard(tp2, tp1, tp=1, pp=1)
-    on_tp1 = _next_loss(launch(1, _flags(stdlib_dataset, "--load", tp1)))
+    on_tp1 = _losses(launch(1, _flags(stdlib_dataset, "--load", tp1)), [3])
     assert on_tp1 == pytest.approx(on_tp2, rel=1e-5)
     assert on_tp2 == pytest.approx(reference, rel=1e-5)
     assert on_tp1 == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_pipeline_layouts_of_a_resharded_checkpoint_log_the_same_losses(
+    stdlib_dataset: str, tmp_path
+) -> None:
+    def flags(*extra: str) -> list[str]:
+        return _flags(stdlib_dataset, *FOUR_LAYERS, *extra)
+
+    pp1 = str(tmp_path / "pp1")
+    first = launch(1, flags("--save", pp1, "--save-interval", "2", "--exit-interval", "2"))
+    assert first.returncode == 0, first.stdout[-3000:]
+    dirs = {name: str(tmp_path / name) for name in ("pp2", "back_to_pp1", "pp4", "pp2_vpp2")}
+    _reshard(pp1, dirs["pp2"], tp=1, pp=2)
+    _reshard(dirs["pp2"], dirs["back_to_pp1"], tp=1, pp=1)
+    _reshard(dirs["back_to_pp1"], dirs["pp4"], tp=1, pp=4)
+    _reshard(dirs["pp2"], dirs["pp2_vpp2"], tp=1, pp=2, virtual=2)
+
+    iterations = [3, 4, 5]
+    reference = _losses(launch(1, flags("--load", dirs["back_to_pp1"])), iterations)
+    virtual = ["--virtual-pipeline-model-parallel-size", "2"]
+    runs = {
+        "1F1B PP=2": (2, [*_pp(2), "--load", dirs["pp2"]]),
+        "interleaved PP=2 x 2": (2, [*_pp(2), *virtual, "--load", dirs["pp2_vpp2"]]),
+        "1F1B PP=4": (4, [*_pp(4), "--load", dirs["pp4"]]),
+        "DeepSpeed PP=2": (2, [*DS_ZERO1, *_pp(2), "--load", dirs["pp2"]]),
+    }
+    for name, (processes, extra) in runs.items():
+        losses = _losses(launch(processes, flags(*extra)), iterations)
+        assert losses == pytest.approx(reference, rel=1e-5), (name, losses, reference)
+
+    refused = launch(2, flags(*DS_ZERO1, *_pp(2), "--load", dirs["pp2_vpp2"]))
+    assert refused.returncode != 0
+    errors = [line for line in refused.stdout.splitlines() if line.startswith("error:")]
+    assert errors, refused.stdout[-3000:]
+    for error in errors:  # one line from each rank, naming its own file
+        assert "saved with 2 virtual pipeline stage(s) per rank, this run has 1" in error
+        assert "reshard.py" in error and "--target-virtual-pipeline-parallel-size 1" in error

@@ -30,10 +30,15 @@ def _ds(stage: int) -> list[str]:
 
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
+PP2_4_LAYERS = PP2 + "--num-layers 4 --seq-length 32 --max-position-embeddings 32".split()
 CASES = {
-    # Megatron's layout: 2 tensor-parallel files, each with its RNG states; DeepSpeed's: the
-    # pipeline engine (ZeRO-1, also at PP=1), the plain engine (ZeRO-2), TP and PP splits.
+    # Megatron's layout: 2 tensor-parallel files, each with its RNG states; 2 pipeline stages
+    # under Megatron's 1F1B, and 2 x 2 virtual stages under its interleaved 1F1B (files with
+    # model0, model1; 4 micro-batches per step). DeepSpeed's: the pipeline engine (ZeRO-1,
+    # also at PP=1), the plain engine (ZeRO-2), TP and PP splits.
     "megatron-tp2": (2, TP2),
+    "megatron-pp2": (2, PP2_4_LAYERS),
+    "megatron-pp2-vpp2": (2, PP2_4_LAYERS + ["--virtual-pipeline-model-parallel-size", "2"]),
     "zero1-dp2": (2, _ds(1)),
     "zero2-dp2": (2, _ds(2)),
     "deepspeed-tp2": (2, _ds(1) + TP2),

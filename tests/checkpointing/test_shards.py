@@ -17,19 +17,22 @@ import pytest
 import torch
 
 from megatron.checkpointing.file_format import flatten_model_state, load_file, nest_model_state
+from megatron.checkpointing.pipeline_stages import (
+    chunk_layers,
+    chunk_state_dict,
+    join_chunks,
+    merge_pipeline_stages,
+    renumber_layers,
+)
 from megatron.checkpointing.shapes import resolve_true_vocab_size
 from megatron.checkpointing.shards import (
     CheckpointConversionError,
     DenseCheckpoint,
     load_dense_checkpoint,
-    merge_pipeline_stages,
     merge_tp_shards,
     partition_dim,
-    pipeline_stage_state_dict,
-    renumber_layers,
     save_megatron_checkpoint,
     shard_state_dict,
-    stage_layers,
 )
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
@@ -147,9 +150,15 @@ def test_vocab_is_repadded_with_zero_rows(dense):
 # --- pipeline stages -------------------------------------------------------------------------
 
 
+def _global(dense: dict, pp: int, rank: int) -> dict:
+    """Stage `rank` of `pp` (one chunk per rank) with global layer numbers."""
+    start = chunk_layers(LAYERS, pp, 1, rank, 0).start
+    return renumber_layers(chunk_state_dict(dense, LAYERS, pp, 1, rank, 0), start)
+
+
 @pytest.mark.parametrize("pp", [1, 2, 4])
 def test_pipeline_split_and_merge(dense, pp):
-    stages = [pipeline_stage_state_dict(dense, LAYERS, pp, rank) for rank in range(pp)]
+    stages = [_global(dense, pp, rank) for rank in range(pp)]
     per_stage = LAYERS // pp
     for rank, stage in enumerate(stages):
         layers = {int(n.split(".")[3]) for n in stage if ".layers." in n}
@@ -159,21 +168,45 @@ def test_pipeline_split_and_merge(dense, pp):
         assert (HEAD in stage) == (rank == pp - 1 and pp > 1)
         if HEAD in stage:
             assert torch.equal(stage[HEAD], dense[WORD])
-        local = renumber_layers(stage, -stage_layers(LAYERS, pp, rank).start)
+        local = chunk_state_dict(dense, LAYERS, pp, 1, rank, 0)
         assert {int(n.split(".")[3]) for n in local if ".layers." in n} == set(range(per_stage))
-        assert_same(renumber_layers(local, rank * per_stage), stage)
     assert_same(merge_pipeline_stages(stages), dense)
     with pytest.raises(CheckpointConversionError, match="does not divide num_layers 4"):
-        stage_layers(LAYERS, 3, 0)
+        chunk_layers(LAYERS, 3, 1, 0, 0)
+
+
+@pytest.mark.parametrize("pp, virtual", [(2, 2), (4, 1)])
+def test_virtual_stages_hold_megatron_lm_interleaved_layers(dense, pp, virtual):
+    """Chunk c of pipeline rank r is stage c x PP + r: with PP 2 x V 2, rank 0 holds layers
+    0 and 2 (and the embedding), rank 1 layers 1 and 3 (and the head)."""
+    chunks = [
+        [chunk_state_dict(dense, LAYERS, pp, virtual, rank, c) for c in range(virtual)]
+        for rank in range(pp)
+    ]
+    for rank in range(pp):
+        for c, local in enumerate(chunks[rank]):
+            stage = c * pp + rank
+            assert {n.split(".")[3] for n in local if ".layers." in n} == {"0"}
+            layer = dense[QKV.format(stage, "weight")]
+            assert torch.equal(local[QKV.format(0, "weight")], layer)
+            assert (WORD in local) == (stage == 0)
+            assert (HEAD in local) == (stage == pp * virtual - 1)
+    assert_same(join_chunks(chunks, LAYERS), dense)
+    nested = [[nest_model_state(local) for local in rank] for rank in chunks]
+    assert_same(join_chunks(nested, LAYERS), dense)
+    with pytest.raises(CheckpointConversionError, match="need a pipeline-parallel size above 1"):
+        chunk_layers(LAYERS, 1, 2, 0, 0)
+    with pytest.raises(CheckpointConversionError, match="2 x 4 virtual stage.* num_layers 4"):
+        chunk_layers(LAYERS, 2, 4, 0, 0)
 
 
 def test_nested_and_flat_round_trip(dense):
     for rank in range(2):
-        stage = pipeline_stage_state_dict(dense, LAYERS, 2, rank)
-        nested = nest_model_state(renumber_layers(stage, -2 * rank))
+        local = chunk_state_dict(dense, LAYERS, 2, 1, rank, 0)
+        nested = nest_model_state(local)
         assert ("embedding" in nested["language_model"]) == (rank == 0)
         assert ("word_embeddings_for_head" in nested) == (rank == 1)
-        assert_same(renumber_layers(flatten_model_state(nested), 2 * rank), stage)
+        assert_same(flatten_model_state(nested), local)
     legacy = {"language_model": {"transformer": {"layers.0.attention.dense.bias": dense[WORD]}}}
     flat = flatten_model_state(legacy)
     assert list(flat) == ["language_model.encoder.layers.0.self_attention.dense.bias"]
@@ -210,8 +243,7 @@ def test_save_then_load_megatron_layout(dense, tmp_path, tp, pp):
             layers = {int(n.split(".")[3]) for n in local if ".layers." in n}
             assert layers == set(range(LAYERS // pp))  # Megatron: each stage counts from 0
             expected = shard_state_dict(dense, tp, t, padded)
-            expected = pipeline_stage_state_dict(expected, LAYERS, pp, p)
-            assert_same(renumber_layers(local, p * LAYERS // pp), expected)
+            assert_same(local, chunk_state_dict(expected, LAYERS, pp, 1, p, 0))
     loaded = load_dense_checkpoint(root)
     assert_same(loaded.state_dict, dense)
     assert (loaded.iteration, loaded.true_vocab_size, loaded.layout) == (7, TRUE_VOCAB, "megatron")

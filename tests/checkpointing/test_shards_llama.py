@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from megatron.checkpointing.file_format import flatten_model_state, load_file
+from megatron.checkpointing.pipeline_stages import chunk_state_dict
 from megatron.checkpointing.shapes import OUTPUT_LAYER, expected_shapes, model_config
 from megatron.checkpointing.shards import (
     CheckpointConversionError,
     DenseCheckpoint,
     load_dense_checkpoint,
     merge_tp_shards,
-    pipeline_stage_state_dict,
     save_megatron_checkpoint,
     shard_state_dict,
     swiglu_tensors,
@@ -158,9 +158,9 @@ def test_deepspeed_pipeline_files_with_an_lm_head_layer(dense, tmp_path):
 
 def test_stage_of_a_tp_rank_holds_no_tied_copy(dense):
     shard = shard_state_dict(dense, 1, 0, 104)
-    last = pipeline_stage_state_dict(shard, LAYERS, 2, 1)
+    last = chunk_state_dict(shard, LAYERS, 2, 1, 1, 0)
     assert OUTPUT_LAYER in last and "word_embeddings_for_head.weight" not in last
-    first = pipeline_stage_state_dict(shard, LAYERS, 2, 0)
+    first = chunk_state_dict(shard, LAYERS, 2, 1, 0, 0)
     assert WORD in first and OUTPUT_LAYER not in first
     assert flatten_model_state({"language_model": {"output_layer": {"weight": 1}}}) == {
         OUTPUT_LAYER: 1

@@ -96,7 +96,8 @@ def _global_name(chunk, local: str) -> str:
 def _check_pipeline(
     config: ModelConfig, tp: int, pp: int, virtual: int, microbatches: int = MICROBATCHES
 ) -> None:
-    from megatron.checkpointing.shards import chunk_state_dict, shard_state_dict
+    from megatron.checkpointing.pipeline_stages import chunk_state_dict
+    from megatron.checkpointing.shards import shard_state_dict
     from megatron.core.pipeline_parallel.schedules import (
         PipelineRunner,
         initialize_tied_embedding,

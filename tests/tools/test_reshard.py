@@ -5,20 +5,23 @@ key/value heads, RoPE, untied output layer, no linear biases) saved at TP=2 x PP
 resharded to TP=1 -> TP=4 -> TP=2: the weights stay bit-identical, and the TP=2 and TP=4
 files, loaded rank by rank into the tensor-parallel GPTModel in one spawned 4-rank gloo world,
 give the dense model's logits. Two real `pretrain_gpt.py
---deepspeed` runs with ZeRO-1 (TP=2 on the non-pipeline engine; PP=2 in bf16 on the pipeline
-engine, whose files carry DeepSpeed's bf16 optimizer metadata) are converted to Megatron's
-layout with the weights of the DeepSpeed files, bit for bit.
+--deepspeed` runs with ZeRO-1 (TP=2 on the non-pipeline engine; PP=2 of 4 layers in bf16 on
+the pipeline engine, whose files carry DeepSpeed's bf16 optimizer metadata) are converted to
+Megatron's layout with the weights of the DeepSpeed files, bit for bit; the pipeline run also
+to 2 x 2 virtual stages (Megatron-LM's `model0`, `model1` per rank file), and a run of
+Megatron's 1F1B pointed at its files is told, in one line, to convert them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 
 import pytest
 import torch
 
-from megatron.checkpointing.file_format import flatten_model_state, load_file
+from megatron.checkpointing.file_format import chunk_keys, flatten_model_state, load_file
 from megatron.checkpointing.huggingface import model_config
 from megatron.checkpointing.shards import (
     DenseCheckpoint,
@@ -165,25 +168,31 @@ def test_parallel_forward_at_tp2_and_tp4(chains):
 
 RUNS = {
     "tp2-zero1": ["--tensor-model-parallel-size", "2", "--no-pipeline-parallel"],
-    "pp2-zero1-bf16": ["--pipeline-model-parallel-size", "2", "--bf16"],
+    "pp2-zero1-bf16": ["--pipeline-model-parallel-size", "2", "--bf16", "--num-layers", "4"],
 }
 
 
-def _pretrain(save: str, data_prefix: str, flags: list[str]) -> None:
-    """One iteration of a tiny GPT under `--deepspeed` (ZeRO-1), 2 CPU processes, then save."""
-    run = launch(
+DS_ZERO1 = ["--deepspeed", "--deepspeed_config", f"{REPO_ROOT}/examples/ds_configs/ds_zero1.json"]
+
+
+def _tiny_run(data_prefix: str, *flags: str) -> subprocess.CompletedProcess:
+    """One iteration of a tiny GPT (2 layers unless `flags` say more), 2 CPU processes."""
+    return launch(
         2,
         [
             *"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
             "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 2 "
-            "--train-iters 1 --lr 1e-3 --save-interval 1 --split 98,2,0 --eval-iters 0 "
+            "--train-iters 1 --lr 1e-3 --split 98,2,0 --eval-iters 0 "
             "--eval-interval 1000 --num-workers 0 --distributed-backend gloo".split(),
-            *["--save", save, "--data-path", data_prefix, "--vocab-file", VOCAB_FILE],
-            *["--merge-file", MERGE_FILE, "--deepspeed", "--deepspeed_config"],
-            os.path.join(REPO_ROOT, "examples", "ds_configs", "ds_zero1.json"),
+            *["--data-path", data_prefix, "--vocab-file", VOCAB_FILE, "--merge-file", MERGE_FILE],
             *flags,
         ],
     )
+
+
+def _pretrain(save: str, data_prefix: str, flags: list[str]) -> None:
+    """One iteration of a tiny GPT under `--deepspeed` (ZeRO-1), 2 CPU processes, then save."""
+    run = _tiny_run(data_prefix, "--save", save, "--save-interval", "1", *DS_ZERO1, *flags)
     assert run.returncode == 0, run.stdout[-5000:]
 
 
@@ -197,7 +206,7 @@ def deepspeed_run(request, tmp_path_factory, stdlib_dataset) -> tuple[str, str, 
     return request.param, source, target
 
 
-def test_deepspeed_run_converts_to_megatron_layout(deepspeed_run):
+def test_deepspeed_run_converts_to_megatron_layout(deepspeed_run, stdlib_dataset):
     name, source, target = deepspeed_run
     tag = open(os.path.join(source, "latest")).read().strip()
     assert tag == "global_step1"
@@ -209,31 +218,51 @@ def test_deepspeed_run_converts_to_megatron_layout(deepspeed_run):
             saved = load_file(os.path.join(mg_dir, f"mp_rank_{tp_rank:02d}", "model_optim_rng.pt"))
             expected = module["module"]
             assert_bit_identical(flatten_model_state(saved["model"]), expected)
-    else:
-        layer = {
+    else:  # 4 layers in 2 stages, then in 2 x 2 virtual stages (Megatron-LM's model0, model1)
+        layers = {
             n: load_file(os.path.join(ds_dir, f"layer_{n:02d}-model_00-model_states.pt"))
-            for n in range(4)
+            for n in range(6)
         }
-        stages = [
-            load_file(os.path.join(mg_dir, f"mp_rank_00_{p:03d}", "model_optim_rng.pt"))
-            for p in range(2)
-        ]
-        first, last = (flatten_model_state(stage["model"]) for stage in stages)
-        expected_first = {f"language_model.embedding.{k}": t for k, t in layer[0].items()}
-        expected_first.update(
-            {f"language_model.encoder.layers.0.{k}": t for k, t in layer[1].items()}
-        )
-        expected_last = {f"language_model.encoder.layers.0.{k}": t for k, t in layer[2].items()}
-        expected_last.update(
-            {f"language_model.encoder.final_layernorm.{k}": t for k, t in layer[3].items()}
-        )
-        expected_last["word_embeddings_for_head.weight"] = layer[0]["word_embeddings.weight"]
-        assert_bit_identical(first, expected_first)
-        assert_bit_identical(last, expected_last)
-        assert first[WORD].dtype == torch.bfloat16
+        interleaved = os.path.join(target + "_vpp2", "iter_0000001")
+        assert reshard.main(["--load", source, "--save", os.path.dirname(interleaved),
+                             "--target-virtual-pipeline-parallel-size", "2"]) == 0  # fmt: skip
+        for directory, virtual in ((mg_dir, 1), (interleaved, 2)):
+            for rank in range(2):
+                saved = load_file(f"{directory}/mp_rank_00_{rank:03d}/model_optim_rng.pt")
+                for chunk, key in enumerate(chunk_keys(virtual)):
+                    expected = pipeline_layer_files(layers, chunk * 2 + rank, 2 * virtual)
+                    assert_bit_identical(flatten_model_state(saved[key]), expected)
+                assert vars(saved["args"])["virtual_pipeline_model_parallel_size"] == (
+                    virtual if virtual > 1 else None
+                )
+        first = load_file(f"{mg_dir}/mp_rank_00_000/model_optim_rng.pt")["model"]
+        assert flatten_model_state(first)[WORD].dtype == torch.bfloat16
+        # Megatron's 1F1B (no --deepspeed) cannot read the engine's files: it names the tool.
+        refused = _tiny_run(stdlib_dataset, "--load", source, *RUNS[name])
+        errors = [line for line in refused.stdout.splitlines() if line.startswith("error:")]
+        assert refused.returncode != 0 and errors, refused.stdout[-3000:]
+        for error in errors:  # one line per rank, naming its own file
+            assert "saved by DeepSpeed's pipeline engine" in error and "reshard.py" in error
     saved = load_file(os.path.join(mg_dir, os.listdir(mg_dir)[0], "model_optim_rng.pt"))
     assert saved["iteration"] == 1 and saved["train_state"]["consumed_train_samples"] == 2
     assert vars(saved["args"])["true_vocab_size"] == 50257
+
+
+def pipeline_layer_files(layers: dict[int, dict], stage: int, stages: int) -> dict:
+    """What Megatron's stage `stage` of `stages` holds (layers numbered from 0), from the
+    DeepSpeed pipeline engine's layer files (0 embedding, 1..L layers, L + 1 final norm)."""
+    per_stage = (len(layers) - 2) // stages
+    expected = {}
+    if stage == 0:
+        expected.update({f"language_model.embedding.{k}": t for k, t in layers[0].items()})
+    for local in range(per_stage):
+        layer = layers[stage * per_stage + local + 1]
+        expected.update({f"language_model.encoder.layers.{local}.{k}": t for k, t in layer.items()})
+    if stage == stages - 1:
+        norm = layers[len(layers) - 1]
+        expected.update({f"language_model.encoder.final_layernorm.{k}": t for k, t in norm.items()})
+        expected["word_embeddings_for_head.weight"] = layers[0]["word_embeddings.weight"]
+    return expected
 
 
 def assert_bit_identical(actual: dict, expected: dict) -> None:

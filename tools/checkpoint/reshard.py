@@ -2,14 +2,18 @@
 
     python tools/checkpoint/reshard.py --load checkpoints/gpt2 --save checkpoints/gpt2_tp4 \\
         --target-tensor-parallel-size 4 --target-pipeline-parallel-size 1
+    python tools/checkpoint/reshard.py --load checkpoints/gpt2 --save checkpoints/gpt2_vpp \\
+        --target-pipeline-parallel-size 2 --target-virtual-pipeline-parallel-size 2
 
 Reads either layout (Megatron's `iter_*/mp_rank_*`, or DeepSpeed's `global_step*` from
 `--deepspeed` runs, pipeline engine and ZeRO-3 included), merges every shard, and writes
 Megatron's layout split the new way; without target sizes it keeps the source's, which turns
-a DeepSpeed checkpoint into a Megatron one. Model weights and training progress (iteration,
-consumed samples) are carried; optimizer and RNG state are not: `pretrain_gpt.py --load NEW`
-continues from the weights and counters with a fresh optimizer (DeepSpeed's universal
-checkpoint is the way to reshard optimizer state too).
+a DeepSpeed checkpoint into a Megatron one. With virtual pipeline stages (Megatron's
+interleaved schedule) each rank file holds `model0`, `model1`, ..., read and written as
+Megatron-LM does. Model weights and training progress (iteration, consumed samples) are
+carried; optimizer and RNG state are not: `pretrain_gpt.py --load NEW` continues from the
+weights and counters with a fresh optimizer (DeepSpeed's universal checkpoint is the way to
+reshard optimizer state too).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import sys
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.path.pardir] * 2)))
 
 from megatron.checkpointing.layouts import holds_checkpoint  # noqa: E402
+from megatron.checkpointing.pipeline_stages import check_pipeline_split  # noqa: E402
 from megatron.checkpointing.shards import (  # noqa: E402
     CheckpointConversionError,
     load_dense_checkpoint,
@@ -41,6 +46,13 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--target-pipeline-parallel-size", type=int, default=None, help="Default: the source's."
+    )
+    parser.add_argument(
+        "--target-virtual-pipeline-parallel-size",
+        type=int,
+        default=None,
+        help="Model chunks per pipeline rank (Megatron's interleaved schedule; files hold "
+        "model0, model1, ...). Default: the source's when the pipeline size stays, else 1.",
     )
     parser.add_argument(
         "--iteration", type=int, default=None, help="Checkpoint to read; default: the latest."
@@ -65,6 +77,20 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _sizes(args: dict) -> tuple[int, int, int]:
+    """(TP, PP, virtual stages) a checkpoint's args record (None: 1, as Megatron saves it)."""
+    return (
+        args.get("tensor_model_parallel_size") or 1,
+        args.get("pipeline_model_parallel_size") or 1,
+        args.get("virtual_pipeline_model_parallel_size") or 1,
+    )
+
+
+def _describe(tp: int, pp: int, virtual: int) -> str:
+    split = f"tensor-parallel {tp} x pipeline-parallel {pp}"
+    return split + (f" x {virtual} virtual stages" if virtual > 1 else "")
+
+
 def reshard(args: argparse.Namespace) -> None:
     """Read `--load`, write `--save`; progress lines on stdout."""
     if os.path.abspath(args.load) == os.path.abspath(args.save):
@@ -76,22 +102,39 @@ def reshard(args: argparse.Namespace) -> None:
         )
     print(f"reading checkpoint {args.load} ...", flush=True)
     dense = load_dense_checkpoint(args.load, args.iteration, args.true_vocab_size)
-    source_tp = dense.args.get("tensor_model_parallel_size", 1)
-    source_pp = dense.args.get("pipeline_model_parallel_size", 1)
+    source = _sizes(dense.args)
     print(
-        f"read {dense.layout} checkpoint at iteration {dense.iteration}: tensor-parallel "
-        f"{source_tp} x pipeline-parallel {source_pp}, {len(dense.state_dict)} tensors, "
-        f"vocabulary {dense.true_vocab_size} (padded {dense.args.get('padded_vocab_size')})",
+        f"read {dense.layout} checkpoint at iteration {dense.iteration}: {_describe(*source)}, "
+        f"{len(dense.state_dict)} tensors, vocabulary {dense.true_vocab_size} (padded "
+        f"{dense.args.get('padded_vocab_size')})",
         flush=True,
     )
-    tp = args.target_tensor_parallel_size or source_tp
-    pp = args.target_pipeline_parallel_size or source_pp
+    targets = (
+        args.target_tensor_parallel_size,
+        args.target_pipeline_parallel_size,
+        args.target_virtual_pipeline_parallel_size,
+    )
+    tp, pp, virtual = (size if target is None else target for target, size in zip(targets, source))
+    if args.target_virtual_pipeline_parallel_size is None and pp != source[1]:
+        virtual = 1  # the source's virtual stages belong to its pipeline size
+    try:
+        check_pipeline_split(dense.args["num_layers"], pp, virtual)
+    except CheckpointConversionError as error:
+        raise CheckpointConversionError(
+            f"--target-pipeline-parallel-size {pp} --target-virtual-pipeline-parallel-size "
+            f"{virtual}: {error}"
+        ) from None
     directory = save_megatron_checkpoint(
-        dense, args.save, tp, pp, args.make_vocab_size_divisible_by, overwrite=args.force
+        dense,
+        args.save,
+        tp,
+        pp,
+        args.make_vocab_size_divisible_by,
+        overwrite=args.force,
+        virtual_size=virtual,
     )
     print(
-        f"wrote Megatron checkpoint {directory}: tensor-parallel {tp} x pipeline-parallel {pp} "
-        f"({tp * pp} files)",
+        f"wrote Megatron checkpoint {directory}: {_describe(tp, pp, virtual)} ({tp * pp} files)",
         flush=True,
     )
     divisible = args.make_vocab_size_divisible_by or dense.args.get(
