@@ -53,15 +53,14 @@ class MicroBatchLoss:
         return loss.float() * self.scale
 
     def run(self, runner: PipelineRunner, microbatches: int, batch: tuple, train: bool) -> None:
-        """`runner.run` on `batch`, keeping the reported values of its real micro-batches.
-
-        A schedule's first step also calls the loss once while torch infers the stages'
-        shapes; that call's values are dropped.
-        """
+        """`runner.run` on `batch`; the last stage then holds one reported dict per micro-batch."""
         before = len(self.reported)
         runner.run(microbatches, *batch, train=train)
-        added = self.reported[before:]
-        self.reported = self.reported[:before] + added[len(added) - microbatches :]
+        added = len(self.reported) - before
+        if runner.is_last and added != microbatches:
+            raise RuntimeError(
+                f"the pipeline schedule computed {added} losses for {microbatches} micro-batches"
+            )
 
 
 @dataclass

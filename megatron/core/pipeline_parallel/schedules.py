@@ -3,9 +3,9 @@
 `PipelineRunner` wraps each chunk in a `PipelineStage` over the pipeline group of
 `parallel_state` and runs one global batch (its micro-batches concatenated on dim 0) through
 `Schedule1F1B` (one chunk per rank) or `ScheduleInterleaved1F1B` (virtual stages), for
-training (forward and backward of every micro-batch) or evaluation (forward only). Tensor
-shapes and dtypes between stages are inferred by torch on a schedule's first step; one
-schedule per micro-batch count is kept (a batch-size ramp changes it).
+training (forward and backward of every micro-batch) or evaluation (forward only). The
+shapes and dtypes passed between stages are declared to torch (`PipelineRunner._stage`), not
+inferred; one schedule per micro-batch count is kept (a batch-size ramp changes it).
 
 The loss of each micro-batch is computed on the last stage by the caller's `loss_fn(output,
 target)`; torch's `scale_grads` then divides the gradients by the number of micro-batches, so

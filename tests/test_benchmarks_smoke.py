@@ -1,0 +1,68 @@
+"""Smoke runs of the benchmarks: they start, measure every layout and print a table that parses.
+
+Timings are never asserted (a shared CI machine makes them noise); only the structure of the
+output and the values that do not depend on the clock (the schedule's predicted bubble, the
+first-step losses agreeing across layouts).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron.core.pipeline_parallel.layout import bubble_fraction
+from tests.conftest import REPO_ROOT
+
+PIPELINE_LAYOUTS = {  # title in the table -> (PP, V)
+    "PP=1 (1 process, baseline)": (1, 1),
+    "DP=2 (2 processes, no pipeline)": (1, 1),
+    "PP=2, 1F1B": (2, 1),
+    "PP=2 x V=2, interleaved 1F1B": (2, 2),
+}
+PERCENT = re.compile(r"^(-?\d+\.\d)%$")
+
+
+def _percent(cell: str) -> float:
+    match = PERCENT.match(cell.split(" ")[0])
+    assert match, f"not a percentage: {cell!r}"
+    return float(match.group(1)) / 100
+
+
+@pytest.mark.slow
+def test_pipeline_schedules_quick_prints_every_layout() -> None:
+    """`benchmarks/pipeline_schedules.py --quick`: one table row per layout, all of it parses."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "pipeline_schedules.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("first-step loss, m=4:") and "-> OK" in line for line in lines)
+    header = next(line for line in lines if line.startswith("| layout |"))
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    rows = {}
+    for line in lines:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] in PIPELINE_LAYOUTS:
+            rows[cells[0]] = dict(zip(columns, cells))
+    assert set(rows) == set(PIPELINE_LAYOUTS), result.stdout
+    for title, row in rows.items():
+        pp, virtual = PIPELINE_LAYOUTS[title]
+        assert len(row) == len(columns), row
+        assert int(row["micro-batches"]) == 4
+        assert re.fullmatch(r"\d+ ms", row["step (median)"]), row
+        assert float(row["ratio to PP=1"].strip("*")) > 0
+        expected = bubble_fraction(pp, virtual, 4) if pp > 1 else 0.0
+        assert _percent(row["predicted bubble"]) == pytest.approx(expected, abs=1e-3)
+        assert 0.0 <= _percent(row["measured bubble (mean; per rank)"]) <= 1.0
+        _percent(row["span vs ideal"])
+    assert float(rows["PP=1 (1 process, baseline)"]["ratio to PP=1"].strip("*")) == 1.0
