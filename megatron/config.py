@@ -70,6 +70,51 @@ class DataConfig:
         )
 
 
+def experts_per_layer(num_experts: list[int], num_layers: int, expert_interval: int) -> tuple:
+    """Megatron-DeepSpeed's rule: layer n (from 1) is MoE when n % interval == 0, its expert
+    count the list's entry for its MoE layer (one value: every MoE layer); else 1 (dense)."""
+    moe_layers = num_layers // expert_interval
+    if len(num_experts) == 1:
+        num_experts = num_experts * moe_layers
+    if len(num_experts) != moe_layers:
+        raise ValueError(
+            f"--num-experts lists {len(num_experts)} values for {moe_layers} MoE layers "
+            f"(--num-layers {num_layers} / --expert-interval {expert_interval}); give one value "
+            "or one per MoE layer"
+        )
+    return tuple(
+        num_experts[(n - 1) // expert_interval] if n % expert_interval == 0 else 1
+        for n in range(1, num_layers + 1)
+    )
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """DeepSpeed-MoE in place of some layers' MLP (Megatron-DeepSpeed's flags)."""
+
+    experts_per_layer: tuple[int, ...]
+    """Experts of each layer, from layer 1; 1 keeps the dense MLP (`experts_per_layer`)."""
+    expert_parallel_size: int = 1
+    """Ranks of the data-parallel group each layer's experts are spread over (EP)."""
+    top_k: int = 1
+    """Experts per token: 1 (Switch) or 2 (GShard) (`--topk`)."""
+    train_capacity_factor: float = 1.0
+    """Tokens an expert takes in training: factor x tokens / experts (`--moe-train-...`)."""
+    eval_capacity_factor: float = 1.0
+    """The same in evaluation (`--moe-eval-capacity-factor`)."""
+    min_capacity: int = 4
+    """Lower bound of every expert's capacity (`--moe-min-capacity`)."""
+    drop_tokens: bool = True
+    """Drop tokens over capacity (`--disable-moe-token-dropping` turns off)."""
+    top2_2nd_expert_sampling: bool = True
+    """Top-2: draw the second expert with Gumbel noise in training (DeepSpeed's default)."""
+    residual: bool = False
+    """PR-MoE (`--mlp-type residual`): a dense MLP beside the experts, mixed per token."""
+    expert_tensor_parallel: bool = False
+    """Split each expert over tensor-parallel ranks (`--enable-expert-tensor-parallelism`);
+    otherwise every TP rank holds whole experts."""
+
+
 @dataclass
 class ModelConfig:
     """Shape and numerics of the GPT model, plus how its layers are split and recomputed.
@@ -152,6 +197,8 @@ class ModelConfig:
     """With `torch_compile` at TP=1, one graph from ids to loss. Off under ZeRO-3: its hooks
     gather each module's parameters as the module runs, and the tied output layer uses the
     embedding's weight outside that module, which a whole-model graph does not replay."""
+    moe: MoEConfig | None = None
+    """Mixture-of-Experts layers (`--num-experts` above 1), or None for a dense model."""
 
     def __post_init__(self) -> None:
         """Fill the derived defaults and reject impossible shapes."""
@@ -221,6 +268,7 @@ class ModelConfig:
         granularity = get("recompute_granularity")
         if get("checkpoint_activations") and granularity is None:
             granularity = "full"
+        moe = moe_config_from_args(args)
         return cls(
             num_layers=args.num_layers,
             hidden_size=args.hidden_size,
@@ -256,7 +304,9 @@ class ModelConfig:
             bias_gelu_fusion=bool(get("bias_gelu_fusion", True)),
             bias_dropout_fusion=bool(get("bias_dropout_fusion", True)),
             torch_compile=bool(get("torch_compile")),
-            compile_whole_model=(get("zero_stage") or 0) < 3,
+            # MoE layers' all-to-all and DeepSpeed's gating stay eager (outside any graph).
+            compile_whole_model=(get("zero_stage") or 0) < 3 and moe is None,
+            moe=moe,
         )
 
 
@@ -272,3 +322,22 @@ def _position_embedding_type(args: Namespace) -> str:
     if getattr(args, "use_rotary_position_embeddings", False):
         return "rope"
     return "learned_absolute" if getattr(args, "add_position_embedding", True) else "none"
+
+
+def moe_config_from_args(args: Namespace) -> MoEConfig | None:
+    """The MoE settings of validated flags; None when every layer keeps one expert."""
+    num_experts = list(getattr(args, "num_experts", None) or [1])
+    if all(count == 1 for count in num_experts):
+        return None
+    return MoEConfig(
+        experts_per_layer=experts_per_layer(num_experts, args.num_layers, args.expert_interval),
+        expert_parallel_size=args.moe_expert_parallel_size,
+        top_k=args.topk,
+        train_capacity_factor=args.moe_train_capacity_factor,
+        eval_capacity_factor=args.moe_eval_capacity_factor,
+        min_capacity=args.moe_min_capacity,
+        drop_tokens=args.moe_token_dropping,
+        top2_2nd_expert_sampling=args.moe_top2_2nd_expert_sampling,
+        residual=args.mlp_type == "residual",
+        expert_tensor_parallel=bool(args.enable_expert_tensor_parallelism),
+    )

@@ -7,12 +7,13 @@ argparse's "unrecognized arguments". Each flag below is one of two kinds:
 - inert: accepted and without effect, because what it tunes does not exist here (apex kernels,
   Megatron's own DDP and pipeline communication, GPU overlap knobs) or cannot change the
   result. Its help text says why; docs/arguments.md lists them all.
-- refused: a feature we do not build (MoE, DeepSpeed-Ulysses, zero-bubble pipelines, other
-  model families). Its value that means "off" (`--num-experts 1`,
-  `--ds-sequence-parallel-size 1`, `--transformer-impl local`) is accepted; any other value
-  is refused in one line naming the flag (`refuse_unsupported_flags`, run by validate_args).
+- refused: a feature we do not build (Tutel, DeepSpeed-Ulysses, zero-bubble pipelines, other
+  model families). Its value that means "off" (`--ds-sequence-parallel-size 1`,
+  `--transformer-impl local`) is accepted; any other value is refused in one line naming the
+  flag (`refuse_unsupported_flags`, run by validate_args).
 
-Flags that have a meaning here are in `model_flags.py` / `run_flags.py`, Megatron-DeepSpeed's
+Flags that have a meaning here are in `model_flags.py`, `run_flags.py`, `parallel_flags.py`
+and `moe_flags.py`, Megatron-DeepSpeed's
 other spellings of them as extra option strings there (`--override-opt_param-scheduler`).
 """
 
@@ -81,11 +82,6 @@ def _split(spec: str) -> tuple[str, str]:
 
 def _equals(*values: Any) -> Callable[[Any, argparse.Namespace], bool]:
     return lambda value, args: value in values
-
-
-def _dense(value: Any, args: argparse.Namespace) -> bool:
-    """MoE knobs do nothing while every layer has one expert, as in Megatron-DeepSpeed."""
-    return all(count == 1 for count in (getattr(args, "num_experts", None) or [1]))
 
 
 INERT: list[CompatFlag] = [
@@ -170,27 +166,12 @@ INERT: list[CompatFlag] = [
 
 REFUSED: list[CompatFlag] = [
     *_refused(
-        "Mixture-of-Experts is not built here (one expert per layer is accepted)",
-        "--num-experts:ints",
-        accepts=lambda value, args: all(count == 1 for count in value),
+        "Tutel's MoE kernels are not built here; DeepSpeed-MoE's own dispatch runs the experts",
+        "--use-tutel",
     ),
     *_refused(
-        "Mixture-of-Experts is not built here; this knob is accepted only with --num-experts 1",
-        "--mlp-type:str",
-        "--topk:int",
-        "--expert-interval:int",
-        "--disable-moe-token-dropping",
-        "--moe-train-capacity-factor:float",
-        "--moe-eval-capacity-factor:float",
-        "--moe-min-capacity:int",
-        "--moe-loss-coeff:float",
-        "--create-moe-param-group",
-        "--disable-moe-top2-2nd-expert-sampling",
-        "--use-tutel",
-        "--enable-expert-tensor-parallelism",
-        "--moe-expert-parallel-size:int",
+        "Megatron-LM's SwitchMLP is not built here; use --num-experts (DeepSpeed-MoE)",
         "--num-experts-switch:int",
-        accepts=_dense,
     ),
     *_refused(
         "DeepSpeed-Ulysses sequence parallelism is not built here (size 1 is accepted; "

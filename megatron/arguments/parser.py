@@ -16,7 +16,14 @@ import copy
 import os
 from collections.abc import Callable, Sequence
 
-from megatron.arguments import compat_flags, model_flags, parallel_flags, run_flags, v1_flags
+from megatron.arguments import (
+    compat_flags,
+    model_flags,
+    moe_flags,
+    parallel_flags,
+    run_flags,
+    v1_flags,
+)
 from megatron.arguments.errors import ArgumentError
 from megatron.arguments.precision import check_precision_on_this_machine
 from megatron.arguments.validation import validate_args
@@ -35,6 +42,7 @@ FLAG_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     run_flags.add_logging_flags,
     parallel_flags.add_distributed_flags,
     parallel_flags.add_deepspeed_flags,
+    moe_flags.add_moe_flags,
     v1_flags.add_v1_flags,
     compat_flags.add_compat_flags,
 )

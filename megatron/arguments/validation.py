@@ -20,6 +20,7 @@ from megatron.arguments.ds_config import (
 )
 from megatron.arguments.ds_unused_sections import set_aside_unused_sections
 from megatron.arguments.errors import ArgumentError, flag_name
+from megatron.arguments.moe_flags import settle_moe
 from megatron.arguments.pipeline_checks import settle_pipeline
 from megatron.arguments.precision import check_flash_attention_precision
 from megatron.arguments.v1_flags import train_data_corpus, translate_v1_flags
@@ -440,6 +441,7 @@ def validate_args(
     _precision_and_optimizer(args)
     _recompute(args)
     _pipeline_and_checkpoints(args)
+    settle_moe(args)
     if args.deepspeed:
         settle_gradient_accumulation_dtype(args, args.deepspeed_config_dict, config_source)
     _schedule(args)

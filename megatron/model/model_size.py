@@ -3,7 +3,9 @@
 Logging (throughput, TFLOP/s, MFU) and benchmarks reuse these so every report agrees.
 FLOPs follow Megatron's accounting (Narayanan et al. 2021): every matmul counts 2 FLOPs per
 multiply-add, attention scores count the full s x s product, training = 3 x forward, and
-activation recomputation is not counted (model FLOPs, as MFU requires).
+activation recomputation is not counted (model FLOPs, as MFU requires). With MoE layers the
+FLOPs are the active ones: each token passes its top-k experts (plus the gate, and PR-MoE's
+dense MLP and mixing coefficient), and `num_parameters(active=True)` counts those experts only.
 """
 
 from __future__ import annotations
@@ -11,15 +13,49 @@ from __future__ import annotations
 from megatron.config import ModelConfig
 
 
-def num_parameters(config: ModelConfig, include_embeddings: bool = True) -> int:
-    """Total parameters of the (unsplit) model; a tied output layer counts once."""
-    h, ffn, proj = config.hidden_size, config.ffn_hidden_size, config.projection_size
-    qkv = proj + 2 * config.kv_projection_size
+def _mlp_parameters(config: ModelConfig) -> int:
+    h, ffn = config.hidden_size, config.ffn_hidden_size
     mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
+    biases = mlp_in + h if config.add_bias_linear else 0
+    return h * mlp_in + ffn * h + biases
+
+
+def _mlp_flops(config: ModelConfig) -> int:
+    h, ffn = config.hidden_size, config.ffn_hidden_size
+    mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
+    return 2 * h * mlp_in + 2 * ffn * h  # dense_h_to_4h, dense_4h_to_h
+
+
+def _moe_layer(config: ModelConfig, experts: int, active: bool) -> tuple[int, int]:
+    """(parameters, forward FLOPs per token) of one layer's MLP with `experts` experts."""
+    if experts == 1:
+        return _mlp_parameters(config), _mlp_flops(config)
+    h, moe = config.hidden_size, config.moe
+    used = min(moe.top_k, experts) if active else experts
+    params = used * _mlp_parameters(config) + h * experts  # experts, gate
+    flops = moe.top_k * _mlp_flops(config) + 2 * h * experts
+    if moe.residual:  # PR-MoE: the dense MLP and the 2-way mixing coefficient
+        params += _mlp_parameters(config) + 2 * h + 2
+        flops += _mlp_flops(config) + 2 * h * 2
+    return params, flops
+
+
+def _experts(config: ModelConfig) -> tuple[int, ...]:
+    return config.moe.experts_per_layer if config.moe else (1,) * config.num_layers
+
+
+def num_parameters(
+    config: ModelConfig, include_embeddings: bool = True, active: bool = False
+) -> int:
+    """Parameters of the (unsplit) model; a tied output layer counts once. `active`: with
+    MoE, only the top-k experts a token passes (the parameters one token's compute sees)."""
+    h, proj = config.hidden_size, config.projection_size
+    qkv = proj + 2 * config.kv_projection_size
     norm = h if config.normalization == "rmsnorm" else 2 * h  # weight (and bias)
-    weights = h * qkv + proj * h + h * mlp_in + ffn * h
-    biases = qkv + h + mlp_in + h if config.add_bias_linear else 0
-    total = config.num_layers * (2 * norm + weights + biases) + norm  # + final norm
+    attention = h * qkv + proj * h + (qkv + h if config.add_bias_linear else 0)
+    total = norm  # the final norm
+    for experts in _experts(config):
+        total += 2 * norm + attention + _moe_layer(config, experts, active)[0]
     if include_embeddings:
         total += config.vocab_size * h
         if config.untie_embeddings_and_output_weights:
@@ -31,25 +67,26 @@ def num_parameters(config: ModelConfig, include_embeddings: bool = True) -> int:
 
 def flops_per_token(config: ModelConfig, seq_length: int) -> int:
     """Training (forward + backward) FLOPs per token at `seq_length`, recompute excluded."""
-    h, ffn, proj = config.hidden_size, config.ffn_hidden_size, config.projection_size
-    mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
-    per_layer = (
+    h, proj = config.hidden_size, config.projection_size
+    attention = (
         2 * h * (proj + 2 * config.kv_projection_size)  # query_key_value
         + 2 * 2 * seq_length * proj  # q k^T and probs v
         + 2 * proj * h  # attention dense
-        + 2 * h * mlp_in  # dense_h_to_4h
-        + 2 * ffn * h  # dense_4h_to_h
     )
-    forward = config.num_layers * per_layer + 2 * h * config.vocab_size  # + logits
+    layers = sum(attention + _moe_layer(config, e, True)[1] for e in _experts(config))
+    forward = layers + 2 * h * config.vocab_size  # + logits
     return 3 * forward
 
 
 def model_size_report(config: ModelConfig, seq_length: int) -> str:
-    """One line for the start-up log: parameters and FLOPs per token."""
+    """One line for the start-up log: parameters (total and, with MoE, active) and FLOPs."""
     total = num_parameters(config)
     without_embeddings = num_parameters(config, include_embeddings=False)
     flops = flops_per_token(config, seq_length)
+    active = ""
+    if config.moe is not None:
+        active = f", {num_parameters(config, active=True):,} active per token"
     return (
-        f" > model: {total:,} parameters ({without_embeddings:,} without embeddings), "
+        f" > model: {total:,} parameters ({without_embeddings:,} without embeddings{active}), "
         f"{flops / 1e9:.3f} GFLOPs per token for training at sequence length {seq_length}"
     )

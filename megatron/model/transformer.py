@@ -32,66 +32,13 @@ from megatron.core.tensor_parallel.layers import divide
 from megatron.model.attention import CoreAttention, RotaryEmbedding, apply_rotary_pos_emb
 from megatron.model.fused_ops import (
     bias_dropout_add,
-    bias_gelu,
-    bias_swiglu,
     fuse_eagerly,
     fused,
 )
 from megatron.model.inference_params import InferenceParams
+from megatron.model.mlp import ParallelMLP, linear_kwargs
+from megatron.model.moe import build_moe_mlp
 from megatron.model.utils import build_norm, init_method_normal, scaled_init_method_normal
-
-
-def _linear_kwargs(config: ModelConfig) -> dict:
-    return dict(
-        bias=config.add_bias_linear,
-        sequence_parallel=config.sequence_parallel,
-        use_cpu_initialization=config.use_cpu_initialization,
-        params_dtype=config.torch_dtype,
-    )
-
-
-class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel) -> GeLU or SwiGLU -> h (row-parallel); (output, bias).
-
-    With `--swiglu` `dense_h_to_4h` is twice as wide and each TP rank's output is
-    [gate | up] of its ffn / tp channels (Megatron-DeepSpeed's layout, so its checkpoints
-    load): the TP=1 weight is [gate; up], and a rank's shard is [gate_r; up_r].
-    """
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.swiglu = config.activation == "swiglu"
-        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
-        self.bias_gelu_fusion = config.bias_gelu_fusion
-        self.dense_h_to_4h = ColumnParallelLinear(
-            config.hidden_size,
-            config.ffn_hidden_size * (2 if self.swiglu else 1),
-            init_method_normal(config.init_method_std),
-            skip_bias_add=True,
-            # Stride 2: rank r holds blocks r and tp + r of the full [gate; up], its gate and up.
-            stride=2 if self.swiglu else 1,
-            **_linear_kwargs(config),
-        )
-        self.dense_4h_to_h = RowParallelLinear(
-            config.ffn_hidden_size,
-            config.hidden_size,
-            scaled_init_method_normal(config.init_method_std, config.num_layers),
-            input_is_parallel=True,
-            skip_bias_add=True,
-            **_linear_kwargs(config),
-        )
-
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[s, b, h] -> ([s, b, h], bias to add after dropout's input)."""
-        intermediate, bias = self.dense_h_to_4h(hidden)  # [s, b, (2 x) ffn / tp]
-        fuse = fuse_eagerly(hidden, self.bias_gelu_fusion)
-        if self.swiglu:
-            activated = (fused(bias_swiglu) if fuse else bias_swiglu)(intermediate, bias)
-        else:
-            activated = (fused(bias_gelu) if fuse else bias_gelu)(
-                intermediate, bias, self.approximate
-            )
-        return self.dense_4h_to_h(activated)
 
 
 class ParallelAttention(nn.Module):
@@ -120,7 +67,7 @@ class ParallelAttention(nn.Module):
             config.hidden_size,
             config.projection_size + 2 * config.kv_projection_size,
             init_method_normal(config.init_method_std),
-            **_linear_kwargs(config),
+            **linear_kwargs(config),
         )
         self.core_attention = CoreAttention(config, layer_number)
         self.rotary = (
@@ -134,7 +81,7 @@ class ParallelAttention(nn.Module):
             scaled_init_method_normal(config.init_method_std, config.num_layers),
             input_is_parallel=True,
             skip_bias_add=True,
-            **_linear_kwargs(config),
+            **linear_kwargs(config),
         )
 
     def forward(
@@ -220,7 +167,12 @@ class ParallelTransformerLayer(nn.Module):
         self.input_layernorm = build_norm(config)
         self.self_attention = ParallelAttention(config, layer_number)
         self.post_attention_layernorm = build_norm(config)
-        self.mlp = ParallelMLP(config)
+        experts = config.moe.experts_per_layer[layer_number - 1] if config.moe else 1
+        self.is_moe = experts > 1
+        # DeepSpeed's MoE layer (`.mlp.deepspeed_moe...`, Megatron-DeepSpeed's names) or ours.
+        self.mlp = build_moe_mlp(config, experts) if self.is_moe else ParallelMLP(config)
+        self.moe_loss: torch.Tensor | None = None
+        """The load-balancing loss of this layer's last forward (MoE layers)."""
 
     def forward(
         self,
@@ -238,8 +190,10 @@ class ParallelTransformerLayer(nn.Module):
             else contextlib.nullcontext()
         )
         with rng:
-            # Inside the whole-model graph (TP=1) the layer is traced as part of it.
-            if self.torch_compile and inference_params is None and not is_compiling():
+            # Inside the whole-model graph (TP=1) the layer is traced as part of it. An MoE
+            # layer stays eager: DeepSpeed's gating and all-to-all are not compiled.
+            compile_me = self.torch_compile and not self.is_moe
+            if compile_me and inference_params is None and not is_compiling():
                 return compiled_layer_forward()(self, hidden, attention_mask)
             return self.layer_forward(hidden, attention_mask, inference_params)
 
@@ -261,7 +215,12 @@ class ParallelTransformerLayer(nn.Module):
         hidden = residual_add(
             attention_out, attention_bias, hidden, self.hidden_dropout, self.training
         )
-        mlp_out, mlp_bias = self.mlp(self.post_attention_layernorm(hidden))
+        if self.is_moe:
+            # DeepSpeed's MoE: (output with the experts' biases in it, gate loss, counts).
+            mlp_out, self.moe_loss, _ = self.mlp(self.post_attention_layernorm(hidden))
+            mlp_bias = None
+        else:
+            mlp_out, mlp_bias = self.mlp(self.post_attention_layernorm(hidden))
         return residual_add(mlp_out, mlp_bias, hidden, self.hidden_dropout, self.training)
 
 
@@ -286,6 +245,8 @@ class ParallelTransformer(nn.Module):
         self.layers = nn.ModuleList(ParallelTransformerLayer(config, n) for n in numbers)
         if post_layer_norm:
             self.final_layernorm = build_norm(config)
+        self.moe_losses: list[torch.Tensor] = []
+        """The MoE layers' load-balancing losses of the last forward, in layer order."""
 
     def _recomputed_layers(self, hidden, attention_mask):
         # uniform: recompute every group of N layers as one chunk; block: recompute each of
@@ -299,11 +260,13 @@ class ParallelTransformer(nn.Module):
         for start, stop, recompute in chunks:
             run = _run_layers(self.layers[start:stop])
             if recompute:
-                hidden = checkpoint(
+                # The MoE losses leave through the checkpoint too, so they keep their graph.
+                hidden, *losses = checkpoint(
                     run, config.distribute_saved_activations, hidden, attention_mask
                 )
             else:
-                hidden = run(hidden, attention_mask)
+                hidden, *losses = run(hidden, attention_mask)
+            self.moe_losses += losses
         return hidden
 
     def forward(
@@ -316,20 +279,28 @@ class ParallelTransformer(nn.Module):
 
         `inference_params` (the key/value cache of generation) is passed to every layer.
         """
+        self.moe_losses = []
         if self.config.recompute_granularity == "full" and self.training:
             hidden = self._recomputed_layers(hidden, attention_mask)
         else:
             for layer in self.layers:
                 hidden = layer(hidden, attention_mask, inference_params)
+                if layer.is_moe:
+                    self.moe_losses.append(layer.moe_loss)
         if hasattr(self, "final_layernorm"):
             hidden = self.final_layernorm(hidden)
         return hidden
 
 
 def _run_layers(layers: nn.ModuleList):
-    def run(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """A function running `layers`: (hidden, *the MoE layers' load-balancing losses)."""
+
+    def run(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple:
+        losses = []
         for layer in layers:
             hidden = layer(hidden, attention_mask)
-        return hidden
+            if layer.is_moe:
+                losses.append(layer.moe_loss)
+        return (hidden, *losses)
 
     return run

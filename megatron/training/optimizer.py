@@ -78,11 +78,14 @@ def _adamw_kernel(params: list) -> dict:
 
 
 def optimizer_from_args(
-    model: torch.nn.Module | list[torch.nn.Module], args: Namespace
+    model: torch.nn.Module | list[torch.nn.Module],
+    args: Namespace,
+    param_groups: list[dict] | None = None,
 ) -> torch.optim.Optimizer:
-    """The optimizer of `--optimizer`, `--lr`, `--weight-decay`, `--adam-*` over `model`."""
+    """The optimizer of `--optimizer`, `--lr`, `--weight-decay`, `--adam-*` over `model`
+    (or over `param_groups` already made from it)."""
     return build_optimizer(
-        get_param_groups(model),
+        param_groups or get_param_groups(model),
         lr=args.lr,
         weight_decay=args.weight_decay,
         betas=(args.adam_beta1, args.adam_beta2),
@@ -218,6 +221,12 @@ def all_reduce_if_distributed(tensor: torch.Tensor, op: dist.ReduceOp, group: ob
         dist.all_reduce(tensor, op=op, group=group)
 
 
+def is_expert_param(param: torch.nn.Parameter) -> bool:
+    """An MoE expert's parameter (DeepSpeed marks them `allreduce = False`): each expert
+    lives on one rank of its expert-parallel group."""
+    return getattr(param, "allreduce", True) is False
+
+
 def counted_once(param: torch.nn.Parameter, tp_rank_0: bool) -> bool:
     """Whether a model-wide norm counts `param` on this rank (Megatron's duplicate filter).
 
@@ -230,26 +239,42 @@ def counted_once(param: torch.nn.Parameter, tp_rank_0: bool) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank_0
 
 
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads]
+    return torch.stack(norms).square().sum()
+
+
 def clip_grad_norm(
     parameters: Iterable[torch.nn.Parameter] | torch.Tensor,
     max_norm: float,
     model_parallel_group: object = None,
+    expert_parallel_group: Callable[[str], object] | None = None,
 ) -> float:
-    """Megatron's clip_grad_norm_fp32: the global L2 grad norm; clip to `max_norm` if finite."""
+    """Megatron's clip_grad_norm_fp32: the global L2 grad norm; clip to `max_norm` if finite.
+
+    MoE experts count once each: their squares are also summed over the expert-parallel
+    group that `expert_parallel_group(param.group_name)` names (the group spreading that
+    layer's experts; their data-parallel replicas hold the same gradients).
+    """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [param for param in parameters if param.grad is not None]
     grads = [param.grad.detach() for param in params]
     tp_rank_0 = parallel_state.get_tensor_model_parallel_rank() == 0
-    grads_for_norm = [param.grad.detach() for param in params if counted_once(param, tp_rank_0)]
+    counted = [param for param in params if counted_once(param, tp_rank_0)]
     device = _reduction_device(grads)
-    if grads_for_norm:
-        norms = [
-            torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads_for_norm
-        ]
-        sum_of_squares = torch.stack(norms).square().sum()
-    else:
-        sum_of_squares = torch.zeros((), dtype=torch.float32, device=device)
+    dense = [p.grad.detach() for p in counted if not is_expert_param(p)]
+    sum_of_squares = _sum_of_squares(dense, device)
+    expert_groups = sorted({p.group_name for p in counted if is_expert_param(p)})
+    if expert_groups and expert_parallel_group is None:
+        raise ValueError("expert parameters need expert_parallel_group to count them once")
+    for name in expert_groups:
+        own = [p.grad.detach() for p in counted if is_expert_param(p) and p.group_name == name]
+        experts = _sum_of_squares(own, device)
+        all_reduce_if_distributed(experts, dist.ReduceOp.SUM, expert_parallel_group(name))
+        sum_of_squares = sum_of_squares + experts
     if model_parallel_group is not None:
         all_reduce_if_distributed(sum_of_squares, dist.ReduceOp.SUM, model_parallel_group)
     total_norm = sum_of_squares.sqrt().item()
@@ -281,6 +306,7 @@ class GuardedAdamW(torch.optim.AdamW):
         clip_grad: float = 0.0,
         guard: bool = True,
         model_parallel_group: object = None,
+        expert_parallel_group: Callable[[str], object] | None = None,
     ) -> None:
         params = list(params)
         super().__init__(
@@ -294,6 +320,7 @@ class GuardedAdamW(torch.optim.AdamW):
         self.clip_grad = clip_grad
         self.guard = guard
         self.model_parallel_group = model_parallel_group
+        self.expert_parallel_group = expert_parallel_group
         self.overflow = False
         self.grad_norm: float | None = None
 
@@ -317,7 +344,9 @@ class GuardedAdamW(torch.optim.AdamW):
         # One pass: the norm (all-reduced over the model-parallel ranks, the gradients being
         # equal across data-parallel ranks) is non-finite exactly when some gradient is, and
         # clip_grad_norm leaves the gradients alone then.
-        norm = clip_grad_norm(params, self.clip_grad, self.model_parallel_group)
+        norm = clip_grad_norm(
+            params, self.clip_grad, self.model_parallel_group, self.expert_parallel_group
+        )
         self.overflow = not math.isfinite(norm)
         self.grad_norm = None if self.overflow else norm
         if not self.overflow:

@@ -54,11 +54,12 @@ def _build_optimizer(model: torch.nn.Module, args: argparse.Namespace, guard: bo
     With `guard`, our optimizer itself clips, measures the norm and refuses non-finite
     gradients: the paths where nothing else does (plain torch, DeepSpeed fp32 ZeRO-0).
     """
+    groups = _param_groups(model, args)
     if not guard:
         # DeepSpeed recognises torch's own AdamW (its ZeRO code paths are tested with it).
-        return optimizer_from_args(model, args)
+        return optimizer_from_args(model, args, groups)
     return GuardedAdamW(
-        get_param_groups(model),
+        groups,
         lr=args.lr,
         weight_decay=args.weight_decay,
         betas=(args.adam_beta1, args.adam_beta2),
@@ -66,7 +67,26 @@ def _build_optimizer(model: torch.nn.Module, args: argparse.Namespace, guard: bo
         clip_grad=args.clip_grad,
         guard=True,
         model_parallel_group=parallel_state.get_model_parallel_group(),
+        expert_parallel_group=_expert_parallel_group if getattr(args, "moe", False) else None,
     )
+
+
+def _param_groups(model: torch.nn.Module, args: argparse.Namespace) -> list[dict]:
+    """Megatron's groups; with MoE, DeepSpeed's expert groups split off when asked
+    (`--create-moe-param-group`) or needed (ZeRO 1-2 reduces and partitions experts apart)."""
+    groups = get_param_groups(model)
+    if getattr(args, "moe", False) and (args.create_moe_param_group or args.zero_stage > 0):
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    return groups
+
+
+def _expert_parallel_group(name: str):  # noqa: ANN202 - a torch process group
+    """DeepSpeed's expert-parallel group `name` (made by `deepspeed.initialize`)."""
+    from deepspeed.utils import groups
+
+    return groups._get_expert_parallel_group(name)
 
 
 def _deepspeed_guards_steps(args: argparse.Namespace) -> bool:

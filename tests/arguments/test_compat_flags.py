@@ -74,10 +74,8 @@ def test_the_value_that_means_off_is_accepted(extra: str) -> None:
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ("--num-experts 8", "--num-experts 8: Mixture-of-Experts is not built here"),
-        ("--num-experts 1 2", "--num-experts 1 2: Mixture-of-Experts"),
-        ("--num-experts 8 --moe-loss-coeff 0.1", "--num-experts 8"),
-        ("--moe-loss-coeff 0.1 --num-experts 4", "--num-experts 4"),
+        ("--use-tutel", "--use-tutel: Tutel's MoE kernels are not built here"),
+        ("--num-experts-switch 4", "--num-experts-switch 4: Megatron-LM's SwitchMLP"),
         ("--ds-sequence-parallel-size 4", "--ds-sequence-parallel-size 4: DeepSpeed-Ulysses"),
         ("--squared-relu", "--squared-relu: this GPT variant is not built here"),
         ("--DDP-impl FSDP", "--DDP-impl FSDP"),

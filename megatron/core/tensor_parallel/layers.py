@@ -66,6 +66,17 @@ def _new_parameter(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype))
 
 
+def _split_over(tensor_parallel: bool) -> tuple[int, int]:
+    """(world, rank) a layer splits its weight over: the TP group's, or (1, 0) when it does
+    not split (an MoE expert replicated on every tensor-parallel rank)."""
+    if not tensor_parallel:
+        return 1, 0
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
+
+
 def _initialize_weight(
     weight: nn.Parameter,
     full_shape: tuple[int, int],
@@ -73,8 +84,9 @@ def _initialize_weight(
     init_method: InitMethod,
     stride: int,
     use_cpu_initialization: bool,
+    tensor_parallel: bool = True,
 ) -> None:
-    world = parallel_state.get_tensor_model_parallel_world_size()
+    world, rank = _split_over(tensor_parallel)
     if not use_cpu_initialization:
         with torch.no_grad(), get_cuda_rng_tracker().fork() if world > 1 else nullcontext():
             init_method(weight)
@@ -84,13 +96,16 @@ def _initialize_weight(
     # With stride s, each rank owns every world-th of the s*world interleaved blocks.
     block = weight.size(partition_dim) // stride
     blocks = torch.split(master, block, dim=partition_dim)
-    rank = parallel_state.get_tensor_model_parallel_rank()
     with torch.no_grad():
         weight.copy_(torch.cat(blocks[rank::world], dim=partition_dim))
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y = XA + b with A split by output columns; returns (output, bias or None)."""
+    """Y = XA + b with A split by output columns; returns (output, bias or None).
+
+    `tensor_parallel=False` keeps the whole weight on every rank and communicates nothing
+    (Megatron-DeepSpeed's MoE experts without expert tensor parallelism).
+    """
 
     def __init__(
         self,
@@ -104,9 +119,11 @@ class ColumnParallelLinear(nn.Module):
         use_cpu_initialization: bool = False,
         params_dtype: torch.dtype = torch.float32,
         stride: int = 1,
+        tensor_parallel: bool = True,
     ) -> None:
         super().__init__()
-        world = parallel_state.get_tensor_model_parallel_world_size()
+        world, _ = _split_over(tensor_parallel)
+        self.split = world > 1
         self.output_size_per_partition = divide(output_size, world, "output size")
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
@@ -117,19 +134,30 @@ class ColumnParallelLinear(nn.Module):
             )
         self.weight = _new_parameter((self.output_size_per_partition, input_size), params_dtype)
         _initialize_weight(
-            self.weight, (output_size, input_size), 0, init_method, stride, use_cpu_initialization
+            self.weight,
+            (output_size, input_size),
+            0,
+            init_method,
+            stride,
+            use_cpu_initialization,
+            tensor_parallel,
         )
-        set_tensor_model_parallel_attributes(self.weight, 0, stride)
+        if tensor_parallel:
+            set_tensor_model_parallel_attributes(self.weight, 0, stride)
         if bias:
             self.bias = nn.Parameter(
                 torch.zeros(self.output_size_per_partition, dtype=params_dtype)
             )
-            set_tensor_model_parallel_attributes(self.bias, 0, stride)
+            if tensor_parallel:
+                set_tensor_model_parallel_attributes(self.bias, 0, stride)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[s(/tp under SP), b, in] -> [s, b, out/tp] (or [s, b, out] with gather_output)."""
+        if not self.split:
+            bias = None if self.skip_bias_add else self.bias
+            return F.linear(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
         if self.sequence_parallel:
             total_input = gather_from_sequence_parallel_region(input_)
         else:
@@ -156,9 +184,11 @@ class RowParallelLinear(nn.Module):
         use_cpu_initialization: bool = False,
         params_dtype: torch.dtype = torch.float32,
         stride: int = 1,
+        tensor_parallel: bool = True,
     ) -> None:
         super().__init__()
-        world = parallel_state.get_tensor_model_parallel_world_size()
+        world, _ = _split_over(tensor_parallel)
+        self.split = world > 1
         self.input_size_per_partition = divide(input_size, world, "input size")
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
@@ -169,9 +199,16 @@ class RowParallelLinear(nn.Module):
             )
         self.weight = _new_parameter((output_size, self.input_size_per_partition), params_dtype)
         _initialize_weight(
-            self.weight, (output_size, input_size), 1, init_method, stride, use_cpu_initialization
+            self.weight,
+            (output_size, input_size),
+            1,
+            init_method,
+            stride,
+            use_cpu_initialization,
+            tensor_parallel,
         )
-        set_tensor_model_parallel_attributes(self.weight, 1, stride)
+        if tensor_parallel:
+            set_tensor_model_parallel_attributes(self.weight, 1, stride)
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype))
             if self.sequence_parallel:
@@ -181,6 +218,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[s, b, in/tp] -> [s(/tp under SP), b, out], summed over tensor-parallel ranks."""
+        if not self.split:
+            partial = F.linear(input_, self.weight)
+            if self.skip_bias_add or self.bias is None:
+                return partial, self.bias
+            return partial + self.bias, None
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_)
         partial = F.linear(input_, self.weight)

@@ -1,0 +1,65 @@
+"""Mixture-of-Experts layers: DeepSpeed-MoE (its gating, capacity, token dropping and
+all-to-all) around our MLP class, as Megatron-DeepSpeed builds them.
+
+A layer whose `ModelConfig.moe.experts_per_layer` entry is above 1 gets `build_moe_mlp`'s
+`deepspeed.moe.layer.MoE` as its `mlp`, so its parameters carry Megatron-DeepSpeed's names
+(`mlp.deepspeed_moe.gate.wg.weight`, `mlp.deepspeed_moe.experts.deepspeed_experts.{e}.
+dense_h_to_4h.weight`, with PR-MoE also `mlp.mlp.*` and `mlp.coefficient.*`). The expert
+parallel groups are DeepSpeed's, made by `deepspeed.initialize` from our `mpu`. Each MoE layer
+leaves its load-balancing loss on the module after a forward (`ParallelTransformer.moe_losses`);
+`moe_loss` sums them for the training loss.
+
+This is one of the few modules that import DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.mlp import ParallelMLP
+
+
+class ExpertMLP(ParallelMLP):
+    """One expert: our MLP, returning its output with the bias added (DeepSpeed's `Experts`
+    keep only the first element of a returned tuple, which would drop the bias)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """[tokens, h] -> [tokens, h]."""
+        output, bias = super().forward(hidden)
+        return output if bias is None else output + bias
+
+
+def build_moe_mlp(config: ModelConfig, num_experts: int) -> nn.Module:
+    """DeepSpeed's MoE layer with `num_experts` of our MLP, set up as `config.moe` says."""
+    from deepspeed.moe.layer import MoE
+
+    moe = config.moe
+    expert = ExpertMLP(config, tensor_parallel=moe.expert_tensor_parallel)
+    return MoE(
+        config.hidden_size,
+        expert,
+        num_experts=num_experts,
+        ep_size=moe.expert_parallel_size,
+        k=moe.top_k,
+        capacity_factor=moe.train_capacity_factor,
+        eval_capacity_factor=moe.eval_capacity_factor,
+        min_capacity=moe.min_capacity,
+        use_residual=moe.residual,
+        drop_tokens=moe.drop_tokens,
+        enable_expert_tensor_parallelism=moe.expert_tensor_parallel,
+        top2_2nd_expert_sampling=moe.top2_2nd_expert_sampling,
+    )
+
+
+def moe_loss(model: nn.Module) -> torch.Tensor | None:
+    """The sum of every MoE layer's load-balancing loss of `model`'s last forward (a
+    `GPTModel`, or the engine wrapping one); None for a dense model."""
+    module = getattr(model, "module", model)
+    losses = [loss for encoder in _encoders(module) for loss in encoder.moe_losses]
+    return torch.stack([loss.float().reshape(()) for loss in losses]).sum() if losses else None
+
+
+def _encoders(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if hasattr(m, "moe_losses")]
