@@ -261,11 +261,13 @@ class ParallelTransformer(nn.Module):
             run = _run_layers(self.layers[start:stop])
             if recompute:
                 # The MoE losses leave through the checkpoint too, so they keep their graph.
-                hidden, *losses = checkpoint(
+                outputs = checkpoint(
                     run, config.distribute_saved_activations, hidden, attention_mask
                 )
             else:
-                hidden, *losses = run(hidden, attention_mask)
+                outputs = run(hidden, attention_mask)
+            # DeepSpeed's checkpoint hands a one-tensor result back unwrapped.
+            hidden, *losses = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
             self.moe_losses += losses
         return hidden
 

@@ -1,0 +1,96 @@
+"""Megatron-DeepSpeed's MoE flags: their meanings reach the model config, and every layout
+DeepSpeed-MoE cannot run is refused in one line naming the flags."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron.arguments import ArgumentError, build_parser, typed_flags, validate_args
+from megatron.config import ModelConfig
+
+BASE = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 1 --train-iters 10 --lr 1e-3"
+)
+
+
+@pytest.fixture
+def deepspeed(tmp_path):
+    def config(stage: int = 0) -> str:
+        path = tmp_path / f"ds{stage}.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
+        return f"--deepspeed --deepspeed_config {path}"
+
+    return config
+
+
+def validated(extra: str, world_size: int = 2):
+    argv = (BASE + " " + extra).split()
+    parser = build_parser()
+    args = validate_args(parser.parse_args(argv), world_size, typed_flags(parser, argv))
+    args.padded_vocab_size = 128
+    return args
+
+
+def test_megatron_deepspeed_meanings_reach_the_model(deepspeed) -> None:
+    args = validated(
+        f"{deepspeed()} --no-pipeline-parallel --num-experts 4 --moe-expert-parallel-size 2 "
+        "--topk 2 --moe-train-capacity-factor 1.5 --moe-min-capacity 2 "
+        "--disable-moe-token-dropping --disable-moe-top2-2nd-expert-sampling --mlp-type residual"
+    )
+    moe = ModelConfig.from_args(args).moe
+    assert args.moe and moe.experts_per_layer == (1, 4, 1, 4)  # --expert-interval 2
+    assert (moe.expert_parallel_size, moe.top_k, moe.train_capacity_factor) == (2, 2, 1.5)
+    assert (moe.min_capacity, moe.drop_tokens, moe.top2_2nd_expert_sampling) == (2, False, False)
+    assert moe.residual and not moe.expert_tensor_parallel
+
+
+def test_per_layer_counts_and_interval(deepspeed) -> None:
+    args = validated(f"{deepspeed(2)} --num-experts 2 4 8 16 --expert-interval 1")
+    assert ModelConfig.from_args(args).moe.experts_per_layer == (2, 4, 8, 16)
+    assert not args.pipeline_parallel  # ZeRO-2 runs on DeepSpeed's plain engine
+
+
+def test_one_expert_is_a_dense_model(deepspeed) -> None:
+    args = validated("--num-experts 1 --moe-loss-coeff 0.5 --topk 1")
+    assert not args.moe and ModelConfig.from_args(args).moe is None
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("--num-experts 4", "--num-experts 4: Mixture-of-Experts runs on DeepSpeed's engine"),
+        ("{ds} --num-experts 4", "--num-experts 4 needs --no-pipeline-parallel"),
+        ("{ds3} --num-experts 4", "--num-experts 4 with --zero-stage 3: DeepSpeed-MoE supports"),
+        (
+            "{ds} --no-pipeline-parallel --num-experts 4 --tensor-model-parallel-size 2 "
+            "--sequence-parallel",
+            "--num-experts 4 with --sequence-parallel",
+        ),
+        (
+            "{ds} --no-pipeline-parallel --num-experts 4 --moe-expert-parallel-size 4",
+            "--moe-expert-parallel-size 4 must divide the data-parallel size 2",
+        ),
+        (
+            "{ds} --no-pipeline-parallel --num-experts 3 --moe-expert-parallel-size 2",
+            "--num-experts 3: 3 experts cannot be spread evenly over --moe-expert-parallel-size 2",
+        ),
+        ("{ds} --no-pipeline-parallel --num-experts 4 --topk 3", "--topk 3: DeepSpeed-MoE routes"),
+        (
+            "{ds} --no-pipeline-parallel --num-experts 4 --moe-train-capacity-factor 0",
+            "--moe-train-capacity-factor 0.0: must be above 0",
+        ),
+        (
+            "{ds} --no-pipeline-parallel --num-experts 4 8 8",
+            "--num-experts lists 3 values for 2 MoE layers",
+        ),
+        ("--num-experts 0", "--num-experts 0: must be at least 1"),
+    ],
+)
+def test_layouts_deepspeed_moe_cannot_run_are_one_line(deepspeed, extra, message) -> None:
+    with pytest.raises(ArgumentError) as refused:
+        validated(extra.format(ds=deepspeed(), ds3=deepspeed(3)))
+    assert str(refused.value).startswith(message), str(refused.value)
+    assert "\n" not in str(refused.value)
