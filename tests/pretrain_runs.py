@@ -1,8 +1,9 @@
 """Real `pretrain_gpt.py` runs for tests: a small stdlib dataset, launch, parse the log.
 
 `build_stdlib_dataset` tokenizes 100 standard-library files with the real GPT-2 vocabulary;
-`launch` runs `pretrain_gpt.py` as a user would (`python` for one process, `torchrun` for
-several) on CPU over gloo and returns the finished process with stdout and stderr together.
+`launch` runs `pretrain_gpt.py` as a user would (`python` for one process, `torchrun` or the
+`deepspeed` launcher for several) on CPU over gloo and returns the finished process with
+stdout and stderr together.
 """
 
 from __future__ import annotations
@@ -84,6 +85,21 @@ LLAMA_ARCHITECTURE = dict(
     rope_theta=500000.0,
 )
 """The saved args of a LLaMA-style checkpoint, beyond its sizes (what its flags validate to)."""
+MOE_ARGS = dict(
+    num_experts=[4],
+    expert_interval=1,
+    moe_expert_parallel_size=1,
+    topk=2,
+    moe_train_capacity_factor=1.0,
+    moe_eval_capacity_factor=1.0,
+    moe_min_capacity=4,
+    moe_token_dropping=True,
+    moe_top2_2nd_expert_sampling=True,
+    mlp_type="standard",
+    enable_expert_tensor_parallelism=False,
+)
+"""The saved MoE args of a DeepSpeed-MoE checkpoint: 4 experts in every layer, top-2 gating
+with the second expert sampled (DeepSpeed's default; it samples in evaluation too)."""
 
 
 def tiny_gpt_flags(data_prefix: str) -> list[str]:
@@ -98,29 +114,34 @@ def tiny_gpt_flags(data_prefix: str) -> list[str]:
     ).split()
 
 
-def command(processes: int, flags: list[str]) -> list[str]:
-    """`python pretrain_gpt.py` for one process, `torchrun --nproc_per_node N` otherwise."""
+def command(processes: int, flags: list[str], launcher: str = "torchrun") -> list[str]:
+    """`python pretrain_gpt.py` for one process, else `torchrun --nproc_per_node N` (or, with
+    `launcher="deepspeed"`, `deepspeed --num_gpus N`)."""
     script = os.path.join(REPO_ROOT, "pretrain_gpt.py")
     if processes == 1:
         return [sys.executable, script, *flags]
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return [
-        torchrun,
-        f"--nproc_per_node={processes}",
-        f"--master_port={free_port()}",
-        script,
-    ] + flags
+    program = os.path.join(os.path.dirname(sys.executable), launcher)
+    if launcher == "deepspeed":
+        options = ["--num_gpus", str(processes), "--master_port", str(free_port())]
+    else:
+        options = [f"--nproc_per_node={processes}", f"--master_port={free_port()}"]
+    return [program, *options, script, *flags]
 
 
 def launch(
-    processes: int, flags: list[str], timeout: int = 300, env: dict[str, str] | None = None
+    processes: int,
+    flags: list[str],
+    timeout: int = 300,
+    env: dict[str, str] | None = None,
+    launcher: str = "torchrun",
 ) -> subprocess.CompletedProcess:
     """Run pretrain_gpt.py to the end; stdout and stderr together; never raises on failure.
 
-    `env`: variables to set on top of the CPU environment (e.g. a fault to inject).
+    `env`: variables to set on top of the CPU environment (e.g. a fault to inject);
+    `launcher`: "torchrun" or "deepspeed", for more than one process.
     """
     return subprocess.run(
-        command(processes, flags),
+        command(processes, flags, launcher),
         cwd=REPO_ROOT,
         env=cpu_env(OMP_NUM_THREADS="1", **(env or {})),
         stdout=subprocess.PIPE,

@@ -14,8 +14,10 @@ tokens (fewer at `--max-position-embeddings` or an end-of-document token), with 
 
 The model's shape, tokenizer files and vocabulary padding come from the checkpoint's saved
 arguments; only the tensor-parallel size can differ from training (the checkpoint is merged
-to full weights, then split again). Runs as one process or under `torchrun` with one process
-per tensor-parallel rank (gloo on CPU, nccl on GPUs); only rank 0 prints.
+to full weights, then split again). A Mixture-of-Experts model runs every expert in each
+process (expert-parallel size 1, whatever it was trained with), without DeepSpeed's engine.
+Runs as one process or under `torchrun` with one process per tensor-parallel rank (gloo on
+CPU, nccl on GPUs); only rank 0 prints.
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron.checkpointing.huggingface import model_config as checkpoint_model_config  # noqa: E402
-from megatron.checkpointing.shards import load_dense_checkpoint, shard_state_dict  # noqa: E402
+from megatron.checkpointing.shards import (  # noqa: E402
+    expert_tensor_parallel,
+    load_dense_checkpoint,
+    shard_state_dict,
+)
 from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.tensor_parallel.mappings import (  # noqa: E402
@@ -148,9 +154,19 @@ def _tokenizer(args: argparse.Namespace, saved: dict) -> Tokenizer:
 
 
 def model_config(saved: dict, padded_vocab_size: int, args: argparse.Namespace) -> ModelConfig:
-    """The checkpoint's model shape, set up for inference (no dropout, full logits)."""
+    """The checkpoint's model shape, set up for inference (no dropout, full logits).
+
+    MoE layers hold every expert (expert-parallel size 1), so DeepSpeed's MoE layer runs them
+    locally, without expert-parallel groups or DeepSpeed's engine; top-2 gating takes the
+    second expert by argmax (DeepSpeed would draw it at random, in evaluation too).
+    """
+    config = checkpoint_model_config(saved)
+    moe = config.moe and dataclasses.replace(
+        config.moe, expert_parallel_size=1, top2_2nd_expert_sampling=False
+    )
     return dataclasses.replace(
-        checkpoint_model_config(saved),
+        config,
+        moe=moe,
         vocab_size=padded_vocab_size,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -196,7 +212,8 @@ def build_model_and_tokenizer(
     )
     model = GPTModel(model_config(dense.args, padded, args))
     rank = parallel_state.get_tensor_model_parallel_rank()
-    model.load_state_dict(shard_state_dict(dense.state_dict, tp, rank, padded), strict=True)
+    shard = shard_state_dict(dense.state_dict, tp, rank, padded, expert_tensor_parallel(dense.args))
+    model.load_state_dict(shard, strict=True)
     print_rank_0(f" > loaded iteration {dense.iteration} from {args.load} (TP={tp})")
     return model.to(device).eval(), tokenizer
 

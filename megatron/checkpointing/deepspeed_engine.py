@@ -7,6 +7,14 @@ that wrote it; the directory is renamed to `global_step{N}` and both trackers (D
 checkpoint I/O goes through `SafeCheckpointEngine`: `torch.load(weights_only=True)` with only
 the few DeepSpeed types its optimizer files hold allow-listed.
 
+With DeepSpeed-MoE the engine writes, into the same staging tag and through the same
+checkpoint engine, one file per expert of each MoE layer (`layer_{m}_expert_{e}_mp_rank_TT_
+model_states.pt`, e its global number, written by the expert-parallel rank holding it) and,
+at ZeRO-0, one optimizer file per expert-parallel rank (`expp_rank_{r}_mp_rank_TT_optim_
+states.pt`); so a checkpoint is published with every expert or not at all. Weights in
+Megatron's layout hold every expert under its global number; `this_ranks_experts` picks the
+ones this rank holds.
+
 This is one of the few modules that import DeepSpeed.
 """
 
@@ -27,9 +35,11 @@ from deepspeed.checkpoint.constants import (
     UNIVERSAL_CHECKPOINT_VERSION_VALUE,
     VOCABULARY_PARAMETER_PATTERNS,
 )
+from deepspeed.moe.layer import MoE
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils import groups
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from megatron.checkpointing import commit as checkpoint_commit
@@ -182,7 +192,9 @@ def save_deepspeed(
     `previous`: the newest checkpoint and its size, for the free-space check.
     """
     safe = install_safe_checkpoint_engine(engine)
-    client_state = {**client_state, UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(args)}
+    # Read from the module by both of the engine's save paths (its MoE path refuses the key in
+    # client state).
+    setattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info(args))
     tag = tag_for(iteration)
     final = os.path.join(save_dir, tag)
     staging = checkpoint_commit.begin(final, previous)
@@ -209,6 +221,35 @@ def load_deepspeed(
         load_module_only=not load_optimizer,
     )
     return path, client or {}
+
+
+def this_ranks_experts(module: torch.nn.Module, flat: dict) -> dict:
+    """Megatron-layout weights (every MoE expert under its global number) -> what `module`
+    holds: rank r of an expert-parallel group of P holds global experts r*E/P ... (r+1)*E/P - 1
+    of each E-expert layer, numbered from 0 (as DeepSpeed's `load_moe_state_dict` renumbers).
+
+    Another rank's experts are dropped; numbers past a layer's experts are kept, so that the
+    caller reports them as unexpected.
+    """
+    layers = {
+        f"{name}.deepspeed_moe.experts.deepspeed_experts.": layer
+        for name, layer in module.named_modules()
+        if isinstance(layer, MoE)
+    }
+    held = {}
+    for key, tensor in flat.items():
+        prefix = next((prefix for prefix in layers if key.startswith(prefix)), None)
+        if prefix is None:
+            held[key] = tensor
+            continue
+        layer = layers[prefix]
+        number, _, rest = key.removeprefix(prefix).partition(".")
+        first = groups._get_expert_parallel_rank(layer.expert_group_name) * layer.num_local_experts
+        if first <= int(number) < first + layer.num_local_experts:
+            held[f"{prefix}{int(number) - first}.{rest}"] = tensor
+        elif int(number) >= layer.num_experts:
+            held[key] = tensor
+    return held
 
 
 def refresh_master_weights(engine: Any) -> None:

@@ -16,6 +16,9 @@ DeepSpeed layout (`engine.save_checkpoint`)::
         L+1 final norm, L+2 the untied output layer `lm_head.weight`; the tied logits layer
         L+2 is not written)
     {dir}/{tag}/zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt   ZeRO-3: placeholders
+    {dir}/{tag}/layer_{m}_expert_{e}_mp_rank_{tp:02d}_model_states.pt   DeepSpeed-MoE: expert e
+        (its global number) of the m-th MoE layer, its keys the GPTModel names with global
+        expert numbers; `module` of the mp_rank file then holds everything but the experts
 
 The tensor arithmetic (merging shards, renumbering pipeline layers) lives in
 `megatron.checkpointing.shards`; this module only names, reads and writes files. Every read goes
@@ -45,6 +48,7 @@ from megatron.checkpointing.file_format import (
     load_file,
     rank_file,
 )
+from megatron.config import experts_per_layer
 
 
 class CheckpointConversionError(ValueError):
@@ -219,6 +223,36 @@ def deepspeed_layer_file(directory: str, layer: int, tp_rank: int) -> str:
     return os.path.join(directory, f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt")
 
 
+def deepspeed_expert_file(directory: str, moe_layer: int, expert: int, tp_rank: int) -> str:
+    """DeepSpeed-MoE's file of global expert `expert` of the `moe_layer`-th MoE layer (counting
+    MoE layers only, from 0), as its `_get_expert_ckpt_name` names it."""
+    name = f"layer_{moe_layer}_expert_{expert}_mp_rank_{tp_rank:02d}_model_states.pt"
+    return os.path.join(directory, name)
+
+
+def _read_experts(directory: str, args: dict[str, Any], tp_rank: int) -> dict[str, Any]:
+    """Every expert of every MoE layer that `args` describe, from DeepSpeed's expert files."""
+    counts = args.get("num_experts") or [1]
+    try:
+        per_layer = experts_per_layer(counts, args["num_layers"], args.get("expert_interval", 2))
+    except (KeyError, ValueError) as error:
+        raise CheckpointConversionError(
+            f"{directory}: its args do not describe the MoE layers ({error})"
+        ) from None
+    flat: dict[str, Any] = {}
+    for moe_layer, count in enumerate(count for count in per_layer if count > 1):
+        for expert in range(count):
+            path = deepspeed_expert_file(directory, moe_layer, expert, tp_rank)
+            if not os.path.isfile(path):
+                raise CheckpointConversionError(
+                    f"missing expert file {path} (the checkpoint's args say --num-experts "
+                    f"{' '.join(map(str, counts))} --expert-interval "
+                    f"{args.get('expert_interval', 2)})"
+                )
+            flat.update(load_deepspeed_file(path))
+    return flat
+
+
 def load_deepspeed_file(path: str) -> dict[str, Any]:
     """`load_file` with DeepSpeed's bookkeeping types allowed (bf16/fp16 optimizer metadata)."""
     from megatron.checkpointing.deepspeed_engine import DEEPSPEED_SAFE_GLOBALS
@@ -283,7 +317,8 @@ def _zero3_state_dict(root: str, located: LocatedCheckpoint, tp: int, pp: int) -
 def read_deepspeed_files(
     root: str, located: LocatedCheckpoint
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(metadata, flat GPTModel state dict of each TP rank) of a DeepSpeed checkpoint.
+    """(metadata, flat GPTModel state dict of each TP rank) of a DeepSpeed checkpoint, MoE
+    experts included (under their global numbers).
 
     Metadata is the client state plus DeepSpeed's bookkeeping keys of the first model file
     (`args`, `iteration`, `ds_config`, ...), without `module` and `optimizer`.
@@ -322,6 +357,9 @@ def read_deepspeed_files(
         if module is None:
             raise CheckpointConversionError(f"{rank_path} has no `module` weights")
         shards.append(dict(module))
+    args = args_dict(first.get("args"))
+    for tp_rank, shard in enumerate(shards):
+        shard.update(_read_experts(directory, args, tp_rank))
     return metadata, shards
 
 

@@ -12,7 +12,10 @@ rank's files are on disk, and the trackers are written last (`megatron.checkpoin
 
 Loading reads whichever layout `--load` holds (a DeepSpeed run can start from Megatron-layout
 weights and vice versa), checks the model shape and parallel sizes against this run's flags,
-and never executes code from a file (`torch.load(weights_only=True)`).
+and never executes code from a file (`torch.load(weights_only=True)`). An MoE model's
+Megatron-layout weights hold every expert, so they load at any `--moe-expert-parallel-size`;
+DeepSpeed's own files carry optimizer state split by expert-parallel rank, so resuming one
+with its optimizer needs the size it was saved with.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from megatron.checkpointing.file_format import (
 from megatron.checkpointing.layouts import LocatedCheckpoint, locate_checkpoint
 from megatron.checkpointing.rng_state import gather_rng_states, restore_rng_state
 from megatron.checkpointing.train_state import TrainState
+from megatron.config import experts_per_layer
 from megatron.core import parallel_state
 from megatron.utils import print_rank_0
 
@@ -243,12 +247,49 @@ def check_checkpoint_args(saved: dict, args: argparse.Namespace, path: str) -> N
                 f"{path} was saved with {flag} {theirs}, this run has {flag} {ours}: "
                 "pass the checkpoint's model flags"
             )
+    theirs, ours = _experts(saved), _experts(vars(args))
+    if theirs != ours:
+        raise CheckpointError(
+            f"{path} was saved with {_describe_experts(saved)}, this run has "
+            f"{_describe_experts(vars(args))}: pass the checkpoint's MoE flags"
+        )
     theirs, ours = saved.get("padded_vocab_size"), getattr(args, "padded_vocab_size", None)
     if theirs is not None and ours is not None and theirs != ours:
         raise CheckpointError(
             f"{path} has a vocabulary of {theirs} rows (padded), this run {ours}: use the "
             "checkpoint's tokenizer files and --make-vocab-size-divisible-by "
             f"{saved.get('make_vocab_size_divisible_by')}"
+        )
+
+
+def _experts(args: dict) -> tuple | None:
+    """(experts of each layer, --mlp-type) of a model's flags; None when it has no MoE layer."""
+    counts = list(args.get("num_experts") or [1])
+    if all(count == 1 for count in counts):
+        return None
+    per_layer = experts_per_layer(counts, args["num_layers"], args.get("expert_interval", 2))
+    return per_layer, args.get("mlp_type", "standard")
+
+
+def _describe_experts(args: dict) -> str:
+    if _experts(args) is None:
+        return "no MoE layers"
+    counts = " ".join(map(str, args["num_experts"]))
+    flags = f"--num-experts {counts} --expert-interval {args.get('expert_interval', 2)}"
+    return flags + (" --mlp-type residual" if args.get("mlp_type") == "residual" else "")
+
+
+def _check_expert_split(saved: dict, args: argparse.Namespace, path: str) -> None:
+    """Refuse DeepSpeed optimizer state split over another expert-parallel size (the weights
+    alone load at any size: DeepSpeed reads each expert's file by its global number)."""
+    theirs = saved.get("moe_expert_parallel_size") or 1
+    ours = getattr(args, "moe_expert_parallel_size", 1)
+    if getattr(args, "moe", False) and theirs != ours:
+        raise CheckpointError(
+            f"{path} was saved with --moe-expert-parallel-size {theirs}, this run has "
+            f"--moe-expert-parallel-size {ours}: its optimizer state is split by expert-parallel "
+            f"rank; add --no-load-optim to load the weights only, or convert it with "
+            f"{RESHARD_TOOL} --load {args.load} --save NEW_DIR"
         )
 
 
@@ -329,6 +370,10 @@ def _load_weights(model, flat: dict, args: argparse.Namespace, path: str) -> Non
     module = _unwrap(model)
     if args.deepspeed and args.pipeline_parallel:
         flat = _pipeline_weights(flat, args)
+    if getattr(args, "moe", False):
+        from megatron.checkpointing.deepspeed_engine import this_ranks_experts
+
+        flat = this_ranks_experts(module, flat)
     expected = module.state_dict()
     unexpected = sorted(set(flat) - set(expected))
     # A later pipeline stage holds an (unused) copy of the position embeddings.
@@ -380,6 +425,8 @@ def load_checkpoint(model, optimizer, scheduler, args: argparse.Namespace):  # n
     if args.deepspeed and found.layout == "deepspeed":
         from megatron.checkpointing.deepspeed_engine import load_deepspeed
 
+        if load_optimizer:
+            _check_expert_split(args_dict(client.get("args")), args, path)
         _, client = load_deepspeed(model, args.load, found.tag, load_optimizer)
         optimizer_loaded = load_optimizer
     elif found.layout == "deepspeed":

@@ -20,6 +20,13 @@ Each parameter is split the way the parallel layers split it:
 - row-parallel columns (dim 1): `self_attention.dense.weight`, `mlp.dense_4h_to_h.weight`;
 - replicated: layer norms (LayerNorm or RMSNorm), position embeddings, the row-parallel biases.
 
+An MoE layer (DeepSpeed-MoE, Megatron-DeepSpeed's names) holds every expert of the layer under
+its global number (`mlp.deepspeed_moe.experts.deepspeed_experts.{e}.*`), whatever the
+expert-parallel size that wrote or will read it; its gate (`mlp.deepspeed_moe.gate.wg.weight`)
+and PR-MoE's `mlp.coefficient` are replicated. The experts and PR-MoE's dense MLP
+(`mlp.mlp.*`) are whole on every tensor-parallel rank, and split like the dense MLP only with
+`--enable-expert-tensor-parallelism` (`expert_tensor_parallel`).
+
 Which parameters each pipeline stage holds (virtual stages included: Megatron's local layer
 numbers, `model0`, `model1`, ... per rank file) is decided in `pipeline_stages.py`;
 `save_megatron_checkpoint(..., virtual_size=2)` writes such files.
@@ -74,17 +81,23 @@ VOCAB_PARALLEL = (WORD_EMBEDDINGS, HEAD_WEIGHT, OUTPUT_LAYER)
 COLUMN_PARALLEL = (
     ".self_attention.query_key_value.weight",
     ".self_attention.query_key_value.bias",
-    ".mlp.dense_h_to_4h.weight",
-    ".mlp.dense_h_to_4h.bias",
+    ".dense_h_to_4h.weight",
+    ".dense_h_to_4h.bias",
 )
-ROW_PARALLEL = (".self_attention.dense.weight", ".mlp.dense_4h_to_h.weight")
+ROW_PARALLEL = (".self_attention.dense.weight", ".dense_4h_to_h.weight")
 REPLICATED = (
     "layernorm.weight",
     "layernorm.bias",
     POSITION_EMBEDDINGS,
     ".self_attention.dense.bias",
-    ".mlp.dense_4h_to_h.bias",
+    ".dense_4h_to_h.bias",
+    ".mlp.deepspeed_moe.gate.wg.weight",
+    ".mlp.coefficient.weight",
+    ".mlp.coefficient.bias",
 )
+EXPERT_MLPS = (".mlp.deepspeed_moe.experts.deepspeed_experts.", ".mlp.mlp.")
+"""The MLPs of an MoE layer (its experts; PR-MoE's dense MLP), split over tensor-parallel
+ranks only with `--enable-expert-tensor-parallelism`."""
 PROGRESS_KEYS = (
     "iteration",
     "consumed_train_samples",
@@ -125,8 +138,18 @@ class DenseCheckpoint:
 # --- tensor-parallel splits ------------------------------------------------------------------
 
 
-def partition_dim(name: str) -> int | None:
-    """The dimension tensor parallelism splits parameter `name` along; None if replicated."""
+def expert_tensor_parallel(args: dict[str, Any]) -> bool:
+    """Whether a checkpoint's args split MoE experts over tensor-parallel ranks."""
+    return bool(args.get("enable_expert_tensor_parallelism"))
+
+
+def partition_dim(name: str, expert_tensor_parallel: bool = False) -> int | None:
+    """The dimension tensor parallelism splits parameter `name` along; None if replicated.
+
+    `expert_tensor_parallel`: the model splits its MoE experts too (`EXPERT_MLPS`).
+    """
+    if not expert_tensor_parallel and any(part in name for part in EXPERT_MLPS):
+        return None
     if name in VOCAB_PARALLEL or name.endswith(COLUMN_PARALLEL):
         return 0
     if name.endswith(ROW_PARALLEL):
@@ -153,11 +176,11 @@ def swiglu_tensors(state: dict[str, torch.Tensor]) -> set[str]:
     """The `dense_h_to_4h` weights and biases of `state` (whole or one rank's) that are SwiGLU's.
 
     SwiGLU's `dense_h_to_4h` has twice as many rows as `dense_4h_to_h` has columns (gate and
-    up); a GeLU MLP's are equal.
+    up); a GeLU MLP's are equal. MoE experts are MLPs too.
     """
     found = set()
     for name, tensor in state.items():
-        if name.endswith(".mlp.dense_h_to_4h.weight"):
+        if name.endswith(".dense_h_to_4h.weight"):
             prefix = name.removesuffix("dense_h_to_4h.weight")
             down = state.get(prefix + "dense_4h_to_h.weight")
             if down is not None and tensor.size(0) == 2 * down.size(1):
@@ -165,9 +188,9 @@ def swiglu_tensors(state: dict[str, torch.Tensor]) -> set[str]:
     return found
 
 
-def _chunk(name: str, tensor: torch.Tensor, tp: int, swiglu: bool) -> list:
+def _chunk(name: str, tensor: torch.Tensor, tp: int, swiglu: bool, expert_tp: bool) -> list:
     """The `tp` tensor-parallel shards of full tensor `name` (replicated: `tp` copies)."""
-    dim = partition_dim(name)
+    dim = partition_dim(name, expert_tp)
     if dim is None:
         return [tensor] * tp
     halves = tensor.chunk(2, dim=0) if swiglu else [tensor]
@@ -181,9 +204,9 @@ def _chunk(name: str, tensor: torch.Tensor, tp: int, swiglu: bool) -> list:
     return [torch.cat([part[rank] for part in parts], dim=dim) for rank in range(tp)]
 
 
-def _join(name: str, parts: Sequence[torch.Tensor], swiglu: bool) -> torch.Tensor:
+def _join(name: str, parts: Sequence[torch.Tensor], swiglu: bool, expert_tp: bool) -> torch.Tensor:
     """The full tensor `name` from its tensor-parallel shards (replicated: rank 0's)."""
-    dim = partition_dim(name)
+    dim = partition_dim(name, expert_tp)
     if dim is None:
         return parts[0].clone()
     if not swiglu:
@@ -212,11 +235,13 @@ def shard_state_dict(
     tp_size: int,
     tp_rank: int,
     padded_vocab_size: int,
+    expert_tensor_parallel: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The GPTModel state dict of tensor-parallel rank `tp_rank` of `tp_size`.
 
     The vocabulary is padded with zero rows to `padded_vocab_size` before it is split.
-    Attention heads are not counted here: `check_tp_divides` checks a model's split.
+    Attention heads are not counted here: `check_tp_divides` checks a model's split. MoE
+    experts stay whole unless `expert_tensor_parallel`.
     """
     if not 0 <= tp_rank < tp_size:
         raise CheckpointConversionError(f"tensor-parallel rank {tp_rank} not in [0, {tp_size})")
@@ -228,16 +253,19 @@ def shard_state_dict(
         )
     padded, swiglu = _resize_vocab(dense, padded_vocab_size), swiglu_tensors(dense)
     return {
-        name: _chunk(name, tensor, tp_size, name in swiglu)[tp_rank].clone()
+        name: _chunk(name, tensor, tp_size, name in swiglu, expert_tensor_parallel)[tp_rank].clone()
         for name, tensor in padded.items()
     }
 
 
-def merge_tp_shards(shards: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def merge_tp_shards(
+    shards: Sequence[dict[str, torch.Tensor]], expert_tensor_parallel: bool = False
+) -> dict[str, torch.Tensor]:
     """Concatenate the state dicts of all TP ranks (replicated tensors from rank 0).
 
     The vocabulary stays padded; see `DenseCheckpoint` for the trimmed form. SwiGLU's
-    `dense_h_to_4h` joins the ranks' gate halves, then their up halves.
+    `dense_h_to_4h` joins the ranks' gate halves, then their up halves. MoE experts are taken
+    from rank 0 unless `expert_tensor_parallel`.
     """
     names = list(shards[0])
     for rank, shard in enumerate(shards[1:], start=1):
@@ -247,7 +275,10 @@ def merge_tp_shards(shards: Sequence[dict[str, torch.Tensor]]) -> dict[str, torc
                 f"tensor-parallel rank {rank} holds other parameters than rank 0 ({extra} ...)"
             )
     swiglu = swiglu_tensors(shards[0])
-    return {name: _join(name, [shard[name] for shard in shards], name in swiglu) for name in names}
+    return {
+        name: _join(name, [shard[name] for shard in shards], name in swiglu, expert_tensor_parallel)
+        for name in names
+    }
 
 
 # --- reading and writing whole checkpoints ---------------------------------------------------
@@ -281,7 +312,7 @@ def load_dense_checkpoint(
     else:
         metadata, shards = read_deepspeed_files(load_dir, located)
         args = args_dict(metadata.get("args"))
-    merged = merge_tp_shards(shards)
+    merged = merge_tp_shards(shards, expert_tensor_parallel(args))
     check_shapes(merged, args, located.directory)
     padded = args.get("padded_vocab_size")
     rows = merged[WORD_EMBEDDINGS].size(0)
@@ -351,8 +382,15 @@ def save_megatron_checkpoint(
     num_layers = model_dims(dense.args)["num_layers"]
     if tp_size < 1:
         raise CheckpointConversionError(f"tensor-parallel size must be >= 1, got {tp_size}")
-    check_tp_divides(model_config(dense.args), tp_size)
+    config = model_config(dense.args)
+    check_tp_divides(config, tp_size)
     check_pipeline_split(num_layers, pp_size, virtual_size)
+    if config.moe is not None and pp_size * virtual_size > 1:
+        raise CheckpointConversionError(
+            f"pipeline-parallel size {pp_size} x {virtual_size} virtual stage(s): a "
+            "Mixture-of-Experts model runs without pipeline parallelism (DeepSpeed-MoE on "
+            "--no-pipeline-parallel); write it with pipeline-parallel size 1"
+        )
     check_shapes(dense.state_dict, dense.args, "the model to save")
     divisible = (
         make_vocab_size_divisible_by or dense.args.get("make_vocab_size_divisible_by") or 128
@@ -373,7 +411,7 @@ def save_megatron_checkpoint(
     }
     files = {}
     for tp_rank in range(tp_size):
-        shard = shard_state_dict(state, tp_size, tp_rank, padded)
+        shard = shard_state_dict(state, tp_size, tp_rank, padded, expert_tensor_parallel(target))
         for pp_rank in range(pp_size):
             chunks = [
                 nest_model_state(

@@ -6,8 +6,10 @@ every directory under a final name loads completely, our readers and the repaire
 on the newest one, and the next launch resumes from exactly that one; the run then finishes
 with the same bytes as one never interrupted. (Kills at random moments were tested too until
 issue 16: they cost one to three minutes of the CI budget and covered no point the named
-faults miss, and their timing was chance.) SIGTERM with `--exit-signal-handler` saves and
-exits 0.
+faults miss, and their timing was chance.) A Mixture-of-Experts run killed before its second
+checkpoint is renamed into place leaves the first, DeepSpeed's expert files of both
+expert-parallel ranks included, as the newest; the killed one's files are all in its staging
+directory. SIGTERM with `--exit-signal-handler` saves and exits 0.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import signal
 import time
 
 import pytest
+import torch
 
 from megatron.checkpointing import commit as checkpoint_commit
 from megatron.checkpointing.commit import STAGING_SUFFIX, read_deepspeed_tag, read_tracker
+from megatron.checkpointing.shards import load_dense_checkpoint
 from tests.checkpointing.compare import differences, load_any, raw_trackers
 from tests.conftest import REPO_ROOT
 from tests.pretrain_runs import iteration_logs, launch, signal_tree, start, tiny_gpt_flags
@@ -140,6 +144,46 @@ def test_sigkill_at_each_commit_step_resumes_from_newest_complete(
     assert read_tracker(save) == (CHAIN_ITERS, False)
     last = f"global_step{CHAIN_ITERS}"
     assert differences(os.path.join(straight_dir, last), os.path.join(save, last)) == []
+
+
+MOE_EP2 = [
+    "--deepspeed", "--zero-stage", "0", "--no-pipeline-parallel", "--num-experts", "4",
+    "--expert-interval", "1", "--moe-expert-parallel-size", "2", "--topk", "2",
+]  # fmt: skip
+# DeepSpeed-MoE's files at ZeRO-0: the model without experts (data-parallel rank 0), one file
+# per expert of each MoE layer (each expert-parallel rank writes its own), the optimizer state
+# of each expert-parallel rank.
+MOE_FILES = {
+    "mp_rank_00_model_states.pt",
+    *(f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in (0, 1) for e in range(4)),
+    *(f"expp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)),
+}
+
+
+@pytest.mark.slow
+def test_a_killed_moe_save_leaves_the_complete_one_newest(stdlib_dataset: str, tmp_path) -> None:
+    save = str(tmp_path / "moe")
+    flags = tiny_gpt_flags(stdlib_dataset) + MOE_EP2 + [
+        "--global-batch-size", "4", "--train-iters", "2", "--save", save, "--save-interval", "1",
+    ]  # fmt: skip
+    fault = {checkpoint_commit.FAULT_ENV: "before-rename:2"}
+    run = launch(2, flags, env=fault, launcher="deepspeed")
+    assert run.returncode != 0, run.stdout[-3000:]
+    assert "saving checkpoint at iteration       2" in run.stdout
+    assert not os.path.exists(os.path.join(save, "global_step2"))
+    published = os.path.join(save, "global_step1")
+    assert set(os.listdir(published)) == MOE_FILES
+    assert set(os.listdir(os.path.join(save, f"global_step2{STAGING_SUFFIX}"))) == MOE_FILES
+    assert _tracked(save) == 1
+    experts = {}
+    for name in sorted(MOE_FILES):
+        if name.startswith("layer_"):
+            experts.update(load_any(os.path.join(published, name)))
+    assert len(experts) == 2 * 4 * 4  # layers x experts x (2 weights, 2 biases)
+    dense = load_dense_checkpoint(save)  # what the tools read: every expert, globally numbered
+    assert dense.iteration == 1
+    for key, tensor in experts.items():
+        assert torch.equal(dense.state_dict[key], tensor), key
 
 
 @pytest.mark.slow

@@ -3,10 +3,12 @@ errors for checkpoints that do not fit this run's flags (each a real pretrain_gp
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from megatron.checkpointing import CheckpointError, check_checkpoint_args, find_checkpoint
 from megatron.checkpointing import commit as checkpoint_commit
-from megatron.checkpointing import find_checkpoint
 from tests.pretrain_runs import iteration_logs, launch, tiny_gpt_flags
 
 
@@ -115,3 +117,20 @@ def test_another_tensor_parallel_size_names_the_reshard_tool(checkpoint, stdlib_
     (error,) = errors
     assert "saved with --tensor-model-parallel-size 1, this run has" in error
     assert "tools/checkpoint/reshard.py" in error and "--target-tensor-parallel-size 2" in error
+
+
+def test_a_checkpoint_of_other_moe_layers_is_a_clear_error() -> None:
+    saved = dict(num_layers=2, num_experts=[4], expert_interval=1, mlp_type="standard")
+
+    def run_args(**moe: object) -> argparse.Namespace:
+        sizes = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        return argparse.Namespace(**{**saved, **sizes, **moe})
+
+    check_checkpoint_args(saved, run_args(num_experts=[4, 4]), "f.pt")  # one value per layer
+    for moe, named in (
+        (dict(num_experts=[2]), "this run has --num-experts 2 --expert-interval 1: pass"),
+        (dict(num_experts=[1]), "this run has no MoE layers"),
+        (dict(mlp_type="residual"), "this run has --num-experts 4 --expert-interval 1 --mlp-type"),
+    ):
+        with pytest.raises(CheckpointError, match=f"f.pt was saved with --num-experts 4 .*{named}"):
+            check_checkpoint_args(saved, run_args(**moe), "f.pt")

@@ -13,16 +13,31 @@ PP=1, under Megatron's 1F1B at PP=2 and PP=4 (4 ranks), its interleaved 1F1B at 
 DeepSpeed's pipeline engine loading the PP=2 files (Megatron's local layer numbers placed at
 the stage's offset); that engine refuses the virtual-stage files in one line naming the
 conversion.
+
+A Mixture-of-Experts run (4 experts per layer over 2 expert-parallel ranks, DeepSpeed's expert
+files) saves at iteration 2 and goes on to 3. Resumed at another expert-parallel size with
+DeepSpeed's optimizer files (split by expert-parallel rank) it is refused in one line; without
+them (`--no-load-optim`) it logs the same iteration-3 losses. Converted to Megatron's layout
+(every expert in each rank file, numbered globally) at TP=2, each expert whole on both ranks,
+then to TP=1, it logs the same iteration-3 losses (LM and load-balancing) at expert-parallel
+size 1 and 2 (each rank picking its own experts); a missing expert file is one line, and
+generate_samples_gpt.py samples from the DeepSpeed checkpoint in one process.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
+from megatron.checkpointing.file_format import flatten_model_state, load_file
+from tests.checkpointing.compare import rolled_back
 from tests.conftest import REPO_ROOT
+from tests.one_line_errors import assert_one_line_error
 from tests.pretrain_runs import cpu_env, iteration_logs, launch, tiny_gpt_flags
 
 DS_ZERO1 = ["--deepspeed", "--deepspeed_config", f"{REPO_ROOT}/examples/ds_configs/ds_zero1.json"]
@@ -46,15 +61,19 @@ def _pp(size: int) -> list[str]:
     return ["--pipeline-model-parallel-size", str(size)]
 
 
-def _reshard(source: str, target: str, tp: int, pp: int, virtual: int = 1) -> None:
-    result = subprocess.run(
-        [
-            sys.executable, f"{REPO_ROOT}/tools/checkpoint/reshard.py", "--load", source,
-            "--save", target, "--target-tensor-parallel-size", str(tp),
-            "--target-pipeline-parallel-size", str(pp),
-            "--target-virtual-pipeline-parallel-size", str(virtual),
-        ],
+def _tool(script: str, *args: str) -> subprocess.CompletedProcess:
+    """`python tools/{script} ARGS` on CPU, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, f"{REPO_ROOT}/tools/{script}", *args],
         capture_output=True, text=True, env=cpu_env(), timeout=300,
+    )  # fmt: skip
+
+
+def _reshard(source: str, target: str, tp: int, pp: int, virtual: int = 1, *extra: str) -> None:
+    result = _tool(
+        "checkpoint/reshard.py", "--load", source, "--save", target,
+        "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp),
+        "--target-virtual-pipeline-parallel-size", str(virtual), *extra,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -126,3 +145,72 @@ def test_pipeline_layouts_of_a_resharded_checkpoint_log_the_same_losses(
     for error in errors:  # one line from each rank, naming its own file
         assert "saved with 2 virtual pipeline stage(s) per rank, this run has 1" in error
         assert "reshard.py" in error and "--target-virtual-pipeline-parallel-size 1" in error
+
+
+MOE = [
+    "--deepspeed", "--zero-stage", "0", "--no-pipeline-parallel", "--num-experts", "4",
+    "--expert-interval", "1", "--topk", "2", "--disable-moe-top2-2nd-expert-sampling",
+]  # fmt: skip
+"""DeepSpeed-MoE whose gating draws nothing at random (the second expert by argmax): a run
+from converted weights, which carry no RNG state, logs the same losses."""
+EXPERT = "language_model.encoder.layers.{}.mlp.deepspeed_moe.experts.deepspeed_experts.{}."
+
+
+def _moe_losses(run: subprocess.CompletedProcess, iteration: int) -> tuple[float, float]:
+    """(LM loss, MoE loss) of `iteration` in the log of `run`."""
+    assert run.returncode == 0, run.stdout[-3000:]
+    (log,) = [log for log in iteration_logs(run.stdout) if log["iteration"] == iteration]
+    return log["lm loss"], log["moe loss"]
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_changes_expert_and_tensor_parallel_sizes(
+    stdlib_dataset: str, tmp_path
+) -> None:
+    def run(ep: int, *extra: str) -> subprocess.CompletedProcess:
+        flags = _flags(stdlib_dataset, *MOE, "--moe-expert-parallel-size", str(ep), *extra)
+        return launch(2, flags, launcher="deepspeed")
+
+    original = str(tmp_path / "ep2")
+    reference = _moe_losses(run(2, "--save", original, "--save-interval", "2"), 3)
+    at_2 = rolled_back(original, 2, str(tmp_path / "at_2"))
+    refused = run(1, "--load", at_2)  # DeepSpeed's optimizer files are split by EP rank
+    errors = [line for line in refused.stdout.splitlines() if line.startswith("error:")]
+    assert refused.returncode != 0 and errors, refused.stdout[-3000:]
+    for error in errors:
+        assert "saved with --moe-expert-parallel-size 2, this run has" in error
+        assert "--no-load-optim" in error and "reshard.py" in error
+    # The weights alone: DeepSpeed reads each expert's file by its global number.
+    weights_only = run(1, "--load", at_2, "--no-load-optim")
+    assert _moe_losses(weights_only, 3) == pytest.approx(reference, rel=1e-5)
+
+    tp2, tp1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
+    _reshard(original, tp2, 2, 1, 1, "--iteration", "2")
+    ranks = [
+        flatten_model_state(
+            load_file(f"{tp2}/iter_0000002/mp_rank_0{rank}/model_optim_rng.pt")["model"]
+        )
+        for rank in (0, 1)
+    ]
+    for layer in (0, 1):
+        for expert in range(4):  # every expert, whole on both tensor-parallel ranks
+            name = EXPERT.format(layer, expert) + "dense_h_to_4h.weight"
+            assert ranks[0][name].shape == (256, 64)
+            assert torch.equal(ranks[0][name], ranks[1][name])
+    _reshard(tp2, tp1, 1, 1)
+    for ep in (1, 2):
+        assert _moe_losses(run(ep, "--load", tp1), 3) == pytest.approx(reference, rel=1e-5), ep
+
+    sampled = _tool(
+        "generate_samples_gpt.py", "--load", original, "--prompt", "def", "--greedy",
+        "--out-seq-length", "4",
+    )  # fmt: skip
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert "Megatron-LM:" in sampled.stdout
+
+    damaged = str(tmp_path / "damaged")
+    shutil.copytree(original, damaged)
+    missing = f"{damaged}/global_step3/layer_1_expert_2_mp_rank_00_model_states.pt"
+    os.remove(missing)
+    result = _tool("checkpoint/reshard.py", "--load", damaged, "--save", str(tmp_path / "out"))
+    assert_one_line_error(result.returncode, result.stderr, f"missing expert file {missing}")

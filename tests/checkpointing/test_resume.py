@@ -2,10 +2,17 @@
 
 Each case runs `pretrain_gpt.py` twice as a user would (torchrun for 2 processes, with
 dropout on and gradient accumulation): 2N iterations straight, saving at N and 2N; and a
-resume from a copy of the checkpoint at N to 2N. The loss of every resumed iteration must
-match, and the final checkpoints must be identical file by file, tensor by tensor (weights,
-optimizer state, scheduler, RNG states), `args` aside. (Stopping by --exit-interval, then
-resuming, is covered by test_load_options.py and test_reshard_resume.py.)
+resume from a copy of the checkpoint at N to 2N. The losses of every resumed iteration must
+match (the LM loss, and the MoE load-balancing loss where there is one), and the final
+checkpoints must be identical file by file, tensor by tensor (weights, optimizer state,
+scheduler, RNG states), `args` aside. (Stopping by --exit-interval, then resuming, is covered
+by test_load_options.py and test_reshard_resume.py.)
+
+The Mixture-of-Experts cases (4 experts per layer spread over 2 expert-parallel ranks, started
+by the deepspeed launcher as Megatron-DeepSpeed's MoE scripts are) write DeepSpeed's expert
+files and per-expert-rank optimizer state; their gating draws random numbers (top-2's sampled
+second expert, top-1's random token selection) from torch's generator, which the checkpoint's
+RNG state restores.
 """
 
 from __future__ import annotations
@@ -29,13 +36,19 @@ def _ds(stage: int) -> list[str]:
 
 
 TP2 = ["--tensor-model-parallel-size", "2"]
+MOE_EP2 = "--no-pipeline-parallel --num-experts 4 --expert-interval 1 --moe-expert-parallel-size 2"
+MOE_ZERO0_FP32 = ["--deepspeed", "--zero-stage", "0", *MOE_EP2.split(), "--topk", "2"]
+MOE_ZERO1_BF16 = _ds(1) + MOE_EP2.split() + [
+    "--topk", "1", "--bf16", "--create-moe-param-group", "--mlp-type", "residual",
+]  # fmt: skip
 PP2 = ["--pipeline-model-parallel-size", "2"]
 PP2_4_LAYERS = PP2 + "--num-layers 4 --seq-length 32 --max-position-embeddings 32".split()
 CASES = {
     # Megatron's layout: 2 tensor-parallel files, each with its RNG states; 2 pipeline stages
     # under Megatron's 1F1B, and 2 x 2 virtual stages under its interleaved 1F1B (files with
     # model0, model1; 4 micro-batches per step). DeepSpeed's: the pipeline engine (ZeRO-1,
-    # also at PP=1), the plain engine (ZeRO-2), TP and PP splits.
+    # also at PP=1), the plain engine (ZeRO-2), TP and PP splits; DeepSpeed-MoE at EP=2 (ZeRO-0
+    # fp32 top-2; ZeRO-1 bf16 top-1 PR-MoE with DeepSpeed's expert parameter groups).
     "megatron-tp2": (2, TP2),
     "megatron-pp2": (2, PP2_4_LAYERS),
     "megatron-pp2-vpp2": (2, PP2_4_LAYERS + ["--virtual-pipeline-model-parallel-size", "2"]),
@@ -43,11 +56,15 @@ CASES = {
     "zero2-dp2": (2, _ds(2)),
     "deepspeed-tp2": (2, _ds(1) + TP2),
     "deepspeed-pp2": (2, _ds(1) + PP2),
+    "moe-ep2-zero0-fp32": (2, MOE_ZERO0_FP32),
+    "moe-ep2-zero1-bf16": (2, MOE_ZERO1_BF16),
 }
 
 
-def _losses(output: str) -> list[tuple[int, str]]:
-    return [(log["iteration"], log["lm loss"]) for log in iteration_logs(output)]
+def _losses(output: str) -> list[tuple[int, float, float | None]]:
+    return [
+        (log["iteration"], log["lm loss"], log.get("moe loss")) for log in iteration_logs(output)
+    ]
 
 
 def _final_directory(save: str) -> str:
@@ -60,21 +77,23 @@ def _final_directory(save: str) -> str:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_stop_and_resume_equals_straight_run(case: str, stdlib_dataset: str, tmp_path) -> None:
     processes, extra = CASES[case]
+    launcher = "deepspeed" if case.startswith("moe") else "torchrun"
     flags = tiny_gpt_flags(stdlib_dataset) + extra
     flags += ["--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(2 * N)]
     straight_dir, resumed_dir = str(tmp_path / "straight"), str(tmp_path / "resumed")
 
     # The straight run also saves at N; the resume starts from a copy holding only that one.
-    straight = launch(processes, flags + ["--save", straight_dir, "--save-interval", str(N)])
+    saving = ["--save", straight_dir, "--save-interval", str(N)]
+    straight = launch(processes, flags + saving, launcher=launcher)
     assert straight.returncode == 0, straight.stdout[-3000:]
     rolled_back(straight_dir, N, resumed_dir)
-    second = launch(
-        processes, flags + ["--load", resumed_dir, "--save", resumed_dir, "--save-interval", "100"]
-    )
+    resuming = ["--load", resumed_dir, "--save", resumed_dir, "--save-interval", "100"]
+    second = launch(processes, flags + resuming, launcher=launcher)
     assert second.returncode == 0, second.stdout[-3000:]
 
     assert f"at iteration {N}" in second.stdout and "loaded" in second.stdout
     straight_losses = _losses(straight.stdout)
-    assert [it for it, _ in straight_losses] == list(range(1, 2 * N + 1))
+    assert [it for it, *_ in straight_losses] == list(range(1, 2 * N + 1))
+    assert all((moe is None) != case.startswith("moe") for *_, moe in straight_losses)
     assert _losses(second.stdout) == straight_losses[N:]
     assert differences(_final_directory(straight_dir), _final_directory(resumed_dir)) == []

@@ -107,6 +107,25 @@ def test_partition_dim_of_every_parameter_kind(dense):
         partition_dim("language_model.rotary.inv_freq")
 
 
+def test_moe_experts_split_over_tensor_parallel_ranks_only_with_expert_tp() -> None:
+    moe = "language_model.encoder.layers.1.mlp."
+    expert = moe + "deepspeed_moe.experts.deepspeed_experts.3."
+    split = {  # name -> dim with --enable-expert-tensor-parallelism (without: None, whole)
+        expert + "dense_h_to_4h.weight": 0,
+        expert + "dense_h_to_4h.bias": 0,
+        expert + "dense_4h_to_h.weight": 1,
+        expert + "dense_4h_to_h.bias": None,
+        moe + "mlp.dense_h_to_4h.weight": 0,  # PR-MoE's dense MLP is built as an expert
+        moe + "mlp.dense_4h_to_h.weight": 1,
+        moe + "deepspeed_moe.gate.wg.weight": None,
+        moe + "coefficient.weight": None,
+        moe + "coefficient.bias": None,
+    }
+    for name, dim in split.items():
+        assert partition_dim(name, expert_tensor_parallel=True) == dim, name
+        assert partition_dim(name) is None, name
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_shard_merge_round_trip_is_exact(dense, tp):
     padded = 104 if tp == 1 else 112 if tp == 2 else 128

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron.checkpointing.shards import DenseCheckpoint, save_megatron_checkpoint
-from megatron.config import ModelConfig
+from megatron.config import ModelConfig, MoEConfig
 from megatron.model import GPTModel
 from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE
 from tests.one_line_errors import (
@@ -25,7 +25,13 @@ from tests.one_line_errors import (
     file_under_a_file,
     snapshot,
 )
-from tools.generate_samples_gpt import INTERACTIVE_PROMPT, main
+from tests.pretrain_runs import MOE_ARGS
+from tools.generate_samples_gpt import (
+    INTERACTIVE_PROMPT,
+    build_model_and_tokenizer,
+    get_args,
+    main,
+)
 
 TOOL = os.path.join(REPO_ROOT, "tools", "generate_samples_gpt.py")
 GPT2_VOCAB = 50257
@@ -52,6 +58,39 @@ def checkpoint(tmp_path_factory) -> str:
     root = str(tmp_path_factory.mktemp("generate") / "checkpoint")
     save_megatron_checkpoint(DenseCheckpoint(state, args, 3, GPT2_VOCAB), root, 2, 1)
     return root
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory) -> str:
+    """A random 2-layer GPT with 4 experts per layer (top-2, the second sampled), saved in
+    Megatron's layout (every expert, globally numbered) with the flags of an expert-parallel
+    run."""
+    torch.manual_seed(0)
+    moe = MoEConfig(experts_per_layer=(4, 4), top_k=2)
+    model = GPTModel(ModelConfig(vocab_size=50304, moe=moe, **SHAPE))
+    state = {name: torch.randn_like(tensor) for name, tensor in model.state_dict().items()}
+    embeddings = "language_model.embedding.word_embeddings.weight"
+    state[embeddings] = state[embeddings][:GPT2_VOCAB]
+    args = dict(SHAPE, seq_length=64, vocab_file=VOCAB_FILE, merge_file=MERGE_FILE, **MOE_ARGS)
+    args["moe_expert_parallel_size"] = 2  # as trained: 2 experts per rank
+    root = str(tmp_path_factory.mktemp("generate_moe") / "checkpoint")
+    save_megatron_checkpoint(DenseCheckpoint(state, args, 3, GPT2_VOCAB), root, 1, 1)
+    return root
+
+
+def test_moe_checkpoint_generates_in_one_process(moe_checkpoint, capsys):
+    """Every expert runs in the one process, and top-2 gating takes the second expert by
+    argmax: the same tokens give the same logits (DeepSpeed would sample it)."""
+    assert main(["--load", moe_checkpoint, *GREEDY]) == 0
+    (text,) = continuations(capsys.readouterr().out)
+    assert text.strip()
+    model, tokenizer = build_model_and_tokenizer(
+        get_args(["--load", moe_checkpoint]), torch.device("cpu")
+    )
+    assert [layer.mlp.num_local_experts for layer in model.language_model.encoder.layers] == [4, 4]
+    tokens = torch.tensor([tokenizer.tokenize("def main(): return 1")])
+    with torch.no_grad():
+        assert torch.equal(model(tokens), model(tokens))
 
 
 def run_tool(launcher: list[str], *args: str) -> subprocess.CompletedProcess:

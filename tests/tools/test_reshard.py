@@ -1,10 +1,12 @@
 """tools/checkpoint/reshard.py: TP/PP resharding, and DeepSpeed checkpoints of real runs.
 
-A random GPT-2 saved at TP=2, and a random LLaMA-style model (RMSNorm, SwiGLU, 8 query and 4
-key/value heads, RoPE, untied output layer, no linear biases) saved at TP=2 x PP=2, are
-resharded to TP=1 -> TP=4 -> TP=2: the weights stay bit-identical, and the TP=2 and TP=4
-files, loaded rank by rank into the tensor-parallel GPTModel in one spawned 4-rank gloo world,
-give the dense model's logits. Two real `pretrain_gpt.py
+A random GPT-2 saved at TP=2, a random LLaMA-style model (RMSNorm, SwiGLU, 8 query and 4
+key/value heads, RoPE, untied output layer, no linear biases) saved at TP=2 x PP=2, and two
+Mixture-of-Experts models (GPT-2 with PR-MoE, experts whole on every TP rank; LLaMA with
+SwiGLU experts split by expert tensor parallelism) saved at TP=2 are resharded to TP=1 ->
+TP=4 -> TP=2: the weights stay bit-identical, and the TP=2 and TP=4 files, loaded rank by rank
+into the tensor-parallel GPTModel in one spawned 4-rank gloo world, give the dense model's
+logits. Two real `pretrain_gpt.py
 --deepspeed` runs with ZeRO-1 (TP=2 on the non-pipeline engine; PP=2 of 4 layers in bf16 on
 the pipeline engine, whose files carry DeepSpeed's bf16 optimizer metadata) are converted to
 Megatron's layout with the weights of the DeepSpeed files, bit for bit; the pipeline run also
@@ -40,7 +42,7 @@ from tests.one_line_errors import (
     file_under_a_file,
     snapshot,
 )
-from tests.pretrain_runs import LLAMA_ARCHITECTURE, launch
+from tests.pretrain_runs import LLAMA_ARCHITECTURE, MOE_ARGS, launch
 from tools.checkpoint import reshard
 
 TRUE_VOCAB, DIVISIBLE = 100, 8  # padded to 104 at TP=1, 112 at TP=2, 128 at TP=4
@@ -62,8 +64,21 @@ LLAMA_ARGS = dict(
     ffn_hidden_size=48,
     **LLAMA_ARCHITECTURE,
 )
-VARIANTS = {"gpt2": (ARGS, 1), "llama": (LLAMA_ARGS, 2)}
-"""name -> (args, pipeline-parallel size of the source checkpoint)."""
+MOE = {**MOE_ARGS, "moe_top2_2nd_expert_sampling": False}
+VARIANTS = {
+    "gpt2": (ARGS, 1),
+    "llama": (LLAMA_ARGS, 2),
+    "pr-moe": ({**ARGS, **MOE, "mlp_type": "residual"}, 1),
+    "llama-moe-expert-tp": (
+        {**LLAMA_ARGS, **MOE, "num_experts": [2], "expert_interval": 2,
+         "enable_expert_tensor_parallelism": True},
+        1,
+    ),
+}  # fmt: skip
+"""name -> (args, pipeline-parallel size of the source checkpoint). The MoE models: PR-MoE
+(experts and its dense MLP whole on every tensor-parallel rank, a replicated gate and
+coefficient); SwiGLU experts in the second layer, split over tensor-parallel ranks. Their
+second expert is taken by argmax: DeepSpeed samples it in evaluation too, unless told not to."""
 TOKENS = torch.randint(0, TRUE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
 WORD = "language_model.embedding.word_embeddings.weight"
 
@@ -128,6 +143,15 @@ def test_reshard_to_a_tp_not_dividing_the_key_value_heads_is_refused(chains, tmp
     assert not (tmp_path / "tp8").exists()
 
 
+def test_moe_checkpoint_stays_at_pipeline_parallel_size_1(chains, tmp_path, capsys):
+    argv = ["--load", chains["pr-moe"]["dirs"][1], "--save", str(tmp_path / "pp2")]
+    assert reshard.main(argv + ["--target-pipeline-parallel-size", "2"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "pipeline-parallel size 2 x 1 virtual stage(s)" in error[0]
+    assert "Mixture-of-Experts model runs without pipeline parallelism" in error[0]
+    assert not (tmp_path / "pp2").exists()
+
+
 def _parallel_logits(tp: int, directory: str) -> torch.Tensor:
     """This rank's TP-group forward on the rank's own file of the TP-`tp` checkpoint."""
     parallel_state.initialize_model_parallel(tp, 1)
@@ -161,7 +185,7 @@ def test_parallel_forward_at_tp2_and_tp4(chains):
     dirs = {name: chain["dirs"] for name, chain in chains.items()}
     for results in spawn_collect(_parallel_body, 4, dirs):
         for key, logits in results.items():
-            torch.testing.assert_close(logits, expected[key.split("-")[0]], atol=1e-5, rtol=0)
+            torch.testing.assert_close(logits, expected[key.rsplit("-", 1)[0]], atol=1e-5, rtol=0)
 
 
 # --- DeepSpeed checkpoints of real pretrain_gpt.py runs ---------------------------------------

@@ -10,10 +10,14 @@ Reads either layout (Megatron's `iter_*/mp_rank_*`, or DeepSpeed's `global_step*
 Megatron's layout split the new way; without target sizes it keeps the source's, which turns
 a DeepSpeed checkpoint into a Megatron one. With virtual pipeline stages (Megatron's
 interleaved schedule) each rank file holds `model0`, `model1`, ..., read and written as
-Megatron-LM does. Model weights and training progress (iteration, consumed samples) are
-carried; optimizer and RNG state are not: `pretrain_gpt.py --load NEW` continues from the
-weights and counters with a fresh optimizer (DeepSpeed's universal checkpoint is the way to
-reshard optimizer state too).
+Megatron-LM does. A Mixture-of-Experts checkpoint (DeepSpeed-MoE's expert files) is written
+with every expert of a layer in each rank file, under its global number: the expert-parallel
+size is then chosen by the run that loads it (`--moe-expert-parallel-size`); experts are split
+over tensor-parallel ranks only if it was trained with `--enable-expert-tensor-parallelism`,
+and it stays at pipeline-parallel size 1. Model weights and training progress (iteration,
+consumed samples) are carried; optimizer and RNG state are not: `pretrain_gpt.py --load NEW`
+continues from the weights and counters with a fresh optimizer (DeepSpeed's universal
+checkpoint is the way to reshard optimizer state too).
 """
 
 from __future__ import annotations
