@@ -2,7 +2,9 @@
 
 `hf_architecture(config)` picks `GPT2LMHeadModel` (LayerNorm, GeLU, learned positions, biases,
 tied output layer) or `LlamaForCausalLM` (RMSNorm, SwiGLU, RoPE: see `huggingface_llama.py`)
-and refuses, in one line naming what differs, a model neither computes exactly.
+for a dense model, `MixtralForCausalLM` for a Mixture-of-Experts one (`huggingface_mixtral.py`),
+and refuses, in one line naming what differs, a model none computes exactly. `hf_config_json`
+and `to_hf_weights` write the chosen class's config.json and weights.
 
 GPT-2 conversion, pure torch and plain dicts (the tools in tools/checkpoint/ import
 `transformers`):
@@ -29,7 +31,17 @@ from typing import Any
 import torch
 
 from megatron.checkpointing.huggingface_llama import ARCHITECTURE as LLAMA
-from megatron.checkpointing.huggingface_llama import llama_config_json, llama_differences
+from megatron.checkpointing.huggingface_llama import (
+    llama_config_json,
+    llama_differences,
+    to_llama_state_dict,
+)
+from megatron.checkpointing.huggingface_mixtral import ARCHITECTURE as MIXTRAL
+from megatron.checkpointing.huggingface_mixtral import (
+    mixtral_config_json,
+    mixtral_differences,
+    to_mixtral_state_dict,
+)
 from megatron.checkpointing.layouts import CheckpointConversionError
 from megatron.checkpointing.shapes import model_config  # noqa: F401 - the tools import it here
 from megatron.config import ModelConfig
@@ -96,11 +108,15 @@ def gpt2_differences(config: ModelConfig) -> list[str]:
 
 
 def hf_architecture(config: ModelConfig) -> str:
-    """`GPT2LMHeadModel` or `LlamaForCausalLM`: the Hugging Face class computing `config`'s model.
+    """`GPT2LMHeadModel`, `LlamaForCausalLM` or (Mixture-of-Experts) `MixtralForCausalLM`: the
+    Hugging Face class computing `config`'s model.
 
-    Raises, naming what differs from the closer of the two, when neither does exactly.
+    Raises, naming what differs from the closest, when none does exactly.
     """
-    candidates = {GPT2: gpt2_differences(config), LLAMA: llama_differences(config)}
+    if config.moe is not None:
+        candidates = {MIXTRAL: mixtral_differences(config)}
+    else:
+        candidates = {GPT2: gpt2_differences(config), LLAMA: llama_differences(config)}
     for name, differences in candidates.items():
         if not differences:
             return name
@@ -148,17 +164,33 @@ def hf_config_json(
     bos_token_id: int | None,
     eos_token_id: int | None,
     dtype: torch.dtype,
+    moe_loss_coeff: float | None = None,
 ) -> dict[str, Any]:
     """config.json of the Hugging Face model computing `config`'s, weights of `dtype`.
 
     GPT-2 uses `eos_token_id` (our end of document) as its bos too, as OpenAI's GPT-2 does.
+    `moe_loss_coeff`: the checkpoint's `--moe-loss-coeff`, Mixtral's `router_aux_loss_coef`.
     """
-    if hf_architecture(config) == GPT2:
+    architecture = hf_architecture(config)
+    if architecture == GPT2:
         keys = gpt2_config_json(config, true_vocab_size, eos_token_id)
+    elif architecture == MIXTRAL:
+        keys = mixtral_config_json(
+            config, true_vocab_size, bos_token_id, eos_token_id, moe_loss_coeff
+        )
     else:
         keys = llama_config_json(config, true_vocab_size, bos_token_id, eos_token_id)
     name = str(dtype).removeprefix("torch.")
     return {**keys, "torch_dtype": name, "dtype": name}
+
+
+def to_hf_weights(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our full (TP=1) state dict -> the weights of `hf_architecture(config)`, by its names."""
+    architecture = hf_architecture(config)
+    if architecture == GPT2:
+        return to_hf_state_dict(state, config.num_attention_heads)
+    convert = to_mixtral_state_dict if architecture == MIXTRAL else to_llama_state_dict
+    return convert(state, config)
 
 
 def _qkv_to_hf(tensor: torch.Tensor, heads: int) -> torch.Tensor:
@@ -242,8 +274,8 @@ def megatron_args_from_hf(
     activation = FROM_HF_ACTIVATION.get(hf_config.get("activation_function", "gelu_new"))
     if hf_config.get("model_type") != "gpt2":
         raise CheckpointConversionError(
-            f"config.json has model_type={hf_config.get('model_type')!r}; only 'gpt2' and "
-            "'llama' convert"
+            f"config.json has model_type={hf_config.get('model_type')!r}; only 'gpt2', "
+            "'llama' and 'mixtral' convert"
         )
     problems = {
         "scale_attn_weights": (hf_config.get("scale_attn_weights", True), True),

@@ -44,24 +44,32 @@ _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
 _LAYER_PREFIX = "language_model.encoder.layers."
 
 
-def llama_differences(config: ModelConfig) -> list[str]:
-    """What in `config` Hugging Face's LLaMA cannot compute (empty: it converts exactly)."""
+def llama_style_differences(config: ModelConfig, family: str) -> list[str]:
+    """What in `config` differs from every LLaMA-style model (`family` names it in the text):
+    RMSNorm, SwiGLU, RoPE over whole heads."""
     wanted = {
         "normalization": "rmsnorm",
         "activation": "swiglu",
         "position_embedding_type": "rope",
         "rotary_percent": 1.0,
     }
-    differences = [
-        f"{name} {getattr(config, name)!r} (LLaMA: {value!r})"
+    return [
+        f"{name} {getattr(config, name)!r} ({family}: {value!r})"
         for name, value in wanted.items()
         if getattr(config, name) != value
     ]
+
+
+def llama_differences(config: ModelConfig) -> list[str]:
+    """What in `config` Hugging Face's LLaMA cannot compute (empty: it converts exactly)."""
+    differences = llama_style_differences(config, "LLaMA")
     if config.hidden_size % config.num_attention_heads:
         differences.append(
             f"hidden_size {config.hidden_size} not a multiple of num_attention_heads "
             f"{config.num_attention_heads} (transformers 5's LLaMA config requires it)"
         )
+    if config.moe is not None:
+        differences.append("Mixture-of-Experts layers (LLaMA: a dense MLP; see Mixtral)")
     return differences
 
 
@@ -78,6 +86,17 @@ def llama_config_json(
     differences = llama_differences(config)
     if differences:
         raise CheckpointConversionError(f"{ARCHITECTURE} cannot compute {', '.join(differences)}")
+    return dict(
+        llama_style_config_json(config, true_vocab_size, bos_token_id, eos_token_id),
+        attention_bias=config.add_bias_linear,
+        mlp_bias=config.add_bias_linear,
+    )
+
+
+def llama_style_config_json(
+    config: ModelConfig, true_vocab_size: int, bos_token_id: int | None, eos_token_id: int | None
+) -> dict[str, Any]:
+    """The config.json keys LLaMA and Mixtral share (`architectures` says LLaMA), unchecked."""
     theta = float(config.rotary_base)
     return dict(
         architectures=[ARCHITECTURE],
@@ -95,9 +114,7 @@ def llama_config_json(
         rms_norm_eps=config.layernorm_epsilon,
         rope_theta=theta,
         rope_parameters={"rope_type": "default", "rope_theta": theta},
-        attention_bias=config.add_bias_linear,
         attention_dropout=config.attention_dropout,
-        mlp_bias=config.add_bias_linear,
         tie_word_embeddings=not config.untie_embeddings_and_output_weights,
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
@@ -198,9 +215,10 @@ def from_llama_state_dict(
     return out
 
 
-def _rope_theta(hf_config: dict[str, Any]) -> float:
+def _rope_theta(hf_config: dict[str, Any], default: float) -> float:
     """RoPE base of a config.json by transformers 4 (top-level `rope_theta`, `rope_scaling`) or
-    5 (`rope_parameters`); refuses scaled or partial RoPE and bases the two would read apart."""
+    5 (`rope_parameters`), `default` where it sets none; refuses scaled or partial RoPE and bases
+    the two would read apart."""
     places = {"": hf_config}  # key prefix -> where transformers 4 or 5 may look
     for key in ("rope_parameters", "rope_scaling"):
         rope = hf_config.get(key) or {}
@@ -233,7 +251,7 @@ def _rope_theta(hf_config: dict[str, Any]) -> float:
             f"config.json has {' but '.join(f'{k}={v:g}' for k, v in thetas.items())}: "
             "transformers 4 and 5 would read different RoPE bases"
         )
-    return next(iter(thetas.values()), 10000.0)
+    return next(iter(thetas.values()), default)
 
 
 def megatron_args_from_llama(
@@ -242,8 +260,10 @@ def megatron_args_from_llama(
     pp_size: int,
     make_vocab_size_divisible_by: int,
     seq_length: int | None = None,
+    default_rope_theta: float = 10000.0,
 ) -> dict[str, Any]:
-    """Checkpoint args (Megatron flag names) that rebuild the LLaMA of `hf_config` (a dict)."""
+    """Checkpoint args (Megatron flag names) that rebuild the LLaMA of `hf_config` (a dict);
+    `default_rope_theta`: the family's RoPE base where config.json gives none."""
     act = hf_config.get("hidden_act", "silu")
     bias = bool(hf_config.get("attention_bias", False))
     if act != "silu":
@@ -281,7 +301,7 @@ def megatron_args_from_llama(
         use_rotary_position_embeddings=True,
         add_position_embedding=False,
         position_embedding_type="rope",
-        rope_theta=_rope_theta(hf_config),
+        rope_theta=_rope_theta(hf_config, default_rope_theta),
         rotary_percent=1.0,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         true_vocab_size=hf_config["vocab_size"],

@@ -19,9 +19,12 @@ import transformers
 
 
 def read(folder: str, text: str, new_tokens: int) -> dict:
-    """The tokenizer's ids of `text`, the model's logits [s, v] and its greedy continuation."""
+    """The tokenizer's ids of `text`, the model's logits [s, v] and its greedy continuation, and
+    the weights the folder lacked or had too many of (`missing`, `unexpected`)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, local_files_only=True, output_loading_info=True
+    )
     ids = tokenizer(text, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         logits = model.eval()(ids).logits[0]
@@ -35,6 +38,8 @@ def read(folder: str, text: str, new_tokens: int) -> dict:
         ids=ids[0].tolist(),
         logits=logits,
         greedy=greedy[0, ids.size(1) :].tolist(),
+        missing=sorted(info["missing_keys"]),
+        unexpected=sorted(info["unexpected_keys"]),
     )
 
 

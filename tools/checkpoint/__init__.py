@@ -1,4 +1,4 @@
-"""Checkpoint conversion tools: reshard, and to/from Hugging Face GPT-2 and LLaMA."""
+"""Checkpoint conversion tools: reshard, and to/from Hugging Face GPT-2, LLaMA and Mixtral."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Import a Hugging Face GPT-2 or LLaMA folder as a Megatron-layout `release` checkpoint.
+"""Import a Hugging Face GPT-2, LLaMA or Mixtral folder as a Megatron-layout `release` checkpoint.
 
     python tools/checkpoint/convert_from_hf.py --load hf/gpt2 --save checkpoints/gpt2_tp2 \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1
@@ -6,13 +6,15 @@
         --num-layers 12 --hidden-size 768 --num-attention-heads 12 ...   # the flags printed
 
 Reads `config.json` and the weights (safetensors or pytorch_model.bin) with
-`GPT2LMHeadModel` / `LlamaForCausalLM.from_pretrained` (by the config's `model_type`),
-refuses what our GPT cannot compute (GPT-2: other activations, an untied output layer,
-cross-attention, unscaled or layer-scaled attention; LLaMA: RoPE scaling or partial RoPE,
-activations other than silu, attention and MLP biases that differ), and writes the checkpoint
-with args complete enough for `pretrain_gpt.py --load` to build the same model (LLaMA:
-RMSNorm, SwiGLU, RoPE theta, key/value heads, untied output layer, no linear biases) and
-tokenizer.
+`GPT2LMHeadModel` / `LlamaForCausalLM` / `MixtralForCausalLM.from_pretrained` (by the config's
+`model_type`), refuses what our GPT cannot compute (GPT-2: other activations, an untied output
+layer, cross-attention, unscaled or layer-scaled attention; LLaMA and Mixtral: RoPE scaling or
+partial RoPE, activations other than silu, attention and MLP biases that differ; Mixtral: other
+than 2 experts per token, a sliding window shorter than the positions, pipeline stages), and
+writes the checkpoint with args complete enough for `pretrain_gpt.py --load` to build the same
+model (LLaMA: RMSNorm, SwiGLU, RoPE theta, key/value heads, untied output layer, no linear
+biases; Mixtral: also DeepSpeed-MoE in every layer, top-2 without token dropping or second-
+expert sampling, as Mixtral computes) and tokenizer.
 A LLaMA config.json may come from transformers 4 (top-level `rope_theta`, `rope_scaling`) or
 5 (`rope_parameters`); one whose RoPE bases disagree between the two places is refused.
 The vocabulary is padded to a multiple of `--make-vocab-size-divisible-by` x TP.
@@ -37,6 +39,10 @@ from megatron.checkpointing.huggingface_llama import (  # noqa: E402
     from_llama_state_dict,
     megatron_args_from_llama,
 )
+from megatron.checkpointing.huggingface_mixtral import (  # noqa: E402
+    from_mixtral_state_dict,
+    megatron_args_from_mixtral,
+)
 from megatron.checkpointing.layouts import holds_checkpoint  # noqa: E402
 from megatron.checkpointing.shards import (  # noqa: E402
     CheckpointConversionError,
@@ -51,7 +57,9 @@ from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
     parser = ToolArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("--load", required=True, help="Hugging Face GPT-2 or LLaMA folder.")
+    parser.add_argument(
+        "--load", required=True, help="Hugging Face GPT-2, LLaMA or Mixtral folder."
+    )
     parser.add_argument("--save", required=True, help="Checkpoint directory to write.")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
@@ -90,13 +98,21 @@ SHAPE_FIELDS = {
     "max_position_embeddings and vocab_size",
 }
 """What each family's config.json must list (save_pretrained writes them all)."""
+SHAPE_FIELDS["mixtral"] = SHAPE_FIELDS["llama"]
+ARGS_FROM_HF = {
+    "gpt2": megatron_args_from_hf,
+    "llama": megatron_args_from_llama,
+    "mixtral": megatron_args_from_mixtral,
+}
+"""Each family's Megatron args from its config.json (GPT-2's also refuses other types)."""
 
 
 def read_hf_model(folder: str, model_type: str) -> tuple[dict, dict]:
-    """(config dict, state dict) of the GPT-2 or LLaMA in `folder`, loaded offline."""
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+    """(config dict, state dict) of the GPT-2, LLaMA or Mixtral in `folder`, loaded offline."""
+    import transformers
 
-    model_class = GPT2LMHeadModel if model_type == "gpt2" else LlamaForCausalLM
+    names = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+    model_class = getattr(transformers, names.get(model_type, "GPT2LMHeadModel"))
     model = model_class.from_pretrained(folder, local_files_only=True)
     return model.config.to_dict(), dict(model.state_dict())
 
@@ -105,7 +121,7 @@ def checkpoint_args(args: argparse.Namespace, hf_config: dict) -> dict:
     """The Megatron args of the model `hf_config` describes; raises naming what is missing."""
     model_type = hf_config.get("model_type")
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
-    build = megatron_args_from_llama if model_type == "llama" else megatron_args_from_hf
+    build = ARGS_FROM_HF.get(model_type, megatron_args_from_hf)
     try:
         return build(hf_config, tp, pp, args.make_vocab_size_divisible_by, args.seq_length)
     except KeyError as missing:
@@ -144,21 +160,23 @@ def model_flags(args: dict) -> str:
             flags.append("--disable-bias-linear")
     elif not args["bias_gelu_fusion"]:
         flags.append("--no-bias-gelu-fusion")
+    if args.get("num_experts"):
+        flags += [
+            f"--num-experts {' '.join(map(str, args['num_experts']))}",
+            f"--expert-interval {args['expert_interval']} --topk {args['topk']}",
+            "--disable-moe-token-dropping --disable-moe-top2-2nd-expert-sampling",
+            f"--moe-loss-coeff {args['moe_loss_coeff']:g}",
+            "--deepspeed --deepspeed_config FILE --no-pipeline-parallel",
+        ]
     if args.get("tokenizer_model"):
         flags.append(f"--tokenizer-type {args['tokenizer_type']}")
         flags.append(f"--tokenizer-model {args['tokenizer_model']}")
     return " ".join(flags)
 
 
-def convert(args: argparse.Namespace) -> None:
-    """Read the Hugging Face folder `--load`, write `--save` in Megatron's layout."""
+def read_hf_folder(args: argparse.Namespace) -> DenseCheckpoint:
+    """The Hugging Face model of `--load` as our dense checkpoint (full size, release args)."""
     hf_config = read_hf_config(args.load)
-    if holds_checkpoint(args.save) and not args.force:
-        raise CheckpointConversionError(
-            f"--save {args.save} already holds a checkpoint; choose another directory or pass "
-            "--force to replace it"
-        )
-    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     megatron_args = checkpoint_args(args, hf_config)
     model_type = hf_config["model_type"]
     print(f"reading Hugging Face {model_type} {args.load} ...", flush=True)
@@ -166,22 +184,35 @@ def convert(args: argparse.Namespace) -> None:
     tokenizer = imported_tokenizer_args(args.load)
     if tokenizer["tokenizer_type"] is not None:
         megatron_args.update(tokenizer)
-    if model_type == "llama":
-        state = from_llama_state_dict(hf_state, model_config(megatron_args))
-    else:
+    if model_type == "gpt2":
         state = from_hf_state_dict(hf_state, megatron_args["num_attention_heads"])
+    else:
+        from_hf = from_mixtral_state_dict if model_type == "mixtral" else from_llama_state_dict
+        state = from_hf(hf_state, model_config(megatron_args))
     print(
         f"read {megatron_args['num_layers']} layers, hidden {megatron_args['hidden_size']}, "
         f"{megatron_args['num_attention_heads']} heads, vocabulary {hf_config['vocab_size']}",
         flush=True,
     )
-    dense = DenseCheckpoint(
+    return DenseCheckpoint(
         state_dict=state,
         args=megatron_args,
         iteration=0,
         true_vocab_size=hf_config["vocab_size"],
         layout="huggingface",
     )
+
+
+def convert(args: argparse.Namespace) -> None:
+    """Read the Hugging Face folder `--load`, write `--save` in Megatron's layout."""
+    read_hf_config(args.load)
+    if holds_checkpoint(args.save) and not args.force:
+        raise CheckpointConversionError(
+            f"--save {args.save} already holds a checkpoint; choose another directory or pass "
+            "--force to replace it"
+        )
+    dense = read_hf_folder(args)
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     directory = save_megatron_checkpoint(
         dense, args.save, tp, pp, args.make_vocab_size_divisible_by, overwrite=args.force
     )
@@ -189,7 +220,7 @@ def convert(args: argparse.Namespace) -> None:
         f"wrote Megatron checkpoint {directory}: tensor-parallel {tp} x pipeline-parallel {pp}",
         flush=True,
     )
-    flags = model_flags(megatron_args)
+    flags = model_flags(dense.args)
     print(f"train from it with: pretrain_gpt.py --load {args.save} --finetune {flags}", flush=True)
 
 

@@ -1,14 +1,21 @@
-"""Export a GPT checkpoint (either layout, any TP x PP) as a Hugging Face GPT-2 or LLaMA folder.
+"""Export a GPT checkpoint (either layout, any TP x PP) as a Hugging Face GPT-2, LLaMA or Mixtral.
 
     python tools/checkpoint/convert_to_hf.py --load checkpoints/gpt2 --save hf/gpt2
+    python tools/checkpoint/convert_to_hf.py --load checkpoints/moe --save hf/moe \
+        --disable-moe-token-dropping --disable-moe-top2-2nd-expert-sampling
 
 Writes `config.json` (`GPT2LMHeadModel` for GPT-2-shaped models; `LlamaForCausalLM` for
-RMSNorm + SwiGLU + RoPE ones, grouped-query attention and an untied output layer included),
+RMSNorm + SwiGLU + RoPE ones, grouped-query attention and an untied output layer included;
+`MixtralForCausalLM` for such a model with top-2 DeepSpeed-MoE in every layer),
 `model.safetensors` and the tokenizer files (see `hf_tokenizer.py`), so that
 `AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer.from_pretrained(dir)` load it
 offline, with transformers 4.45+ or 5.x alike (config.json carries both releases' keys: see
-`megatron/checkpointing/huggingface.py`). A model neither class computes exactly is refused
+`megatron/checkpointing/huggingface.py`). A model no such class computes exactly is refused
 in one line naming what differs.
+Mixtral computes every token with its two most probable experts; a checkpoint whose own
+evaluation drops tokens past capacity or samples the second expert (DeepSpeed's defaults) is
+refused unless `--disable-moe-token-dropping` / `--disable-moe-top2-2nd-expert-sampling` say to
+export the model as it computes with them (see `megatron/checkpointing/huggingface_mixtral.py`).
 The vocabulary is trimmed to the tokenizer's size (the padding rows are dropped).
 The folder is written under `{save}.partial-{pid}` and renamed when complete; an existing
 non-empty `--save` is refused unless `--force`. Needs `pip install transformers safetensors`.
@@ -25,13 +32,12 @@ import sys
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.path.pardir] * 2)))
 
 from megatron.checkpointing.huggingface import (  # noqa: E402
-    GPT2,
     hf_architecture,
     hf_config_json,
     model_config,
-    to_hf_state_dict,
+    to_hf_weights,
 )
-from megatron.checkpointing.huggingface_llama import to_llama_state_dict  # noqa: E402
+from megatron.checkpointing.shapes import WORD_EMBEDDINGS  # noqa: E402
 from megatron.checkpointing.shards import (  # noqa: E402
     CheckpointConversionError,
     DenseCheckpoint,
@@ -63,6 +69,18 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="SentencePiece model file (or HFTokenizer folder); default: the checkpoint's.",
     )
     parser.add_argument("--force", action="store_true", help="Replace a non-empty --save.")
+    parser.add_argument(
+        "--disable-moe-token-dropping",
+        action="store_true",
+        help="Mixture-of-Experts: export the model as it computes without expert capacity "
+        "(every token reaches its experts, as in Mixtral), whatever the checkpoint's flags.",
+    )
+    parser.add_argument(
+        "--disable-moe-top2-2nd-expert-sampling",
+        action="store_true",
+        help="Mixture-of-Experts: export the model as it computes taking the second most "
+        "probable expert instead of sampling it (Mixtral's top-2).",
+    )
     return parser.parse_args(argv)
 
 
@@ -87,12 +105,10 @@ def write_folder(folder: str, dense: DenseCheckpoint, tokenizer: TokenizerSource
     bos, eos = write_tokenizer(
         folder, tokenizer, config.max_position_embeddings, dense.true_vocab_size
     )
-    if architecture == GPT2:
-        weights = to_hf_state_dict(dense.state_dict, config.num_attention_heads)
-    else:
-        weights = to_llama_state_dict(dense.state_dict, config)
-    dtype = next(iter(weights.values())).dtype
-    hf_config = hf_config_json(config, dense.true_vocab_size, bos, eos, dtype)
+    weights = to_hf_weights(dense.state_dict, config)
+    dtype = dense.state_dict[WORD_EMBEDDINGS].dtype
+    coeff = dense.args.get("moe_loss_coeff")
+    hf_config = hf_config_json(config, dense.true_vocab_size, bos, eos, dtype, coeff)
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as handle:
         handle.write(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     path = os.path.join(folder, "model.safetensors")
@@ -110,11 +126,22 @@ def publish(staging: str, final: str) -> None:
     shutil.rmtree(replaced, ignore_errors=True)
 
 
+def moe_overrides(args: argparse.Namespace) -> dict[str, bool]:
+    """The checkpoint args the `--disable-moe-*` flags replace (Megatron's flag names)."""
+    overrides = {}
+    if args.disable_moe_token_dropping:
+        overrides["moe_token_dropping"] = False
+    if args.disable_moe_top2_2nd_expert_sampling:
+        overrides["moe_top2_2nd_expert_sampling"] = False
+    return overrides
+
+
 def convert(args: argparse.Namespace) -> None:
     """Read `--load`, write the Hugging Face folder `--save`."""
     check_destination(args.save, args.force)
     print(f"reading checkpoint {args.load} ...", flush=True)
     dense = load_dense_checkpoint(args.load, args.iteration, args.true_vocab_size)
+    dense.args.update(moe_overrides(args))
     print(
         f"read {dense.layout} checkpoint at iteration {dense.iteration}: tensor-parallel "
         f"{dense.args.get('tensor_model_parallel_size', 1)} x pipeline-parallel "
