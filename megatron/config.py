@@ -95,7 +95,8 @@ class MoEConfig:
     experts_per_layer: tuple[int, ...]
     """Experts of each layer, from layer 1; 1 keeps the dense MLP (`experts_per_layer`)."""
     expert_parallel_size: int = 1
-    """Ranks of the data-parallel group each layer's experts are spread over (EP)."""
+    """Ranks of the data-parallel group each layer's experts are spread over (EP; a layer with
+    fewer experts spreads over as many ranks as it has, as DeepSpeed before 0.7 did)."""
     top_k: int = 1
     """Experts per token: 1 (Switch) or 2 (GShard) (`--topk`)."""
     train_capacity_factor: float = 1.0
@@ -107,7 +108,8 @@ class MoEConfig:
     drop_tokens: bool = True
     """Drop tokens over capacity (`--disable-moe-token-dropping` turns off)."""
     top2_2nd_expert_sampling: bool = True
-    """Top-2: draw the second expert with Gumbel noise in training (DeepSpeed's default)."""
+    """Top-2: draw the second expert with Gumbel noise (DeepSpeed's default; DeepSpeed 0.19
+    samples in evaluation too)."""
     residual: bool = False
     """PR-MoE (`--mlp-type residual`): a dense MLP beside the experts, mixed per token."""
     expert_tensor_parallel: bool = False

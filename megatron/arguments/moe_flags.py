@@ -145,20 +145,45 @@ def _layout(args: argparse.Namespace, counts: list[int]) -> None:
         raise ArgumentError(
             f"{experts} with --zero-stage {args.zero_stage}: DeepSpeed-MoE supports ZeRO 0-2"
         )
+    if args.tensor_model_parallel_size > 1 and not _nccl(args):
+        raise ArgumentError(
+            f"{experts} with --tensor-model-parallel-size {args.tensor_model_parallel_size} "
+            "needs NCCL (GPUs): DeepSpeed-MoE gathers the tensor-parallel ranks' tokens with "
+            "all_gather_into_tensor, which gloo cannot run; use TP 1 on CPUs"
+        )
     if args.sequence_parallel:
         raise ArgumentError(
             f"{experts} with --sequence-parallel: DeepSpeed-MoE routes whole sequences "
             "replicated over tensor-parallel ranks; drop --sequence-parallel"
         )
     ep, dp = args.moe_expert_parallel_size, args.data_parallel_size
-    if ep < 1 or dp % ep != 0:
-        raise ArgumentError(
-            f"--moe-expert-parallel-size {ep} must divide the data-parallel size {dp} (experts "
-            "are spread over data-parallel ranks)"
+    if ep < 1:
+        raise ArgumentError(f"--moe-expert-parallel-size {ep}: must be at least 1")
+    fewer = sorted({count for count in counts if count < ep})
+    if fewer:
+        # Megatron-DeepSpeed's PR-MoE scripts (64-way EP over 32-expert layers) were written for
+        # DeepSpeed before 0.7, which spread such a layer over as many ranks as it has experts.
+        args.compat_notes.append(
+            f" > --moe-expert-parallel-size {ep} with {fewer[0]}-expert layers: each layer's "
+            "experts spread over min(EP, its experts) ranks, as DeepSpeed before 0.7 ran it"
         )
-    indivisible = sorted({count for count in counts if count % ep != 0})
-    if indivisible:
-        raise ArgumentError(
-            f"{experts}: {indivisible[0]} experts cannot be spread evenly over "
-            f"--moe-expert-parallel-size {ep}"
-        )
+    for count in sorted(set(counts)):
+        layer_ep = min(ep, count)
+        if dp % layer_ep != 0:
+            raise ArgumentError(
+                f"--moe-expert-parallel-size {layer_ep} must divide the data-parallel size {dp} "
+                "(experts are spread over data-parallel ranks)"
+            )
+        if count % layer_ep != 0:
+            raise ArgumentError(
+                f"{experts}: {count} experts cannot be spread evenly over "
+                f"--moe-expert-parallel-size {layer_ep}"
+            )
+
+
+def _nccl(args: argparse.Namespace) -> bool:
+    """Whether the run will use NCCL (the flag, else what `_backend` will pick: NCCL on GPUs)."""
+    import torch
+
+    backend = getattr(args, "distributed_backend", None)
+    return backend == "nccl" or (backend is None and torch.cuda.is_available())

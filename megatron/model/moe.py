@@ -41,7 +41,8 @@ def build_moe_mlp(config: ModelConfig, num_experts: int) -> nn.Module:
         config.hidden_size,
         expert,
         num_experts=num_experts,
-        ep_size=moe.expert_parallel_size,
+        # A layer with fewer experts than EP ranks spreads over as many ranks as it has.
+        ep_size=min(moe.expert_parallel_size, num_experts),
         k=moe.top_k,
         capacity_factor=moe.train_capacity_factor,
         eval_capacity_factor=moe.eval_capacity_factor,

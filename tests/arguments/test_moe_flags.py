@@ -53,6 +53,15 @@ def test_per_layer_counts_and_interval(deepspeed) -> None:
     assert not args.pipeline_parallel  # ZeRO-2 runs on DeepSpeed's plain engine
 
 
+def test_layers_with_fewer_experts_than_ep_spread_over_their_experts(deepspeed) -> None:
+    args = validated(
+        f"{deepspeed()} --no-pipeline-parallel --num-experts 2 4 --expert-interval 2 "
+        "--moe-expert-parallel-size 4",
+        world_size=4,
+    )
+    assert any("min(EP, its experts)" in note for note in args.compat_notes)
+
+
 def test_one_expert_is_a_dense_model(deepspeed) -> None:
     args = validated("--num-experts 1 --moe-loss-coeff 0.5 --topk 1")
     assert not args.moe and ModelConfig.from_args(args).moe is None
@@ -66,7 +75,12 @@ def test_one_expert_is_a_dense_model(deepspeed) -> None:
         ("{ds3} --num-experts 4", "--num-experts 4 with --zero-stage 3: DeepSpeed-MoE supports"),
         (
             "{ds} --no-pipeline-parallel --num-experts 4 --tensor-model-parallel-size 2 "
-            "--sequence-parallel",
+            "--distributed-backend gloo",
+            "--num-experts 4 with --tensor-model-parallel-size 2 needs NCCL (GPUs)",
+        ),
+        (
+            "{ds} --no-pipeline-parallel --num-experts 4 --tensor-model-parallel-size 2 "
+            "--distributed-backend nccl --sequence-parallel",
             "--num-experts 4 with --sequence-parallel",
         ),
         (

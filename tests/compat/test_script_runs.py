@@ -1,12 +1,13 @@
 """Real Megatron-DeepSpeed scripts, scaled to a tiny GPT, run on CPU through their launchers.
 
 Each run keeps the script's flags and DeepSpeed config shape (parallel layout kind, ZeRO
-stage, token-based schedule, TensorBoard flags, MoE flags with one expert, ...) and changes
-only the sizes: 2 layers, h=64, 32 tokens, 2 processes, a few iterations. DeepSpeed's CPU
+stage, token-based schedule, TensorBoard flags, MoE flags, ...) and changes only the sizes: 2
+layers, h=64, 32 tokens, 2 processes, a few iterations (and a few experts). DeepSpeed's CPU
 accelerator has no fp16, so DeepSpeed runs swap --fp16 for --bf16; the plain-path script keeps
 --fp16. What must hold: the run ends cleanly, the loss falls, every iteration line parses with
 our parser (DeepSpeed's own `steps_per_print` lines never cut one), and the TensorBoard file
-holds the tags the script's flags ask for.
+holds the tags the script's flags ask for. The Mixture-of-Experts scripts also log 'moe loss'
+on every line and resume from a checkpoint to the same losses as a run that never stopped.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from megatron.training.monitor import parse_iteration_log
+from megatron.training.monitor import parse_iteration_log, parse_validation_line
 from tests.compat.scripts import SCRIPTS_DIR, bf16_for_cpu, load_script, localized, with_values
 from tests.conftest import REPO_ROOT
 from tests.distributed import free_port
@@ -121,15 +123,8 @@ def _iteration_lines(output: str) -> list[dict]:
     return [log for log in logs if "lm loss" in log]  # skipped iterations print no loss
 
 
-def _run(
-    name: str,
-    launcher: str,
-    sizes: dict,
-    dataset: str,
-    scratch: str,
-    cpu_bf16: bool,
-    ranks: int = 2,
-):
+def _script_argv(name: str, sizes: dict, dataset: str, scratch: str, cpu_bf16: bool) -> list[str]:
+    """The script's argv at TINY and `sizes`, its config at the tiny batch, paths in `scratch`."""
     script = load_script(os.path.join(SCRIPTS_DIR, name + ".json"))
     argv, config = script.argv, script.ds_config
     if cpu_bf16:
@@ -139,7 +134,19 @@ def _run(
     script = dataclasses.replace(
         script, argv=with_values(argv, {**TINY, **sizes}), ds_config=config
     )
-    argv = localized(script, dataset, scratch)
+    return localized(script, dataset, scratch)
+
+
+def _run(
+    name: str,
+    launcher: str,
+    sizes: dict,
+    dataset: str,
+    scratch: str,
+    cpu_bf16: bool,
+    ranks: int = 2,
+):
+    argv = _script_argv(name, sizes, dataset, scratch, cpu_bf16)
     done = _launch(launcher, argv, ranks=ranks)
     assert done.returncode == 0, done.stdout[-4000:]
     logs = _iteration_lines(done.stdout)
@@ -270,6 +277,93 @@ def test_moe_350m_dense_zero0_moe_flags_one_expert(stdlib_dataset: str, tmp_path
     assert logs[-1]["iteration"] == 10
     assert "batch-size/batch-size" in tags
     assert "lm-loss-validation/lm loss validation ppl" in tags
+
+
+# The MoE scripts' schedule, scaled: --train-iters (12) beside token-based --train-tokens (10
+# iterations' worth, which ends the run), warm-up and decay.
+MOE_SCHEDULE = {**TOKENS, "--train-samples": None, "--train-iters": ["12"]}
+# The iteration-line fields a resumed run must repeat exactly (all but the timings).
+RESUMED_FIELDS = (
+    "consumed samples",
+    "consumed tokens",
+    "learning rate",
+    "lm loss",
+    "moe loss",
+    "grad norm",
+)
+
+
+def _idle_experts(output: str) -> float:
+    """Experts a token does not pass through, from the start-up model line's total and active
+    parameter counts (a TINY expert: h 64 -> 4h -> h with biases)."""
+    match = re.search(r"model: ([\d,]+) parameters \(.*, ([\d,]+) active per token\)", output)
+    assert match, output[-4000:]
+    total, active = (int(count.replace(",", "")) for count in match.groups())
+    return (total - active) / (64 * 256 + 256 + 256 * 64 + 64)
+
+
+def _moe_runs_and_resume(name: str, sizes: dict, dataset: str, scratch: str) -> str:
+    """A straight 10-iteration run of an MoE script through the deepspeed launcher, then the
+    same flags stopped at iteration 5 (--exit-interval) and resumed to 10; the resumed
+    iterations log exactly what the straight run logged. Returns the straight run's output."""
+    output, straight, _ = _run(
+        name, "deepspeed", sizes, dataset, os.path.join(scratch, "straight"), True
+    )
+    assert [log["iteration"] for log in straight] == list(range(1, 11))
+    assert all(log["moe loss"] > 0 and math.isfinite(log["moe loss"]) for log in straight)
+    argv = _script_argv(name, sizes, dataset, os.path.join(scratch, "resumed"), True)
+    argv = with_values(argv, {"--load": [argv[argv.index("--save") + 1]]})  # one folder
+    first = _launch("deepspeed", with_values(argv, {"--exit-interval": ["5"]}))
+    assert first.returncode == 0, first.stdout[-4000:]
+    second = _launch("deepspeed", argv)
+    assert second.returncode == 0, second.stdout[-4000:]
+    assert "at iteration 5" in second.stdout, second.stdout[-4000:]
+    resumed = _iteration_lines(first.stdout) + _iteration_lines(second.stdout)
+    assert [log["iteration"] for log in resumed] == list(range(1, 11))
+    differ = [
+        (log["iteration"], field, log.get(field), again.get(field))
+        for log, again in zip(straight, resumed)
+        for field in RESUMED_FIELDS
+        if log.get(field) != again.get(field)
+    ]
+    assert not differ, differ  # (iteration, field, straight, stopped-and-resumed)
+    assert _validation(second.stdout, 10) == _validation(output, 10)
+    return output
+
+
+def _validation(output: str, iteration: int) -> dict[str, float]:
+    """The values of the validation line at `iteration` in `output`."""
+    (line,) = [line for line in output.splitlines() if f"loss at iteration {iteration} |" in line]
+    return parse_validation_line(line)
+
+
+@pytest.mark.slow
+def test_moe_125m_moe64_runs_and_resumes_bit_exactly(stdlib_dataset: str, tmp_path) -> None:
+    """MoE/ds_pretrain_gpt_125M_MoE64.sh: deepspeed, ZeRO-0, top-1 experts in every second
+    layer (64 scaled to 4) over EP=2, token dropping, --create-moe-param-group, activation
+    checkpointing; the loss falls, every line logs 'moe loss', a checkpoint resumes exactly."""
+    sizes = {**MOE_SCHEDULE, "--num-experts": ["4"], "--moe-expert-parallel-size": ["2"]}
+    output = _moe_runs_and_resume(
+        "MoE__ds_pretrain_gpt_125M_MoE64", sizes, stdlib_dataset, str(tmp_path)
+    )
+    assert _idle_experts(output) == 3  # of 4, top-1
+
+
+@pytest.mark.slow
+def test_moe_350m_pr_moe_runs_and_resumes_bit_exactly(stdlib_dataset: str, tmp_path) -> None:
+    """MoE/ds_pretrain_gpt_350M_PR-MoE32or64.sh: PR-MoE (--mlp-type residual) with a per-layer
+    expert list (32 x 10 then 64 x 2 scaled to 2 then 4, one MoE layer each at interval 1) over
+    EP=2; the loss falls, every line logs 'moe loss', a checkpoint resumes exactly."""
+    sizes = {
+        **MOE_SCHEDULE,
+        "--num-experts": ["2", "4"],
+        "--expert-interval": ["1"],
+        "--moe-expert-parallel-size": ["2"],
+    }
+    output = _moe_runs_and_resume(
+        "MoE__ds_pretrain_gpt_350M_PR-MoE32or64", sizes, stdlib_dataset, str(tmp_path)
+    )
+    assert _idle_experts(output) == 1 + 3  # of 2 and of 4, top-1
 
 
 # The shape of the Zenn tutorial's ds_config_gpt2_345m_4.json (as described in issue 16): an
