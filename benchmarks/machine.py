@@ -1,4 +1,5 @@
-"""Machine facts the benchmarks print in their headers (for RESULTS.md).
+"""Machine facts the benchmarks print in their headers (for RESULTS.md), and how busy the
+machine was while they measured.
 
 Imported by the benchmark scripts as a sibling module: `python benchmarks/X.py` puts this
 folder first on `sys.path`.
@@ -6,7 +7,11 @@ folder first on `sys.path`.
 
 from __future__ import annotations
 
+import os
 import platform
+
+# A timed step is disturbed when other processes used more than this many cores on average.
+OTHERS_MAX_CORES = 0.1
 
 
 def cpu_model() -> str:
@@ -19,3 +24,28 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def load_average() -> str:
+    """The 1-, 5- and 15-minute load averages, as `uptime` prints them."""
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every process on the machine has used (busy + steal, /proc/stat); NaN when
+    unknown."""
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            ticks = [int(value) for value in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return float("nan")
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # up to steal, not guests
+
+
+def other_cores(step: tuple[dict, ...] | list[dict]) -> float:
+    """Cores that other processes used on average during one step, from every rank's record
+    of it: `own_cpu` (the rank's `time.process_time()` delta), and rank 0's `machine_cpu`
+    (the `machine_busy_seconds()` delta) over its `step` = [start, end] window."""
+    own = sum(r["own_cpu"] for r in step)
+    return (step[0]["machine_cpu"] - own) / (step[0]["step"][1] - step[0]["step"][0])

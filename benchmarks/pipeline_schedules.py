@@ -77,7 +77,13 @@ REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pard
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from machine import cpu_model  # noqa: E402  (benchmarks/machine.py)
+from machine import (  # noqa: E402  (benchmarks/machine.py)
+    OTHERS_MAX_CORES,
+    cpu_model,
+    load_average,
+    machine_busy_seconds,
+    other_cores,
+)
 
 import pretrain_gpt  # noqa: E402
 from megatron.arguments import parse_args  # noqa: E402
@@ -93,8 +99,6 @@ from megatron.training.pipeline_step import train_step_pipelined  # noqa: E402
 from megatron.training.step import train_step_plain  # noqa: E402
 
 LOSS_TOLERANCE = 1e-4
-# A step is disturbed when other processes used more than this many cores on average during it.
-OTHERS_MAX_CORES = 0.1
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
 
 
@@ -167,18 +171,6 @@ class SpanTimers:
     def stop(self) -> None:
         """Close the current timer."""
         self.spans[self._name][1] = time.perf_counter()
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds every process on the machine has used (busy + steal, /proc/stat); NaN when
-    unknown."""
-    try:
-        with open("/proc/stat", encoding="ascii") as stat:
-            ticks = [int(value) for value in stat.readline().split()[1:]]
-    except (OSError, ValueError):
-        return float("nan")
-    idle = ticks[3] + ticks[4]  # idle, iowait
-    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # up to steal, not guests
 
 
 def megatron_flags(shape: dict, layout: Layout, microbatches: int, seed: int) -> list[str]:
@@ -340,7 +332,7 @@ def summarize(layout: Layout, microbatches: int, ranks: list[list[dict]]) -> Row
     """Step times, spans, compute and bubbles of one layout from all ranks' records."""
     per_step = list(zip(*ranks))  # per step: every rank's record
     timed = [step for step in per_step if not step[0]["warmup"]]
-    others = [_others(step) for step in timed]
+    others = [other_cores(step) for step in timed]
     quiet = [step for step, cores in zip(timed, others) if not cores > OTHERS_MAX_CORES]
     kept = f"{len(quiet)}/{len(timed)}" if len(quiet) >= 3 else f"all {len(timed)} (noisy)"
     timed = quiet if len(quiet) >= 3 else timed
@@ -360,12 +352,6 @@ def summarize(layout: Layout, microbatches: int, ranks: list[list[dict]]) -> Row
         first_loss=per_step[0][0]["loss"],
         kept=kept,
     )
-
-
-def _others(step: tuple[dict, ...]) -> float:
-    """Cores that other processes used on average during `step` (rank 0's window)."""
-    own = sum(r["own_cpu"] for r in step)
-    return (step[0]["machine_cpu"] - own) / (step[0]["step"][1] - step[0]["step"][0])
 
 
 def _ms(seconds: float) -> str:
@@ -440,10 +426,6 @@ def parse_cli() -> argparse.Namespace:
     return cli
 
 
-def _load() -> str:
-    return " ".join(f"{value:.2f}" for value in os.getloadavg())
-
-
 def main() -> None:
     """Run every layout (the repeats pooled), check the losses, print the table."""
     cli = parse_cli()
@@ -453,7 +435,7 @@ def main() -> None:
     print(
         f"python {platform.python_version()}, torch {torch.__version__}, gloo, 1 torch thread "
         f"per process; cpu: {cpu_model()}, {os.cpu_count()} logical cores, "
-        f"{platform.machine()}; load average at start {_load()}"
+        f"{platform.machine()}; load average at start {load_average()}"
     )
     print(
         f"model: {cli.num_layers} layers, hidden {cli.hidden_size}, {cli.num_attention_heads} "
@@ -478,13 +460,16 @@ def main() -> None:
                     continue
                 for kept, new in zip(pooled[(name, count)], ranks):  # later repeats: timed only
                     kept += [record for record in new if not record["warmup"]]
-            print(f"  ({name}: {time.perf_counter() - began:.0f} s, load {_load()})", flush=True)
+            print(
+                f"  ({name}: {time.perf_counter() - began:.0f} s, load {load_average()})",
+                flush=True,
+            )
     rows = [
         summarize(LAYOUTS[name], count, pooled[(name, count)])
         for count in cli.microbatches
         for name in cli.layouts
     ]
-    print(f"load average at the end {_load()}")
+    print(f"load average at the end {load_average()}")
     check_losses(rows)
     print(
         "step = last rank's end - first rank's start of a training step; span = the same for "

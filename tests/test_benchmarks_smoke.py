@@ -2,7 +2,8 @@
 
 Timings are never asserted (a shared CI machine makes them noise); only the structure of the
 output and the values that do not depend on the clock (the schedule's predicted bubble, the
-first-step losses agreeing across layouts).
+first-step losses agreeing across layouts, the all-to-all calls and active parameters of an
+MoE step).
 """
 
 from __future__ import annotations
@@ -66,3 +67,50 @@ def test_pipeline_schedules_quick_prints_every_layout() -> None:
         assert 0.0 <= _percent(row["measured bubble (mean; per rank)"]) <= 1.0
         _percent(row["span vs ideal"])
     assert float(rows["PP=1 (1 process, baseline)"]["ratio to PP=1"].strip("*")) == 1.0
+
+
+MOE_SETUPS = ("dense-top1", "moe-top1", "dense-top2", "moe-top2")
+
+
+@pytest.mark.slow
+def test_moe_step_quick_prints_every_setup() -> None:
+    """`benchmarks/moe_step.py --quick`: a row per setup that parses; the MoE rows count the
+    all-to-alls DeepSpeed-MoE makes and the dense rows none; active parameters match."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "moe_step.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| setup |"))
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    rows = {}
+    for line in lines:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] in MOE_SETUPS:
+            rows[cells[0]] = dict(zip(columns, cells))
+    assert set(rows) == set(MOE_SETUPS), result.stdout
+    for name, row in rows.items():
+        assert len(row) == len(columns), row
+        assert re.fullmatch(r"\d+ ms", row["step (median)"]), row
+        assert float(row["tokens/s"].replace(",", "")) > 0
+        for share in ("all-to-all share", "all-reduce share", "optimizer step share"):
+            assert 0.0 <= _percent(row[share]) <= 1.0, row
+        calls = int(row["all-to-all calls, MB per step and rank"].split(",")[0])
+        # --quick: 2 MoE layers x (2 all-to-alls forward + 2 backward) x 1 micro-batch.
+        assert calls == (8 if name.startswith("moe") else 0), row
+    for k in ("1", "2"):
+        dense, moe = rows[f"dense-top{k}"], rows[f"moe-top{k}"]
+        assert dense["vs dense (per round; medians)"].startswith("**1.00x**")
+        assert float(moe["vs dense (per round; medians)"].split("x")[0].strip("*")) > 0
+        # Same active parameters but for the gate (h x experts) and the k - 1 more output
+        # biases (h) of the k experts, in each of the 2 layers (h 64, 4 experts).
+        active = [int(row["active per token"].replace(",", "")) for row in (dense, moe)]
+        assert active[1] - active[0] == 2 * (64 * 4 + (int(k) - 1) * 64), active
+    first = [line for line in lines if line.startswith("first step, moe-")]
+    assert len(first) == 2 and all("moe loss" in line for line in first), first
