@@ -76,8 +76,40 @@ def initialize_distributed(
 
         # Adopts the group above where there is one.
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+        release_deepspeed_shm_name()
     elif store is None:
         dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def deepspeed_shm_path(rank: int) -> str:
+    """Where DeepSpeed's CPU all-reduce keeps `rank`'s shared buffer under this run's address."""
+    return "/dev/shm/deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
+        os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), rank
+    )
+
+
+def release_deepspeed_shm_name() -> None:
+    """Unlink this rank's /dev/shm name of DeepSpeed's CPU all-reduce buffer once all ranks hold it.
+
+    On the CPU accelerator, `deepspeed.init_distributed` under the deepspeed launcher (which sets
+    LOCAL_SIZE to the world size) has every rank create a 69 MB shared-memory file and map every
+    other rank's, and nothing ever unlinks them: each CPU run left 69 MB per rank in /dev/shm,
+    which is RAM, until a day of runs filled the machine. The mappings stay valid after the
+    names go; the barrier first makes sure no rank is still opening a peer's name.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    if (
+        not hasattr(os, "getuid")
+        or get_accelerator().device_name() != "cpu"
+        or os.environ.get("LOCAL_SIZE") != str(dist.get_world_size())
+    ):
+        return
+    dist.barrier()
+    try:
+        os.unlink(deepspeed_shm_path(dist.get_rank()))
+    except FileNotFoundError:
+        pass
 
 
 def _store_of_this_restart(timeout: timedelta) -> dist.Store | None:

@@ -220,3 +220,20 @@ def hf_tokenizer_json(_hf_bpe) -> str:
 def hf_tokenizer_dir(_hf_bpe) -> str:
     """The same tokenizer as a folder AutoTokenizer loads (eos_token <|endoftext|>)."""
     return _hf_bpe[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_deepspeed_shared_memory_left() -> None:
+    """Remove DeepSpeed's CPU all-reduce buffers that a rank killed mid-start left in /dev/shm.
+
+    /dev/shm is RAM: a run whose rank died before megatron.initialize unlinked its 69 MB buffer
+    would keep it until the machine restarts, and enough of them starve later tests of memory.
+    """
+    pattern = "/dev/shm/deepspeed_allreduce_buffer_*"
+    before = set(glob.glob(pattern))
+    yield
+    for path in set(glob.glob(pattern)) - before:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -151,6 +151,16 @@ def launch(
     )
 
 
+def shared_memory_left_by(run: subprocess.CompletedProcess) -> list[str]:
+    """The /dev/shm files that `run` (a `launch` under the deepspeed launcher) left behind.
+
+    DeepSpeed's CPU all-reduce names its 69 MB per-rank buffers after the master port; ours
+    unlinks them once every rank has mapped them (megatron.initialize), so this is empty.
+    """
+    port = run.args[run.args.index("--master_port") + 1]
+    return glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+
+
 def start(processes: int, flags: list[str], log_path: str) -> subprocess.Popen:
     """Start pretrain_gpt.py in its own process group, logging to `log_path`."""
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process by the caller

@@ -48,7 +48,7 @@ from megatron.tokenizer import GPT2BPETokenizer  # noqa: E402
 from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE, run_transformers_4  # noqa: E402
 from tests.distributed import free_port  # noqa: E402
 from tests.one_line_errors import assert_one_line_error  # noqa: E402
-from tests.pretrain_runs import launch, tiny_gpt_flags  # noqa: E402
+from tests.pretrain_runs import launch, shared_memory_left_by, tiny_gpt_flags  # noqa: E402
 from tests.tools.hf_reader import read  # noqa: E402
 from tests.tools.test_hf_conversion import ARGS, LLAMA_ARGS, TRUE_VOCAB, same_model  # noqa: E402
 from tests.tools.test_hf_transformers4 import EOD, NEW_TOKENS, PROMPT, READER, VERSIONS  # noqa: E402
@@ -158,6 +158,7 @@ def trained_moe(tmp_path_factory, stdlib_dataset) -> str:
     flags = [*tiny_gpt_flags(stdlib_dataset), *TRAINED_FLAGS, "--save", save]
     run = launch(2, flags, launcher="deepspeed")
     assert run.returncode == 0, run.stdout[-5000:]
+    assert shared_memory_left_by(run) == []
     return save
 
 
