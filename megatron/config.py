@@ -306,8 +306,11 @@ class ModelConfig:
             bias_gelu_fusion=bool(get("bias_gelu_fusion", True)),
             bias_dropout_fusion=bool(get("bias_dropout_fusion", True)),
             torch_compile=bool(get("torch_compile")),
-            # MoE layers' all-to-all and DeepSpeed's gating stay eager (outside any graph).
-            compile_whole_model=(get("zero_stage") or 0) < 3 and moe is None,
+            # MoE layers' all-to-all, DeepSpeed's gating and Ulysses' all-to-alls stay eager
+            # (outside any graph): the layers are compiled one by one around them.
+            compile_whole_model=(get("zero_stage") or 0) < 3
+            and moe is None
+            and (get("ds_sequence_parallel_size") or 1) == 1,
             moe=moe,
         )
 

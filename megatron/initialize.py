@@ -188,7 +188,7 @@ def use_deepspeed_activation_checkpointing(args: argparse.Namespace) -> None:
     config's "activation_checkpointing" section (`megatron.arguments.ds_activation_checkpointing`).
     """
     tp_random.use_deepspeed_checkpointing(
-        parallel_state.mpu,
+        parallel_state.deepspeed_mpu(),
         num_checkpoints=args.num_layers,
         partition_activations=args.partition_activations,
         contiguous_checkpointing=args.contigious_checkpointing,
@@ -228,7 +228,9 @@ def initialize_megatron(
         )
     args.rank = dist.get_rank()
     parallel_state.initialize_model_parallel(
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.ds_sequence_parallel_size,
     )
     if args.deepspeed_activation_checkpointing:
         use_deepspeed_activation_checkpointing(args)
@@ -238,6 +240,11 @@ def initialize_megatron(
         f"> initialized {args.world_size} process(es) over {args.distributed_backend}: "
         f"tensor-parallel {args.tensor_model_parallel_size} x pipeline-parallel "
         f"{args.pipeline_model_parallel_size} x data-parallel {args.data_parallel_size}"
+        + (
+            f" x sequence-parallel (DeepSpeed-Ulysses) {args.ds_sequence_parallel_size}"
+            if args.ds_sequence_parallel_size > 1
+            else ""
+        )
     )
     print_rank_0(batch_arithmetic(args))
     if args.deepspeed_activation_checkpointing:

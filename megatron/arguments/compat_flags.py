@@ -7,10 +7,10 @@ argparse's "unrecognized arguments". Each flag below is one of two kinds:
 - inert: accepted and without effect, because what it tunes does not exist here (apex kernels,
   Megatron's own DDP and pipeline communication, GPU overlap knobs) or cannot change the
   result. Its help text says why; docs/arguments.md lists them all.
-- refused: a feature we do not build (Tutel, DeepSpeed-Ulysses, zero-bubble pipelines, other
-  model families). Its value that means "off" (`--ds-sequence-parallel-size 1`,
-  `--transformer-impl local`) is accepted; any other value is refused in one line naming the
-  flag (`refuse_unsupported_flags`, run by validate_args).
+- refused: a feature we do not build (Tutel, DeepSpeed's FPDT, zero-bubble pipelines, other
+  model families). Its value that means "off" (`--transformer-impl local`) is accepted; any
+  other value is refused in one line naming the flag (`refuse_unsupported_flags`, run by
+  validate_args).
 
 Flags that have a meaning here are in `model_flags.py`, `run_flags.py`, `parallel_flags.py`
 and `moe_flags.py`, Megatron-DeepSpeed's
@@ -174,17 +174,16 @@ REFUSED: list[CompatFlag] = [
         "--num-experts-switch:int",
     ),
     *_refused(
-        "DeepSpeed-Ulysses sequence parallelism is not built here (size 1 is accepted; "
-        "--sequence-parallel is Megatron's tensor-parallel kind)",
-        "--ds-sequence-parallel-size:int",
-        accepts=_equals(1),
-    ),
-    *_refused(
-        "DeepSpeed-Ulysses/FPDT sequence parallelism is not built here",
-        "--force-ds-sequence-parallel",
+        "DeepSpeed's FPDT (chunked, offloaded Ulysses) is not built here; "
+        "--ds-sequence-parallel-size alone runs DeepSpeed-Ulysses",
         "--ds-sequence-parallel-fpdt",
         "--ds-sequence-parallel-fpdt-chunk-size:int",
         "--ds-sequence-parallel-fpdt-offloading",
+    ),
+    *_refused(
+        "Ulysses attention at --ds-sequence-parallel-size 1 is not built here (it only adds "
+        "all-to-alls over one rank); set --ds-sequence-parallel-size above 1",
+        "--force-ds-sequence-parallel",
     ),
     *_refused(
         "the zero-bubble pipeline schedule is not built here; DeepSpeed's 1F1B schedule is",

@@ -50,6 +50,14 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
         "tensor-parallel ranks; ignored with one tensor-parallel rank.",
     )
     group.add_argument(
+        "--ds-sequence-parallel-size",
+        type=int,
+        default=1,
+        help="DeepSpeed-Ulysses: ranks that split each sample's tokens, attention running "
+        "head-split between all-to-alls (Megatron-DeepSpeed's flag; needs --deepspeed "
+        "--no-pipeline-parallel and TP = PP = 1); data-parallel size = world / it.",
+    )
+    group.add_argument(
         "--distributed-backend",
         choices=["nccl", "gloo"],
         default=None,

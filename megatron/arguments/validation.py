@@ -23,6 +23,7 @@ from megatron.arguments.errors import ArgumentError, flag_name
 from megatron.arguments.moe_flags import settle_moe
 from megatron.arguments.pipeline_checks import settle_pipeline
 from megatron.arguments.precision import check_flash_attention_precision
+from megatron.arguments.ulysses_checks import settle_ulysses
 from megatron.arguments.v1_flags import train_data_corpus, translate_v1_flags
 from megatron.atomic_files import nearest_existing
 from megatron.config import model_params_dtype
@@ -44,19 +45,30 @@ def _require(args: argparse.Namespace, *flags: str) -> None:
 
 def _parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    sp = args.ds_sequence_parallel_size = getattr(args, "ds_sequence_parallel_size", 1) or 1
     if tp < 1 or pp < 1:
         raise ArgumentError(
             f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) "
             "must be at least 1"
         )
-    if world_size % (tp * pp) != 0:
+    if sp < 1:
+        raise ArgumentError(f"--ds-sequence-parallel-size ({sp}) must be at least 1")
+    if sp > 1 and (tp > 1 or pp > 1):
+        raise ArgumentError(
+            f"--ds-sequence-parallel-size ({sp}) needs "
+            f"{flag_name(args, 'tensor_model_parallel_size')} 1 and "
+            f"{flag_name(args, 'pipeline_model_parallel_size')} 1, not {tp} and {pp}: "
+            "DeepSpeed-Ulysses runs without them, as in Megatron-DeepSpeed"
+        )
+    if world_size % (tp * pp * sp) != 0:
+        sizes = f" x --ds-sequence-parallel-size ({sp})" if sp > 1 else ""
         raise ArgumentError(
             f"world size ({world_size}) is not divisible by "
             f"{flag_name(args, 'tensor_model_parallel_size')} ({tp}) x "
-            f"{flag_name(args, 'pipeline_model_parallel_size')} ({pp}) = {tp * pp}"
+            f"{flag_name(args, 'pipeline_model_parallel_size')} ({pp}){sizes} = {tp * pp * sp}"
         )
     args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp)
+    args.data_parallel_size = world_size // (tp * pp * sp)
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # as Megatron: nothing to split with one TP rank
 
@@ -442,6 +454,7 @@ def validate_args(
     _recompute(args)
     _pipeline_and_checkpoints(args)
     settle_moe(args)
+    settle_ulysses(args)
     if args.deepspeed:
         settle_gradient_accumulation_dtype(args, args.deepspeed_config_dict, config_source)
     _schedule(args)

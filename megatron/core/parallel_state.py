@@ -1,10 +1,17 @@
 """Tensor, pipeline and data parallel process groups, held in one object.
 
-`initialize_model_parallel(tp, pp)` splits the world into groups in Megatron's rank order
+`initialize_model_parallel(tp, pp, sp)` splits the world into groups in Megatron's rank order
 (tensor-parallel ranks adjacent, then data parallel, then pipeline stages outermost), so a
 checkpoint's `mp_rank_XX_YYY` names and a launcher's node layout mean what they mean in
-Megatron-LM. The query functions mirror Megatron's names; `mpu` bundles the ones DeepSpeed
-calls (`deepspeed.initialize(mpu=...)`, `deepspeed.checkpointing.configure(mpu, ...)`).
+Megatron-LM. The query functions mirror Megatron's names; `deepspeed_mpu()` bundles the ones
+DeepSpeed calls (`deepspeed.initialize(mpu=...)`, `deepspeed.checkpointing.configure(mpu, ...)`).
+
+DeepSpeed-Ulysses (`--ds-sequence-parallel-size S`, Megatron-DeepSpeed's layout, TP = PP = 1):
+S adjacent ranks form a sequence-parallel group that splits each sample's tokens; the
+data-parallel groups take every S-th rank, so a sequence group's ranks read the same samples;
+and the sequence-data-parallel group (all S x DP ranks of a replica) is where DeepSpeed sums
+gradients and partitions ZeRO state. ("Sequence parallel" in these names is DeepSpeed's kind;
+Megatron's tensor-parallel `--sequence-parallel` is a property of the tensor group.)
 
 Before initialization every query answers as a single process would (rank 0 of size 1), so
 the model runs unchanged without torch.distributed.
@@ -39,21 +46,31 @@ class ParallelState:
     data_ranks: list[int]
     model_ranks: list[int]
     embedding_ranks: list[int] = field(default_factory=list)
+    sequence_parallel_size: int = 1
+    sequence_group: dist.ProcessGroup | None = None
+    sequence_data_group: dist.ProcessGroup | None = None
+    sequence_ranks: list[int] = field(default_factory=list)
+    sequence_data_ranks: list[int] = field(default_factory=list)
 
 
 _STATE: ParallelState | None = None
 
 
 def generate_rank_groups(
-    world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int
+    world_size: int,
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    sequence_parallel_size: int = 1,
 ) -> dict[str, list[list[int]]]:
     """All groups of each kind for a world, in Megatron's order (pure: no communication)."""
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
+    tp, pp, sp = tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel_size
+    if tp < 1 or pp < 1 or sp < 1:
         raise ParallelConfigError(
-            f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) "
-            "must be at least 1"
+            f"--tensor-model-parallel-size ({tp}), --pipeline-model-parallel-size ({pp}) and "
+            f"--ds-sequence-parallel-size ({sp}) must be at least 1"
         )
+    if sp > 1:
+        return _ulysses_rank_groups(world_size, tp, pp, sp)
     if world_size % (tp * pp) != 0:
         raise ParallelConfigError(
             f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
@@ -84,30 +101,62 @@ def generate_rank_groups(
     }
 
 
+def _ulysses_rank_groups(world_size: int, tp: int, pp: int, sp: int) -> dict[str, list[list[int]]]:
+    """Megatron-DeepSpeed's groups with DeepSpeed-Ulysses, which it runs at TP = PP = 1."""
+    if tp != 1 or pp != 1:
+        raise ParallelConfigError(
+            f"--ds-sequence-parallel-size ({sp}) needs --tensor-model-parallel-size 1 and "
+            f"--pipeline-model-parallel-size 1, not {tp} and {pp} (DeepSpeed-Ulysses runs "
+            "without them, as in Megatron-DeepSpeed)"
+        )
+    if world_size % sp != 0:
+        raise ParallelConfigError(
+            f"world size ({world_size}) is not divisible by --ds-sequence-parallel-size ({sp})"
+        )
+    alone = [[rank] for rank in range(world_size)]
+    return {
+        "tensor": alone,
+        "data": [list(range(first, world_size, sp)) for first in range(sp)],
+        "pipeline": alone,
+        # One rank is a whole replica's weights: DeepSpeed reduces norms over this group, and
+        # counting a sequence peer's identical weights again would double them.
+        "model": alone,
+        "embedding": alone,
+        "sequence": [list(range(first, first + sp)) for first in range(0, world_size, sp)],
+        "sequence_data": [list(range(world_size))],
+    }
+
+
 def initialize_model_parallel(
-    tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    sequence_parallel_size: int = 1,
 ) -> ParallelState:
-    """Create the TP, PP, DP, model and embedding groups; every rank must call it."""
+    """Create the TP, PP, DP, model, embedding and (Ulysses) sequence groups; every rank
+    must call it."""
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed initialized first")
     world_size, rank = dist.get_world_size(), dist.get_rank()
     all_groups = generate_rank_groups(
-        world_size, tensor_model_parallel_size, pipeline_model_parallel_size
+        world_size, tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel_size
     )
     mine: dict[str, tuple[dist.ProcessGroup | None, list[int]]] = {}
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for kind, groups in all_groups.items():
         for ranks in groups:
-            # new_group is collective over the whole world: every rank creates every group.
-            group = dist.new_group(ranks)
+            # new_group is collective over the whole world: every rank creates every group,
+            # once per distinct set of ranks.
+            if tuple(ranks) not in made:
+                made[tuple(ranks)] = dist.new_group(ranks)
             if rank in ranks:
-                mine[kind] = (group, ranks)
+                mine[kind] = (made[tuple(ranks)], ranks)
     embedding_group, embedding_ranks = mine.get("embedding", (None, []))
     _STATE = ParallelState(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         data_parallel_size=world_size
-        // (tensor_model_parallel_size * pipeline_model_parallel_size),
+        // (tensor_model_parallel_size * pipeline_model_parallel_size * sequence_parallel_size),
         tensor_group=mine["tensor"][0],
         pipeline_group=mine["pipeline"][0],
         data_group=mine["data"][0],
@@ -118,6 +167,13 @@ def initialize_model_parallel(
         data_ranks=mine["data"][1],
         model_ranks=mine["model"][1],
         embedding_ranks=embedding_ranks,
+        sequence_parallel_size=sequence_parallel_size,
+        # Without Ulysses a rank holds its whole sequence, and the sequence-data-parallel
+        # group is the data-parallel one (no group of one rank is made for it).
+        sequence_group=mine.get("sequence", (None,))[0],
+        sequence_data_group=mine.get("sequence_data", mine["data"])[0],
+        sequence_ranks=mine.get("sequence", (None, [rank]))[1],
+        sequence_data_ranks=mine.get("sequence_data", mine["data"])[1],
     )
     return _STATE
 
@@ -235,8 +291,39 @@ def get_model_parallel_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
-# What DeepSpeed calls on `mpu`. Sequence-parallel queries are deliberately absent: DeepSpeed
-# reads their presence as Ulysses sequence parallelism, which is not Megatron's kind.
+# DeepSpeed-Ulysses sequence parallelism (DeepSpeed's names, as Megatron-DeepSpeed's mpu).
+def get_sequence_parallel_group() -> dist.ProcessGroup | None:
+    """The ranks that split each sample's sequence (Ulysses); None when uninitialized."""
+    return None if _STATE is None else _STATE.sequence_group
+
+
+def get_sequence_parallel_world_size() -> int:
+    """`--ds-sequence-parallel-size` (1 when uninitialized)."""
+    return 1 if _STATE is None else _STATE.sequence_parallel_size
+
+
+def get_sequence_parallel_rank() -> int:
+    """Which part of each sequence this rank holds (0 when uninitialized)."""
+    return _rank_in("sequence_ranks")
+
+
+def get_sequence_data_parallel_group() -> dist.ProcessGroup | None:
+    """Sequence x data parallel ranks: where gradients are reduced and ZeRO state split."""
+    return None if _STATE is None else _STATE.sequence_data_group
+
+
+def get_sequence_data_parallel_world_size() -> int:
+    """Ranks in the sequence-data-parallel group (1 when uninitialized)."""
+    return 1 if _STATE is None else len(_STATE.sequence_data_ranks)
+
+
+def get_sequence_data_parallel_rank() -> int:
+    """This rank's index in the sequence-data-parallel group."""
+    return 0 if _STATE is None else _rank_in("sequence_data_ranks")
+
+
+# What DeepSpeed calls on `mpu`. The sequence-parallel queries are added only under Ulysses
+# (`deepspeed_mpu`): DeepSpeed reads their presence as Ulysses sequence parallelism.
 mpu = types.SimpleNamespace(
     get_model_parallel_group=get_model_parallel_group,
     get_model_parallel_rank=get_model_parallel_rank,
@@ -259,4 +346,20 @@ mpu = types.SimpleNamespace(
     get_slice_parallel_rank=get_tensor_model_parallel_rank,
     get_slice_parallel_world_size=get_tensor_model_parallel_world_size,
 )
-"""The object to pass as `deepspeed.initialize(mpu=...)` and `checkpointing.configure(mpu)`."""
+"""What every run passes to DeepSpeed as its `mpu` (see `deepspeed_mpu`)."""
+
+
+def deepspeed_mpu() -> types.SimpleNamespace:
+    """The object to pass as `deepspeed.initialize(mpu=...)` and `checkpointing.configure(mpu)`:
+    `mpu`, plus DeepSpeed's sequence-parallel queries when Ulysses is on (size above 1)."""
+    if get_sequence_parallel_world_size() == 1:
+        return mpu
+    return types.SimpleNamespace(
+        **vars(mpu),
+        get_sequence_parallel_group=get_sequence_parallel_group,
+        get_sequence_parallel_world_size=get_sequence_parallel_world_size,
+        get_sequence_parallel_rank=get_sequence_parallel_rank,
+        get_sequence_data_parallel_group=get_sequence_data_parallel_group,
+        get_sequence_data_parallel_world_size=get_sequence_data_parallel_world_size,
+        get_sequence_data_parallel_rank=get_sequence_data_parallel_rank,
+    )

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker
 
 
 def flash_attn_2_version() -> str | None:
@@ -155,6 +155,52 @@ class CoreAttention(nn.Module):
         probs = torch.softmax(scores, dim=-1).to(query.dtype)
         probs = F.dropout(probs, dropout_p, training=dropout_p > 0)
         return torch.matmul(probs, value)  # [b, np, s, hn]
+
+
+class UlyssesAttention(nn.Module):
+    """DeepSpeed-Ulysses around `CoreAttention`: [s/S, b, n, hn] q/k/v -> [s/S, b, np * hn].
+
+    DeepSpeed's `DistributedAttention` turns each rank's sequence part of every head into the
+    whole sequence of 1/S of the heads (one all-to-all each for q, k and v), the core attends
+    over the full sequence with the full causal mask, and a last all-to-all turns the context
+    back. Query and key/value heads split alike, so under grouped-query attention a rank's
+    query heads find their key/value heads on the same rank (both divisible by S).
+    """
+
+    def __init__(self, core: CoreAttention, group: object, recompute: bool) -> None:
+        super().__init__()
+        from deepspeed.sequence.layer import DistributedAttention
+
+        # Scatter the heads (dim 2) and gather the sequence (dim 0) of [s, b, n, hn].
+        self.distributed = DistributedAttention(
+            _HeadSplitCore(core, recompute), group, scatter_idx=2, gather_idx=0
+        )
+
+    # DeepSpeed's all-to-alls run eagerly inside a compiled layer (graph breaks around them).
+    @torch.compiler.disable
+    def forward(self, query, key, value, mask: torch.Tensor | None) -> torch.Tensor:
+        """`mask`: as `CoreAttention`'s, over the full sequence ([b|1, 1, s, s] or None)."""
+        context = self.distributed(query, key, value, 1, None, mask)  # [s/S, b, np, hn]
+        return context.flatten(2)
+
+
+class _HeadSplitCore(nn.Module):
+    """The attention `DistributedAttention` calls: [s, b, n/S, hn] in, [s, b, np/S, hn] out."""
+
+    def __init__(self, core: CoreAttention, recompute: bool) -> None:
+        super().__init__()
+        self.core = core
+        self.recompute = recompute
+
+    def forward(self, query, key, value, mask) -> torch.Tensor:
+        s, b, heads, hn = query.shape
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, hn]
+        if self.recompute and self.training:
+            # Selective recomputation: the core again in the backward, not the all-to-alls.
+            context = checkpoint(self.core, False, query, key, value, mask)
+        else:
+            context = self.core(query, key, value, mask)  # [s, b, np/S * hn]
+        return context.view(s, b, heads, hn)
 
 
 class RotaryEmbedding(nn.Module):

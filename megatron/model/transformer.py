@@ -29,7 +29,12 @@ from megatron.core.tensor_parallel import (
     get_cuda_rng_tracker,
 )
 from megatron.core.tensor_parallel.layers import divide
-from megatron.model.attention import CoreAttention, RotaryEmbedding, apply_rotary_pos_emb
+from megatron.model.attention import (
+    CoreAttention,
+    RotaryEmbedding,
+    UlyssesAttention,
+    apply_rotary_pos_emb,
+)
 from megatron.model.fused_ops import (
     bias_dropout_add,
     fuse_eagerly,
@@ -70,6 +75,14 @@ class ParallelAttention(nn.Module):
             **linear_kwargs(config),
         )
         self.core_attention = CoreAttention(config, layer_number)
+        # DeepSpeed-Ulysses: this rank holds 1/S of the sequence, the core sees all of it.
+        self.ulysses = None
+        if parallel_state.get_sequence_parallel_world_size() > 1:
+            self.ulysses = UlyssesAttention(
+                self.core_attention,
+                parallel_state.get_sequence_parallel_group(),
+                self.recompute_core,
+            )
         self.rotary = (
             RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
             if config.position_embedding_type == "rope"
@@ -97,12 +110,17 @@ class ParallelAttention(nn.Module):
         """
         query, key, value = self._query_key_value(hidden)
         s = query.size(0)
-        offset = 0 if inference_params is None else inference_params.sequence_len_offset
+        if inference_params is not None:
+            offset = inference_params.sequence_len_offset
+        else:  # under Ulysses this rank's tokens start at its part of the sequence
+            offset = s * parallel_state.get_sequence_parallel_rank()
         if self.rotary is not None:
             angles = self.rotary(s, offset)
             query, key = apply_rotary_pos_emb(query, angles), apply_rotary_pos_emb(key, angles)
         if inference_params is not None:
             return self.dense(self._attend_with_cache(query, key, value, inference_params))
+        if self.ulysses is not None:
+            return self.dense(self.ulysses(query, key, value, attention_mask))
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
         if self.recompute_core and self.training:
             context = self._recomputed_core(query, key, value, attention_mask)

@@ -112,6 +112,18 @@ def setup_model_and_optimizer(model_provider: Callable, args: argparse.Namespace
         import deepspeed
 
         config = dict(args.deepspeed_config_dict)
+        mpu = parallel_state.deepspeed_mpu()
+        if args.zero_stage == 3 and parallel_state.get_sequence_parallel_world_size() > 1:
+            # DeepSpeed partitions a ZeRO-3 model over mpu.get_data_parallel_group(), which
+            # leaves the Ulysses ranks out: nothing would sum their gradients (each rank kept
+            # its own part's). Partitioned here over the sequence-data-parallel group instead.
+            deepspeed.zero.Init(
+                module=model,
+                data_parallel_group=parallel_state.get_sequence_data_parallel_group(),
+                config_dict_or_path=config,
+                mpu=mpu,
+                dtype=next(model.parameters()).dtype,
+            )
         guard = not _deepspeed_guards_steps(args)
         if guard:
             config["gradient_clipping"] = 0.0  # the optimizer clips, so it sees the norm first
@@ -121,7 +133,7 @@ def setup_model_and_optimizer(model_provider: Callable, args: argparse.Namespace
             model=model,
             optimizer=optimizer,
             lr_scheduler=scheduler,
-            mpu=None if args.pipeline_parallel else parallel_state.mpu,
+            mpu=None if args.pipeline_parallel else mpu,
             config=config,
         )
         if args.pipeline_parallel:

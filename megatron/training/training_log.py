@@ -160,10 +160,11 @@ def params_l2_norm(params: Iterable[torch.nn.Parameter]) -> float:
         data = param.detach() if data is None else data.detach()
         # float64: a float32 sum over millions of elements drifts by ~1e-4 on CPU.
         squares += torch.linalg.vector_norm(data, dtype=torch.float64).square().to(device)
-    # ZeRO-3 partitions every parameter, so all ranks of a group agree on `zero3`.
+    # ZeRO-3 partitions every parameter, so all ranks of a group agree on `zero3`. DeepSpeed
+    # partitions over the sequence-data-parallel group (the data-parallel one without Ulysses).
     if zero3:
         all_reduce_if_distributed(
-            squares, dist.ReduceOp.SUM, parallel_state.get_data_parallel_group()
+            squares, dist.ReduceOp.SUM, parallel_state.get_sequence_data_parallel_group()
         )
     # get_model_parallel_world_size() is Megatron's legacy name for the tensor-parallel size.
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -222,8 +223,8 @@ def optimizer_state_stats(optimizer: object, partitioned: bool) -> dict[str, flo
     largest = torch.stack(maxima).amax(0) if maxima else torch.zeros(4, dtype=torch.float64)
     total, largest = total.to(device), largest.to(device)
     groups = []
-    if partitioned:
-        groups.append(parallel_state.get_data_parallel_group())
+    if partitioned:  # over the ranks DeepSpeed partitions across (see params_l2_norm)
+        groups.append(parallel_state.get_sequence_data_parallel_group())
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         groups.append(parallel_state.get_tensor_model_parallel_group())
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:

@@ -76,7 +76,8 @@ def test_the_value_that_means_off_is_accepted(extra: str) -> None:
     [
         ("--use-tutel", "--use-tutel: Tutel's MoE kernels are not built here"),
         ("--num-experts-switch 4", "--num-experts-switch 4: Megatron-LM's SwitchMLP"),
-        ("--ds-sequence-parallel-size 4", "--ds-sequence-parallel-size 4: DeepSpeed-Ulysses"),
+        ("--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt: DeepSpeed's FPDT"),
+        ("--force-ds-sequence-parallel", "--force-ds-sequence-parallel: Ulysses attention"),
         ("--squared-relu", "--squared-relu: this GPT variant is not built here"),
         ("--DDP-impl FSDP", "--DDP-impl FSDP"),
         ("--tokenizer-type BertWordPieceCase", "--tokenizer-type BertWordPieceCase: not built"),

@@ -19,7 +19,7 @@ from megatron.arguments.validation import validate_args
 from tests.compat.scripts import SCRIPT_FILES, load_script, localized
 
 _CURRICULUM = '"curriculum_learning" is enabled, but sequence-length curriculum learning'
-_ULYSSES = "--ds-sequence-parallel-size 4: DeepSpeed-Ulysses sequence parallelism is not built"
+_FPDT = "--ds-sequence-parallel-fpdt: DeepSpeed's FPDT (chunked, offloaded Ulysses) is not built"
 # The scripts we refuse, and the start of the one line that says why.
 REFUSED = {
     "MoE__ds_pretrain_gpt_125M_dense_cl": _CURRICULUM,
@@ -27,9 +27,7 @@ REFUSED = {
     "rebase__ds_pretrain_gpt_1.3B_rope_slw": _CURRICULUM,
     # The script passes --fp16 while its config enables bf16 and disables fp16.
     "offload_pp__ds_pretrain_gpt_350M": '--fp16 (True) contradicts "fp16.enabled" (false)',
-    "sequence_parallel__ds_pretrain_gpt_1.3B_seq_parallel_32k": _ULYSSES,
-    "sequence_parallel__ds_pretrain_gpt_30B_seq_parallel_32k": _ULYSSES,
-    "sequence_parallel__ds_pretrain_gpt_6.7B_fpdt_32k": _ULYSSES,
+    "sequence_parallel__ds_pretrain_gpt_6.7B_fpdt_32k": _FPDT,
     "zero_bubble_pp__zbh1_pretrain_gpt_1.3b": "--enable-zbh1-pipeline: the zero-bubble",
 }
 NAMES = [os.path.splitext(os.path.basename(path))[0] for path in SCRIPT_FILES]
@@ -65,6 +63,7 @@ def test_script_parses_and_validates_or_is_refused_in_one_line(
     argv = script.argv
     # The parallel layout multiplies out to the script's world size.
     sizes = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    sizes *= args.ds_sequence_parallel_size
     assert sizes * args.data_parallel_size == script.world_size
     # Batch arithmetic as DeepSpeed will see it.
     assert args.global_batch_size == (
@@ -83,6 +82,11 @@ def test_script_parses_and_validates_or_is_refused_in_one_line(
         assert args.tokenizer_model == argv[argv.index("--tokenizer-model") + 1]
     if "--override-opt_param-scheduler" in argv:
         assert args.override_lr_scheduler
+    if name.startswith("sequence_parallel__"):
+        # DeepSpeed-Ulysses over 4 of the 8 ranks: 2 data-parallel replicas of 4 sequence parts;
+        # under ZeRO-3 each part's loss is scaled by 4 for DeepSpeed's averaging reduce-scatter.
+        assert (args.ds_sequence_parallel_size, args.data_parallel_size) == (4, 2)
+        assert args.sequence_parallel_loss_scale == (4 if args.zero_stage == 3 else 1)
     if name == "MoE__ds_pretrain_gpt_350M_PR-MoE32or64":
         # EP 64 over its 32-expert layers: as DeepSpeed before 0.7 ran the script, they
         # spread over 32 ranks (DeepSpeed 0.7+ would assert num_experts % ep_size == 0).

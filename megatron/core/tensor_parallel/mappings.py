@@ -259,3 +259,22 @@ def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor) -> torch.Tensor:
 def gather_split_1d_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """Reassemble the flat tensor split by `split_tensor_into_1d_equal_chunks`."""
     return _gather_first_dim(tensor)
+
+
+# DeepSpeed-Ulysses. Its attention all-to-alls are DeepSpeed's (`DistributedAttention`, which
+# `megatron.model.attention` wraps); these are the rest of what a sequence split needs.
+def this_ranks_sequence_part(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """This Ulysses rank's contiguous 1/S of `tensor` along `dim` (no communication; the
+    identity with one sequence-parallel rank). [b, s] -> [b, s/S] by default."""
+    world = parallel_state.get_sequence_parallel_world_size()
+    if world == 1:
+        return tensor
+    part = tensor.size(dim) // world
+    return tensor.narrow(dim, parallel_state.get_sequence_parallel_rank() * part, part)
+
+
+def all_reduce_sum_over_sequence_parallel(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place sum over the Ulysses sequence-parallel group (no autograd; reported values)."""
+    if parallel_state.get_sequence_parallel_world_size() > 1:
+        dist.all_reduce(tensor, group=parallel_state.get_sequence_parallel_group())
+    return tensor
