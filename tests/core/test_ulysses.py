@@ -1,0 +1,162 @@
+"""DeepSpeed-Ulysses (`--ds-sequence-parallel-size S`) against one process, over gloo.
+
+- Our attention layer with each of S ranks holding 1/S of the sequence (DeepSpeed's
+  `DistributedAttention` around our core) equals the same layer on the full sequence in one
+  process: each rank's output part, its input gradient part, and the weight gradients summed
+  over the S ranks (what DeepSpeed's engine reduces), for S = 2 and 4; causal (SDPA, and an
+  explicit mask with the unfused kernel), grouped-query attention with rotary positions, and
+  selective recomputation of the core.
+- The groups are Megatron-DeepSpeed's: S adjacent ranks per sequence group, data-parallel groups
+  of every S-th rank, one sequence-data-parallel group; refusals name the flags.
+- DeepSpeed is given the sequence-parallel queries only when S > 1 (it reads their presence
+  as Ulysses).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.config import ModelConfig
+from megatron.core import parallel_state
+from megatron.core.parallel_state import ParallelConfigError, generate_rank_groups
+from tests.core.spawn_checks import BODY
+
+SEQ, BATCH = 16, 2
+
+
+def _config(**overrides) -> ModelConfig:
+    settings = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=8,
+        vocab_size=128,
+        max_position_embeddings=SEQ,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    settings.update(overrides)
+    return ModelConfig(**settings)
+
+
+CASES = {
+    "causal GPT-2 attention": {},
+    "grouped-query attention with rotary positions": dict(
+        num_key_value_heads=4,
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        rotary_base=500000.0,
+    ),
+    "unfused kernel with an explicit causal mask": dict(attention_backend="unfused"),
+    "selective recomputation": dict(recompute_granularity="selective", num_key_value_heads=4),
+}
+
+
+def _run_layer(config: ModelConfig, hidden: torch.Tensor, grad: torch.Tensor, mask) -> tuple:
+    """(output, input grad, {param: grad}) of a fresh layer 1 on `hidden`, seeded alike."""
+    from megatron.model.transformer import ParallelAttention
+
+    torch.manual_seed(11)
+    layer = ParallelAttention(config, layer_number=1)
+    hidden = hidden.detach().requires_grad_()
+    output, bias = layer(hidden, mask)
+    output = output if bias is None else output + bias
+    output.backward(grad)
+    grads = {name: param.grad.clone() for name, param in layer.named_parameters()}
+    return output.detach(), hidden.grad, grads
+
+
+def _check_equals_one_process(case: dict, world: int) -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # DistributedAttention's deepspeed.comm
+    config = _config(**case)
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(SEQ, BATCH, config.hidden_size, generator=generator)  # [s, b, h]
+    grad = torch.randn(SEQ, BATCH, config.hidden_size, generator=generator)
+    mask = None
+    if config.attention_backend == "unfused":
+        mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]  # [1, 1, s, s]
+    parallel_state.initialize_model_parallel(1, 1, 1)
+    reference = _run_layer(config, hidden, grad, mask)
+    parallel_state.initialize_model_parallel(1, 1, world)
+    try:
+        rank = parallel_state.get_sequence_parallel_rank()
+        part = slice(rank * SEQ // world, (rank + 1) * SEQ // world)
+        output, hidden_grad, grads = _run_layer(config, hidden[part], grad[part], mask)
+    finally:
+        parallel_state.initialize_model_parallel(1, 1, 1)
+    torch.testing.assert_close(output, reference[0][part], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden_grad, reference[1][part], rtol=1e-5, atol=1e-6)
+    for name, value in grads.items():
+        dist.all_reduce(value)  # DeepSpeed's engine sums the sequence ranks' gradients
+        torch.testing.assert_close(value, reference[2][name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+SPAWN_WORLD_SIZES = [2, 4]
+CHECKS = {
+    world: {
+        f"S={world} {name}": (_check_equals_one_process, case, world)
+        for name, case in CASES.items()
+    }
+    for world in SPAWN_WORLD_SIZES
+}
+
+
+def spawn_body(checks, rank: int, world: int) -> None:
+    """Every check of this world size (each initializes its own groups)."""
+    try:
+        for name, (fn, *arguments) in CHECKS[world].items():
+            checks.run(name, fn, *arguments)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def spawned(spawned_suite):
+    """This module's outcomes in the session's worlds, by size."""
+    return spawned_suite[__name__]
+
+
+@pytest.mark.parametrize("world, name", [(w, n) for w, table in CHECKS.items() for n in table])
+def test_ulysses_attention_equals_one_process(spawned, world: int, name: str) -> None:
+    """Each check passed on every rank."""
+    spawned[world].assert_ok(name)
+
+
+@pytest.mark.parametrize("world", sorted(CHECKS))
+def test_spawned_body_ran_every_check(spawned, world: int) -> None:
+    """Nothing escaped the checks, and every check has a test."""
+    assert spawned[world].names() == set(CHECKS[world]), spawned[world].per_rank[0].get(BODY)
+
+
+def test_groups_are_megatron_deepspeeds() -> None:
+    """8 ranks at S=2: sequence groups of adjacent ranks, data groups of every second rank."""
+    groups = generate_rank_groups(8, 1, 1, 2)
+    assert groups["sequence"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["data"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups["sequence_data"] == [list(range(8))]
+    assert groups["model"] == [[rank] for rank in range(8)]  # no sequence peer counted twice
+    assert "sequence" not in generate_rank_groups(8, 2, 1)  # without Ulysses: no such groups
+
+
+@pytest.mark.parametrize(
+    "world, tp, pp, sp, words",
+    [
+        (8, 2, 1, 2, "--tensor-model-parallel-size 1"),
+        (8, 1, 2, 2, "--pipeline-model-parallel-size 1"),
+        (6, 1, 1, 4, "world size (6) is not divisible by --ds-sequence-parallel-size (4)"),
+        (8, 1, 1, 0, "--ds-sequence-parallel-size (0) must be at least 1"),
+    ],
+)
+def test_group_refusals_name_the_flags(world, tp, pp, sp, words) -> None:
+    with pytest.raises(ParallelConfigError) as error:
+        generate_rank_groups(world, tp, pp, sp)
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_deepspeed_sees_sequence_queries_only_under_ulysses() -> None:
+    """At S=1 the mpu has no sequence queries (DeepSpeed would take them as Ulysses)."""
+    assert parallel_state.deepspeed_mpu() is parallel_state.mpu
+    assert not hasattr(parallel_state.mpu, "get_sequence_parallel_group")
