@@ -45,7 +45,7 @@ def _require(args: argparse.Namespace, *flags: str) -> None:
 
 def _parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    sp = args.ds_sequence_parallel_size = getattr(args, "ds_sequence_parallel_size", 1) or 1
+    sp = args.ds_sequence_parallel_size = getattr(args, "ds_sequence_parallel_size", 1)
     if tp < 1 or pp < 1:
         raise ArgumentError(
             f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) "

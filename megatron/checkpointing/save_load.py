@@ -293,6 +293,25 @@ def _check_expert_split(saved: dict, args: argparse.Namespace, path: str) -> Non
         )
 
 
+def _check_zero_partitions(saved: dict, args: argparse.Namespace, found) -> None:  # noqa: ANN001
+    """Refuse, in one line, DeepSpeed optimizer state partitioned over another number of ranks
+    (data x Ulysses sequence parallel; ZeRO 1-3, and bf16 ZeRO-0's optimizer partitions too):
+    DeepSpeed would stop with a traceback. The weights load at any size, and a universal
+    checkpoint takes the optimizer state to any."""
+    partitioned = args.zero_stage > 0 or args.bf16
+    theirs = (saved.get("data_parallel_size") or 1) * (saved.get("ds_sequence_parallel_size") or 1)
+    ours = args.data_parallel_size * args.ds_sequence_parallel_size
+    if not partitioned or saved.get("data_parallel_size") is None or theirs == ours:
+        return
+    raise CheckpointError(
+        f"{found.directory} holds optimizer state partitioned over {theirs} data x sequence "
+        f"parallel rank(s), this run has {ours}: add --no-load-optim to load the weights only, "
+        "or convert it (python -m deepspeed.checkpoint.ds_to_universal --input_folder "
+        f"{found.directory} --output_folder {found.directory}_universal) and resume with "
+        "--universal-checkpoint"
+    )
+
+
 def _train_state(client: dict, iteration: int) -> TrainState:
     saved = dict(client.get("train_state") or {})
     if not saved:  # Megatron's own files: iteration at the top, sample counters in args
@@ -427,6 +446,8 @@ def load_checkpoint(model, optimizer, scheduler, args: argparse.Namespace):  # n
 
         if load_optimizer:
             _check_expert_split(args_dict(client.get("args")), args, path)
+            if not universal:
+                _check_zero_partitions(args_dict(client.get("args")), args, found)
         _, client = load_deepspeed(model, args.load, found.tag, load_optimizer)
         optimizer_loaded = load_optimizer
     elif found.layout == "deepspeed":
