@@ -1,5 +1,5 @@
-"""Machine facts the benchmarks print in their headers (for RESULTS.md), and how busy the
-machine was while they measured.
+"""Machine facts the benchmarks print in their headers (for RESULTS.md), how busy the
+machine was while they measured, and small helpers the multi-process benchmarks share.
 
 Imported by the benchmark scripts as a sibling module: `python benchmarks/X.py` puts this
 folder first on `sys.path`.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import socket
 
 # A timed step is disturbed when other processes used more than this many cores on average.
 OTHERS_MAX_CORES = 0.1
@@ -49,3 +50,38 @@ def other_cores(step: tuple[dict, ...] | list[dict]) -> float:
     (the `machine_busy_seconds()` delta) over its `step` = [start, end] window."""
     own = sum(r["own_cpu"] for r in step)
     return (step[0]["machine_cpu"] - own) / (step[0]["step"][1] - step[0]["step"][0])
+
+
+def undisturbed(steps: list) -> tuple[list, str]:
+    """The steps (each a tuple of every rank's record, as `other_cores` takes) during which
+    other processes used at most `OTHERS_MAX_CORES`, when at least 3 remain, else all of them;
+    and what was kept: "kept/total" or "all N (noisy)"."""
+    quiet = [step for step in steps if not other_cores(step) > OTHERS_MAX_CORES]
+    if len(quiet) >= 3:
+        return quiet, f"{len(quiet)}/{len(steps)}"
+    return steps, f"all {len(steps)} (noisy)"
+
+
+def describe_machine(processes: str) -> str:
+    """The header line: software versions, `processes` (how the benchmark runs), the CPU and
+    the load average now."""
+    import deepspeed
+    import torch
+
+    return (
+        f"python {platform.python_version()}, torch {torch.__version__}, deepspeed "
+        f"{deepspeed.__version__}, gloo, {processes}; cpu: {cpu_model()}, {os.cpu_count()} "
+        f"logical cores, {platform.machine()}; load average at start {load_average()}"
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for MASTER_PORT)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def format_ms(seconds: float) -> str:
+    """Seconds as whole milliseconds: "123 ms"."""
+    return f"{seconds * 1e3:.0f} ms"

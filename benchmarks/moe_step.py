@@ -48,8 +48,6 @@ import io
 import json
 import logging
 import os
-import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -67,11 +65,12 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from machine import (  # noqa: E402  (benchmarks/machine.py)
-    OTHERS_MAX_CORES,
-    cpu_model,
+    describe_machine,
+    format_ms,
+    free_port,
     load_average,
     machine_busy_seconds,
-    other_cores,
+    undisturbed,
 )
 
 import pretrain_gpt  # noqa: E402
@@ -90,9 +89,10 @@ PARTS = ("all-to-all", "all-reduce", "optimizer")
 class PartClock:
     """Wall seconds, calls and input bytes inside functions replaced from outside by timed
     wrappers: DeepSpeed's collectives (`deepspeed.comm.all_to_all_single`, what
-    `sharded_moe._AllToAll` calls; `deepspeed.comm.all_reduce`, the engine's gradient
-    all-reduce: both looked up on `deepspeed.comm` at every call) and `DeepSpeedEngine.step`
-    (at the accumulation boundary: clipping, AdamW, the LR schedule)."""
+    `sharded_moe._AllToAll` and DeepSpeed-Ulysses' `sequence.layer._SeqAllToAll` call;
+    `deepspeed.comm.all_reduce`, the engine's gradient all-reduce: both looked up on
+    `deepspeed.comm` at every call) and `DeepSpeedEngine.step` (at the accumulation boundary:
+    clipping, AdamW, the LR schedule)."""
 
     def __init__(self) -> None:
         import deepspeed.comm as comm
@@ -262,12 +262,9 @@ def worker(rank: int, setups: list[Setup], shape: dict, settings: dict, out_path
 
 def run(setups: list[Setup], shape: dict, settings: dict) -> dict:
     """Spawn the ranks: {"ranks": per rank {setup: records}, "sizes": {setup: counts}}."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        MASTER_PORT=str(free_port()),
         CUDA_VISIBLE_DEVICES="",  # CPU only, also on a GPU machine
         DS_ACCELERATOR="cpu",
         OMP_NUM_THREADS="1",
@@ -305,9 +302,7 @@ class Row:
 def summarize(setup: Setup, ranks: list[list[dict]], sizes: dict) -> Row:
     """Step times and the parts' shares of one setup from both ranks' records."""
     per_step = [step for step in zip(*ranks) if not step[0]["warmup"]]
-    quiet = [step for step in per_step if not other_cores(step) > OTHERS_MAX_CORES]
-    kept = f"{len(quiet)}/{len(per_step)}" if len(quiet) >= 3 else f"all {len(per_step)} (noisy)"
-    timed = quiet if len(quiet) >= 3 else per_step
+    timed, kept = undisturbed(per_step)
     steps, shares = {}, {part: [] for part in PARTS}
     for step in timed:
         seconds = max(r["step"][1] for r in step) - min(r["step"][0] for r in step)
@@ -325,10 +320,6 @@ def summarize(setup: Setup, ranks: list[list[dict]], sizes: dict) -> Row:
         first_losses=ranks[0][0]["losses"],
         kept=kept,
     )
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.0f} ms"
 
 
 def print_table(rows: list[Row], tokens: int) -> None:
@@ -354,7 +345,8 @@ def print_table(rows: list[Row], tokens: int) -> None:
         times, sizes, shares = row.steps.values(), row.sizes, row.shares
         print(
             f"| {row.setup.name} | {experts} | {sizes['parameters']:,} ({sizes['on each rank']:,}) "
-            f"| {sizes['active']:,} | {_ms(row.median)} | {_ms(min(times))}-{_ms(max(times))} "
+            f"| {sizes['active']:,} | {format_ms(row.median)} "
+            f"| {format_ms(min(times))}-{format_ms(max(times))} "
             f"| {tokens / row.median:,.0f} | {versus} | {shares['all-to-all']:.1%} "
             f"| {row.a2a_calls}, {row.a2a_megabytes:.1f} | {shares['all-reduce']:.1%} "
             f"| {shares['optimizer']:.1%} | {row.kept} |"
@@ -391,8 +383,6 @@ def parse_cli() -> argparse.Namespace:
 
 def main() -> None:
     """Run every setup in the same two processes, print the losses and the table."""
-    import deepspeed
-
     cli = parse_cli()
     shape = {
         name: getattr(cli, name)
@@ -409,12 +399,7 @@ def main() -> None:
     setups = setups_for(list(dict.fromkeys(cli.topk)), cli.experts)
     tokens = cli.micro_batch_size * cli.seq_length * RANKS
     print(f"command: python {' '.join(sys.argv)}")
-    print(
-        f"python {platform.python_version()}, torch {torch.__version__}, deepspeed "
-        f"{deepspeed.__version__}, gloo, {RANKS} processes x 1 torch thread; cpu: {cpu_model()}, "
-        f"{os.cpu_count()} logical cores, {platform.machine()}; load average at start "
-        f"{load_average()}"
-    )
+    print(describe_machine(f"{RANKS} processes x 1 torch thread"))
     print(
         f"model: {cli.num_layers} layers, hidden {cli.hidden_size}, {cli.num_attention_heads} "
         f"heads, seq {cli.seq_length}, micro-batch {cli.micro_batch_size} per rank, vocab "

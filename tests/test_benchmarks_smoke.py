@@ -114,3 +114,49 @@ def test_moe_step_quick_prints_every_setup() -> None:
         assert active[1] - active[0] == 2 * (64 * 4 + (int(k) - 1) * 64), active
     first = [line for line in lines if line.startswith("first step, moe-")]
     assert len(first) == 2 and all("moe loss" in line for line in first), first
+
+
+ULYSSES_SIZES = ("S=1", "S=2", "S=4")
+
+
+@pytest.mark.slow
+def test_ulysses_step_quick_prints_every_size() -> None:
+    """`benchmarks/ulysses_step.py --quick`: a row per S that parses; the first-step losses agree
+    with one process; the activations saved for backward shrink with S; the all-to-all is
+    counted under Ulysses only, with the volume the shapes give."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "ulysses_step.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    losses = [line for line in lines if line.startswith("first-step loss:")]
+    assert len(losses) == 1 and losses[0].endswith("-> OK"), losses
+    header = next(line for line in lines if line.startswith("| S |"))
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    rows = {}
+    for line in lines:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] in ULYSSES_SIZES:
+            rows[cells[0]] = dict(zip(columns, cells))
+    assert set(rows) == set(ULYSSES_SIZES), result.stdout
+    for name, row in rows.items():
+        size = int(name.removeprefix("S="))
+        assert len(row) == len(columns), row
+        assert re.fullmatch(r"\d+ ms", row["step (median)"]), row
+        assert float(row["tokens/s"].replace(",", "")) > 0
+        assert float(row["vs S=1 (per round; medians)"].split("x")[0].strip("*")) > 0
+        for share in ("all-to-all share", "all-reduce share", "optimizer step share"):
+            assert 0.0 <= _percent(row[share]) <= 1.0, row
+        calls, megabytes = row["all-to-all calls, MB per step and rank"].split(",")
+        # --quick: 2 layers x (q, k, v, context) x (forward, backward), each [256/S, 1, 64] fp32.
+        assert int(calls) == (0 if size == 1 else 16), row
+        expected = 0.0 if size == 1 else 16 * (256 // size) * 64 * 4 / 1e6
+        assert float(megabytes) == pytest.approx(expected, abs=0.05), row
+    activation = [float(rows[name]["activation MB per rank"]) for name in ULYSSES_SIZES]
+    assert activation[0] > activation[1] > activation[2] > 0, activation
