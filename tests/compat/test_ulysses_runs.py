@@ -25,24 +25,13 @@ import sys
 import pytest
 
 from tests.compat.scripts import SCRIPTS_DIR, load_script, localized, with_values
-from tests.compat.test_script_runs import _iteration_lines, _launch
+from tests.compat.test_script_runs import GLOBAL_BATCH, SEQ, TINY, _iteration_lines, _launch
 
-SEQ, GLOBAL_BATCH, ITERATIONS = 32, 4, 6
-TINY = {
-    "--num-layers": ["2"],
-    "--hidden-size": ["64"],
-    "--num-attention-heads": ["4"],
-    "--seq-length": [str(SEQ)],
-    "--max-position-embeddings": [str(SEQ)],
-    "--micro-batch-size": ["1"],
-    "--global-batch-size": [str(GLOBAL_BATCH)],
-    "--log-interval": ["1"],
+ITERATIONS = 6
+# The other script runs' tiny sizes, this file's 6-iteration token schedule, fp32, no dropout.
+ULYSSES_TINY = {
+    **TINY,
     "--eval-interval": ["1000"],
-    "--eval-iters": ["1"],
-    "--num-workers": ["0"],
-    "--split": ["90,10,0"],
-    "--make-vocab-size-divisible-by": ["128"],
-    "--lr": ["3e-3"],
     "--train-samples": [str(ITERATIONS * GLOBAL_BATCH)],
     "--train-tokens": [str(ITERATIONS * GLOBAL_BATCH * SEQ)],
     "--lr-warmup-tokens": [str(2 * GLOBAL_BATCH * SEQ)],
@@ -51,7 +40,6 @@ TINY = {
     "--use-flash-attn-triton": None,
     "--hidden-dropout": ["0"],
     "--attention-dropout": ["0"],
-    "--save-interval": ["1000"],
 }
 ZERO1 = "sequence_parallel__ds_pretrain_gpt_1.3B_seq_parallel_32k"
 ZERO3 = "sequence_parallel__ds_pretrain_gpt_30B_seq_parallel_32k"
@@ -63,7 +51,7 @@ def _argv(name: str, scratch: str, dataset: str, sequence_parallel: int, **extra
     script = load_script(os.path.join(SCRIPTS_DIR, name + ".json"))
     config = {key: value for key, value in script.ds_config.items() if key != "fp16"}
     config.update(train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu=1)
-    sizes = {**TINY, "--ds-sequence-parallel-size": [str(sequence_parallel)]}
+    sizes = {**ULYSSES_TINY, "--ds-sequence-parallel-size": [str(sequence_parallel)]}
     script = dataclasses.replace(script, argv=with_values(script.argv, sizes), ds_config=config)
     return with_values(localized(script, dataset, scratch), extra)
 
