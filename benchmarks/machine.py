@@ -7,6 +7,7 @@ folder first on `sys.path`.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import socket
@@ -85,3 +86,25 @@ def free_port() -> int:
 def format_ms(seconds: float) -> str:
     """Seconds as whole milliseconds: "123 ms"."""
     return f"{seconds * 1e3:.0f} ms"
+
+
+# The GPT shape flags the training-step benchmarks share (their dests, in this order).
+MODEL_SHAPE = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "micro_batch_size",
+    "vocab_size",
+)
+
+
+def add_model_shape_flags(parser: argparse.ArgumentParser, **defaults: int) -> None:
+    """`--num-layers` ... `--vocab-size` (every name of `MODEL_SHAPE`), with `defaults`."""
+    for name in MODEL_SHAPE:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=defaults[name])
+
+
+def model_shape(cli: argparse.Namespace) -> dict[str, int]:
+    """The `MODEL_SHAPE` values of parsed benchmark flags."""
+    return {name: getattr(cli, name) for name in MODEL_SHAPE}

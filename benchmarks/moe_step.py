@@ -65,11 +65,13 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from machine import (  # noqa: E402  (benchmarks/machine.py)
+    add_model_shape_flags,
     describe_machine,
     format_ms,
     free_port,
     load_average,
     machine_busy_seconds,
+    model_shape,
     undisturbed,
 )
 
@@ -358,12 +360,15 @@ def parse_cli() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--experts", type=int, default=8, help="experts per MoE layer")
     parser.add_argument("--topk", nargs="+", type=int, choices=[1, 2], default=[1, 2])
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-attention-heads", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--vocab-size", type=int, default=1024)
+    add_model_shape_flags(
+        parser,
+        num_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        seq_length=128,
+        micro_batch_size=4,
+        vocab_size=1024,
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds")
     parser.add_argument("--seed", type=int, default=1234)
@@ -384,17 +389,7 @@ def parse_cli() -> argparse.Namespace:
 def main() -> None:
     """Run every setup in the same two processes, print the losses and the table."""
     cli = parse_cli()
-    shape = {
-        name: getattr(cli, name)
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "seq_length",
-            "micro_batch_size",
-            "vocab_size",
-        )
-    }
+    shape = model_shape(cli)
     settings = {"warmup": cli.warmup, "rounds": cli.rounds, "seed": cli.seed}
     setups = setups_for(list(dict.fromkeys(cli.topk)), cli.experts)
     tokens = cli.micro_batch_size * cli.seq_length * RANKS

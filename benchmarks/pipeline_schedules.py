@@ -79,9 +79,11 @@ if REPO_ROOT not in sys.path:
 
 from machine import (  # noqa: E402  (benchmarks/machine.py)
     OTHERS_MAX_CORES,
+    add_model_shape_flags,
     cpu_model,
     load_average,
     machine_busy_seconds,
+    model_shape,
     other_cores,
 )
 
@@ -398,12 +400,15 @@ def parse_cli() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--microbatches", nargs="+", type=int, default=[4, 8])
-    parser.add_argument("--num-layers", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-attention-heads", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--vocab-size", type=int, default=1024)
+    add_model_shape_flags(
+        parser,
+        num_layers=8,
+        hidden_size=256,
+        num_attention_heads=4,
+        seq_length=128,
+        micro_batch_size=4,
+        vocab_size=1024,
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per layout and m")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per layout and m")
     parser.add_argument("--repeats", type=int, default=2, help="runs of the layout sequence")
@@ -429,7 +434,7 @@ def parse_cli() -> argparse.Namespace:
 def main() -> None:
     """Run every layout (the repeats pooled), check the losses, print the table."""
     cli = parse_cli()
-    shape = {name: getattr(cli, name) for name in (*MODEL_FLAGS, "vocab_size")}
+    shape = model_shape(cli)
     settings = {key: getattr(cli, key) for key in ("microbatches", "warmup", "steps", "seed")}
     print(f"command: python {' '.join(sys.argv)}")
     print(

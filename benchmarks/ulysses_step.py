@@ -71,11 +71,13 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from machine import (  # noqa: E402  (benchmarks/machine.py)
+    add_model_shape_flags,
     describe_machine,
     format_ms,
     free_port,
     load_average,
     machine_busy_seconds,
+    model_shape,
     undisturbed,
 )
 from moe_step import PARTS, PartClock  # noqa: E402  (benchmarks/moe_step.py)
@@ -377,12 +379,15 @@ def parse_cli() -> argparse.Namespace:
     """The benchmark's own flags."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", nargs="+", type=int, default=[1, 2, 4], help="values of S")
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--vocab-size", type=int, default=1024)
+    add_model_shape_flags(
+        parser,
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=8,
+        seq_length=2048,
+        micro_batch_size=1,
+        vocab_size=1024,
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds")
     parser.add_argument("--seed", type=int, default=1234)
@@ -408,17 +413,7 @@ def parse_cli() -> argparse.Namespace:
 def main() -> None:
     """Run every S in its own world, print the first-step losses and the table."""
     cli = parse_cli()
-    shape = {
-        name: getattr(cli, name)
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "seq_length",
-            "micro_batch_size",
-            "vocab_size",
-        )
-    }
+    shape = model_shape(cli)
     settings = {"warmup": cli.warmup, "rounds": cli.rounds, "seed": cli.seed}
     tokens = cli.micro_batch_size * cli.seq_length
     cores = os.cpu_count() or 1
