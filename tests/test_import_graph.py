@@ -10,11 +10,13 @@ own package, or any package of a lower layer; nothing else:
 
 - entry: `pretrain()` (`megatron.training.training`, and the `megatron.training` namespace
   that exports it), `megatron.doctor`, `megatron.text_generation`: they run the program.
-- initialize: `megatron.initialize`, which parses the flags and starts torch.distributed.
+- initialize: `megatron.initialize`, which parses the flags and starts torch.distributed, and
+  `megatron.dry_run`, which parses them and plans the job instead.
 - arguments: `megatron.arguments.*`: parser, validation, ds_config (it checks the flags with
   the training schedules, so it sits above them).
 - training: the rest of `megatron.training.*`: loop, steps, optimizer, schedules, monitor.
-- checkpointing: `megatron.checkpointing.*`.
+- checkpointing, planning: `megatron.checkpointing.*`, and `megatron.planning.*` (the
+  `--dry-run` model, which reads the validated flags).
 - model, data: `megatron.model.*`, `megatron.data.*`.
 - tokenizer: `megatron.tokenizer.*` (the data tools encode with it).
 - core: `megatron.core.*`.
@@ -44,10 +46,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "megatron.text_generation",
         ),
     ),
-    ("initialize", ("megatron.initialize",)),
+    ("initialize", ("megatron.initialize", "megatron.dry_run")),
     ("arguments", ("megatron.arguments",)),
     ("training", ("megatron.training",)),
-    ("checkpointing", ("megatron.checkpointing",)),
+    ("checkpointing, planning", ("megatron.checkpointing", "megatron.planning")),
     ("model, data", ("megatron.model", "megatron.data")),
     ("tokenizer", ("megatron.tokenizer",)),
     ("core", ("megatron.core",)),
@@ -217,8 +219,8 @@ def test_the_checks_catch_a_circle_and_an_upward_import() -> None:
         "megatron.new_module": set(),
     }
     assert direction_errors(upward) == [
-        "megatron.checkpointing.save_load (checkpointing) imports megatron.training.loop "
-        "(training)",
+        "megatron.checkpointing.save_load (checkpointing, planning) imports "
+        "megatron.training.loop (training)",
         "megatron.core.parallel_state imports tools.checkpoint.reshard: megatron never imports "
         "code above it",
         "megatron.model.gpt_model imports its sibling part megatron.data.gpt_dataset",

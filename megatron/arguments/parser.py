@@ -40,6 +40,7 @@ FLAG_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     model_flags.add_data_flags,
     run_flags.add_checkpointing_flags,
     run_flags.add_logging_flags,
+    run_flags.add_dry_run_flags,
     parallel_flags.add_distributed_flags,
     parallel_flags.add_deepspeed_flags,
     moe_flags.add_moe_flags,
@@ -101,9 +102,12 @@ def parse_args(
     args = parser.parse_args(argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if getattr(args, "dry_run", False) and args.dry_run_world_size is not None:
+        world_size = args.dry_run_world_size  # a plan for that many ranks, from one process
     try:
         args = validate_args(args, world_size, typed_flags(parser, argv))
-        check_precision_on_this_machine(args)  # the devices, apart from the flags' logic
+        if not args.dry_run:  # a dry run plans for the job's devices, not this machine's
+            check_precision_on_this_machine(args)  # the devices, apart from the flags' logic
         return args
     except ArgumentError as error:
         parser.exit(2, f"error: {error}\n")

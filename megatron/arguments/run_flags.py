@@ -304,6 +304,38 @@ def add_checkpointing_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_dry_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The planner's flags: `--dry-run` and where and for whom it plans."""
+    group = parser.add_argument_group("dry run (plan without training)")
+    group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Validate the flags and DeepSpeed config as a real run would, then print each "
+        "rank's predicted peak memory (weights, gradients, optimizer, activations, buffers), "
+        "communication bytes per iteration and FLOPs, and exit: no device, data files or "
+        "process group needed.",
+    )
+    group.add_argument(
+        "--dry-run-world-size",
+        type=int,
+        default=None,
+        help="Plan for a job of N ranks (default: the launcher's WORLD_SIZE, else 1).",
+    )
+    group.add_argument(
+        "--dry-run-json",
+        default=None,
+        metavar="PATH",
+        help="Also write the plan as JSON to PATH (one entry per global rank).",
+    )
+    group.add_argument(
+        "--dry-run-device",
+        default=None,
+        metavar="NAME",
+        help="Judge the plan on this accelerator (H100, H200, A100-80GB, A100-40GB, L40S, ...): "
+        "whether each rank fits, a roofline step time and MFU, and changes that make it fit.",
+    )
+
+
 def add_logging_flags(parser: argparse.ArgumentParser) -> None:
     """The logging flags."""
     group = parser.add_argument_group("logging and evaluation")

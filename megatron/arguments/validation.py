@@ -405,6 +405,19 @@ def _backend(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--distributed-timeout-minutes {timeout:g}: must be above 0")
 
 
+def _dry_run(args: argparse.Namespace) -> None:
+    """A dry run plans for the job's machines, not this one: the data files, run directories
+    and devices the job will have need not exist here (nor are any created)."""
+    if args.dry_run_world_size is not None and args.dry_run_world_size < 1:
+        raise ArgumentError(
+            f"--dry-run-world-size must be at least 1, not {args.dry_run_world_size}"
+        )
+    args.train_data_corpus = None
+    if getattr(args, "train_data", None):
+        args.data_path = list(args.train_data)
+    args.distributed_backend = args.distributed_backend or "nccl"
+
+
 def _deepspeed_config(args: argparse.Namespace, explicit_flags: set[str] | None) -> str:
     if explicit_flags is None:
         # A namespace built in code has no command line: whatever it sets counts as given.
@@ -458,9 +471,12 @@ def validate_args(
     if args.deepspeed:
         settle_gradient_accumulation_dtype(args, args.deepspeed_config_dict, config_source)
     _schedule(args)
-    _data_files(args)
-    _run_directories(args)
-    _backend(args)
+    if getattr(args, "dry_run", False):
+        _dry_run(args)
+    else:
+        _data_files(args)
+        _run_directories(args)
+        _backend(args)
     args.params_dtype = model_params_dtype(args)
     if args.deepspeed:
         args.deepspeed_config_notes += set_aside_unused_sections(

@@ -90,3 +90,64 @@ def model_size_report(config: ModelConfig, seq_length: int) -> str:
         f" > model: {total:,} parameters ({without_embeddings:,} without embeddings{active}), "
         f"{flops / 1e9:.3f} GFLOPs per token for training at sequence length {seq_length}"
     )
+
+
+def _split(width: int, parts: int) -> int:
+    return -(-width // parts)  # a shard's width; padded vocabularies divide exactly
+
+
+def layer_parameters_per_rank(config: ModelConfig, tp: int, experts: int = 1, ep: int = 1) -> int:
+    """Parameters one tensor-parallel rank holds of one transformer layer.
+
+    Column-parallel weights and biases (query_key_value, dense_h_to_4h) and row-parallel
+    weights (dense, dense_4h_to_h) are split over `tp`; row-parallel biases and norms are
+    whole on every rank. An MoE layer's rank holds experts / `ep` experts (each split over
+    `tp` only with expert tensor parallelism) and the whole gate.
+    """
+    h, proj = config.hidden_size, config.projection_size
+    qkv = proj + 2 * config.kv_projection_size
+    bias = config.add_bias_linear
+    norm = h if config.normalization == "rmsnorm" else 2 * h
+    attention = _split(h * qkv, tp) + _split(proj, tp) * h
+    attention += (_split(qkv, tp) + h) if bias else 0
+    ffn = config.ffn_hidden_size
+    mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
+
+    def mlp(parts: int) -> int:
+        return (
+            h * _split(mlp_in, parts)
+            + _split(ffn, parts) * h
+            + (_split(mlp_in, parts) + h if bias else 0)
+        )
+
+    total = 2 * norm + attention
+    if experts == 1:
+        return total + mlp(tp)
+    expert_tp = tp if config.moe.expert_tensor_parallel else 1
+    total += _split(experts, min(ep, experts)) * mlp(expert_tp) + h * experts
+    if config.moe.residual:
+        total += mlp(tp) + 2 * h + 2
+    return total
+
+
+def stage_parameters_per_rank(
+    config: ModelConfig, tp: int, layers: range, first: bool, last: bool, ep: int = 1
+) -> dict[str, int]:
+    """Parameters one rank of a pipeline stage holds, by part: `embedding` (first stage:
+    word embeddings split over `tp`, the whole position table), `layers` (the global
+    1-based layer numbers in `layers`), `head` (last stage: the final norm and the untied
+    output layer, or with tied embeddings on a stage without them, Megatron's copy)."""
+    h = config.hidden_size
+    experts = _experts(config)
+    parts = {"embedding": 0, "layers": 0, "head": 0}
+    word = _split(config.vocab_size, tp) * h
+    if first:
+        parts["embedding"] = word
+        if config.position_embedding_type == "learned_absolute":
+            parts["embedding"] += config.max_position_embeddings * h
+    parts["layers"] = sum(layer_parameters_per_rank(config, tp, experts[n - 1], ep) for n in layers)
+    if last:
+        parts["head"] = h if config.normalization == "rmsnorm" else 2 * h
+        if config.untie_embeddings_and_output_weights or not first:
+            parts["head"] += word
+    return parts

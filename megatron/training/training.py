@@ -24,6 +24,7 @@ from megatron.checkpointing import TrainState
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import PipelineRunner, initialize_tied_embedding
 from megatron.data.samplers import build_pretraining_data_loader
+from megatron.dry_run import dry_run_requested, predicted_peak_line, run_dry_run
 from megatron.initialize import initialize_megatron
 from megatron.model.pipeline_chunks import activation_shape
 from megatron.tokenizer import build_tokenizer
@@ -291,9 +292,13 @@ def pretrain(
     extra_args_provider: Callable | None = None,
     args_defaults: dict | None = None,
     argv: Sequence[str] | None = None,
-) -> TrainState:
-    """Megatron's `pretrain`: initialize, set up, train, evaluate, save. Returns the state."""
+) -> TrainState | None:
+    """Megatron's `pretrain`: initialize, set up, train, evaluate, save. Returns the state
+    (None after `--dry-run`, which plans the job and trains nothing)."""
     start = time.time()
+    if dry_run_requested(argv):
+        run_dry_run(argv, extra_args_provider, args_defaults)
+        return None
     args = initialize_megatron(extra_args_provider, args_defaults, argv)
     stack_dir = args.save or args.tensorboard_dir or "."
     with collective_failures_reported(stack_dir, args.distributed_timeout_minutes):
@@ -313,6 +318,7 @@ def _set_up_and_train(
     tokenizer = build_tokenizer(args)  # sets args.padded_vocab_size
     args.eod_token_id = tokenizer.eod
     args.true_vocab_size = tokenizer.vocab_size  # saved in checkpoints for the conversion tools
+    print_rank_0(predicted_peak_line(args, current_device().type))
     # --log-timers-to-tensorboard asks for the timers whatever --timing-log-level says (which
     # no Megatron-DeepSpeed script sets): time at level 1 at least; print only at the flag's.
     timer_level = max(args.timing_log_level, 1 if args.log_timers_to_tensorboard else 0)

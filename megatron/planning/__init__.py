@@ -1,0 +1,11 @@
+"""The `--dry-run` planner: each rank's peak memory, communication bytes, FLOPs and a roofline
+step time, from the validated flags and a small device table; it needs no device.
+
+- `inputs.py`: `PlanInputs`, the job as the planner sees it (typed once from the flags);
+- `layout.py`: rank roles (parameters, layers, micro-batches in flight per pipeline stage);
+- `activations.py`, `memory.py`: what each rank holds, and its peak;
+- `communication.py`: collective payload bytes per iteration, by kind;
+- `devices.py`, `roofline.py`: known GPUs; step time and MFU;
+- `suggestions.py`: changes that shrink a rank's peak;
+- `plan.py`: `build_plan`, `format_plan`, and the JSON of `--dry-run-json`.
+"""

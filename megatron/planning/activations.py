@@ -1,0 +1,190 @@
+"""Activation memory: what autograd keeps per layer and micro-batch, and the logits' working set.
+
+Counted from what our layers save for backward (checked against
+`torch.autograd.graph.saved_tensors_hooks` in tests/planning/test_activations.py), per
+micro-batch of b sequences of s tokens on one tensor-parallel rank, with T = s x b tokens,
+T' = T / tp in the sequence-parallel regions (norms, dropout, residual) under
+`--sequence-parallel`, else T:
+
+- each norm's input (T' x h, residual dtype) and statistics; its output as the next
+  matmul's input (T x h, compute dtype: gathered again under sequence parallelism);
+- query/key/value (T x (np + 2 nkv) hn / tp), the attention output (T x np hn / tp), and
+  the softmax statistics; with the unfused kernel, or torch's math kernel (which CPU
+  attention with dropout falls back to), the b x np/tp x s x s probabilities, their dropout
+  mask and the dropped probabilities;
+- the MLP's first output (T x ffn / tp, or 2 ffn with SwiGLU) and activation output;
+- a dropout mask (T' x h; bool on GPUs) after attention, after the MLP and after the
+  embedding.
+
+Megatron's accounting (Korthikanti et al. 2022, "Reducing Activation Recomputation", eq. 2:
+s b h (34 + 5 a s / h) bytes per layer in fp16) counts the same tensors; ours differ where
+our kernels do (fused attention keeps no s x s tensor; the plain path's residual stream
+is fp32 under autocast; sequence parallelism keeps the gathered matmul input).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.config import ModelConfig
+from megatron.planning.inputs import PlanInputs
+
+_FP32 = 4
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes per element of the tensors a layer saves, by role."""
+
+    residual: int
+    """The residual stream, norm inputs and dropout masks (the parameters' dtype)."""
+    compute: int
+    """Matmul inputs and outputs (half precision under --bf16/--fp16)."""
+    activation_input: int
+    """The MLP activation's input: fp32 under autocast unless the bias-GeLU kernel is fused
+    (eager CPU adds the fp32 bias first and keeps the sum)."""
+    mask: int
+    """A dropout mask: bool on GPUs (torch's fused dropout), the input's dtype on CPUs."""
+
+
+def dtypes(inputs: PlanInputs) -> Dtypes:
+    """The saved tensors' element sizes on this job's path."""
+    gpu = inputs.device_type == "cuda"
+    if inputs.precision == "fp32":
+        return Dtypes(_FP32, _FP32, _FP32, 1 if gpu else _FP32)
+    if inputs.deepspeed:  # half-precision parameters: everything half
+        return Dtypes(2, 2, 2, 1 if gpu else 2)
+    # fp32 parameters under torch.autocast.
+    fused_gelu = gpu and inputs.model.bias_gelu_fusion and inputs.model.activation != "swiglu"
+    return Dtypes(_FP32, 2, 2 if fused_gelu else _FP32, 1 if gpu else _FP32)
+
+
+def _math_attention(inputs: PlanInputs) -> bool:
+    """Whether attention materializes s x s probabilities (no fused kernel covers it)."""
+    config = inputs.model
+    if config.attention_backend == "unfused":
+        return True
+    # On CPUs torch's fused SDPA kernel has no dropout: with attention dropout it runs the
+    # math kernel. On GPUs flash / memory-efficient attention handle dropout themselves.
+    return inputs.device_type == "cpu" and config.attention_dropout > 0.0
+
+
+def _math_attention_bytes(inputs: PlanInputs, b: int, heads: int) -> int:
+    """What the math attention kernel keeps: on CPUs it computes in fp32 (half inputs are
+    upcast), keeping the scaled query and key (and the value when upcast) and the
+    probabilities, their dropout mask and the dropped probabilities."""
+    s = inputs.seq_length
+    probabilities = b * (heads // inputs.sp) * s * s * _FP32
+    kept = 3 if inputs.model.attention_dropout > 0.0 else 1
+    copies = 2 if dtypes(inputs).compute == _FP32 else 3
+    width = inputs.model.projection_size // inputs.tp
+    return kept * probabilities + copies * (s // inputs.sp) * b * width * _FP32
+
+
+def layer_bytes(inputs: PlanInputs, kept: bool = True) -> int:
+    """Bytes one transformer layer keeps for backward for one micro-batch on one rank.
+
+    `kept=False`: under full recomputation, what a recomputed layer keeps (nothing but a
+    group's input, counted by `stage_activation_bytes`).
+    """
+    if not kept:
+        return 0
+    config, tp = inputs.model, inputs.tp
+    size = dtypes(inputs)
+    s = inputs.seq_length // inputs.sp
+    b = inputs.micro_batch
+    tokens = s * b
+    region = tokens // tp if config.sequence_parallel else tokens
+    h = config.hidden_size
+    heads = config.num_attention_heads // tp
+    qkv = (config.projection_size + 2 * config.kv_projection_size) // tp
+    ffn = config.ffn_hidden_size // tp
+    mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
+    norm = region * h * size.residual + 2 * region * _FP32  # input, mean and rstd
+    total = 2 * norm + 2 * tokens * h * size.compute  # two norms and their outputs
+    selective = config.recompute_granularity == "selective"
+    math = _math_attention(inputs) and not selective
+    if not (math and size.compute < _FP32):  # (the upcasting math kernel keeps fp32 copies)
+        total += tokens * qkv * size.compute  # query, key, value
+    # Ulysses: the core sees the whole sequence and np / S heads (same element count).
+    total += tokens * (config.projection_size // tp) * size.compute  # attention output
+    if math:
+        total += _math_attention_bytes(inputs, b, heads)
+    else:
+        total += b * heads * inputs.seq_length * _FP32  # softmax statistics (logsumexp)
+    total += tokens * mlp_in * size.activation_input + tokens * ffn * size.compute
+    if config.activation == "swiglu":
+        total += tokens * ffn * size.activation_input  # silu(gate), kept for the product
+    if config.hidden_dropout > 0.0:
+        total += 2 * region * h * size.mask  # masks after attention and after the MLP
+    return total
+
+
+def _recomputed_layers(config: ModelConfig, layers: int) -> tuple[int, int]:
+    """(layers recomputed in full, checkpointed groups) of a stage with `layers` layers."""
+    if config.recompute_granularity != "full":
+        return 0, 0
+    n = config.recompute_num_layers
+    if config.recompute_method == "block":
+        return min(n, layers), min(n, layers)
+    return layers, -(-layers // n)
+
+
+def stage_activation_bytes(inputs: PlanInputs, layers: int, first: bool, last: bool) -> int:
+    """Bytes one micro-batch leaves for backward on a stage with `layers` layers (without
+    the logits, see `logits_bytes`)."""
+    config = inputs.model
+    size = dtypes(inputs)
+    tokens = inputs.seq_length // inputs.sp * inputs.micro_batch
+    region = tokens // inputs.tp if config.sequence_parallel else tokens
+    h = config.hidden_size
+    recomputed, groups = _recomputed_layers(config, layers)
+    group_input = region * h * size.residual
+    if config.distribute_saved_activations:
+        group_input //= inputs.tp
+    total = (layers - recomputed) * layer_bytes(inputs) + groups * group_input
+    if first:
+        total += 2 * inputs.micro_batch * inputs.seq_length * 8  # token and position ids
+        if config.hidden_dropout > 0.0:
+            total += region * h * size.mask
+    if last:
+        # The final norm's input and statistics, its output (the output layer's input).
+        total += region * h * size.residual + 2 * region * _FP32 + tokens * h * size.compute
+    return total
+
+
+def autocast_copy_bytes(inputs: PlanInputs, layers: int, last: bool) -> int:
+    """torch.autocast's half-precision copies of the weights a stage's matmuls use, kept by
+    autograd until their backward: each of `layers` layers' four linear layers (a recomputed
+    layer casts again in its backward) and the output layer. One copy however many
+    micro-batches are in flight: the cast cache lives as long as the autocast region, which
+    spans a whole micro-batch (plain path) or the whole pipeline schedule."""
+    size = dtypes(inputs)
+    if size.compute >= size.residual:
+        return 0
+    recomputed, _ = _recomputed_layers(inputs.model, layers)
+    config, tp = inputs.model, inputs.tp
+    layers -= recomputed
+    h, proj = config.hidden_size, config.projection_size
+    ffn = config.ffn_hidden_size
+    mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
+    per_layer = h * (proj + 2 * config.kv_projection_size) + proj * h + h * mlp_in + ffn * h
+    total = layers * per_layer // tp
+    if last:
+        total += config.vocab_size // tp * h
+    return total * size.compute
+
+
+def logits_bytes(inputs: PlanInputs) -> int:
+    """What the loss keeps for backward: this rank's [s, b, V / tp] logits."""
+    tokens = inputs.seq_length // inputs.sp * inputs.micro_batch
+    return tokens * inputs.model.vocab_size // inputs.tp * dtypes(inputs).compute
+
+
+def logits_working_bytes(inputs: PlanInputs) -> int:
+    """The transient peak of the cross entropy over the kept logits: an fp32 working copy
+    of this rank's [s, b, V / tp] logits in the forward, and in the backward the fp32
+    softmax and the logits' gradient (in the compute dtype)."""
+    tokens = inputs.seq_length // inputs.sp * inputs.micro_batch
+    vocab = inputs.model.vocab_size // inputs.tp
+    return tokens * vocab * (_FP32 + dtypes(inputs).compute)

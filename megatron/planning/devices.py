@@ -1,0 +1,73 @@
+"""Known accelerators for `--dry-run-device`: memory, dense peak FLOP/s, link bandwidths.
+
+Figures are the vendors' datasheet numbers (dense, no sparsity): memory as usable by a
+process is a little less than the HBM size (the CUDA context and allocator take ~1-2 GB,
+which the plan keeps as headroom). `intra_node` is the per-GPU NVLink (or PCIe) bandwidth
+one way; `inter_node` the per-GPU network bandwidth of a typical cluster node (8 GPUs, one
+400 Gb/s NIC each for H100/H200, 200 Gb/s for A100). `gpus_per_node` decides which groups
+cross nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator's capacity as the roofline uses it."""
+
+    name: str
+    memory_bytes: float
+    bf16_flops: float
+    """Dense bf16/fp16 tensor-core peak, FLOP/s."""
+    fp32_flops: float
+    """fp32 peak (TF32 tensor cores where the device has them), FLOP/s."""
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    gpus_per_node: int = 8
+    reserved_bytes: float = 2 * _GB
+    """Held by the CUDA context, cuBLAS workspaces and the allocator's fragmentation."""
+
+    @property
+    def usable_bytes(self) -> float:
+        """Memory the plan may fill."""
+        return self.memory_bytes - self.reserved_bytes
+
+
+DEVICES: dict[str, Device] = {
+    device.name: device
+    for device in (
+        Device("H100", 80 * _GB, 989e12, 494e12, 450 * _GB, 50 * _GB),
+        Device("H100-PCIe", 80 * _GB, 756e12, 378e12, 64 * _GB, 50 * _GB),
+        Device("H200", 141 * _GB, 989e12, 494e12, 450 * _GB, 50 * _GB),
+        Device("A100-80GB", 80 * _GB, 312e12, 156e12, 300 * _GB, 25 * _GB),
+        Device("A100-40GB", 40 * _GB, 312e12, 156e12, 300 * _GB, 25 * _GB),
+        Device("L40S", 48 * _GB, 362e12, 183e12, 32 * _GB, 12.5 * _GB),
+        Device("A10G", 24 * _GB, 125e12, 31e12, 32 * _GB, 12.5 * _GB),
+        Device("V100-32GB", 32 * _GB, 125e12, 15.7e12, 150 * _GB, 12.5 * _GB),
+        Device("MI300X", 192 * _GB, 1307e12, 654e12, 448 * _GB, 50 * _GB),
+    )
+}
+
+# Spellings users type for the same parts.
+_ALIASES = {
+    "H100-SXM": "H100",
+    "H100-80GB": "H100",
+    "A100": "A100-80GB",
+    "A100-SXM": "A100-80GB",
+    "V100": "V100-32GB",
+}
+
+
+def find_device(name: str) -> Device:
+    """The table's entry for `name` (case-insensitive); ValueError naming the choices."""
+    wanted = name.strip().upper()
+    for known in list(DEVICES) + list(_ALIASES):
+        if known.upper() == wanted:
+            return DEVICES[_ALIASES.get(known, known)]
+    raise ValueError(
+        f"--dry-run-device {name}: not a known device; choose one of {', '.join(DEVICES)}"
+    )

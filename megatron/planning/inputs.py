@@ -1,0 +1,171 @@
+"""What a plan is computed from: the validated flags and DeepSpeed config, typed once.
+
+`PlanInputs.from_args` reads the namespace `parse_args` returns (the same validation as a
+real run) and DeepSpeed's own parse of the `zero_optimization` section, so bucket sizes and
+thresholds have DeepSpeed's defaults and spellings. Nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from megatron.config import ModelConfig
+
+# GPT-2's vocabulary size: the plan's vocabulary when the tokenizer's files are not here.
+GPT2_VOCAB_SIZE = 50257
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The `zero_optimization` values the memory and communication models read."""
+
+    stage: int = 0
+    reduce_bucket_size: int = 500_000_000
+    """Elements per gradient reduction bucket (DeepSpeed's default 5e8)."""
+    allgather_bucket_size: int = 500_000_000
+    """Elements per parameter all-gather bucket after a ZeRO-1/2 step."""
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    param_persistence_threshold: int = 100_000
+    """ZeRO-3: parameters with fewer elements stay whole on every rank."""
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    offload_optimizer: bool = False
+    """Optimizer states (and ZeRO's fp32 master weights) in host memory, not on the GPU."""
+    offload_param: bool = False
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """One training job as the planner sees it: model shape, layout, precision, engine."""
+
+    model: ModelConfig
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    sp: int
+    """DeepSpeed-Ulysses sequence-parallel size (`--ds-sequence-parallel-size`)."""
+    ep: int
+    virtual: int
+    """Model chunks per pipeline rank (interleaved 1F1B), else 1."""
+    micro_batch: int
+    seq_length: int
+    micro_batches: int
+    """Micro-batches per iteration on each data-parallel rank (gradient accumulation)."""
+    precision: str
+    """`fp32`, `bf16` or `fp16`."""
+    engine: str
+    """`plain` (DDP), `megatron-pipeline`, `deepspeed` or `deepspeed-pipeline`."""
+    zero: ZeroSettings
+    grad_accum_dtype: str
+    """The dtype micro-batch gradients are summed in (`fp32`, `bf16`, `fp16`)."""
+    device_type: str
+    """`cuda` or `cpu`: where the run's tensors live (decides the attention kernels)."""
+
+    @property
+    def zero_group(self) -> int:
+        """Ranks ZeRO partitions over: data parallel x Ulysses sequence parallel."""
+        return self.dp * self.sp
+
+    @property
+    def deepspeed(self) -> bool:
+        """Whether DeepSpeed's engine (either form) runs the step."""
+        return self.engine.startswith("deepspeed")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, device_type: str) -> PlanInputs:
+        """The plan's view of validated `args` on a machine with `device_type` tensors."""
+        config = ModelConfig.from_args(_with_vocabulary(args))
+        zero = _zero_settings(args)
+        if args.plain_pipeline:
+            engine = "megatron-pipeline"
+        elif args.deepspeed:
+            engine = "deepspeed-pipeline" if args.pipeline_parallel else "deepspeed"
+        else:
+            engine = "plain"
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        return cls(
+            model=config,
+            world_size=args.world_size,
+            tp=args.tensor_model_parallel_size,
+            pp=args.pipeline_model_parallel_size,
+            dp=args.data_parallel_size,
+            sp=getattr(args, "ds_sequence_parallel_size", 1) or 1,
+            ep=getattr(args, "moe_expert_parallel_size", 1) or 1,
+            virtual=getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
+            micro_batch=args.micro_batch_size,
+            seq_length=args.seq_length,
+            micro_batches=args.gradient_accumulation_steps,
+            precision=precision,
+            engine=engine,
+            zero=zero,
+            grad_accum_dtype=_grad_accum_dtype(args, precision),
+            device_type=device_type,
+        )
+
+
+def _with_vocabulary(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with `padded_vocab_size` set, as `build_tokenizer` sets it in a real run.
+
+    A dry run needs no files: with the tokenizer's files here the tokenizer is built (as
+    the run would), without them GPT-2's 50,257 tokens are assumed and the plan says so.
+    """
+    if getattr(args, "padded_vocab_size", None):
+        return args
+    from megatron.tokenizer.tokenizer import build_tokenizer, vocab_size_with_padding
+
+    files = [getattr(args, name, None) for name in ("vocab_file", "tokenizer_model")]
+    if any(path and os.path.exists(path) for path in files):
+        build_tokenizer(args)
+        return args
+    args.plan_notes = getattr(args, "plan_notes", []) + [
+        f"vocabulary: the tokenizer's files are not here; assumed GPT-2's {GPT2_VOCAB_SIZE:,} "
+        "tokens"
+    ]
+    args.padded_vocab_size = vocab_size_with_padding(
+        GPT2_VOCAB_SIZE,
+        getattr(args, "make_vocab_size_divisible_by", 128),
+        args.tensor_model_parallel_size,
+        verbose=False,
+    )
+    return args
+
+
+def _zero_settings(args: argparse.Namespace) -> ZeroSettings:
+    """DeepSpeed's own parse of the config's `zero_optimization` (its defaults, its aliases)."""
+    if not args.deepspeed:
+        return ZeroSettings()
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    section = dict((args.deepspeed_config_dict or {}).get("zero_optimization") or {})
+    section["stage"] = args.zero_stage
+    parsed = DeepSpeedZeroConfig(**section)
+
+    def offloaded(part: object) -> bool:
+        device = getattr(part, "device", None)
+        return part is not None and str(getattr(device, "value", device)) in ("cpu", "nvme")
+
+    return ZeroSettings(
+        stage=args.zero_stage,
+        reduce_bucket_size=int(parsed.reduce_bucket_size),
+        allgather_bucket_size=int(parsed.allgather_bucket_size),
+        overlap_comm=bool(parsed.overlap_comm),
+        contiguous_gradients=bool(parsed.contiguous_gradients),
+        param_persistence_threshold=int(parsed.param_persistence_threshold),
+        prefetch_bucket_size=int(parsed.prefetch_bucket_size),
+        max_live_parameters=int(parsed.max_live_parameters),
+        offload_optimizer=offloaded(parsed.offload_optimizer),
+        offload_param=offloaded(parsed.offload_param),
+    )
+
+
+def _grad_accum_dtype(args: argparse.Namespace, precision: str) -> str:
+    if not args.deepspeed or precision == "fp32":
+        return "fp32"  # the plain path keeps fp32 parameters and gradients under autocast
+    # As megatron.arguments.ds_config.gradient_accumulation_dtype reads the reconciled config.
+    types = (args.deepspeed_config_dict or {}).get("data_types") or {}
+    fp32 = types.get("grad_accum_dtype") in ("fp32", "float32", "float", "torch.float32")
+    return "fp32" if fp32 else precision

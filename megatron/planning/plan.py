@@ -1,0 +1,181 @@
+"""A plan: every rank's memory and communication, FLOPs, and on a named device the roofline.
+
+plan = build_plan(PlanInputs.from_args(args, "cuda"), device=find_device("H100"))
+print(format_plan(plan)); json.dump(plan.as_json(), file)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron.model.model_size import flops_per_token, num_parameters
+from megatron.planning.communication import rank_communication
+from megatron.planning.devices import Device
+from megatron.planning.inputs import PlanInputs
+from megatron.planning.layout import RankRole, rank_places, stage_roles
+from megatron.planning.memory import RankMemory, rank_memory
+from megatron.planning.roofline import StepEstimate, estimate_step
+
+_GIB = 1024**3
+
+# What the model does not predict, said in every plan.
+NOT_MODELLED = (
+    "not predicted: the CUDA context and allocator fragmentation (kept as the device's "
+    "headroom), the data loader's pinned batches, torch.compile's workspaces, MoE and "
+    "Ulysses all-to-all buffers, and on CPU the framework's own resident memory"
+)
+
+
+@dataclass
+class RolePlan:
+    """One pipeline stage's ranks: what they hold and send."""
+
+    role: RankRole
+    memory: RankMemory
+    communication: dict[str, int]
+
+
+@dataclass
+class Plan:
+    """The whole job's plan."""
+
+    inputs: PlanInputs
+    roles: list[RolePlan]
+    device: Device | None
+    estimate: StepEstimate | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest predicted peak of any rank."""
+        return max(role.memory.peak_bytes for role in self.roles)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether every rank fits the device (None without a device)."""
+        return None if self.device is None else self.peak_bytes <= self.device.usable_bytes
+
+    def as_json(self) -> dict:
+        """`--dry-run-json`: one entry per global rank, then the job's figures."""
+        ranks = []
+        for place in rank_places(self.inputs):
+            role = self.roles[place.pp_rank]
+            ranks.append(
+                {
+                    "rank": place.rank,
+                    "tp_rank": place.tp_rank,
+                    "pp_rank": place.pp_rank,
+                    "dp_rank": place.dp_rank,
+                    "sp_rank": place.sp_rank,
+                    "parameters": role.role.num_parameters,
+                    "layers": role.role.num_layers,
+                    "memory": role.memory.as_json(),
+                    "comm_bytes_per_iteration": dict(role.communication),
+                }
+            )
+        inputs = self.inputs
+        result = {
+            "world_size": inputs.world_size,
+            "layout": {
+                "tensor_parallel": inputs.tp,
+                "pipeline_parallel": inputs.pp,
+                "virtual_pipeline": inputs.virtual,
+                "data_parallel": inputs.dp,
+                "sequence_parallel_ulysses": inputs.sp,
+                "expert_parallel": inputs.ep,
+                "engine": inputs.engine,
+                "zero_stage": inputs.zero.stage,
+                "precision": inputs.precision,
+                "micro_batch_size": inputs.micro_batch,
+                "micro_batches_per_iteration": inputs.micro_batches,
+                "seq_length": inputs.seq_length,
+            },
+            "parameters": num_parameters(inputs.model),
+            "flops_per_iteration": flops_per_token(inputs.model, inputs.seq_length)
+            * inputs.seq_length
+            * inputs.micro_batch
+            * inputs.micro_batches
+            * inputs.dp,
+            "ranks": ranks,
+            "peak_bytes": self.peak_bytes,
+            "notes": list(self.notes) + [NOT_MODELLED],
+        }
+        if self.device is not None:
+            estimate = self.estimate
+            result["device"] = {
+                "name": self.device.name,
+                "usable_bytes": self.device.usable_bytes,
+                "fits": self.fits,
+                "step_seconds": estimate.step_s,
+                "mfu": estimate.mfu,
+                "tokens_per_second": estimate.tokens_per_s,
+                "bubble": estimate.bubble,
+            }
+        return result
+
+
+def build_plan(inputs: PlanInputs, device: Device | None = None, notes: list | None = None) -> Plan:
+    """Plan every pipeline stage of `inputs`; with `device`, the roofline of the busiest."""
+    roles = []
+    for role in stage_roles(inputs):
+        roles.append(RolePlan(role, rank_memory(inputs, role), rank_communication(inputs, role)))
+    estimate = None
+    if device is not None:
+        busiest = max(roles, key=lambda plan: plan.communication["total"])
+        estimate = estimate_step(inputs, busiest.communication, device)
+    return Plan(inputs, roles, device, estimate, list(notes or []))
+
+
+def _gib(count: float) -> str:
+    return f"{count / _GIB:.2f}"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as the dry run prints it: one block per stage, then the verdict."""
+    inputs = plan.inputs
+    lines = [
+        f"dry run: {inputs.world_size} ranks = TP {inputs.tp} x PP {inputs.pp}"
+        + (f" (x{inputs.virtual} virtual)" if inputs.virtual > 1 else "")
+        + f" x DP {inputs.dp}"
+        + (f" x Ulysses {inputs.sp}" if inputs.sp > 1 else "")
+        + f"; {inputs.engine}"
+        + (f" ZeRO-{inputs.zero.stage}" if inputs.deepspeed else "")
+        + f", {inputs.precision}, micro-batch {inputs.micro_batch} x {inputs.micro_batches}"
+        + f" per iteration, seq {inputs.seq_length}",
+        f"  model: {num_parameters(inputs.model):,} parameters, "
+        f"{flops_per_token(inputs.model, inputs.seq_length) / 1e9:.3f} GFLOPs per token",
+    ]
+    header = (
+        f"  {'stage':>5} {'params':>14} {'weights':>8} {'grads':>8} {'optim':>8} "
+        f"{'activ':>8} {'logits':>8} {'buffers':>8} {'PEAK GiB':>9} {'at':>8}  "
+        f"{'TP MB':>9} {'DP MB':>9} {'PP MB':>9}"
+    )
+    lines.append(header)
+    for role_plan in plan.roles:
+        memory, comm = role_plan.memory, role_plan.communication
+        lines.append(
+            f"  {role_plan.role.pp_rank:>5} {role_plan.role.num_parameters:>14,} "
+            f"{_gib(memory.weights):>8} {_gib(memory.gradients):>8} {_gib(memory.optimizer):>8} "
+            f"{_gib(memory.activations):>8} {_gib(memory.logits):>8} {_gib(memory.buffers):>8} "
+            f"{_gib(memory.peak_bytes):>9} {memory.peak_at:>8}  "
+            f"{comm['tensor_parallel'] / 1e6:>9.1f} {comm['data_parallel'] / 1e6:>9.1f} "
+            f"{comm['pipeline'] / 1e6:>9.1f}"
+        )
+    lines.append(
+        "  (memory in GiB per rank of each pipeline stage; communication in MB per rank and "
+        "iteration, payloads handed to the collectives)"
+    )
+    if plan.device is not None:
+        estimate = plan.estimate
+        verdict = "fits" if plan.fits else "DOES NOT FIT"
+        lines.append(
+            f"  {plan.device.name}: peak {_gib(plan.peak_bytes)} GiB of "
+            f"{_gib(plan.device.usable_bytes)} GiB usable -> {verdict}; "
+            f"estimated step {estimate.step_s:.3f} s (compute {estimate.compute_s:.3f} s, "
+            f"communication {estimate.communication_s:.3f} s, bubble "
+            f"{estimate.bubble:.1%}), MFU {estimate.mfu:.1%}, "
+            f"{estimate.tokens_per_s:,.0f} tokens/s"
+        )
+    for note in plan.notes + [NOT_MODELLED]:
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)

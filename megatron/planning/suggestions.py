@@ -1,0 +1,193 @@
+"""Changes that shrink a rank's peak: ZeRO stage, recomputation, micro-batch, TP, PP.
+
+Each `Change` is what a user would edit: flags to set (or remove) on the command line and,
+when the DeepSpeed config file holds the same setting, the keys to change there, so the
+flags and the config still agree. `candidate_changes` lists those that apply to a job;
+the dry run plans each (and pairs of them when no single one fits) and prints those that fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from megatron.planning.inputs import PlanInputs
+
+# Tensor parallelism beyond one node's GPUs crosses the network on every layer.
+MAX_TENSOR_PARALLEL = 8
+
+
+@dataclass(frozen=True)
+class Change:
+    """One edit of the job: `flags` (value None: a switch to add; False: a flag to remove)
+    and `config` (top-level or nested keys of the DeepSpeed config to set)."""
+
+    description: str
+    flags: dict[str, str | None | bool]
+    config: dict = field(default_factory=dict)
+
+
+def _config_has(config: dict | None, *keys: str) -> bool:
+    node = config or {}
+    for key in keys:
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def _zero_changes(inputs: PlanInputs, raw_config: dict | None) -> list[Change]:
+    changes = []
+    stages = range(inputs.zero.stage + 1, 4)
+    if inputs.engine == "deepspeed-pipeline":
+        stages = range(inputs.zero.stage + 1, 2)  # DeepSpeed's pipeline engine: ZeRO 0-1
+    if inputs.deepspeed:
+        for stage in stages:
+            flags: dict[str, str | None | bool] = {"--zero-stage": str(stage)}
+            if stage >= 2 and inputs.engine == "deepspeed" and inputs.pp == 1:
+                flags["--no-pipeline-parallel"] = None
+            config = {"zero_optimization": {"stage": stage}}
+            changes.append(
+                Change(
+                    f"ZeRO stage {stage}",
+                    flags,
+                    config if _config_has(raw_config, "zero_optimization", "stage") else {},
+                )
+            )
+    elif inputs.pp == 1:
+        for stage in (1, 2, 3):
+            changes.append(
+                Change(
+                    f"DeepSpeed ZeRO stage {stage}",
+                    {
+                        "--deepspeed": None,
+                        "--no-pipeline-parallel": None,
+                        "--zero-stage": str(stage),
+                    },
+                )
+            )
+    return changes
+
+
+def _recompute_changes(inputs: PlanInputs) -> list[Change]:
+    granularity = inputs.model.recompute_granularity
+    changes = []
+    if granularity is None:
+        changes.append(Change("selective recomputation", {"--recompute-activations": None}))
+    if granularity != "full":
+        changes.append(
+            Change(
+                "full recomputation",
+                {
+                    "--recompute-activations": False,
+                    "--recompute-granularity": "full",
+                    "--recompute-method": "uniform",
+                    "--recompute-num-layers": "1",
+                },
+            )
+        )
+    return changes
+
+
+def _batch_keys(raw_config: dict | None, micro_batch: int, accumulation: int, total: int) -> dict:
+    """The config's batch keys that must move with a new micro-batch or accumulation."""
+    wanted = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": total,
+    }
+    return {key: value for key, value in wanted.items() if _config_has(raw_config, key)}
+
+
+def candidate_changes(
+    inputs: PlanInputs, args: argparse.Namespace, raw_config: dict | None
+) -> list[Change]:
+    """Every single change that could lower this job's peak, without changing its global
+    batch or its model."""
+    changes = _zero_changes(inputs, raw_config) + _recompute_changes(inputs)
+    global_batch = str(args.global_batch_size)
+    b, m = inputs.micro_batch, inputs.micro_batches
+    if b > 1 and b % 2 == 0:
+        changes.append(
+            Change(
+                f"micro-batch {b // 2} with {2 * m} accumulation steps",
+                {"--micro-batch-size": str(b // 2), "--global-batch-size": global_batch},
+                _batch_keys(raw_config, b // 2, 2 * m, args.global_batch_size),
+            )
+        )
+    config, world = inputs.model, inputs.world_size
+    per_replica = inputs.tp * inputs.pp * inputs.sp
+    accumulation = _batch_keys(raw_config, b, 2 * m, args.global_batch_size)
+    tp = 2 * inputs.tp
+    if (
+        inputs.sp == 1
+        and tp <= MAX_TENSOR_PARALLEL
+        and config.num_attention_heads % tp == 0
+        and config.num_key_value_heads % tp == 0
+        and world % (per_replica * 2) == 0
+        and inputs.dp >= 2
+    ):
+        changes.append(
+            Change(
+                f"tensor parallel {tp} with sequence parallelism",
+                {
+                    "--tensor-model-parallel-size": str(tp),
+                    "--sequence-parallel": None,
+                    "--global-batch-size": global_batch,
+                },
+                accumulation,
+            )
+        )
+    pp = 2 * inputs.pp
+    pipeline_ok = inputs.engine != "deepspeed" or inputs.zero.stage < 2
+    if (
+        inputs.sp == 1
+        and pipeline_ok
+        and config.num_layers % (pp * inputs.virtual) == 0
+        and world % (per_replica * 2) == 0
+        and inputs.dp >= 2
+    ):
+        flags: dict[str, str | None | bool] = {
+            "--pipeline-model-parallel-size": str(pp),
+            "--global-batch-size": global_batch,
+        }
+        if inputs.engine == "deepspeed":
+            flags["--no-pipeline-parallel"] = False  # DeepSpeed's pipeline engine runs PP
+        changes.append(Change(f"pipeline parallel {pp}", flags, accumulation))
+    return changes
+
+
+def apply_flags(argv: list[str], flags: dict[str, str | None | bool]) -> list[str]:
+    """`argv` with each flag of `flags` removed (with its value) then set as asked."""
+    result = list(argv)
+    for flag, value in flags.items():
+        kept = []
+        skip_value = False
+        for token in result:
+            if skip_value:
+                skip_value = False
+                if not token.startswith("--"):
+                    continue
+            if token == flag:
+                skip_value = True
+                continue
+            if token.startswith(flag + "="):
+                continue
+            kept.append(token)
+        result = kept
+        if value is None:
+            result.append(flag)
+        elif value is not False:
+            result += [flag, str(value)]
+    return result
+
+
+def merge_config(config: dict, patch: dict) -> dict:
+    """A copy of `config` with `patch`'s keys set (nested dicts merged)."""
+    merged = dict(config)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_config(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

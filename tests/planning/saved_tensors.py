@@ -1,0 +1,34 @@
+"""Measure what a GPT forward keeps for backward: the bytes of every tensor autograd saves,
+each storage once, the parameters (whose storage the model owns anyway) left out."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from megatron.config import ModelConfig
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.model import GPTModel
+
+
+def saved_bytes(config: ModelConfig, micro_batch: int, seq: int, autocast: bool) -> int:
+    """Bytes a training forward of `config` over a [micro_batch, seq] batch keeps."""
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    model = GPTModel(config).train()
+    parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
+    tokens = torch.randint(0, config.vocab_size, (micro_batch, seq))
+    positions = torch.arange(seq).expand(micro_batch, seq).contiguous()
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    region = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), region:
+        model(tokens, positions, None, labels=tokens)
+    return sum(kept.values())
