@@ -24,8 +24,8 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import (
     all_reduce_sum_over_tensor_parallel,
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
+    linear_over_sequence_parallel_gather,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
@@ -158,12 +158,11 @@ class ColumnParallelLinear(nn.Module):
         if not self.split:
             bias = None if self.skip_bias_add else self.bias
             return F.linear(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
-        if self.sequence_parallel:
-            total_input = gather_from_sequence_parallel_region(input_)
-        else:
-            total_input = copy_to_tensor_model_parallel_region(input_)
         bias = None if self.skip_bias_add else self.bias
-        output = F.linear(total_input, self.weight, bias)
+        if self.sequence_parallel:
+            output = linear_over_sequence_parallel_gather(input_, self.weight, bias)
+        else:
+            output = F.linear(copy_to_tensor_model_parallel_region(input_), self.weight, bias)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output)
         return output, (self.bias if self.skip_bias_add else None)
@@ -273,10 +272,9 @@ def linear_with_vocab_parallel_weight(
 ) -> torch.Tensor:
     """Logits against a vocab-split (tied) embedding: [s(/tp), b, h] -> [s, b, v/tp or v]."""
     if sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
-        input_ = gather_from_sequence_parallel_region(input_)
+        logits = linear_over_sequence_parallel_gather(input_, weight, None)
     else:
-        input_ = copy_to_tensor_model_parallel_region(input_)
-    logits = F.linear(input_, weight)
+        logits = F.linear(copy_to_tensor_model_parallel_region(input_), weight)
     if gather_output:
         logits = gather_from_tensor_model_parallel_region(logits)
     return logits

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron.core import parallel_state
 
@@ -194,6 +195,48 @@ def gather_from_sequence_parallel_region(
 ) -> torch.Tensor:
     """All-gather along the sequence dimension; reduce-scatter (or split) the gradient."""
     return _GatherFromSequenceParallelRegion.apply(tensor, tensor_parallel_output_grad)
+
+
+class _LinearOverSequenceGather(torch.autograd.Function):
+    """F.linear of the sequence-parallel all-gather of the input, keeping only this rank's
+    part of the input for backward and gathering it again there (Megatron's
+    LinearWithGradAccumulationAndAsyncCommunication under --sequence-parallel): 1/tp of the
+    activation memory of keeping the gathered input, for one more all-gather per layer.
+
+    Under autocast the input is cast to the autocast dtype before the gather (the matmul
+    would cast the gathered copy anyway: the same numbers, half the bytes), and the input's
+    gradient is reduce-scattered in the input's own dtype, as the plain form does.
+    """
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias):
+        device = input_.device.type
+        ctx.input_dtype = input_.dtype
+        if torch.is_autocast_enabled(device):
+            input_ = input_.to(torch.get_autocast_dtype(device))
+        ctx.save_for_backward(input_, weight)
+        ctx.has_bias = bias is not None
+        total = _gather_first_dim(input_)
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        total = _gather_first_dim(input_)  # [s, b, in], gathered again
+        grad_total = grad_output.matmul(weight.to(grad_output.dtype))
+        grad_input = _reduce_scatter_first_dim(grad_total.to(ctx.input_dtype))
+        rows = grad_output.reshape(-1, grad_output.size(-1))
+        grad_weight = rows.t().matmul(total.reshape(-1, total.size(-1)).to(rows.dtype))
+        grad_bias = rows.sum(dim=0) if ctx.has_bias else None
+        return grad_input, grad_weight.to(weight.dtype), grad_bias
+
+
+def linear_over_sequence_parallel_gather(
+    input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """[s/tp, b, in] -> F.linear over the gathered [s, b, in]; the backward gathers the
+    input again and reduce-scatters its gradient."""
+    return _LinearOverSequenceGather.apply(input_, weight, bias)
 
 
 def reduce_scatter_to_sequence_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
