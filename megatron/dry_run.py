@@ -47,7 +47,13 @@ def _device_type(device: Device | None) -> str:
 def plan_from_args(args: argparse.Namespace, device: Device | None = None) -> Plan:
     """The plan of validated `args` (on `device`, else this machine's device type)."""
     inputs = PlanInputs.from_args(args, _device_type(device))
-    return build_plan(inputs, device, notes=getattr(args, "plan_notes", []))
+    notes = list(getattr(args, "plan_notes", []))
+    if device is None and inputs.device_type == "cpu":
+        notes.append(
+            "planned for this machine's CPU tensors (its kernels and dropout masks); name the "
+            "job's GPU with --dry-run-device to plan for it"
+        )
+    return build_plan(inputs, device, notes=notes)
 
 
 def _raw_config(args: argparse.Namespace) -> dict | None:
@@ -108,6 +114,7 @@ def suggest(
                 found.append(
                     {
                         "change": " + ".join(change.description for change in combination),
+                        "flags": " ".join(_flag_edits(change, argv) for change in combination),
                         "argv": new_argv,
                         "config": patch,
                         "peak_bytes": changed.peak_bytes,
@@ -121,12 +128,19 @@ def suggest(
     return found[:MAX_SUGGESTIONS]
 
 
-def _flag_edits(argv: list[str], new_argv: list[str]) -> str:
-    added = [token for token in new_argv if token not in argv or new_argv.count(token) > 1]
-    return " ".join(added)
+def _flag_edits(change: Change, argv: list[str]) -> str:
+    """The flags a change sets, and those it removes from `argv`."""
+    edits = []
+    for flag, value in change.flags.items():
+        if value is False:
+            if any(token == flag or token.startswith(flag + "=") for token in argv):
+                edits.append(f"without {flag}")
+        else:
+            edits.append(flag if value is None else f"{flag} {value}")
+    return " ".join(edits)
 
 
-def format_suggestions(argv: list[str], suggestions: list[dict], device: Device) -> str:
+def format_suggestions(suggestions: list[dict], device: Device) -> str:
     """The suggestions as printed after a plan that does not fit."""
     if not suggestions:
         return (
@@ -141,7 +155,7 @@ def format_suggestions(argv: list[str], suggestions: list[dict], device: Device)
         lines.append(
             f"    {item['change']}: {item['peak_bytes'] / _GIB:.2f} GiB, "
             f"{item['step_seconds']:.3f} s, MFU {item['mfu']:.1%}  "
-            f"[{_flag_edits(argv, item['argv'])}{config}]"
+            f"[{item['flags']}{config}]"
         )
     return "\n".join(lines)
 
@@ -165,7 +179,7 @@ def run_dry_run(
     result = plan.as_json()
     if device is not None and not plan.fits:
         suggestions = suggest(argv, args, plan, extra_args_provider, defaults)
-        print(format_suggestions(argv, suggestions, device), flush=True)
+        print(format_suggestions(suggestions, device), flush=True)
         result["suggestions"] = suggestions
     if args.dry_run_json:
         with atomic_outputs(args.dry_run_json) as (partial,):

@@ -203,6 +203,12 @@ REFUSED: list[CompatFlag] = [
     ),
     *_refused("NullTokenizer is not built here", "--vocab-size:int"),
     *_refused(
+        "Megatron-LM's step-wise batch-size schedule is not built here; --rampup-batch-size "
+        "START INCREMENT SAMPLES ramps the global batch, or drop the flag for a constant "
+        "--global-batch-size",
+        "--step-batch-size-schedule:str",
+    ),
+    *_refused(
         "HFTokenizer loads a local tokenizer without running code from it",
         "--trust-remote-code",
     ),

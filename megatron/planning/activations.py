@@ -7,7 +7,8 @@ T' = T / tp in the sequence-parallel regions (norms, dropout, residual) under
 `--sequence-parallel`, else T:
 
 - each norm's input (T' x h, residual dtype) and statistics; its output as the next
-  matmul's input (T x h, compute dtype: gathered again under sequence parallelism);
+  matmul's input (T' x h, compute dtype; sequence parallelism gathers it again in the
+  backward, as Megatron does);
 - query/key/value (T x (np + 2 nkv) hn / tp), the attention output (T x np hn / tp), and
   the softmax statistics; with the unfused kernel, or torch's math kernel (which CPU
   attention with dropout falls back to), the b x np/tp x s x s probabilities, their dropout
@@ -19,7 +20,7 @@ T' = T / tp in the sequence-parallel regions (norms, dropout, residual) under
 Megatron's accounting (Korthikanti et al. 2022, "Reducing Activation Recomputation", eq. 2:
 s b h (34 + 5 a s / h) bytes per layer in fp16) counts the same tensors; ours differ where
 our kernels do (fused attention keeps no s x s tensor; the plain path's residual stream
-is fp32 under autocast; sequence parallelism keeps the gathered matmul input).
+is fp32 under autocast).
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ def layer_bytes(inputs: PlanInputs, kept: bool = True) -> int:
     ffn = config.ffn_hidden_size // tp
     mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
     norm = region * h * size.residual + 2 * region * _FP32  # input, mean and rstd
-    total = 2 * norm + 2 * tokens * h * size.compute  # two norms and their outputs
+    # Two norms, and their outputs as the next matmul's input: under sequence parallelism
+    # only this rank's part, gathered again in the backward.
+    total = 2 * norm + 2 * region * h * size.compute
     selective = config.recompute_granularity == "selective"
     math = _math_attention(inputs) and not selective
     if not (math and size.compute < _FP32):  # (the upcasting math kernel keeps fp32 copies)
@@ -149,7 +152,7 @@ def stage_activation_bytes(inputs: PlanInputs, layers: int, first: bool, last: b
             total += region * h * size.mask
     if last:
         # The final norm's input and statistics, its output (the output layer's input).
-        total += region * h * size.residual + 2 * region * _FP32 + tokens * h * size.compute
+        total += region * h * size.residual + 2 * region * _FP32 + region * h * size.compute
     return total
 
 

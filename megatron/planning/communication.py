@@ -4,11 +4,9 @@ Counted as the issue of record defines them: the input tensor of an all-reduce,
 reduce-scatter, broadcast, all-to-all or send, the output of an all-gather; per rank and
 iteration, start-up and evaluation excluded. Collectives on groups of one rank count nothing.
 
-- tensor parallel (Megatron, Shoeybi et al. 2019): per layer and micro-batch, two
-  all-reduces of [s, b, h] forward and two backward; with sequence parallelism two
-  all-gathers and two reduce-scatters each way instead; the vocabulary-parallel embedding
-  (forward), the output layer's input (backward) and the cross entropy's three [s, b]
-  fp32 reductions; recomputed layers repeat their forward collectives.
+- tensor parallel (Megatron, Shoeybi et al. 2019; Korthikanti et al. 2022 with sequence
+  parallelism): see `tensor_parallel_bytes`; plus the vocabulary-parallel embedding, the
+  output layer's input and the cross entropy's three [s, b] fp32 reductions.
 - data parallel: the gradients, once per iteration: DDP's all-reduce of fp32 gradients;
   DeepSpeed's all-reduce (ZeRO-0, BF16_Optimizer) or reduce-scatter (ZeRO 1-3) in the
   gradients' dtype, then ZeRO 1-2's all-gather of the updated weights, ZeRO-3's
@@ -27,25 +25,34 @@ _FP32 = 4
 
 
 def tensor_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
-    """Tensor-parallel collective bytes per iteration on a rank of `role`."""
+    """Tensor-parallel collective bytes per iteration on a rank of `role`.
+
+    Per layer, c the compute and r the residual dtype's bytes of one [s, b, h]: without
+    sequence parallelism the two row-parallel outputs are all-reduced forward (2c) and the
+    two column-parallel inputs' gradients backward (2r); with it each column-parallel layer
+    all-gathers its input forward and again backward and reduce-scatters the input's
+    gradient (2c + r), each row-parallel layer reduce-scatters its output and all-gathers
+    that gradient (2c). Full recomputation repeats each layer's forward collectives.
+    """
     if inputs.tp == 1:
         return 0
     config = inputs.model
-    size = dtypes(inputs).compute
-    hidden = inputs.seq_length * inputs.micro_batch * config.hidden_size * size
-    per_layer = (8 if config.sequence_parallel else 4) * hidden
+    size = dtypes(inputs)
+    hidden = inputs.seq_length * inputs.micro_batch * config.hidden_size
+    c, r = hidden * size.compute, hidden * size.residual
+    if config.sequence_parallel:
+        per_layer, forward = 2 * (2 * c + r) + 2 * (2 * c), 4 * c
+    else:
+        per_layer, forward = 2 * c + 2 * r, 2 * c
     recomputed = role.num_layers if config.recompute_granularity == "full" else 0
-    forward_share = per_layer // 2
-    layers = role.num_layers * per_layer + recomputed * forward_share
-    ends = 0
-    if role.first:  # vocabulary-parallel embedding: all-reduce (or reduce-scatter) forward
-        ends += hidden
+    total = role.num_layers * per_layer + recomputed * forward
+    if role.first:  # the vocabulary-parallel embedding's sum (or reduce-scatter), forward
+        total += r
     if role.last:
-        # The output layer's input: all-gathered forward and reduce-scattered back under
-        # sequence parallelism, else all-reduced in the backward; the loss's reductions.
-        ends += (2 if config.sequence_parallel else 1) * hidden
-        ends += 3 * inputs.seq_length * inputs.micro_batch * _FP32
-    return (layers + ends) * inputs.micro_batches
+        # The output layer's input (as a column-parallel layer's) and the loss's reductions.
+        total += 2 * c + r if config.sequence_parallel else r
+        total += 3 * inputs.seq_length * inputs.micro_batch * _FP32
+    return total * inputs.micro_batches
 
 
 def _gradient_bytes(inputs: PlanInputs) -> int:

@@ -119,7 +119,10 @@ def _with_vocabulary(args: argparse.Namespace) -> argparse.Namespace:
 
     files = [getattr(args, name, None) for name in ("vocab_file", "tokenizer_model")]
     if any(path and os.path.exists(path) for path in files):
-        build_tokenizer(args)
+        quiet = argparse.Namespace(**{**vars(args), "rank": 1})  # no start-up lines: a plan
+        build_tokenizer(quiet)
+        args.tokenizer_vocab_size = quiet.tokenizer_vocab_size
+        args.padded_vocab_size = quiet.padded_vocab_size
         return args
     args.plan_notes = getattr(args, "plan_notes", []) + [
         f"vocabulary: the tokenizer's files are not here; assumed GPT-2's {GPT2_VOCAB_SIZE:,} "

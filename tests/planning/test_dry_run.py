@@ -1,0 +1,185 @@
+"""`pretrain_gpt.py --dry-run`: real scripts planned from one process, the JSON, the verdict
+and the suggestions on a device, and what a dry run does not need or do."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megatron.arguments import parse_args
+from megatron.dry_run import plan_from_args, plan_with_changes, run_dry_run
+from megatron.planning.devices import find_device
+from megatron.planning.suggestions import apply_flags
+from tests.planning.megatron_lm_memory import DenseGPT, total_bytes
+
+HERE = os.path.dirname(__file__)
+
+
+def _gpt3_175b_argv() -> list[str]:
+    """Megatron-LM's GPT-3 175B example as written, less the one flag refused here."""
+    with open(os.path.join(HERE, "megatron_lm_gpt3_175b.json")) as file:
+        script = json.load(file)
+    return apply_flags(script["argv"], {"--step-batch-size-schedule": False})
+
+
+def _megatron_lm_figure(sequence_parallel_selective: bool) -> float:
+    # The layout's padded vocabulary: GPT-2's 50,257 tokens to a multiple of 128 x TP 8.
+    return total_bytes(
+        DenseGPT(96, 12288, 96, 4 * 12288, 51200, 2048, 1, 8, 16, 192, sequence_parallel_selective)
+    )
+
+
+@pytest.mark.parametrize("extra", [[], ["--sequence-parallel", "--recompute-activations"]])
+def test_gpt3_175b_on_1024_gpus_is_within_15_percent_of_megatron_lms_estimate(
+    extra, tmp_path, capsys
+):
+    """The first pipeline stage (the most loaded) against Megatron-LM's own estimate
+    (theoretical_memory_usage.py) for the same layout, as written and with SP + selective."""
+    path = str(tmp_path / "plan.json")
+    argv = _gpt3_175b_argv() + extra
+    argv += ["--dry-run", "--dry-run-world-size", "1024", "--dry-run-json", path]
+    run_dry_run(argv + ["--dry-run-device", "H100"])
+    with open(path) as file:
+        plan = json.load(file)
+    assert plan["world_size"] == 1024 and len(plan["ranks"]) == 1024
+    first_stage = max(rank["memory"]["peak_bytes"] for rank in plan["ranks"])
+    ratio = first_stage / _megatron_lm_figure(bool(extra))
+    assert 0.85 <= ratio <= 1.15, ratio
+    assert "stage" in capsys.readouterr().out
+
+
+def test_step_batch_size_schedule_is_refused_in_one_line(capsys):
+    argv = _gpt3_175b_argv() + ["--step-batch-size-schedule", "0:16 2.4B:320", "--dry-run"]
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(argv, world_size=1024)
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "--step-batch-size-schedule" in error
+
+
+GPT2_XL = [
+    "--num-layers", "48", "--hidden-size", "1600", "--num-attention-heads", "25",
+    "--seq-length", "1024", "--max-position-embeddings", "1024",
+    "--micro-batch-size", "32", "--global-batch-size", "256",
+    "--lr", "1.5e-4", "--train-iters", "1000", "--bf16",
+    "--deepspeed", "--zero-stage", "0", "--no-pipeline-parallel",
+    "--data-path", "/nowhere/openwebtext_text_document",
+]  # fmt: skip
+
+
+def test_a_job_that_does_not_fit_gets_suggestions_that_parse_and_fit(tmp_path, capsys):
+    """GPT-2 1.5B, bf16, ZeRO-0, micro-batch 32 on 8 H100s: does not fit; every suggested
+    command line validates and its own plan fits."""
+    path = str(tmp_path / "plan.json")
+    argv = GPT2_XL + ["--dry-run", "--dry-run-world-size", "8", "--dry-run-device", "H100"]
+    plan = run_dry_run(argv + ["--dry-run-json", path])
+    assert plan.fits is False
+    output = capsys.readouterr().out
+    assert "DOES NOT FIT" in output and "to fit H100, change" in output
+    with open(path) as file:
+        suggestions = json.load(file)["suggestions"]
+    assert suggestions
+    device = find_device("H100")
+    for suggestion in suggestions:
+        assert suggestion["peak_bytes"] <= device.usable_bytes
+        args = parse_args(suggestion["argv"])  # the suggested command line as typed
+        replanned = plan_from_args(args, device)
+        assert replanned.fits and replanned.peak_bytes == suggestion["peak_bytes"]
+
+
+def test_changes_through_the_deepspeed_config_file(tmp_path):
+    """With the ZeRO stage and micro-batch in the config file, a suggestion edits the file's
+    keys too, so flags and config agree and the changed job validates."""
+    config = tmp_path / "ds.json"
+    config.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 32,
+                "train_batch_size": 256,
+                "zero_optimization": {"stage": 0},
+                "bf16": {"enabled": True},
+            }
+        )
+    )
+    argv = apply_flags(GPT2_XL, {"--zero-stage": False, "--micro-batch-size": False})
+    argv += ["--deepspeed_config", str(config), "--dry-run", "--dry-run-world-size", "8"]
+    args = parse_args(argv + ["--dry-run-device", "H100"])
+    plan = plan_from_args(args, find_device("H100"))
+    assert not plan.fits
+    from megatron.dry_run import suggest
+
+    suggestions = suggest(argv, args, plan)
+    assert suggestions
+    assert any(item["config"].get("zero_optimization") for item in suggestions) or any(
+        "train_micro_batch_size_per_gpu" in item["config"] for item in suggestions
+    )
+
+
+def test_plan_json_has_one_entry_per_rank_with_the_runs_coordinates(tmp_path):
+    path = str(tmp_path / "plan.json")
+    argv = [
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+        "--global-batch-size", "16", "--lr", "1e-4", "--train-iters", "10",
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--dry-run", "--dry-run-world-size", "8", "--dry-run-json", path,
+    ]  # fmt: skip
+    run_dry_run(argv)
+    with open(path) as file:
+        plan = json.load(file)
+    from megatron.core.parallel_state import generate_rank_groups
+
+    groups = generate_rank_groups(8, 2, 2)
+    for entry in plan["ranks"]:
+        rank = entry["rank"]
+        tensor = next(group for group in groups["tensor"] if rank in group)
+        pipeline = next(group for group in groups["pipeline"] if rank in group)
+        data = next(group for group in groups["data"] if rank in group)
+        assert (entry["tp_rank"], entry["pp_rank"], entry["dp_rank"]) == (
+            tensor.index(rank),
+            pipeline.index(rank),
+            data.index(rank),
+        )
+        memory, comm = entry["memory"], entry["comm_bytes_per_iteration"]
+        assert set(memory) >= {"weights", "gradients", "optimizer", "activations", "buffers"}
+        assert memory["peak_bytes"] > memory["weights"] > 0
+        assert comm["total"] == sum(
+            comm[kind] for kind in ("tensor_parallel", "data_parallel", "pipeline", "all_to_all")
+        )
+        assert comm["tensor_parallel"] > 0 and comm["data_parallel"] > 0 and comm["pipeline"] > 0
+
+
+def test_dry_run_needs_no_files_and_writes_nothing_else(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = GPT2_XL + [
+        "--vocab-file", "/nowhere/vocab.json", "--merge-file", "/nowhere/merges.txt",
+        "--save", "/nowhere/checkpoints", "--save-interval", "100", "--dry-run",
+    ]  # fmt: skip
+    run_dry_run(argv)
+    output = capsys.readouterr().out
+    assert "assumed GPT-2's 50,257 tokens" in output
+    assert os.listdir(tmp_path) == []
+
+
+def test_other_ranks_of_a_launched_dry_run_print_nothing(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    assert run_dry_run(GPT2_XL + ["--dry-run", "--dry-run-world-size", "8"]) is None
+    assert capsys.readouterr().out == ""
+
+
+def test_unknown_device_is_refused_in_one_line():
+    with pytest.raises(SystemExit) as stopped:
+        run_dry_run(GPT2_XL + ["--dry-run", "--dry-run-device", "TPUv9"])
+    assert "--dry-run-device TPUv9: not a known device" in str(stopped.value.code)
+
+
+def test_plan_with_changes_applies_flags_and_config():
+    new_argv, patch, plan = plan_with_changes(
+        GPT2_XL + ["--dry-run", "--dry-run-world-size", "8"],
+        [],
+        None,
+        None,
+    )
+    assert new_argv[-1] == "8" and patch == {} and plan.inputs.dp == 8
