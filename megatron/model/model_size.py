@@ -96,8 +96,8 @@ def _split(width: int, parts: int) -> int:
     return -(-width // parts)  # a shard's width; padded vocabularies divide exactly
 
 
-def layer_parameters_per_rank(config: ModelConfig, tp: int, experts: int = 1, ep: int = 1) -> int:
-    """Parameters one tensor-parallel rank holds of one transformer layer.
+def layer_tensor_sizes(config: ModelConfig, tp: int, experts: int = 1, ep: int = 1) -> list[int]:
+    """Elements of each parameter tensor one tensor-parallel rank holds of one layer.
 
     Column-parallel weights and biases (query_key_value, dense_h_to_4h) and row-parallel
     weights (dense, dense_4h_to_h) are split over `tp`; row-parallel biases and norms are
@@ -107,47 +107,57 @@ def layer_parameters_per_rank(config: ModelConfig, tp: int, experts: int = 1, ep
     h, proj = config.hidden_size, config.projection_size
     qkv = proj + 2 * config.kv_projection_size
     bias = config.add_bias_linear
-    norm = h if config.normalization == "rmsnorm" else 2 * h
-    attention = _split(h * qkv, tp) + _split(proj, tp) * h
-    attention += (_split(qkv, tp) + h) if bias else 0
+    norm = [h] if config.normalization == "rmsnorm" else [h, h]
     ffn = config.ffn_hidden_size
     mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
 
-    def mlp(parts: int) -> int:
-        return (
-            h * _split(mlp_in, parts)
-            + _split(ffn, parts) * h
-            + (_split(mlp_in, parts) + h if bias else 0)
-        )
+    def mlp(parts: int) -> list[int]:
+        weights = [h * _split(mlp_in, parts), _split(ffn, parts) * h]
+        return weights + ([_split(mlp_in, parts), h] if bias else [])
 
-    total = 2 * norm + attention
+    sizes = norm * 2 + [h * _split(qkv, tp), _split(proj, tp) * h]
+    sizes += [_split(qkv, tp), h] if bias else []
     if experts == 1:
-        return total + mlp(tp)
+        return sizes + mlp(tp)
     expert_tp = tp if config.moe.expert_tensor_parallel else 1
-    total += _split(experts, min(ep, experts)) * mlp(expert_tp) + h * experts
+    sizes += mlp(expert_tp) * _split(experts, min(ep, experts)) + [h * experts]
     if config.moe.residual:
-        total += mlp(tp) + 2 * h + 2
-    return total
+        sizes += mlp(tp) + [2 * h, 2]
+    return sizes
+
+
+def layer_parameters_per_rank(config: ModelConfig, tp: int, experts: int = 1, ep: int = 1) -> int:
+    """Parameters one tensor-parallel rank holds of one transformer layer."""
+    return sum(layer_tensor_sizes(config, tp, experts, ep))
+
+
+def stage_tensor_sizes(
+    config: ModelConfig, tp: int, layers: range, first: bool, last: bool, ep: int = 1
+) -> dict[str, list[int]]:
+    """Each parameter tensor's elements on one rank of a pipeline stage, by part: `embedding`
+    (first stage: word embeddings split over `tp`, the whole position table), `layers` (the
+    global 1-based layer numbers in `layers`), `head` (last stage: the final norm and the
+    untied output layer, or with tied embeddings on a stage without them, Megatron's copy)."""
+    h = config.hidden_size
+    experts = _experts(config)
+    parts: dict[str, list[int]] = {"embedding": [], "layers": [], "head": []}
+    word = _split(config.vocab_size, tp) * h
+    if first:
+        parts["embedding"].append(word)
+        if config.position_embedding_type == "learned_absolute":
+            parts["embedding"].append(config.max_position_embeddings * h)
+    for n in layers:
+        parts["layers"] += layer_tensor_sizes(config, tp, experts[n - 1], ep)
+    if last:
+        parts["head"] += [h] if config.normalization == "rmsnorm" else [h, h]
+        if config.untie_embeddings_and_output_weights or not first:
+            parts["head"].append(word)
+    return parts
 
 
 def stage_parameters_per_rank(
     config: ModelConfig, tp: int, layers: range, first: bool, last: bool, ep: int = 1
 ) -> dict[str, int]:
-    """Parameters one rank of a pipeline stage holds, by part: `embedding` (first stage:
-    word embeddings split over `tp`, the whole position table), `layers` (the global
-    1-based layer numbers in `layers`), `head` (last stage: the final norm and the untied
-    output layer, or with tied embeddings on a stage without them, Megatron's copy)."""
-    h = config.hidden_size
-    experts = _experts(config)
-    parts = {"embedding": 0, "layers": 0, "head": 0}
-    word = _split(config.vocab_size, tp) * h
-    if first:
-        parts["embedding"] = word
-        if config.position_embedding_type == "learned_absolute":
-            parts["embedding"] += config.max_position_embeddings * h
-    parts["layers"] = sum(layer_parameters_per_rank(config, tp, experts[n - 1], ep) for n in layers)
-    if last:
-        parts["head"] = h if config.normalization == "rmsnorm" else 2 * h
-        if config.untie_embeddings_and_output_weights or not first:
-            parts["head"] += word
-    return parts
+    """Parameters one rank of a pipeline stage holds, by part (see `stage_tensor_sizes`)."""
+    sizes = stage_tensor_sizes(config, tp, layers, first, last, ep)
+    return {part: sum(tensors) for part, tensors in sizes.items()}

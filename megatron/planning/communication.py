@@ -7,10 +7,8 @@ iteration, start-up and evaluation excluded. Collectives on groups of one rank c
 - tensor parallel (Megatron, Shoeybi et al. 2019; Korthikanti et al. 2022 with sequence
   parallelism): see `tensor_parallel_bytes`; plus the vocabulary-parallel embedding, the
   output layer's input and the cross entropy's three [s, b] fp32 reductions.
-- data parallel: the gradients, once per iteration: DDP's all-reduce of fp32 gradients;
-  DeepSpeed's all-reduce (ZeRO-0, BF16_Optimizer) or reduce-scatter (ZeRO 1-3) in the
-  gradients' dtype, then ZeRO 1-2's all-gather of the updated weights, ZeRO-3's
-  all-gathers of every layer's weights in the forward and again in the backward.
+- data parallel: DDP's all-reduce of fp32 gradients once per iteration; DeepSpeed's per
+  engine and ZeRO stage (see `data_parallel_bytes`).
 - pipeline: each micro-batch's [s, b, h] activation sent forward and its gradient sent
   back, and the tied embeddings' gradient all-reduce between the first and last stage.
 """
@@ -20,6 +18,7 @@ from __future__ import annotations
 from megatron.planning.activations import dtypes
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.layout import RankRole
+from megatron.planning.memory import communication_bytes
 
 _FP32 = 4
 
@@ -55,29 +54,50 @@ def tensor_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
     return total * inputs.micro_batches
 
 
-def _gradient_bytes(inputs: PlanInputs) -> int:
-    if not inputs.deepspeed:
-        return _FP32  # fp32 gradients (DDP)
-    if inputs.precision == "fp32":
-        return _FP32
-    if inputs.zero.stage in (1, 2, 3) and inputs.grad_accum_dtype == "fp32":
-        return _FP32
-    return 2
-
-
 def data_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
-    """Data-parallel (and ZeRO) collective bytes per iteration on a rank of `role`."""
+    """Data-parallel (and ZeRO) collective bytes per iteration on a rank of `role`.
+
+    DeepSpeed 0.19 (see megatron/planning/memory.py for the wrappers): ZeRO-0 and
+    BF16_Optimizer all-reduce every gradient once per iteration in the communication dtype
+    (the model's unless `communication_data_type` says otherwise); BF16_Optimizer then
+    all-gathers the updated weights; ZeRO-2 all-reduces each micro-batch's bucketed gradients
+    (pre-divided: stages 1-2 never call reduce-scatter) and all-gathers the weights; ZeRO-3
+    all-gathers every partitioned parameter in each forward (again in the backward beyond
+    `stage3_max_reuse_distance`), reduce-scatters each micro-batch's gradients and gathers
+    the persistent small parameters after the step.
+    """
     group = inputs.zero_group if inputs.deepspeed else inputs.dp * inputs.sp
     if group == 1:
         return 0
-    w = role.num_parameters
-    grads = _gradient_bytes(inputs) * w
-    if not inputs.deepspeed or inputs.zero.stage == 0:
-        return grads  # one all-reduce of every gradient
+    w, m = role.num_parameters, inputs.micro_batches
+    if not inputs.deepspeed:
+        return _FP32 * w  # DDP's (or average_gradients') all-reduce of fp32 gradients
     half = 2 if inputs.precision in ("bf16", "fp16") else _FP32
-    if inputs.zero.stage in (1, 2):
-        return grads + half * w  # reduce-scatter (or all-reduce) + all-gather of weights
-    return grads + 2 * half * w * inputs.micro_batches  # + forward and backward gathers
+    reduced = communication_bytes(inputs) * w
+    zero = inputs.zero
+    if zero.stage == 0:
+        if half != _FP32 and inputs.engine == "deepspeed-pipeline":
+            return reduced + half * w  # BF16_Optimizer: all-reduce, then all-gather
+        return reduced
+    if zero.stage == 1:
+        return reduced + half * w
+    if zero.stage == 2:
+        return m * reduced + half * w
+    sizes = role.tensor_sizes
+    padded = [-(-n // group) * group for n in sizes]
+    persistent = sum(p for n, p in zip(sizes, padded) if n <= zero.param_persistence_threshold)
+    partitioned = sum(p for n, p in zip(sizes, padded) if n > zero.param_persistence_threshold)
+    regathered = max(0, partitioned - zero.max_reuse_distance // 2)
+    gathers = half * (partitioned + regathered)
+    return m * (gathers + communication_bytes(inputs) * sum(padded)) + half * persistent
+
+
+def _tied_gradient_bytes(inputs: PlanInputs) -> int:
+    """Bytes per element of the tied embedding gradient summed between the end stages."""
+    if not inputs.deepspeed or inputs.precision == "fp32":
+        return _FP32
+    # BF16_Optimizer with fp32 accumulation sums its fp32 copy; bf16 ZeRO-0 the bf16 one.
+    return _FP32 if inputs.grad_accum_dtype == "fp32" else 2
 
 
 def pipeline_bytes(inputs: PlanInputs, role: RankRole) -> int:
@@ -86,24 +106,36 @@ def pipeline_bytes(inputs: PlanInputs, role: RankRole) -> int:
         return 0
     config = inputs.model
     tokens = inputs.seq_length * inputs.micro_batch
-    if config.sequence_parallel:
+    if config.sequence_parallel or inputs.engine == "deepspeed-pipeline":
+        # Sequence parallelism sends each rank's part; DeepSpeed's engine partitions its
+        # sends over the tensor-parallel ranks (and all-gathers them on arrival).
         tokens //= inputs.tp
     activation = tokens * config.hidden_size * dtypes(inputs).compute
-    sends = 0 if role.last else 1  # activations forward
-    sends += 0 if role.first else 1  # gradients back
-    total = sends * activation * inputs.micro_batches * inputs.virtual
-    if inputs.virtual > 1:
-        total = 2 * activation * inputs.micro_batches * inputs.virtual
-        total -= activation * inputs.micro_batches * (int(role.first) + int(role.last))
+    chunks = 2 * inputs.virtual - int(role.first) - int(role.last)  # sends per micro-batch
+    total = chunks * activation * inputs.micro_batches
     if not config.untie_embeddings_and_output_weights and (role.first or role.last):
-        total += _gradient_bytes(inputs) * config.vocab_size // inputs.tp * config.hidden_size
+        vocab_rows = config.vocab_size // inputs.tp
+        total += _tied_gradient_bytes(inputs) * vocab_rows * config.hidden_size
     return total
+
+
+def _deepspeed_pipeline_gathers(inputs: PlanInputs, role: RankRole) -> int:
+    """DeepSpeed's pipeline engine at TP > 1: the tensor-parallel all-gathers of partitioned
+    sends (one per activation received, two per micro-batch in the sender's backward)."""
+    if inputs.engine != "deepspeed-pipeline" or inputs.tp == 1 or inputs.pp == 1:
+        return 0
+    tokens = inputs.seq_length * inputs.micro_batch
+    activation = tokens * inputs.model.hidden_size * dtypes(inputs).compute
+    received = 0 if role.first else 1
+    sent = 0 if role.last else 2
+    return (received + sent) * activation * inputs.micro_batches
 
 
 def rank_communication(inputs: PlanInputs, role: RankRole) -> dict[str, int]:
     """Bytes per iteration by kind, with their `total`."""
     kinds = {
-        "tensor_parallel": tensor_parallel_bytes(inputs, role),
+        "tensor_parallel": tensor_parallel_bytes(inputs, role)
+        + _deepspeed_pipeline_gathers(inputs, role),
         "data_parallel": data_parallel_bytes(inputs, role),
         "pipeline": pipeline_bytes(inputs, role),
         "all_to_all": 0,

@@ -32,6 +32,10 @@ class ZeroSettings:
     """ZeRO-3: parameters with fewer elements stay whole on every rank."""
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    """ZeRO-3: a gathered parameter used again within this many elements stays gathered."""
+    communication_bytes: int | None = None
+    """`communication_data_type` of the config (bytes per element), None: the model's dtype."""
     offload_optimizer: bool = False
     """Optimizer states (and ZeRO's fp32 master weights) in host memory, not on the GPU."""
     offload_param: bool = False
@@ -160,9 +164,19 @@ def _zero_settings(args: argparse.Namespace) -> ZeroSettings:
         param_persistence_threshold=int(parsed.param_persistence_threshold),
         prefetch_bucket_size=int(parsed.prefetch_bucket_size),
         max_live_parameters=int(parsed.max_live_parameters),
+        max_reuse_distance=int(parsed.max_reuse_distance),
+        communication_bytes=_communication_bytes(args.deepspeed_config_dict or {}),
         offload_optimizer=offloaded(parsed.offload_optimizer),
         offload_param=offloaded(parsed.offload_param),
     )
+
+
+def _communication_bytes(config: dict) -> int | None:
+    """Bytes per element of the config's `communication_data_type`, if it sets one."""
+    wanted = config.get("communication_data_type")
+    if wanted is None:
+        return None
+    return 4 if str(wanted).lower() in ("fp32", "float32", "float", "torch.float32") else 2
 
 
 def _grad_accum_dtype(args: argparse.Namespace, precision: str) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from megatron.core.parallel_state import generate_rank_groups
 from megatron.core.pipeline_parallel.layout import chunk_layer_numbers
-from megatron.model.model_size import stage_parameters_per_rank
+from megatron.model.model_size import stage_tensor_sizes
 from megatron.planning.inputs import PlanInputs
 
 
@@ -29,6 +29,8 @@ class RankRole:
     """Holds the final norm, the output layer and the loss."""
     parameters: dict[str, int]
     """Elements by part (`embedding`, `layers`, `head`) on each rank of this stage."""
+    tensor_sizes: tuple[int, ...] = ()
+    """Each parameter tensor's elements (ZeRO-3 pads and keeps whole tensors by size)."""
 
     @property
     def num_layers(self) -> int:
@@ -52,8 +54,9 @@ def stage_roles(inputs: PlanInputs) -> list[RankRole]:
         )
         first, last = pp_rank == 0, pp_rank == inputs.pp - 1
         parameters = {"embedding": 0, "layers": 0, "head": 0}
+        tensors: list[int] = []
         for index, chunk in enumerate(chunks):
-            part = stage_parameters_per_rank(
+            part = stage_tensor_sizes(
                 config,
                 inputs.tp,
                 chunk,
@@ -61,9 +64,10 @@ def stage_roles(inputs: PlanInputs) -> list[RankRole]:
                 last=last and index == inputs.virtual - 1,
                 ep=inputs.ep,
             )
-            for name, count in part.items():
-                parameters[name] += count
-        roles.append(RankRole(pp_rank, chunks, first, last, parameters))
+            for name, sizes in part.items():
+                parameters[name] += sum(sizes)
+                tensors += sizes
+        roles.append(RankRole(pp_rank, chunks, first, last, parameters, tuple(tensors)))
     return roles
 
 

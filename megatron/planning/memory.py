@@ -1,25 +1,31 @@
 """Peak memory of one rank: model states by engine and ZeRO stage, activations, buffers.
 
-The peak is the largest of three moments of an iteration, each a sum of what is alive then:
+The peak is the largest of four moments of an iteration, each a sum of what is alive then:
 
 - `forward`: the last warm-up forward has run (every micro-batch in flight keeps its
-  activations) and the loss is being computed over the logits;
-- `backward`: the first backward starts (activations still held, the logits' gradient and
-  the first gradients arrive);
+  activations), the loss works over the logits, earlier micro-batches' gradients held;
+- `backward`: the same as the backward starts and its gradient buckets are allocated;
+- `boundary`: the last backward ends and gradients are reduced (flat copies);
 - `step`: every gradient reduced, the optimizer updating (its temporaries alive).
 
-Model states per parameter element W of this rank, Z the ZeRO group (data x Ulysses):
+Model states per parameter element of this rank (P), Z the ZeRO group (data x Ulysses), as
+DeepSpeed 0.19 allocates them (deepspeed/runtime: bf16_optimizer.py, fp16/unfused_optimizer.py,
+zero/stage_1_and_2.py, zero/stage3.py; the engine picks the wrapper in engine.py):
 
-| path | weights | gradients | optimizer |
-|---|---|---|---|
-| plain / Megatron pipeline (fp32 weights; autocast under bf16/fp16) | 4 | 4 (+4 DDP buckets) | 8 |
-| DeepSpeed fp32, ZeRO-0 | 4 | 4 | 8 |
-| DeepSpeed bf16/fp16 ZeRO-0 | 2 | 2 (+4 fp32 copy for the step) | 12 (fp32 master + Adam) |
-| DeepSpeed bf16 ZeRO-1 (BF16_Optimizer) | 2 | 2 + 4 (fp32 accumulation) | 12 / Z |
-| DeepSpeed ZeRO-1/2 (DeepSpeedZeroOptimizer) | 2 | 2 + 4 / Z (+ buckets) | 12 / Z |
-| DeepSpeed ZeRO-3 | 2 / Z (+ gathered layers) | 4 / Z (+ buckets) | 12 / Z |
+path: persistent | held from the first backward to the step | transient
+- plain (DDP) / Megatron pipeline: 4P weights + 8P Adam (+4P DDP buckets) | 4P | 4P AdamW
+- DeepSpeed fp32 ZeRO-0 (no wrapper): 4P + 8P | 4P | 4P flat copy; 4P AdamW
+- bf16 ZeRO-0, pipeline engine (BF16_Optimizer): 2P + 2P accumulation + 12P/Z | 2P |
+  2P copy; 8P/Z step
+- bf16 ZeRO-0, no pipeline (FP16_UnfusedOptimizer): 2P + 12P | 2P | 2P copy; 8P step
+- bf16 ZeRO-1, fp32 accumulation (BF16_Optimizer): 2P + 4P accumulation + 12P/Z | 2P |
+  4P + 2P copies; 4P/Z step
+- ZeRO-2 (DeepSpeedZeroOptimizer): 2P + 12P/Z | 4P/Z fp32 partition | a 2B bucket each
+  backward; the norm's fp64 copy and 4P/Z in the step
+- ZeRO-3: 2P/Z + small parameters whole + 12P/Z + 4P/Z + 2B bucket | - | gathered
+  layers; 16P/Z in the step
 
-(fp32 DeepSpeed under ZeRO 1-3 has 4-byte weights and gradients and no separate master.)
+B is `reduce_bucket_size` (5e8 elements by default: a 1 GB bf16 bucket whatever the model).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from megatron.planning.layout import RankRole, micro_batches_in_flight
 
 _FP32 = 4
 _ADAM = 8  # exp_avg and exp_avg_sq, fp32
+_MEGATRON_BUCKET = 1 << 25  # megatron.core.pipeline_parallel.schedules' all-reduce bucket
 
 
 @dataclass
@@ -74,14 +81,16 @@ class RankMemory:
 
 @dataclass
 class _States:
-    weights: int
-    gradients: int  # alive from the first backward to the step
-    optimizer: int  # alive from the first step on
-    buffers: int  # persistent framework buffers (DDP buckets, flat fp32 gradients)
-    reduction: int  # transient while gradients are reduced (flat copies, buckets)
-    step_temporaries: int  # transient inside the optimizer step
-    gradients_between_micro_batches: bool  # held during later micro-batches' forward
-    gathered: int = 0  # ZeRO-3: parameters gathered for the layers running now
+    weights: int  # parameters (ZeRO-3: this rank's partition and the persistent small ones)
+    optimizer: int  # fp32 master weights and Adam moments, from the first step on
+    buffers: int  # persistent framework buffers (DDP buckets, accumulation, ZeRO-3 bucket)
+    gradients: int = 0  # parameter gradients, from the first backward to the step
+    accumulators: int = 0  # the same lifetime: ZeRO 1-2's fp32 partition of the gradients
+    between_micro_batches: bool = True  # gradients and accumulators live across micro-batches
+    backward_buckets: int = 0  # allocated at a backward's first gradient (ZeRO 1-2 buckets)
+    reduction: int = 0  # at the end of the last backward: flat copies reduced
+    step_temporaries: int = 0  # inside the optimizer step
+    gathered: int = 0  # ZeRO-3: whole parameters gathered for the layers that ran
     offloaded: int = 0
 
 
@@ -89,99 +98,167 @@ def _half(inputs: PlanInputs) -> int:
     return 2 if inputs.precision in ("bf16", "fp16") else _FP32
 
 
-def model_states(inputs: PlanInputs, parameters: int) -> _States:
-    """Weights, gradients, optimizer state and buffers of `parameters` elements on a rank."""
-    w, z, zero = parameters, inputs.zero_group, inputs.zero
-    if not inputs.deepspeed:
-        ddp = _FP32 * w if inputs.dp * inputs.sp > 1 and inputs.engine == "plain" else 0
+def communication_bytes(inputs: PlanInputs) -> int:
+    """Bytes per element of DeepSpeed's gradient reduction: `communication_data_type`, else
+    the model's dtype (bf16 gradients are reduced in bf16 even when accumulated in fp32)."""
+    return inputs.zero.communication_bytes or _half(inputs)
+
+
+def _plain_states(inputs: PlanInputs, w: int) -> _States:
+    """No DeepSpeed: fp32 weights are the master copy (autocast computes in half)."""
+    states = _States(
+        weights=_FP32 * w,
+        optimizer=_ADAM * w,
+        buffers=0,
+        gradients=_FP32 * w,
+        step_temporaries=_FP32 * w,  # foreach AdamW's sqrt(exp_avg_sq) list
+    )
+    if inputs.engine == "plain" and inputs.dp * inputs.sp > 1:
+        states.buffers = _FP32 * w  # DDP's buckets, beside the gradients
+    elif inputs.engine == "megatron-pipeline" and inputs.dp > 1:
+        states.reduction = _FP32 * min(w, _MEGATRON_BUCKET)  # average_gradients' flat bucket
+    return states
+
+
+def _zero0_states(inputs: PlanInputs, w: int) -> _States:
+    half, z = _half(inputs), inputs.zero_group
+    pipeline_engine = inputs.engine == "deepspeed-pipeline"  # it all-reduces even at DP 1
+    flat = min(w, inputs.zero.reduce_bucket_size)
+    if half == _FP32:  # the client AdamW on the parameters themselves
         return _States(
             weights=_FP32 * w,
-            gradients=_FP32 * w,
             optimizer=_ADAM * w,
-            buffers=ddp,
-            reduction=0,
-            step_temporaries=_FP32 * w,  # foreach AdamW's sqrt(exp_avg_sq) list
-            gradients_between_micro_batches=True,
-        )
-    half = _half(inputs)
-    master = 0 if half == _FP32 else _FP32  # fp32 master copy beside half weights
-    states = master + _ADAM
-    if zero.stage == 0:
-        flat = min(w, zero.reduce_bucket_size) * half if inputs.dp > 1 else 0
-        return _States(
-            weights=half * w,
-            gradients=half * w,
-            optimizer=states * w,
             buffers=0,
-            reduction=flat,
-            step_temporaries=_FP32 * w + (_FP32 * w if master else 0),
-            gradients_between_micro_batches=True,
+            gradients=_FP32 * w,
+            reduction=_FP32 * flat if (inputs.dp > 1 or pipeline_engine) else 0,
+            step_temporaries=_FP32 * w,
         )
-    partition = -(-w // z)
-    optimizer = states * partition
-    offloaded = optimizer if zero.offload_optimizer else 0
-    if zero.offload_optimizer:
-        optimizer = 0
-    if zero.stage == 1 and half != _FP32 and inputs.grad_accum_dtype == "fp32":
-        # BF16_Optimizer: fp32 gradients of the whole model, accumulated across micro-batches.
+    if pipeline_engine:  # BF16_Optimizer, accumulating in bf16
         return _States(
             weights=half * w,
+            optimizer=(_FP32 + _ADAM) * _ceil(w, z),
+            buffers=half * w,  # the accumulation buffer
             gradients=half * w,
+            reduction=half * flat,
+            step_temporaries=2 * _FP32 * _ceil(w, z),  # fp32 copy of the partition + Adam's
+        )
+    # FP16_UnfusedOptimizer: whole fp32 master weights and Adam state on every rank.
+    return _States(
+        weights=half * w,
+        optimizer=(_FP32 + _ADAM) * w,
+        buffers=0,
+        gradients=half * w,
+        reduction=half * flat if inputs.dp > 1 else 0,
+        step_temporaries=2 * _FP32 * w,  # fp32 copies of the gradients, then Adam's
+    )
+
+
+def _zero12_states(inputs: PlanInputs, w: int, largest: int) -> _States:
+    half, z, zero = _half(inputs), inputs.zero_group, inputs.zero
+    partition = _ceil(w, z)
+    master = _FP32 if half != _FP32 else 0
+    optimizer = (master + _ADAM) * partition
+    if zero.stage == 1 and half != _FP32 and inputs.grad_accum_dtype == "fp32":
+        # BF16_Optimizer: fp32 gradients of the whole model, accumulated across micro-batches;
+        # reduced as a concatenated copy, converted to bf16 for the all-reduce.
+        copy = min(w, zero.reduce_bucket_size)
+        converted = copy * communication_bytes(inputs) if communication_bytes(inputs) < 4 else 0
+        return _States(
+            weights=half * w,
             optimizer=optimizer,
             buffers=_FP32 * w,
-            reduction=0,
+            gradients=half * w,
+            reduction=_FP32 * copy + converted,
             step_temporaries=_FP32 * partition,
-            gradients_between_micro_batches=False,
-            offloaded=offloaded,
         )
-    if zero.stage in (1, 2):
-        bucket = min(w, zero.reduce_bucket_size) * half
+    bucket = zero.reduce_bucket_size * half  # torch.empty(reduce_bucket_size), whatever w is
+    if zero.stage == 1:  # DeepSpeedZeroOptimizer stage 1 holds its bucket to the boundary
+        bucket *= 2 if inputs.engine == "deepspeed-pipeline" else 1
         return _States(
             weights=half * w,
-            gradients=half * w,
             optimizer=optimizer,
-            buffers=_FP32 * partition,
-            reduction=bucket * (2 if zero.overlap_comm else 1),
+            buffers=0,
+            accumulators=_FP32 * partition + bucket,
+            backward_buckets=half * largest,
+            reduction=half * min(w, zero.reduce_bucket_size),
             step_temporaries=_FP32 * partition,
-            gradients_between_micro_batches=False,
-            offloaded=offloaded,
         )
-    gathered = min(w, zero.max_live_parameters, 2 * zero.prefetch_bucket_size) * half
-    return _States(
-        weights=half * partition,
-        gradients=_FP32 * partition,
+    return _States(  # ZeRO-2: each gradient moves into the bucket as it is produced
+        weights=half * w,
         optimizer=optimizer,
         buffers=0,
-        reduction=min(w, zero.reduce_bucket_size) * half,
-        step_temporaries=_FP32 * partition,
-        gradients_between_micro_batches=False,
-        gathered=gathered,
-        offloaded=offloaded,
+        accumulators=_FP32 * partition,
+        backward_buckets=bucket * (2 if zero.overlap_comm else 1) + half * largest,
+        reduction=half * min(w, zero.reduce_bucket_size),
+        # The norm's fp64 copy of the largest fragment, then Adam's temporary.
+        step_temporaries=8 * min(largest, partition) + _FP32 * partition,
     )
+
+
+def _zero3_states(inputs: PlanInputs, tensor_sizes: tuple[int, ...]) -> _States:
+    half, z, zero = _half(inputs), inputs.zero_group, inputs.zero
+    padded = sum(_ceil(n, z) * z for n in tensor_sizes)
+    persistent = sum(n for n in tensor_sizes if n <= zero.param_persistence_threshold)
+    partitioned = sum(n for n in tensor_sizes if n > zero.param_persistence_threshold)
+    partition = padded // z
+    master = _FP32 if half != _FP32 else 0
+    return _States(
+        weights=half * partition + half * persistent,
+        optimizer=(master + _ADAM) * partition,
+        # The fp32 gradient partition and the reduce bucket, both allocated at start-up.
+        buffers=_FP32 * partition + half * zero.reduce_bucket_size,
+        step_temporaries=_FP32 * partition + 8 * partition + _FP32 * partition,
+        # A gathered parameter stays until its backward when it is used again within
+        # max_reuse_distance elements: the layers after it, forward and backward.
+        gathered=half * min(partitioned, zero.max_reuse_distance // 2),
+    )
+
+
+def _ceil(count: int, parts: int) -> int:
+    return -(-count // parts)
+
+
+def model_states(inputs: PlanInputs, role: RankRole) -> _States:
+    """Weights, gradients, optimizer state and buffers of a rank of `role`, by engine."""
+    w = role.num_parameters
+    if not inputs.deepspeed:
+        states = _plain_states(inputs, w)
+    elif inputs.zero.stage == 0:
+        states = _zero0_states(inputs, w)
+    elif inputs.zero.stage in (1, 2):
+        states = _zero12_states(inputs, w, max(role.tensor_sizes, default=0))
+    else:
+        states = _zero3_states(inputs, role.tensor_sizes)
+    if inputs.zero.offload_optimizer:
+        states.offloaded, states.optimizer = states.optimizer, 0
+    return states
 
 
 def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
     """The predicted peak of a rank of `role`, and what it is made of."""
-    states = model_states(inputs, role.num_parameters)
+    states = model_states(inputs, role)
     in_flight = micro_batches_in_flight(inputs, role.pp_rank)
     per_micro_batch = stage_activation_bytes(inputs, role.num_layers, role.first, role.last)
     activations = int(in_flight * per_micro_batch)
     activations += autocast_copy_bytes(inputs, role.num_layers, role.last)
     logits = logits_bytes(inputs) + logits_working_bytes(inputs) if role.last else 0
-    fixed = states.weights + states.optimizer + states.buffers + states.gathered
-    accumulating = inputs.micro_batches > 1 and states.gradients_between_micro_batches
-    forward = fixed + activations + logits + (states.gradients if accumulating else 0)
-    backward = fixed + activations + logits + states.gradients
-    step = fixed + states.gradients + max(states.reduction, states.step_temporaries)
-    moments = {"forward": forward, "backward": backward, "step": step}
+    fixed = states.weights + states.optimizer + states.buffers
+    held = states.gradients + states.accumulators  # from the first backward to the step
+    carried = held if inputs.micro_batches > 1 and states.between_micro_batches else 0
+    forward = fixed + states.gathered + activations + logits + carried
+    backward = forward + states.backward_buckets
+    boundary = fixed + held + states.backward_buckets + states.reduction
+    step = fixed + held + states.step_temporaries
+    moments = {"forward": forward, "backward": backward, "boundary": boundary, "step": step}
     peak_at = max(moments, key=moments.__getitem__)
     return RankMemory(
         weights=states.weights + states.gathered,
-        gradients=states.gradients,
+        gradients=held,
         optimizer=states.optimizer,
         activations=activations,
         logits=logits,
-        buffers=states.buffers + max(states.reduction, states.step_temporaries),
+        buffers=states.buffers
+        + max(states.backward_buckets, states.reduction, states.step_temporaries),
         peak_bytes=moments[peak_at],
         peak_at=peak_at,
         moments=moments,
