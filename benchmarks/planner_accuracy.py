@@ -1,0 +1,171 @@
+"""How close `pretrain_gpt.py --dry-run` comes to real runs: memory and communication per rank.
+
+For every configuration of `planner_configs.CONFIGS` (plain fp32 and bf16 DDP, TP=2 with
+sequence parallelism and selective recompute, TP=2 with full recompute, DeepSpeed ZeRO 1, 2
+and 3 in bf16 at DP=2, DeepSpeed's pipeline engine at PP=2, Megatron's schedules at PP=2):
+
+- the plan: `pretrain_gpt.py FLAGS --dry-run --dry-run-world-size N --dry-run-json plan.json`,
+  as a user runs it (its wall time is reported too);
+- the run: 3 iterations under `benchmarks/measured_run.py` (peak tensor bytes from the
+  allocator's events after the first iteration, when the optimizer state exists; the bytes
+  handed to every collective in iteration 3; the framework's resident memory apart);
+- per rank: predicted / measured peak memory and communication. Targets: memory within 10%,
+  communication within 5%.
+
+    python benchmarks/planner_accuracy.py [--only NAME ...] [--out DIR] [--data-path PREFIX]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+from benchmarks.machine import describe_machine  # noqa: E402
+from benchmarks.planner_configs import (  # noqa: E402
+    CONFIGS,
+    PRETRAIN_GPT,
+    PlannerConfig,
+    pretrain_flags,
+    run,
+)
+from tests.pretrain_runs import build_stdlib_dataset, cpu_env  # noqa: E402
+
+MEMORY_TARGET = 0.10
+COMMUNICATION_TARGET = 0.05
+_KINDS = ("tensor_parallel", "data_parallel", "pipeline", "all_to_all")
+
+
+def plan(config: PlannerConfig, data_prefix: str, work_dir: str) -> tuple[dict, float]:
+    """The dry run's JSON for `config` and its wall seconds (a fresh process, as a user)."""
+    ds_config_path = None
+    if config.ds_config is not None:
+        ds_config_path = os.path.join(work_dir, f"{config.name}.ds_config.json")
+        with open(ds_config_path, "w") as file:
+            json.dump(config.ds_config, file)
+    path = os.path.join(work_dir, f"{config.name}.plan.json")
+    argv = [sys.executable, PRETRAIN_GPT, *pretrain_flags(config, data_prefix, ds_config_path)]
+    argv += ["--dry-run", "--dry-run-world-size", str(config.processes), "--dry-run-json", path]
+    started = time.time()
+    done = subprocess.run(
+        argv, cwd=REPO_ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300
+    )
+    seconds = time.time() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"{config.name}: the dry run failed:\n{done.stdout}{done.stderr}")
+    with open(path) as file:
+        return json.load(file), seconds
+
+
+def compare(config: PlannerConfig, data_prefix: str, work_dir: str) -> list[dict]:
+    """One row per rank: predicted and measured peak memory and communication bytes."""
+    predicted, plan_seconds = plan(config, data_prefix, work_dir)
+    result = run(config, data_prefix, work_dir)
+    if result["returncode"] != 0:
+        raise RuntimeError(f"{config.name}: the run failed:\n{result['output'][-3000:]}")
+    rows = []
+    for report in result["reports"]:
+        entry = predicted["ranks"][report["rank"]]
+        measured_comm = next(i for i in report["iterations"] if i["iteration"] == 3)["comm_bytes"]
+        predicted_comm = entry["comm_bytes_per_iteration"]
+        rows.append(
+            {
+                "config": config.name,
+                "rank": report["rank"],
+                "predicted_peak": entry["memory"]["peak_bytes"],
+                "peak_at": entry["memory"]["peak_at"],
+                "measured_peak": report["peak_tensor_bytes_after_first"],
+                "framework_resident": report["framework_resident_bytes"],
+                "predicted_comm": {kind: predicted_comm[kind] for kind in (*_KINDS, "total")},
+                "measured_comm": {kind: measured_comm[kind] for kind in (*_KINDS, "total")},
+                "plan_seconds": plan_seconds,
+            }
+        )
+    return rows
+
+
+def ratio(predicted: float, measured: float) -> float:
+    """predicted / measured; 1.0 when both are zero (nothing to predict, nothing sent)."""
+    if measured == 0:
+        return 1.0 if predicted == 0 else float("inf")
+    return predicted / measured
+
+
+def within_targets(row: dict) -> bool:
+    """Memory within 10% and communication within 5% (total and every kind)."""
+    memory = abs(ratio(row["predicted_peak"], row["measured_peak"]) - 1) <= MEMORY_TARGET
+    kinds = (*_KINDS, "total")
+    comm = all(
+        abs(ratio(row["predicted_comm"][kind], row["measured_comm"][kind]) - 1)
+        <= COMMUNICATION_TARGET
+        for kind in kinds
+    )
+    return memory and comm
+
+
+def format_row(row: dict) -> str:
+    """A markdown table row."""
+    mib = 2**20
+    comm_p, comm_m = row["predicted_comm"]["total"], row["measured_comm"]["total"]
+    kinds = ", ".join(
+        f"{kind.split('_')[0]} {row['predicted_comm'][kind] / 1e6:.2f}/"
+        f"{row['measured_comm'][kind] / 1e6:.2f}"
+        for kind in _KINDS
+        if row["predicted_comm"][kind] or row["measured_comm"][kind]
+    )
+    return (
+        f"| {row['config']} | {row['rank']} | {row['predicted_peak'] / mib:.1f} "
+        f"({row['peak_at']}) | {row['measured_peak'] / mib:.1f} | "
+        f"{ratio(row['predicted_peak'], row['measured_peak']):.3f} | "
+        f"{row['framework_resident'] / mib:.0f} | {comm_p / 1e6:.2f} | {comm_m / 1e6:.2f} | "
+        f"{ratio(comm_p, comm_m):.4f} | {kinds or '-'} | {row['plan_seconds']:.1f} |"
+    )
+
+
+HEADER = (
+    "| config | rank | predicted peak MiB (moment) | measured peak MiB | memory ratio | "
+    "framework MiB (not predicted) | predicted comm MB | measured comm MB | comm ratio | "
+    "by kind, predicted/measured MB | dry run s |\n|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def main() -> int:
+    """Plan and run each configuration; print every ratio; exit 1 if a target is missed."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="configuration names (default: all)")
+    parser.add_argument("--out", help="where plans and reports go (default: a temporary folder)")
+    parser.add_argument("--data-path", help="a dataset prefix (default: build a stdlib one)")
+    cli = parser.parse_args()
+    work_dir = cli.out or tempfile.mkdtemp(prefix="planner_accuracy_")
+    os.makedirs(work_dir, exist_ok=True)
+    data_prefix = cli.data_path or build_stdlib_dataset(work_dir)
+    print(f"machine: {describe_machine('2 processes per run (1 for plain-1)')}")
+    print(HEADER)
+    rows = []
+    for config in CONFIGS:
+        if cli.only and config.name not in cli.only:
+            continue
+        for row in compare(config, data_prefix, work_dir):
+            rows.append(row)
+            print(format_row(row), flush=True)
+    memory = [ratio(row["predicted_peak"], row["measured_peak"]) for row in rows]
+    comm = [ratio(row["predicted_comm"]["total"], row["measured_comm"]["total"]) for row in rows]
+    print(
+        f"memory ratios {min(memory):.3f}-{max(memory):.3f} (target within "
+        f"{MEMORY_TARGET:.0%}); communication ratios {min(comm):.4f}-{max(comm):.4f} "
+        f"(target within {COMMUNICATION_TARGET:.0%}); {len(rows)} ranks of "
+        f"{len({row['config'] for row in rows})} configurations"
+    )
+    return 0 if all(within_targets(row) for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""The training configurations the `--dry-run` planner is checked against, and a runner.
+
+`CONFIGS` lists them (name, launcher, processes, flags, DeepSpeed config); another script
+imports it and builds each command with `command()`. Run as a script, it trains each one for
+3 iterations under `benchmarks/measured_run.py` on CPU and prints what every rank measured:
+
+    python benchmarks/planner_configs.py                      # all; a stdlib dataset is built
+    python benchmarks/planner_configs.py --only tp2-sp-selective ddp-dp2 --out /tmp/measured
+    python benchmarks/planner_configs.py --unmetered          # plain pretrain_gpt.py, timing only
+
+The model is small but its tensors dominate the process (2 layers, h 256, 4 heads, 256
+tokens, GPT-2's 50k vocabulary, micro-batch 4, global batch 8, no dropout, no evaluation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+from tests.distributed import free_port  # noqa: E402
+from tests.pretrain_runs import build_stdlib_dataset, cpu_env, iteration_logs  # noqa: E402
+
+MEASURED_RUN = os.path.join(REPO_ROOT, "benchmarks", "measured_run.py")
+PRETRAIN_GPT = os.path.join(REPO_ROOT, "pretrain_gpt.py")
+VOCAB_FILE = os.path.join(REPO_ROOT, "dataset", "gpt2-vocab.json")
+MERGE_FILE = os.path.join(REPO_ROOT, "dataset", "gpt2-merges.txt")
+
+MODEL_FLAGS = (
+    "--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256 "
+    "--max-position-embeddings 256 --micro-batch-size 4 --global-batch-size 8 "
+    "--hidden-dropout 0 --attention-dropout 0 --lr 1e-4 --train-iters 3"
+).split()
+"""The model and schedule every configuration shares."""
+
+# --eval-iters 0: the final evaluation would run inside the last iteration's window.
+RUN_FLAGS = (
+    "--split 90,10,0 --eval-iters 0 --eval-interval 1000 --log-interval 1 --num-workers 0 "
+    "--distributed-backend gloo --seed 1234"
+).split()
+
+
+def zero_config(stage: int) -> dict:
+    """A bf16 DeepSpeed config at ZeRO `stage` for MODEL_FLAGS' batch sizes on 2 ranks."""
+    return {
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage},
+    }
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """One training configuration: how it is launched, its flags beyond the shared ones."""
+
+    name: str
+    launcher: str
+    """"python" (one process), "torchrun" or "deepspeed"."""
+    processes: int
+    flags: tuple[str, ...]
+    ds_config: dict | None
+    """The --deepspeed_config contents (the command adds --deepspeed), or None."""
+
+
+CONFIGS: tuple[PlannerConfig, ...] = (
+    PlannerConfig("plain-1", "python", 1, (), None),
+    PlannerConfig("ddp-dp2", "torchrun", 2, (), None),
+    PlannerConfig(
+        "tp2-sp-selective",
+        "torchrun",
+        2,
+        ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-activations"),
+        None,
+    ),
+    PlannerConfig(
+        "tp2-full-recompute",
+        "torchrun",
+        2,
+        ("--tensor-model-parallel-size", "2", "--recompute-granularity", "full"),
+        None,
+    ),
+    # Autocast, two micro-batches per iteration, dropout on (CPU attention's math kernel).
+    PlannerConfig(
+        "ddp-bf16-accum-dropout",
+        "torchrun",
+        2,
+        (
+            "--bf16",
+            "--micro-batch-size",
+            "2",
+            "--hidden-dropout",
+            "0.1",
+            "--attention-dropout",
+            "0.1",
+        ),
+        None,
+    ),
+    PlannerConfig(
+        "ds-zero1-bf16", "deepspeed", 2, ("--no-pipeline-parallel", "--bf16"), zero_config(1)
+    ),
+    PlannerConfig(
+        "ds-zero2-bf16", "deepspeed", 2, ("--no-pipeline-parallel", "--bf16"), zero_config(2)
+    ),
+    PlannerConfig(
+        "ds-zero3-bf16", "deepspeed", 2, ("--no-pipeline-parallel", "--bf16"), zero_config(3)
+    ),
+    PlannerConfig(
+        "ds-pipe-pp2-bf16",
+        "deepspeed",
+        2,
+        ("--pipeline-model-parallel-size", "2", "--bf16"),
+        zero_config(1),
+    ),
+    PlannerConfig("megatron-pp2", "torchrun", 2, ("--pipeline-model-parallel-size", "2"), None),
+)
+
+
+def pretrain_flags(config: PlannerConfig, data_prefix: str, ds_config_path: str | None) -> list:
+    """All of pretrain_gpt.py's flags for `config` (the DeepSpeed config at `ds_config_path`)."""
+    flags = [*MODEL_FLAGS, "--data-path", data_prefix, "--vocab-file", VOCAB_FILE]
+    flags += ["--merge-file", MERGE_FILE, *RUN_FLAGS, *config.flags]
+    if config.ds_config is not None:
+        if ds_config_path is None:
+            raise ValueError(f"{config.name} needs a DeepSpeed config path")
+        flags += ["--deepspeed", "--deepspeed_config", ds_config_path]
+    return flags
+
+
+def command(
+    config: PlannerConfig, data_prefix: str, work_dir: str, measure_out: str | None
+) -> list[str]:
+    """The command line of `config`: under measured_run.py writing to `measure_out`, or plain
+    pretrain_gpt.py when it is None. Writes the DeepSpeed config into `work_dir`."""
+    ds_config_path = None
+    if config.ds_config is not None:
+        ds_config_path = os.path.join(work_dir, f"{config.name}.ds_config.json")
+        with open(ds_config_path, "w") as file:
+            json.dump(config.ds_config, file)
+    script = [PRETRAIN_GPT]
+    if measure_out is not None:
+        script = [MEASURED_RUN, "--measure-out", measure_out, PRETRAIN_GPT]
+    flags = pretrain_flags(config, data_prefix, ds_config_path)
+    if config.launcher == "python":
+        return [sys.executable, *script, *flags]
+    program = os.path.join(os.path.dirname(sys.executable), config.launcher)
+    if config.launcher == "deepspeed":
+        options = ["--num_gpus", str(config.processes), "--master_port", str(free_port())]
+    else:
+        options = [f"--nproc_per_node={config.processes}", f"--master_port={free_port()}"]
+    return [program, *options, *script, *flags]
+
+
+def run(config: PlannerConfig, data_prefix: str, work_dir: str, measured: bool = True) -> dict:
+    """Run `config` to the end; its return code, wall seconds, output and rank reports."""
+    out = os.path.join(work_dir, config.name)
+    argv = command(config, data_prefix, work_dir, out if measured else None)
+    started = time.time()
+    done = subprocess.run(
+        argv,
+        cwd=REPO_ROOT,
+        env=cpu_env(OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
+    )
+    reports = []
+    for path in sorted(glob.glob(os.path.join(out, "rank*.json"))):
+        with open(path) as file:
+            reports.append(json.load(file))
+    return {
+        "returncode": done.returncode,
+        "wall_seconds": time.time() - started,
+        "output": done.stdout,
+        "reports": reports,
+        "argv": argv,
+    }
+
+
+def iteration_ms(result: dict) -> str:
+    """Megatron's "elapsed time per iteration (ms)" of iterations 2 and 3, as "a / b"."""
+    logs = [log for log in iteration_logs(result["output"]) if log["iteration"] >= 2]
+    return " / ".join(f"{log['elapsed time per iteration (ms)']:.0f}" for log in logs)
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f}"
+
+
+def _calls(iteration: dict) -> str:
+    """'op@group xN M MB' for every counted entry of one iteration's breakdown."""
+    parts = []
+    for key, entry in iteration["calls"].items():
+        if entry["bytes"] or entry["kind"] == "pipeline_received":
+            parts.append(f"{key} x{entry['calls']} {_mb(entry['bytes'])}")
+    return "; ".join(parts)
+
+
+def table_rows(name: str, result: dict, iteration: int = 3) -> list[str]:
+    """One markdown row per rank: peaks, framework memory, comm MB by kind at `iteration`."""
+    rows = []
+    for report in result["reports"]:
+        it = next((i for i in report["iterations"] if i["iteration"] == iteration), None)
+        comm = it["comm_bytes"] if it else {}
+        cells = [
+            name,
+            str(report["rank"]),
+            _mb(report["peak_tensor_bytes_after_first"]),
+            _mb(report["framework_resident_bytes"]),
+            *(_mb(comm.get(kind)) for kind in ("tensor_parallel", "data_parallel", "pipeline")),
+            _mb(comm.get("all_to_all")),
+            _mb(comm.get("total")),
+            _mb(comm.get("pipeline_received")),
+            iteration_ms(result),
+            f"{result['wall_seconds']:.1f}",
+            _calls(it) if it else "",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+HEADER = (
+    "| config | rank | peak tensor MB (it>=2) | framework MB | TP MB | DP MB | PP MB | a2a MB "
+    "| total MB | PP recv MB | it 2 / 3 ms | wall s | iteration 3 calls (counted) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def main() -> int:
+    """Run the chosen configurations and print the table (and where the reports are)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="configuration names (default: all)")
+    parser.add_argument("--out", help="where the reports go (default: a temporary folder)")
+    parser.add_argument("--data-path", help="a dataset prefix (default: build a stdlib one)")
+    parser.add_argument("--unmetered", action="store_true", help="plain pretrain_gpt.py runs")
+    cli = parser.parse_args()
+    names = {config.name for config in CONFIGS}
+    unknown = set(cli.only or ()) - names
+    if unknown:
+        parser.error(f"unknown configurations {sorted(unknown)}; known: {sorted(names)}")
+    work_dir = cli.out or tempfile.mkdtemp(prefix="planner_configs_")
+    os.makedirs(work_dir, exist_ok=True)
+    data_prefix = cli.data_path or build_stdlib_dataset(work_dir)
+    print(HEADER)
+    status = 0
+    for config in CONFIGS:
+        if cli.only and config.name not in cli.only:
+            continue
+        result = run(config, data_prefix, work_dir, measured=not cli.unmetered)
+        if result["returncode"] != 0:
+            status = 1
+            print(
+                f"| {config.name} | failed ({result['returncode']}) |\n{result['output'][-3000:]}"
+            )
+            continue
+        if cli.unmetered:
+            ms, wall = iteration_ms(result), result["wall_seconds"]
+            print(f"| {config.name} | unmetered | it 2 / 3: {ms} ms | wall {wall:.1f} s |")
+            continue
+        print("\n".join(table_rows(config.name, result)), flush=True)
+    print(f"reports: {work_dir}/<config>/rank<R>.json")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tests of benchmarks/ helpers that other code relies on (the measured-run meters)."""
