@@ -189,10 +189,14 @@ def run_dry_run(
     return plan
 
 
-def predicted_peak_line(args: argparse.Namespace, device_type: str) -> str:
-    """The start-up line of a real run: each pipeline stage's predicted peak per rank."""
+def predicted_peak_bytes(args: argparse.Namespace, device_type: str) -> list[int]:
+    """Each pipeline stage's predicted peak per rank, for a real run's start-up line and its
+    memory report (the plan of the run's own flags on its own device type)."""
     plan = build_plan(PlanInputs.from_args(args, device_type))
-    stages = ", ".join(
-        f"stage {role.role.pp_rank} {role.memory.peak_bytes / 2**20:,.0f} MB" for role in plan.roles
-    )
+    return [role.memory.peak_bytes for role in plan.roles]
+
+
+def predicted_peak_line(peaks: list[int]) -> str:
+    """The start-up line of a real run: each pipeline stage's predicted peak per rank."""
+    stages = ", ".join(f"stage {stage} {peak / 2**20:,.0f} MB" for stage, peak in enumerate(peaks))
     return f" > predicted peak memory per rank (tensors; --dry-run for the breakdown): {stages}"

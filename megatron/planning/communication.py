@@ -45,8 +45,16 @@ def tensor_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
         per_layer, forward = 2 * c + 2 * r, 2 * c
     recomputed = role.num_layers if config.recompute_granularity == "full" else 0
     total = role.num_layers * per_layer + recomputed * forward
-    if role.first:  # the vocabulary-parallel embedding's sum (or reduce-scatter), forward
-        total += r
+    if role.first:  # the vocabulary-parallel embedding's sum, forward (and with sequence
+        total += 2 * r if config.sequence_parallel else r  # parallelism its scatter's gather)
+    if config.sequence_parallel:
+        # Each micro-batch's gradients of the replicated norms and row-parallel biases,
+        # summed over the tensor-parallel ranks as they are computed.
+        h = config.hidden_size
+        norm = h if config.normalization == "rmsnorm" else 2 * h
+        replicated = role.num_layers * (2 * norm + (2 * h if config.add_bias_linear else 0))
+        replicated += norm if role.last else 0
+        total += replicated * size.residual
     if role.last:
         # The output layer's input (as a column-parallel layer's) and the loss's reductions.
         total += 2 * c + r if config.sequence_parallel else r

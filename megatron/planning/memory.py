@@ -242,11 +242,19 @@ def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
     activations = int(in_flight * per_micro_batch)
     activations += autocast_copy_bytes(inputs, role.num_layers, role.last)
     logits = logits_bytes(inputs) + logits_working_bytes(inputs) if role.last else 0
+    if role.last and inputs.engine == "deepspeed-pipeline":
+        # DeepSpeed's pipe buffers keep each micro-batch's outputs (the logits, last) until
+        # the buffer is reused: two buffers at least, so the previous logits stay alive.
+        logits += (min(2, inputs.micro_batches) - 1) * logits_bytes(inputs)
     fixed = states.weights + states.optimizer + states.buffers
     held = states.gradients + states.accumulators  # from the first backward to the step
     carried = held if inputs.micro_batches > 1 and states.between_micro_batches else 0
     forward = fixed + states.gathered + activations + logits + carried
-    backward = forward + states.backward_buckets
+    # Gradient buckets are allocated at a backward's first parameter gradient: after the
+    # loss and the output layer (their logits freed), beside the output weight's gradient.
+    head_gradient = _half(inputs) * role.parameters["head"] if role.last else 0
+    backward = fixed + states.gathered + activations + (carried or states.accumulators)
+    backward += states.backward_buckets + head_gradient
     boundary = fixed + held + states.backward_buckets + states.reduction
     step = fixed + held + states.step_temporaries
     moments = {"forward": forward, "backward": backward, "boundary": boundary, "step": step}

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron import checkpointing
 from megatron.checkpointing import TrainState
 from megatron.config import ModelConfig
+from megatron.core import parallel_state
 from megatron.model.model_size import flops_per_token
 from megatron.training.batch_schedule import BatchSizeSchedule
 from megatron.training.fault_injection import inject_training_fault
@@ -48,7 +49,7 @@ from megatron.training.training_log import (
     write_optimizer_state_stats,
     write_training_scalars,
 )
-from megatron.utils import current_device, print_rank_0, print_rank_last
+from megatron.utils import current_device, print_rank_0, print_rank_last, write_line
 
 
 class TrainingStopped(RuntimeError):
@@ -138,6 +139,8 @@ class TrainingLoop:
             tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
         )
         self.start_time = time.time()
+        self.predicted_peak_bytes: int | None = None
+        """This rank's peak as `--dry-run` predicts it, shown in the memory line."""
         self.exit_signal: ExitSignalHandler | None = None
         self.stopped_by_signal = False
         config = ModelConfig.from_args(args)
@@ -221,7 +224,7 @@ class TrainingLoop:
                 self._log(interval, state, elapsed)
                 interval = _Interval()
                 if not memory_reported:
-                    print_rank_last(memory_report(f"{state.iteration} iterations", dist.get_rank()))
+                    self._report_memory(state.iteration)
                     memory_reported = True
             if args.eval_interval and state.iteration % args.eval_interval == 0 and valid_iter:
                 if args.eval_iters > 0 and self.evaluate is not None:
@@ -234,6 +237,16 @@ class TrainingLoop:
                 break
         if args.save and saved_at != state.iteration:
             self._save(state)
+
+    def _report_memory(self, iteration: int) -> None:
+        """Megatron's memory line from every data-parallel rank 0 (one per TP x PP rank, as
+        its report_memory), with this rank's predicted peak (`--dry-run`) at the end."""
+        if parallel_state.get_data_parallel_rank() != 0:
+            return
+        line = memory_report(f"{iteration} iterations", dist.get_rank())
+        if self.predicted_peak_bytes is not None:
+            line += f" | predicted peak: {self.predicted_peak_bytes / 2**20}"
+        write_line(line)
 
     def _count(self, result: StepResult, state: TrainState) -> None:
         state.skipped_iterations += int(result.skipped)

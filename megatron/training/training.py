@@ -24,7 +24,12 @@ from megatron.checkpointing import TrainState
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import PipelineRunner, initialize_tied_embedding
 from megatron.data.samplers import build_pretraining_data_loader
-from megatron.dry_run import dry_run_requested, predicted_peak_line, run_dry_run
+from megatron.dry_run import (
+    dry_run_requested,
+    predicted_peak_bytes,
+    predicted_peak_line,
+    run_dry_run,
+)
 from megatron.initialize import initialize_megatron
 from megatron.model.pipeline_chunks import activation_shape
 from megatron.tokenizer import build_tokenizer
@@ -318,7 +323,8 @@ def _set_up_and_train(
     tokenizer = build_tokenizer(args)  # sets args.padded_vocab_size
     args.eod_token_id = tokenizer.eod
     args.true_vocab_size = tokenizer.vocab_size  # saved in checkpoints for the conversion tools
-    print_rank_0(predicted_peak_line(args, current_device().type))
+    predicted_peaks = predicted_peak_bytes(args, current_device().type)
+    print_rank_0(predicted_peak_line(predicted_peaks))
     # --log-timers-to-tensorboard asks for the timers whatever --timing-log-level says (which
     # no Megatron-DeepSpeed script sets): time at level 1 at least; print only at the flag's.
     timer_level = max(args.timing_log_level, 1 if args.log_timers_to_tensorboard else 0)
@@ -340,6 +346,7 @@ def _set_up_and_train(
             queue_size=args.tensorboard_queue_size,
         )
     loop = TrainingLoop(args, model, optimizer, scheduler, forward_step_func, timers, writer)
+    loop.predicted_peak_bytes = predicted_peaks[parallel_state.get_pipeline_model_parallel_rank()]
     # --exit-duration-in-mins counts from the start of pretrain(), as Megatron's does, so set-up,
     # checkpoint loading and dataset building count against a job's time limit too.
     loop.start_time = start
