@@ -124,6 +124,29 @@ CONFIGS: tuple[PlannerConfig, ...] = (
         zero_config(1),
     ),
     PlannerConfig("megatron-pp2", "torchrun", 2, ("--pipeline-model-parallel-size", "2"), None),
+    PlannerConfig(
+        "ds-ulysses-sp2-bf16",
+        "deepspeed",
+        2,
+        ("--no-pipeline-parallel", "--bf16", "--ds-sequence-parallel-size", "2"),
+        zero_config(1),
+    ),
+    PlannerConfig(
+        "ds-moe-ep2-bf16",
+        "deepspeed",
+        2,
+        (
+            "--no-pipeline-parallel",
+            "--bf16",
+            "--num-experts",
+            "4",
+            "--moe-expert-parallel-size",
+            "2",
+            "--topk",
+            "2",
+        ),
+        zero_config(1),
+    ),
 )
 
 

@@ -161,3 +161,28 @@ def stage_parameters_per_rank(
     """Parameters one rank of a pipeline stage holds, by part (see `stage_tensor_sizes`)."""
     sizes = stage_tensor_sizes(config, tp, layers, first, last, ep)
     return {part: sum(tensors) for part, tensors in sizes.items()}
+
+
+def expert_parameters_per_rank(config: ModelConfig, tp: int, layers: range, ep: int = 1) -> int:
+    """Of `stage_parameters_per_rank`, the experts' (MoE layers' expert MLPs): DeepSpeed
+    reduces and partitions them over the expert-data-parallel group, not the data one."""
+    if config.moe is None:
+        return 0
+    experts = _experts(config)
+    total = 0
+    for n in layers:
+        if experts[n - 1] > 1:
+            dense = layer_parameters_per_rank(config, tp)
+            attention_and_norms = dense - _mlp_parameters_split(config, tp)
+            gate = config.hidden_size * experts[n - 1]
+            residual = 0
+            if config.moe.residual:
+                residual = _mlp_parameters_split(config, tp) + 2 * config.hidden_size + 2
+            moe_layer = layer_parameters_per_rank(config, tp, experts[n - 1], ep)
+            total += moe_layer - attention_and_norms - gate - residual
+    return total
+
+
+def _mlp_parameters_split(config: ModelConfig, tp: int) -> int:
+    """One dense MLP's parameters on a tensor-parallel rank."""
+    return sum(layer_tensor_sizes(config, tp)[-(4 if config.add_bias_linear else 2) :])

@@ -115,7 +115,10 @@ def layer_bytes(inputs: PlanInputs, kept: bool = True) -> int:
     if math:
         total += _math_attention_bytes(inputs, b, heads)
     else:
-        total += b * heads * inputs.seq_length * _FP32  # softmax statistics (logsumexp)
+        total += b * heads // inputs.sp * inputs.seq_length * _FP32  # softmax statistics
+    if inputs.sp > 1:
+        # Ulysses: the attention output before its all-to-all back to the sequence split.
+        total += tokens * (config.projection_size // tp) * size.compute
     total += tokens * mlp_in * size.activation_input + tokens * ffn * size.compute
     if config.activation == "swiglu":
         total += tokens * ffn * size.activation_input  # silu(gate), kept for the product
@@ -187,10 +190,13 @@ def logits_bytes(inputs: PlanInputs) -> int:
 
 def logits_working_bytes(inputs: PlanInputs) -> int:
     """The cross entropy's transient peak beside the kept logits: in the backward, the
-    logits' gradient (their dtype) and one chunk of fp32 scratch (the loss works over the
+    logits' gradient (their dtype) and chunks of fp32 scratch (the loss works over the
     vocabulary in row chunks of `CHUNK_BYTES`: 64 MiB on GPUs, 8 MiB on CPUs)."""
     tokens = inputs.seq_length // inputs.sp * inputs.micro_batch
     vocab = inputs.model.vocab_size // inputs.tp
     budget = CHUNK_BYTES if inputs.device_type == "cuda" else CPU_CHUNK_BYTES
-    scratch = min(tokens, max(1, budget // (_FP32 * vocab))) * vocab * _FP32
-    return tokens * vocab * dtypes(inputs).compute + scratch
+    chunk = min(tokens, max(1, budget // (_FP32 * vocab))) * vocab * _FP32
+    # Live together: the chunk's softmax and the next one's shifted logits, and for half
+    # logits the fp32 copy the subtraction makes first (measured: tests/planning).
+    chunks = 2 if dtypes(inputs).compute == _FP32 else 3
+    return tokens * vocab * dtypes(inputs).compute + chunks * chunk

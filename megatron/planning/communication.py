@@ -15,6 +15,8 @@ iteration, start-up and evaluation excluded. Collectives on groups of one rank c
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.planning.activations import dtypes
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.layout import RankRole
@@ -75,6 +77,13 @@ def data_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
     the persistent small parameters after the step.
     """
     group = inputs.zero_group if inputs.deepspeed else inputs.dp * inputs.sp
+    experts = role.expert_parameters
+    if experts:  # the experts' share, over the expert-data-parallel group (EP ranks apart)
+        expert_inputs = dataclasses.replace(inputs, dp=inputs.dp // inputs.ep, sp=1)
+        dense = _with_parameters(role, role.num_parameters - experts)
+        return data_parallel_bytes(inputs, dense) + data_parallel_bytes(
+            expert_inputs, _with_parameters(role, experts)
+        )
     if group == 1:
         return 0
     w, m = role.num_parameters, inputs.micro_batches
@@ -98,6 +107,13 @@ def data_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
     regathered = max(0, partitioned - zero.max_reuse_distance // 2)
     gathers = half * (partitioned + regathered)
     return m * (gathers + communication_bytes(inputs) * sum(padded)) + half * persistent
+
+
+def _with_parameters(role: RankRole, count: int) -> RankRole:
+    """`role` holding `count` parameters (one tensor, no experts): a share of its own."""
+    return dataclasses.replace(
+        role, parameters={"layers": count}, tensor_sizes=(count,), expert_parameters=0
+    )
 
 
 def _tied_gradient_bytes(inputs: PlanInputs) -> int:
@@ -139,6 +155,38 @@ def _deepspeed_pipeline_gathers(inputs: PlanInputs, role: RankRole) -> int:
     return (received + sent) * activation * inputs.micro_batches
 
 
+def expert_capacity(inputs: PlanInputs, experts: int) -> int:
+    """Tokens each expert takes per micro-batch (DeepSpeed's `_capacity`): ceil(tokens /
+    experts x factor), x 2 for top-2, at least `min_capacity`. Without token dropping it is
+    the busiest expert's load, which depends on the data: the plan assumes the bound."""
+    moe = inputs.model.moe
+    tokens = inputs.seq_length * inputs.micro_batch
+    if not moe.drop_tokens:
+        return tokens
+    factor = moe.train_capacity_factor * (2 if moe.top_k == 2 else 1)
+    return max(-(-int(tokens * factor) // experts), moe.min_capacity)
+
+
+def all_to_all_bytes(inputs: PlanInputs, role: RankRole) -> int:
+    """All-to-all bytes per iteration: DeepSpeed-Ulysses' four per layer each way (query,
+    key, value to heads, the context back to the sequence), and DeepSpeed-MoE's dispatch and
+    combine of the [experts, capacity, h] tokens each way, per MoE layer."""
+    config, size = inputs.model, dtypes(inputs).compute
+    total = 0
+    if inputs.sp > 1:
+        local = inputs.seq_length // inputs.sp * inputs.micro_batch
+        width = 2 * config.projection_size + 2 * config.kv_projection_size
+        total += 2 * role.num_layers * local * width * size
+    if config.moe is not None and inputs.ep > 1:
+        for chunk in role.layers:
+            for number in chunk:
+                experts = config.moe.experts_per_layer[number - 1]
+                if experts > 1 and min(inputs.ep, experts) > 1:
+                    capacity = expert_capacity(inputs, experts)
+                    total += 4 * experts * capacity * config.hidden_size * size
+    return total * inputs.micro_batches
+
+
 def rank_communication(inputs: PlanInputs, role: RankRole) -> dict[str, int]:
     """Bytes per iteration by kind, with their `total`."""
     kinds = {
@@ -146,7 +194,7 @@ def rank_communication(inputs: PlanInputs, role: RankRole) -> dict[str, int]:
         + _deepspeed_pipeline_gathers(inputs, role),
         "data_parallel": data_parallel_bytes(inputs, role),
         "pipeline": pipeline_bytes(inputs, role),
-        "all_to_all": 0,
+        "all_to_all": all_to_all_bytes(inputs, role),
     }
     kinds["total"] = sum(kinds.values())
     return kinds

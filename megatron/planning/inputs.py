@@ -165,15 +165,20 @@ def _zero_settings(args: argparse.Namespace) -> ZeroSettings:
         prefetch_bucket_size=int(parsed.prefetch_bucket_size),
         max_live_parameters=int(parsed.max_live_parameters),
         max_reuse_distance=int(parsed.max_reuse_distance),
-        communication_bytes=_communication_bytes(args.deepspeed_config_dict or {}),
+        communication_bytes=_communication_bytes(
+            args.deepspeed_config_dict or {}, getattr(args, "ds_sequence_parallel_size", 1) or 1
+        ),
         offload_optimizer=offloaded(parsed.offload_optimizer),
         offload_param=offloaded(parsed.offload_param),
     )
 
 
-def _communication_bytes(config: dict) -> int | None:
-    """Bytes per element of the config's `communication_data_type`, if it sets one."""
+def _communication_bytes(config: dict, sequence_parallel: int) -> int | None:
+    """Bytes per element of the config's `communication_data_type`, if it sets one; under
+    DeepSpeed-Ulysses `seq_parallel_communication_data_type` (DeepSpeed's default fp32)."""
     wanted = config.get("communication_data_type")
+    if sequence_parallel > 1:
+        wanted = config.get("seq_parallel_communication_data_type", "fp32")
     if wanted is None:
         return None
     return 4 if str(wanted).lower() in ("fp32", "float32", "float", "torch.float32") else 2

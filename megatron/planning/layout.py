@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from megatron.core.parallel_state import generate_rank_groups
 from megatron.core.pipeline_parallel.layout import chunk_layer_numbers
-from megatron.model.model_size import stage_tensor_sizes
+from megatron.model.model_size import expert_parameters_per_rank, stage_tensor_sizes
 from megatron.planning.inputs import PlanInputs
 
 
@@ -31,6 +31,8 @@ class RankRole:
     """Elements by part (`embedding`, `layers`, `head`) on each rank of this stage."""
     tensor_sizes: tuple[int, ...] = ()
     """Each parameter tensor's elements (ZeRO-3 pads and keeps whole tensors by size)."""
+    expert_parameters: int = 0
+    """Of `num_parameters`, MoE experts' (reduced over the expert-data-parallel group)."""
 
     @property
     def num_layers(self) -> int:
@@ -67,7 +69,10 @@ def stage_roles(inputs: PlanInputs) -> list[RankRole]:
             for name, sizes in part.items():
                 parameters[name] += sum(sizes)
                 tensors += sizes
-        roles.append(RankRole(pp_rank, chunks, first, last, parameters, tuple(tensors)))
+        experts = sum(
+            expert_parameters_per_rank(config, inputs.tp, chunk, inputs.ep) for chunk in chunks
+        )
+        roles.append(RankRole(pp_rank, chunks, first, last, parameters, tuple(tensors), experts))
     return roles
 
 

@@ -30,6 +30,7 @@ B is `reduce_bucket_size` (5e8 elements by default: a 1 GB bf16 bucket whatever 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from megatron.planning.activations import (
@@ -219,8 +220,27 @@ def _ceil(count: int, parts: int) -> int:
 
 
 def model_states(inputs: PlanInputs, role: RankRole) -> _States:
-    """Weights, gradients, optimizer state and buffers of a rank of `role`, by engine."""
-    w = role.num_parameters
+    """Weights, gradients, optimizer state and buffers of a rank of `role`, by engine.
+
+    Under DeepSpeed ZeRO 0-2, MoE experts are partitioned over the expert-data-parallel
+    group (data-parallel ranks / EP), the rest over the ZeRO group: two shares, added up
+    (ZeRO-3 is planned as one share).
+    """
+    if inputs.deepspeed and role.expert_parameters and inputs.zero.stage < 3:
+        dense = _states_of(inputs, role, role.num_parameters - role.expert_parameters)
+        expert_inputs = dataclasses.replace(inputs, dp=max(1, inputs.dp // inputs.ep), sp=1)
+        experts = _states_of(expert_inputs, role, role.expert_parameters)
+        experts.backward_buckets = 0  # one gradient bucket serves both groups
+        added = {
+            field.name: getattr(dense, field.name) + getattr(experts, field.name)
+            for field in dataclasses.fields(_States)
+            if field.name != "between_micro_batches"
+        }
+        return _States(**added, between_micro_batches=dense.between_micro_batches)
+    return _states_of(inputs, role, role.num_parameters)
+
+
+def _states_of(inputs: PlanInputs, role: RankRole, w: int) -> _States:
     if not inputs.deepspeed:
         states = _plain_states(inputs, w)
     elif inputs.zero.stage == 0:
