@@ -74,6 +74,15 @@ class PlannerConfig:
     """The --deepspeed_config contents (the command adds --deepspeed), or None."""
 
 
+# A LLaMA-style shape unlike MODEL_FLAGS' (deeper, narrower, longer, GQA, untied, no biases,
+# two micro-batches per iteration): the plan must not be fitted to one shape.
+LLAMA_FLAGS = (
+    "--num-layers 4 --hidden-size 128 --num-attention-heads 8 --num-key-value-heads 2 "
+    "--ffn-hidden-size 352 --seq-length 512 --max-position-embeddings 512 --micro-batch-size 2 "
+    "--swiglu --normalization RMSNorm --use-rotary-position-embeddings "
+    "--untie-embeddings-and-output-weights --disable-bias-linear"
+).split()
+
 CONFIGS: tuple[PlannerConfig, ...] = (
     PlannerConfig("plain-1", "python", 1, (), None),
     PlannerConfig("ddp-dp2", "torchrun", 2, (), None),
@@ -124,6 +133,14 @@ CONFIGS: tuple[PlannerConfig, ...] = (
         zero_config(1),
     ),
     PlannerConfig("megatron-pp2", "torchrun", 2, ("--pipeline-model-parallel-size", "2"), None),
+    PlannerConfig("llama-ddp-bf16", "torchrun", 2, (*LLAMA_FLAGS, "--bf16"), None),
+    PlannerConfig(
+        "llama-ds-zero2-tp2-bf16",
+        "deepspeed",
+        2,
+        (*LLAMA_FLAGS, "--bf16", "--no-pipeline-parallel", "--tensor-model-parallel-size", "2"),
+        {**zero_config(2), "train_micro_batch_size_per_gpu": 2},
+    ),
     PlannerConfig(
         "ds-ulysses-sp2-bf16",
         "deepspeed",

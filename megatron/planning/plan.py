@@ -21,8 +21,9 @@ _GIB = 1024**3
 # What the model does not predict, said in every plan.
 NOT_MODELLED = (
     "not predicted: the CUDA context and allocator fragmentation (kept as the device's "
-    "headroom), the data loader's pinned batches, torch.compile's workspaces, MoE and "
-    "Ulysses all-to-all buffers, and on CPU the framework's own resident memory"
+    "headroom), the data loader's pinned batches, torch.compile's workspaces, an MoE "
+    "expert's load without token dropping (the bound is planned), and on CPU the "
+    "framework's own resident memory"
 )
 
 

@@ -2,7 +2,8 @@
 device table's link bandwidths, the pipeline bubble on top.
 
     compute  = FLOPs run by the rank (model FLOPs + recomputation) / (peak x efficiency)
-    comm     = tensor-parallel bytes x 2 (T-1)/T / link       (not overlapped with compute)
+    comm     = tensor-parallel bytes x 2 (T-1)/T / link       (not overlapped with compute;
+                                                                (T-1)/T with sequence parallelism)
              + data-parallel bytes x (D-1)/D x 2 / link        (not overlapped: an upper bound)
              + pipeline bytes / link
     step     = (compute + tensor-parallel comm) / (1 - bubble) + data-parallel + pipeline comm
@@ -73,7 +74,10 @@ def estimate_step(
     peak = device.fp32_flops if inputs.precision == "fp32" else device.bf16_flops
     compute = executed / (peak * efficiency)
     tp = inputs.tp
-    tp_comm = communication["tensor_parallel"] * 2 * (tp - 1) / tp / _link(device, tp, 1)
+    # An all-reduce moves 2 (T-1)/T of its payload over each link, an all-gather or a
+    # reduce-scatter (T-1)/T: sequence parallelism trades each all-reduce for one of each.
+    ring = (1 if inputs.model.sequence_parallel else 2) * (tp - 1) / tp
+    tp_comm = communication["tensor_parallel"] * ring / _link(device, tp, 1)
     group = inputs.dp * inputs.sp
     dp_stride = inputs.tp
     dp_comm = (

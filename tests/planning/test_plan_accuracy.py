@@ -1,7 +1,8 @@
 """The plan against real runs on this CPU: every configuration of
 benchmarks/planner_configs.py (plain fp32 and bf16 DDP, TP=2 with sequence parallelism and
 selective recompute, TP=2 with full recompute, DeepSpeed ZeRO 1-3 in bf16 at DP=2,
-DeepSpeed's pipeline engine and Megatron's schedules at PP=2), each rank's predicted peak
+DeepSpeed's pipeline engine and Megatron's schedules at PP=2, DeepSpeed-Ulysses and -MoE,
+and a LLaMA-style shape plain and under ZeRO-2 with TP=2), each rank's predicted peak
 within 10% of the measured one and its communication per iteration within 5%, by kind.
 
 Measured with benchmarks/measured_run.py (the allocator's events, the bytes handed to each
@@ -16,7 +17,9 @@ from benchmarks.planner_accuracy import (
     COMMUNICATION_TARGET,
     MEMORY_TARGET,
     compare,
+    format_row,
     ratio,
+    within_targets,
 )
 from benchmarks.planner_configs import CONFIGS
 
@@ -28,6 +31,7 @@ def test_plan_matches_the_run(config, stdlib_dataset, tmp_path):
     rows = compare(config, stdlib_dataset, str(tmp_path))
     assert len(rows) == config.processes
     for row in rows:
+        assert format_row(row).startswith(f"| {config.name} | {row['rank']} |")
         memory = ratio(row["predicted_peak"], row["measured_peak"])
         assert abs(memory - 1) <= MEMORY_TARGET, (row["rank"], memory)
         for kind, predicted in row["predicted_comm"].items():
@@ -38,3 +42,4 @@ def test_plan_matches_the_run(config, stdlib_dataset, tmp_path):
                 predicted,
                 measured,
             )
+        assert within_targets(row)
