@@ -11,7 +11,9 @@ prints. With a device named and a rank that does not fit, the changes that make 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import io
 import itertools
 import json
 import os
@@ -20,11 +22,18 @@ from collections.abc import Callable, Sequence
 
 from megatron.arguments import parse_args
 from megatron.arguments.ds_config import load_deepspeed_config
+from megatron.arguments.v1_flags import OLDER_SPELLINGS
 from megatron.atomic_files import atomic_outputs
 from megatron.planning.devices import Device, find_device
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.plan import Plan, build_plan, format_plan
-from megatron.planning.suggestions import Change, apply_flags, candidate_changes, merge_config
+from megatron.planning.suggestions import (
+    Change,
+    apply_flags,
+    batch_config,
+    candidate_changes,
+    merge_config,
+)
 
 # Suggestions printed at most; fewer changes first, then the faster predicted step.
 MAX_SUGGESTIONS = 5
@@ -62,27 +71,49 @@ def _raw_config(args: argparse.Namespace) -> dict | None:
     return load_deepspeed_config(args.deepspeed_config)
 
 
+def _flag_value(argv: list[str], flag: str, default: int) -> int:
+    """The last value of `flag` in `argv` (either `--flag N` or `--flag=N`), else `default`."""
+    value = default
+    for index, token in enumerate(argv):
+        if token == flag and index + 1 < len(argv):
+            value = int(argv[index + 1])
+        elif token.startswith(flag + "="):
+            value = int(token.split("=", 1)[1])
+    return value
+
+
 def plan_with_changes(
     argv: list[str],
     changes: Sequence[Change],
-    raw_config: dict | None,
+    args: argparse.Namespace,
     device: Device | None,
     extra_args_provider: Callable | None = None,
     defaults: dict | None = None,
 ) -> tuple[list[str], dict, Plan]:
-    """Apply `changes` to the command line (and config), validate it, and plan it.
+    """Apply `changes` to the command line of validated `args` (and to its DeepSpeed config
+    file's keys), validate the result quietly, and plan it.
 
     Raises SystemExit when the changed command line does not validate.
     """
     new_argv, patch = list(argv), {}
     for change in changes:
-        new_argv = apply_flags(new_argv, change.flags)
+        new_argv = apply_flags(new_argv, change.flags, OLDER_SPELLINGS)
         patch = merge_config(patch, change.config)
     run_defaults = dict(defaults or {})
+    raw_config = _raw_config(args)
     if raw_config is not None:
+        micro = _flag_value(new_argv, "--micro-batch-size", args.micro_batch_size)
+        tp = _flag_value(new_argv, "--tensor-model-parallel-size", args.tensor_model_parallel_size)
+        pp = _flag_value(
+            new_argv, "--pipeline-model-parallel-size", args.pipeline_model_parallel_size
+        )
+        data_parallel = max(1, args.world_size // (tp * pp * args.ds_sequence_parallel_size))
+        batch = batch_config(raw_config, micro, args.global_batch_size, data_parallel)
+        patch = merge_config(patch, {k: v for k, v in batch.items() if raw_config[k] != v})
         run_defaults["deepspeed_config_dict"] = merge_config(copy.deepcopy(raw_config), patch)
-    args = parse_args(new_argv, extra_args_provider, defaults=run_defaults)
-    return new_argv, patch, plan_from_args(args, device)
+    with contextlib.redirect_stderr(io.StringIO()):  # a refused candidate is not an error here
+        changed_args = parse_args(new_argv, extra_args_provider, defaults=run_defaults)
+    return new_argv, patch, plan_from_args(changed_args, device)
 
 
 def suggest(
@@ -94,27 +125,23 @@ def suggest(
 ) -> list[dict]:
     """The fitting changes of a plan that does not fit: each with its command line, config
     keys and predicted peak; single changes first, pairs only when no single one fits."""
-    raw_config = _raw_config(args)
-    candidates = candidate_changes(plan.inputs, args, raw_config)
+    candidates = candidate_changes(plan.inputs, args.global_batch_size, _raw_config(args))
     found: list[dict] = []
     for size in (1, 2):
         for combination in itertools.combinations(candidates, size):
-            if (
-                size == 2
-                and combination[0].description.split()[0] == (combination[1].description.split()[0])
-            ):
+            if len({change.knob for change in combination}) < size:
                 continue  # two settings of the same knob
             try:
                 new_argv, patch, changed = plan_with_changes(
-                    argv, combination, raw_config, plan.device, extra_args_provider, defaults
+                    argv, combination, args, plan.device, extra_args_provider, defaults
                 )
             except SystemExit:
-                continue  # the changed line is refused (the error named why): not a suggestion
+                continue  # the changed line is refused: not a suggestion
             if changed.fits:
                 found.append(
                     {
                         "change": " + ".join(change.description for change in combination),
-                        "flags": " ".join(_flag_edits(change, argv) for change in combination),
+                        "flags": _flag_edits(combination, argv),
                         "argv": new_argv,
                         "config": patch,
                         "peak_bytes": changed.peak_bytes,
@@ -128,16 +155,22 @@ def suggest(
     return found[:MAX_SUGGESTIONS]
 
 
-def _flag_edits(change: Change, argv: list[str]) -> str:
-    """The flags a change sets, and those it removes from `argv`."""
-    edits = []
-    for flag, value in change.flags.items():
-        if value is False:
-            if any(token == flag or token.startswith(flag + "=") for token in argv):
-                edits.append(f"without {flag}")
-        else:
-            edits.append(flag if value is None else f"{flag} {value}")
-    return " ".join(edits)
+def _flag_edits(changes: Sequence[Change], argv: list[str]) -> str:
+    """What the changes do to `argv`: the flags they set (once each, not those already
+    there) and those they remove."""
+    edits: dict[str, str] = {}
+    for change in changes:
+        for flag, value in change.flags.items():
+            present = any(token == flag or token.startswith(flag + "=") for token in argv)
+            if value is False:
+                if present:
+                    edits[flag] = f"without {flag}"
+            elif value is None:
+                if not present:
+                    edits[flag] = flag
+            else:
+                edits[flag] = f"{flag} {value}"
+    return " ".join(edits.values())
 
 
 def format_suggestions(suggestions: list[dict], device: Device) -> str:
@@ -189,14 +222,20 @@ def run_dry_run(
     return plan
 
 
-def predicted_peak_bytes(args: argparse.Namespace, device_type: str) -> list[int]:
+def predicted_peak_bytes(args: argparse.Namespace, device_type: str) -> list[int] | None:
     """Each pipeline stage's predicted peak per rank, for a real run's start-up line and its
-    memory report (the plan of the run's own flags on its own device type)."""
-    plan = build_plan(PlanInputs.from_args(args, device_type))
+    memory report (the plan of the run's own flags on its own device type); None if the
+    planner cannot plan this run, which must not stop training."""
+    try:
+        plan = build_plan(PlanInputs.from_args(args, device_type))
+    except Exception:  # noqa: BLE001 - a report, never a reason to stop a run
+        return None
     return [role.memory.peak_bytes for role in plan.roles]
 
 
-def predicted_peak_line(peaks: list[int]) -> str:
+def predicted_peak_line(peaks: list[int] | None) -> str:
     """The start-up line of a real run: each pipeline stage's predicted peak per rank."""
+    if peaks is None:
+        return " > predicted peak memory per rank: not available for this run (see --dry-run)"
     stages = ", ".join(f"stage {stage} {peak / 2**20:,.0f} MB" for stage, peak in enumerate(peaks))
     return f" > predicted peak memory per rank (tensors; --dry-run for the breakdown): {stages}"

@@ -103,6 +103,11 @@ def parse_args(
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if getattr(args, "dry_run", False) and args.dry_run_world_size is not None:
+        if args.dry_run_world_size < 1:
+            parser.exit(
+                2,
+                f"error: --dry-run-world-size must be at least 1, not {args.dry_run_world_size}\n",
+            )
         world_size = args.dry_run_world_size  # a plan for that many ranks, from one process
     try:
         args = validate_args(args, world_size, typed_flags(parser, argv))

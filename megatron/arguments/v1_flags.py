@@ -39,6 +39,17 @@ V1_CORPORA = {
 }
 V1_SAVE_INTERVAL = 5000
 V1_WARMUP = 0.01
+# Today's flag -> other spellings of the same setting (Megatron-LM v1's, Megatron-DeepSpeed's)
+# and v1 flags the setting fixes with it: a tool that rewrites a command line (the dry run's
+# suggestions) removes these when it sets the flag, so the two cannot contradict each other.
+OLDER_SPELLINGS: dict[str, tuple[str, ...]] = {
+    "--micro-batch-size": ("--batch-size",),
+    "--global-batch-size": ("--gas",),
+    "--tensor-model-parallel-size": ("--model-parallel-size",),
+    "--pipeline-model-parallel-size": ("--pipe-parallel-size",),
+    "--recompute-granularity": ("--checkpoint-activations", "--recompute-activations"),
+}
+
 _WARMUP_FLAGS = ("lr_warmup_fraction", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_tokens")
 # The v1 flags that mark a command line as v1's (and so take v1's defaults).
 _V1_ONLY = (

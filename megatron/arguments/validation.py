@@ -400,22 +400,44 @@ def _backend(args: argparse.Namespace) -> None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     elif args.distributed_backend == "nccl" and not torch.cuda.is_available():
         raise ArgumentError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPUs")
-    timeout = getattr(args, "distributed_timeout_minutes", 10)
-    if not timeout > 0:
-        raise ArgumentError(f"--distributed-timeout-minutes {timeout:g}: must be above 0")
+    _timeout(args)
 
 
 def _dry_run(args: argparse.Namespace) -> None:
     """A dry run plans for the job's machines, not this one: the data files, run directories
-    and devices the job will have need not exist here (nor are any created)."""
-    if args.dry_run_world_size is not None and args.dry_run_world_size < 1:
-        raise ArgumentError(
-            f"--dry-run-world-size must be at least 1, not {args.dry_run_world_size}"
-        )
+    and devices the job will have need not exist here (nor are any created); what the flags
+    say about them is still checked."""
     args.train_data_corpus = None
     if getattr(args, "train_data", None):
         args.data_path = list(args.train_data)
+    elif getattr(args, "data_path", None):
+        from megatron.data.blendable_dataset import parse_data_path
+
+        try:
+            parse_data_path(args.data_path)
+        except ValueError as error:
+            raise ArgumentError(str(error)) from None
     args.distributed_backend = args.distributed_backend or "nccl"
+    _timeout(args)
+    if args.dry_run_json:
+        parent = os.path.dirname(os.path.abspath(args.dry_run_json))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise ArgumentError(
+                f"--dry-run-json {args.dry_run_json}: {parent} is not a writable directory"
+            )
+
+
+def _dry_run_flags_alone(args: argparse.Namespace) -> None:
+    for flag in ("dry_run_world_size", "dry_run_json", "dry_run_device"):
+        if getattr(args, flag, None) is not None:
+            name = "--" + flag.replace("_", "-")
+            raise ArgumentError(f"{name} needs --dry-run (it says how to plan, not to train)")
+
+
+def _timeout(args: argparse.Namespace) -> None:
+    timeout = getattr(args, "distributed_timeout_minutes", 10)
+    if not timeout > 0:
+        raise ArgumentError(f"--distributed-timeout-minutes {timeout:g}: must be above 0")
 
 
 def _deepspeed_config(args: argparse.Namespace, explicit_flags: set[str] | None) -> str:
@@ -474,6 +496,7 @@ def validate_args(
     if getattr(args, "dry_run", False):
         _dry_run(args)
     else:
+        _dry_run_flags_alone(args)
         _data_files(args)
         _run_directories(args)
         _backend(args)

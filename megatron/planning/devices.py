@@ -1,8 +1,8 @@
 """Known accelerators for `--dry-run-device`: memory, dense peak FLOP/s, link bandwidths.
 
-Figures are the vendors' datasheet numbers (dense, no sparsity): memory as usable by a
-process is a little less than the HBM size (the CUDA context and allocator take ~1-2 GB,
-which the plan keeps as headroom). `intra_node` is the per-GPU NVLink (or PCIe) bandwidth
+FLOP/s are the vendors' datasheet numbers (dense, no sparsity); memory is what the driver
+reports, of which the plan keeps 2 GiB as headroom for the CUDA context, cuBLAS workspaces
+and the allocator's fragmentation. `intra_node` is the per-GPU NVLink (or PCIe) bandwidth
 one way; `inter_node` the per-GPU network bandwidth of a typical cluster node (8 GPUs, one
 400 Gb/s NIC each for H100/H200, 200 Gb/s for A100). `gpus_per_node` decides which groups
 cross nodes.
@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _GB = 1e9
+_MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class Device:
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     gpus_per_node: int = 8
-    reserved_bytes: float = 2 * _GB
+    reserved_bytes: float = 2 * 2**30
     """Held by the CUDA context, cuBLAS workspaces and the allocator's fragmentation."""
 
     @property
@@ -40,15 +41,16 @@ class Device:
 DEVICES: dict[str, Device] = {
     device.name: device
     for device in (
-        Device("H100", 80 * _GB, 989e12, 494e12, 450 * _GB, 50 * _GB),
-        Device("H100-PCIe", 80 * _GB, 756e12, 378e12, 64 * _GB, 50 * _GB),
-        Device("H200", 141 * _GB, 989e12, 494e12, 450 * _GB, 50 * _GB),
-        Device("A100-80GB", 80 * _GB, 312e12, 156e12, 300 * _GB, 25 * _GB),
-        Device("A100-40GB", 40 * _GB, 312e12, 156e12, 300 * _GB, 25 * _GB),
-        Device("L40S", 48 * _GB, 362e12, 183e12, 32 * _GB, 12.5 * _GB),
-        Device("A10G", 24 * _GB, 125e12, 31e12, 32 * _GB, 12.5 * _GB),
-        Device("V100-32GB", 32 * _GB, 125e12, 15.7e12, 150 * _GB, 12.5 * _GB),
-        Device("MI300X", 192 * _GB, 1307e12, 654e12, 448 * _GB, 50 * _GB),
+        # Memory as the driver reports it (nvidia-smi's MiB; rocm-smi for MI300X).
+        Device("H100", 81559 * _MIB, 989e12, 494e12, 450 * _GB, 50 * _GB),
+        Device("H100-PCIe", 81559 * _MIB, 756e12, 378e12, 64 * _GB, 50 * _GB),
+        Device("H200", 143771 * _MIB, 989e12, 494e12, 450 * _GB, 50 * _GB),
+        Device("A100-80GB", 81920 * _MIB, 312e12, 156e12, 300 * _GB, 25 * _GB),
+        Device("A100-40GB", 40960 * _MIB, 312e12, 156e12, 300 * _GB, 25 * _GB),
+        Device("L40S", 46068 * _MIB, 362e12, 183e12, 32 * _GB, 12.5 * _GB),
+        Device("A10G", 23028 * _MIB, 125e12, 31e12, 32 * _GB, 12.5 * _GB),
+        Device("V100-32GB", 32768 * _MIB, 125e12, 15.7e12, 150 * _GB, 12.5 * _GB),
+        Device("MI300X", 196592 * _MIB, 1307e12, 654e12, 448 * _GB, 50 * _GB),
     )
 }
 

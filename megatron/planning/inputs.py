@@ -152,6 +152,7 @@ def _zero_settings(args: argparse.Namespace) -> ZeroSettings:
     parsed = DeepSpeedZeroConfig(**section)
 
     def offloaded(part: object) -> bool:
+        """Whether an offload section sends its tensors to host memory (or NVMe)."""
         device = getattr(part, "device", None)
         return part is not None and str(getattr(device, "value", device)) in ("cpu", "nvme")
 

@@ -131,6 +131,10 @@ def _gib(count: float) -> str:
     return f"{count / _GIB:.2f}"
 
 
+def _seconds(value: float) -> str:
+    return f"{value:.3f} s" if value >= 1 else f"{value * 1e3:.2f} ms"
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as the dry run prints it: one block per stage, then the verdict."""
     inputs = plan.inputs
@@ -149,7 +153,7 @@ def format_plan(plan: Plan) -> str:
     header = (
         f"  {'stage':>5} {'params':>14} {'weights':>8} {'grads':>8} {'optim':>8} "
         f"{'activ':>8} {'logits':>8} {'buffers':>8} {'PEAK GiB':>9} {'at':>8}  "
-        f"{'TP MB':>9} {'DP MB':>9} {'PP MB':>9}"
+        f"{'TP MB':>9} {'DP MB':>9} {'PP MB':>9} {'A2A MB':>9}"
     )
     lines.append(header)
     for role_plan in plan.roles:
@@ -160,7 +164,7 @@ def format_plan(plan: Plan) -> str:
             f"{_gib(memory.activations):>8} {_gib(memory.logits):>8} {_gib(memory.buffers):>8} "
             f"{_gib(memory.peak_bytes):>9} {memory.peak_at:>8}  "
             f"{comm['tensor_parallel'] / 1e6:>9.1f} {comm['data_parallel'] / 1e6:>9.1f} "
-            f"{comm['pipeline'] / 1e6:>9.1f}"
+            f"{comm['pipeline'] / 1e6:>9.1f} {comm['all_to_all'] / 1e6:>9.1f}"
         )
     lines.append(
         "  (memory in GiB per rank of each pipeline stage; communication in MB per rank and "
@@ -172,8 +176,9 @@ def format_plan(plan: Plan) -> str:
         lines.append(
             f"  {plan.device.name}: peak {_gib(plan.peak_bytes)} GiB of "
             f"{_gib(plan.device.usable_bytes)} GiB usable -> {verdict}; "
-            f"estimated step {estimate.step_s:.3f} s (compute {estimate.compute_s:.3f} s, "
-            f"communication {estimate.communication_s:.3f} s, bubble "
+            f"estimated step {_seconds(estimate.step_s)} (compute "
+            f"{_seconds(estimate.compute_s)}, communication {_seconds(estimate.communication_s)}, "
+            "bubble "
             f"{estimate.bubble:.1%}), MFU {estimate.mfu:.1%}, "
             f"{estimate.tokens_per_s:,.0f} tokens/s"
         )

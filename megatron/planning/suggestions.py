@@ -8,7 +8,6 @@ the dry run plans each (and pairs of them when no single one fits) and prints th
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 
 from megatron.planning.inputs import PlanInputs
@@ -23,6 +22,8 @@ class Change:
     and `config` (top-level or nested keys of the DeepSpeed config to set)."""
 
     description: str
+    knob: str
+    """What it turns (`zero`, `recompute`, `micro-batch`, `tp`, `pp`): one change per knob."""
     flags: dict[str, str | None | bool]
     config: dict = field(default_factory=dict)
 
@@ -50,6 +51,7 @@ def _zero_changes(inputs: PlanInputs, raw_config: dict | None) -> list[Change]:
             changes.append(
                 Change(
                     f"ZeRO stage {stage}",
+                    "zero",
                     flags,
                     config if _config_has(raw_config, "zero_optimization", "stage") else {},
                 )
@@ -73,11 +75,14 @@ def _recompute_changes(inputs: PlanInputs) -> list[Change]:
     granularity = inputs.model.recompute_granularity
     changes = []
     if granularity is None:
-        changes.append(Change("selective recomputation", {"--recompute-activations": None}))
+        changes.append(
+            Change("selective recomputation", "recompute", {"--recompute-activations": None})
+        )
     if granularity != "full":
         changes.append(
             Change(
                 "full recomputation",
+                "recompute",
                 {
                     "--recompute-activations": False,
                     "--recompute-granularity": "full",
@@ -89,35 +94,24 @@ def _recompute_changes(inputs: PlanInputs) -> list[Change]:
     return changes
 
 
-def _batch_keys(raw_config: dict | None, micro_batch: int, accumulation: int, total: int) -> dict:
-    """The config's batch keys that must move with a new micro-batch or accumulation."""
-    wanted = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": accumulation,
-        "train_batch_size": total,
-    }
-    return {key: value for key, value in wanted.items() if _config_has(raw_config, key)}
-
-
 def candidate_changes(
-    inputs: PlanInputs, args: argparse.Namespace, raw_config: dict | None
+    inputs: PlanInputs, global_batch_size: int, raw_config: dict | None
 ) -> list[Change]:
-    """Every single change that could lower this job's peak, without changing its global
-    batch or its model."""
+    """Every single change that could lower this job's peak, keeping its global batch and
+    its model (the DeepSpeed config's batch keys follow the flags: `batch_config`)."""
     changes = _zero_changes(inputs, raw_config) + _recompute_changes(inputs)
-    global_batch = str(args.global_batch_size)
+    global_batch = str(global_batch_size)
     b, m = inputs.micro_batch, inputs.micro_batches
     if b > 1 and b % 2 == 0:
         changes.append(
             Change(
                 f"micro-batch {b // 2} with {2 * m} accumulation steps",
+                "micro-batch",
                 {"--micro-batch-size": str(b // 2), "--global-batch-size": global_batch},
-                _batch_keys(raw_config, b // 2, 2 * m, args.global_batch_size),
             )
         )
     config, world = inputs.model, inputs.world_size
     per_replica = inputs.tp * inputs.pp * inputs.sp
-    accumulation = _batch_keys(raw_config, b, 2 * m, args.global_batch_size)
     tp = 2 * inputs.tp
     if (
         inputs.sp == 1
@@ -130,12 +124,12 @@ def candidate_changes(
         changes.append(
             Change(
                 f"tensor parallel {tp} with sequence parallelism",
+                "tp",
                 {
                     "--tensor-model-parallel-size": str(tp),
                     "--sequence-parallel": None,
                     "--global-batch-size": global_batch,
                 },
-                accumulation,
             )
         )
     pp = 2 * inputs.pp
@@ -153,14 +147,35 @@ def candidate_changes(
         }
         if inputs.engine == "deepspeed":
             flags["--no-pipeline-parallel"] = False  # DeepSpeed's pipeline engine runs PP
-        changes.append(Change(f"pipeline parallel {pp}", flags, accumulation))
+        changes.append(Change(f"pipeline parallel {pp}", "pp", flags))
     return changes
 
 
-def apply_flags(argv: list[str], flags: dict[str, str | None | bool]) -> list[str]:
-    """`argv` with each flag of `flags` removed (with its value) then set as asked."""
+def batch_config(raw_config: dict, micro_batch: int, global_batch: int, data_parallel: int) -> dict:
+    """The config's batch keys (those it has) for a changed micro-batch or data-parallel
+    size at the same global batch, so they agree with the flags."""
+    wanted = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": global_batch // (micro_batch * data_parallel),
+        "train_batch_size": global_batch,
+    }
+    return {key: value for key, value in wanted.items() if _config_has(raw_config, key)}
+
+
+def apply_flags(
+    argv: list[str],
+    flags: dict[str, str | None | bool],
+    spellings: dict[str, tuple[str, ...]] | None = None,
+) -> list[str]:
+    """`argv` with each flag of `flags` removed (with its value) then set as asked;
+    `spellings`: other flags for the same setting, removed with it."""
     result = list(argv)
-    for flag, value in flags.items():
+    removals: dict[str, str | None | bool] = {}
+    for flag in flags:
+        for other in (spellings or {}).get(flag, ()):
+            if other not in flags:
+                removals[other] = False
+    for flag, value in {**removals, **flags}.items():
         kept = []
         skip_value = False
         for token in result:

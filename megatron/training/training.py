@@ -346,7 +346,9 @@ def _set_up_and_train(
             queue_size=args.tensorboard_queue_size,
         )
     loop = TrainingLoop(args, model, optimizer, scheduler, forward_step_func, timers, writer)
-    loop.predicted_peak_bytes = predicted_peaks[parallel_state.get_pipeline_model_parallel_rank()]
+    if predicted_peaks is not None:
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        loop.predicted_peak_bytes = predicted_peaks[stage]
     # --exit-duration-in-mins counts from the start of pretrain(), as Megatron's does, so set-up,
     # checkpoint loading and dataset building count against a job's time limit too.
     loop.start_time = start

@@ -176,10 +176,69 @@ def test_unknown_device_is_refused_in_one_line():
 
 
 def test_plan_with_changes_applies_flags_and_config():
-    new_argv, patch, plan = plan_with_changes(
-        GPT2_XL + ["--dry-run", "--dry-run-world-size", "8"],
-        [],
-        None,
-        None,
+    argv = GPT2_XL + ["--dry-run", "--dry-run-world-size", "8"]
+    new_argv, patch, plan = plan_with_changes(argv, [], parse_args(argv), None)
+    assert new_argv == argv and patch == {} and plan.inputs.dp == 8
+
+
+def test_pairs_with_config_batch_keys_and_older_spellings_validate(tmp_path):
+    """A 7B model on 8 A100-40GBs, written with Megatron-LM v1's --batch-size and
+    --model-parallel-size and a config file holding the batch keys: no single change fits,
+    so pairs are planned; every suggested pair validates with its config keys."""
+    config = tmp_path / "ds.json"
+    config.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 64,
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 4,
+                "zero_optimization": {"stage": 1},
+                "bf16": {"enabled": True},
+            }
+        )
     )
-    assert new_argv[-1] == "8" and patch == {} and plan.inputs.dp == 8
+    argv = [
+        "--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
+        "--seq-length", "4096", "--max-position-embeddings", "4096", "--batch-size", "4",
+        "--model-parallel-size", "2", "--lr", "3e-4", "--train-iters", "1000", "--bf16",
+        "--deepspeed", "--deepspeed_config", str(config), "--no-pipeline-parallel",
+        "--data-path", "/nowhere/x", "--dry-run", "--dry-run-world-size", "8",
+        "--dry-run-device", "A100-40GB",
+    ]  # fmt: skip
+    args = parse_args(argv)
+    plan = plan_from_args(args, find_device("A100-40GB"))
+    assert not plan.fits
+    from megatron.dry_run import suggest
+
+    suggestions = suggest(argv, args, plan)
+    assert suggestions
+    for item in suggestions:
+        if "micro-batch" in item["change"]:
+            assert "--batch-size" not in item["argv"]
+        if "tensor parallel" in item["change"]:
+            assert "--model-parallel-size" not in item["argv"]
+        patched = {**json.loads(config.read_text()), **item["config"]}
+        if "zero_optimization" in item["config"]:
+            patched["zero_optimization"] = item["config"]["zero_optimization"]
+        replanned = plan_from_args(
+            parse_args(item["argv"], defaults={"deepspeed_config_dict": patched}),
+            find_device("A100-40GB"),
+        )
+        assert replanned.fits
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--dry-run-json", "plan.json"], "--dry-run-json needs --dry-run"),
+        (["--dry-run", "--dry-run-world-size", "0"], "--dry-run-world-size must be at least 1"),
+        (["--dry-run", "--dry-run-json", "/nowhere/plan.json"], "/nowhere is not a writable"),
+        (["--dry-run", "--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes 0"),
+    ],
+)
+def test_bad_dry_run_flags_are_refused_in_one_line(extra, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(GPT2_XL + extra)
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and message in error
