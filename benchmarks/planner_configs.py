@@ -133,6 +133,22 @@ CONFIGS: tuple[PlannerConfig, ...] = (
         zero_config(1),
     ),
     PlannerConfig("megatron-pp2", "torchrun", 2, ("--pipeline-model-parallel-size", "2"), None),
+    PlannerConfig(
+        "megatron-pp2-interleaved",
+        "torchrun",
+        2,
+        (
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers",
+            "4",
+            "--virtual-pipeline-model-parallel-size",
+            "2",
+            "--micro-batch-size",
+            "2",
+        ),
+        None,
+    ),
     PlannerConfig("llama-ddp-bf16", "torchrun", 2, (*LLAMA_FLAGS, "--bf16"), None),
     PlannerConfig(
         "llama-ds-zero2-tp2-bf16",

@@ -1,12 +1,14 @@
 """Peak memory of one rank: model states by engine and ZeRO stage, activations, buffers.
 
-The peak is the largest of four moments of an iteration, each a sum of what is alive then:
+The peak is the largest of these moments of an iteration, each a sum of what is alive then:
 
 - `forward`: the last warm-up forward has run (every micro-batch in flight keeps its
   activations), the loss works over the logits, earlier micro-batches' gradients held;
 - `backward`: the same as the backward starts and its gradient buckets are allocated;
 - `boundary`: the last backward ends and gradients are reduced (flat copies);
-- `step`: every gradient reduced, the optimizer updating (its temporaries alive).
+- `step`: every gradient reduced, the optimizer updating (its temporaries alive);
+- `embedding backward` (first stage): the embedding's dense gradient beside the held one,
+  the other micro-batches in flight still holding their activations.
 
 Model states per parameter element of this rank (P), Z the ZeRO group (data x Ulysses), as
 DeepSpeed 0.19 allocates them (deepspeed/runtime: bf16_optimizer.py, fp16/unfused_optimizer.py,
@@ -278,6 +280,16 @@ def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
     boundary = fixed + held + states.backward_buckets + states.reduction
     step = fixed + held + states.step_temporaries
     moments = {"forward": forward, "backward": backward, "boundary": boundary, "step": step}
+    if role.first:
+        # The embedding's backward ends each micro-batch's backward on the first stage: a
+        # dense gradient of the whole word-embedding shard, added to the held one after.
+        # By then that micro-batch's activations are gone, the others' in flight are not.
+        embedding = _half(inputs) * (inputs.model.vocab_size // inputs.tp)
+        embedding *= inputs.model.hidden_size
+        if not inputs.deepspeed:
+            embedding = _FP32 * embedding // _half(inputs)  # fp32 parameters, fp32 gradient
+        remaining = activations - int(per_micro_batch / inputs.virtual)
+        moments["embedding backward"] = fixed + held + embedding + max(0, remaining)
     peak_at = max(moments, key=moments.__getitem__)
     return RankMemory(
         weights=states.weights + states.gathered,
