@@ -2,7 +2,8 @@
 
 For every configuration of `planner_configs.CONFIGS` (plain fp32 and bf16 DDP, TP=2 with
 sequence parallelism and selective recompute, TP=2 with full recompute, DeepSpeed ZeRO 1, 2
-and 3 in bf16 at DP=2, DeepSpeed's pipeline engine at PP=2, Megatron's schedules at PP=2,
+and 3 in bf16 at DP=2, DeepSpeed's pipeline engine at PP=2, Megatron's 1F1B and interleaved
+schedules at PP=2,
 DeepSpeed-Ulysses and -MoE, a LLaMA-style shape plain and under ZeRO-2 with TP=2):
 
 - the plan: `pretrain_gpt.py FLAGS --dry-run --dry-run-world-size N --dry-run-json plan.json`,

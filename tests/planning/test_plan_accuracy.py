@@ -1,8 +1,9 @@
 """The plan against real runs on this CPU: every configuration of
 benchmarks/planner_configs.py (plain fp32 and bf16 DDP, TP=2 with sequence parallelism and
 selective recompute, TP=2 with full recompute, DeepSpeed ZeRO 1-3 in bf16 at DP=2,
-DeepSpeed's pipeline engine and Megatron's schedules at PP=2, DeepSpeed-Ulysses and -MoE,
-and a LLaMA-style shape plain and under ZeRO-2 with TP=2), each rank's predicted peak
+DeepSpeed's pipeline engine and Megatron's 1F1B and interleaved schedules at PP=2,
+DeepSpeed-Ulysses and -MoE, and a LLaMA-style shape plain and under ZeRO-2 with TP=2), each
+rank's predicted peak
 within 10% of the measured one and its communication per iteration within 5%, by kind.
 
 Measured with benchmarks/measured_run.py (the allocator's events, the bytes handed to each
