@@ -20,6 +20,8 @@ DeepSpeed-Ulysses and -MoE, a LLaMA-style shape plain and under ZeRO-2 with TP=2
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -46,30 +48,46 @@ COMMUNICATION_TARGET = 0.05
 _KINDS = ("tensor_parallel", "data_parallel", "pipeline", "all_to_all")
 
 
-def plan(config: PlannerConfig, data_prefix: str, work_dir: str) -> tuple[dict, float]:
-    """The dry run's JSON for `config` and its wall seconds (a fresh process, as a user)."""
+def plan(
+    config: PlannerConfig, data_prefix: str, work_dir: str, in_process: bool = False
+) -> tuple[dict, float]:
+    """The dry run's JSON for `config` and its wall seconds: in a fresh process, as a user
+    runs it, or (`in_process`, for the tests) through the same `run_dry_run` in this one."""
     ds_config_path = None
     if config.ds_config is not None:
         ds_config_path = os.path.join(work_dir, f"{config.name}.ds_config.json")
         with open(ds_config_path, "w") as file:
             json.dump(config.ds_config, file)
     path = os.path.join(work_dir, f"{config.name}.plan.json")
-    argv = [sys.executable, PRETRAIN_GPT, *pretrain_flags(config, data_prefix, ds_config_path)]
-    argv += ["--dry-run", "--dry-run-world-size", str(config.processes), "--dry-run-json", path]
+    flags = pretrain_flags(config, data_prefix, ds_config_path)
+    flags += ["--dry-run", "--dry-run-world-size", str(config.processes), "--dry-run-json", path]
     started = time.time()
-    done = subprocess.run(
-        argv, cwd=REPO_ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300
-    )
+    if in_process:
+        from megatron.dry_run import run_dry_run
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            run_dry_run(flags)
+    else:
+        done = subprocess.run(
+            [sys.executable, PRETRAIN_GPT, *flags],
+            cwd=REPO_ROOT,
+            env=cpu_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{config.name}: the dry run failed:\n{done.stdout}{done.stderr}")
     seconds = time.time() - started
-    if done.returncode != 0:
-        raise RuntimeError(f"{config.name}: the dry run failed:\n{done.stdout}{done.stderr}")
     with open(path) as file:
         return json.load(file), seconds
 
 
-def compare(config: PlannerConfig, data_prefix: str, work_dir: str) -> list[dict]:
-    """One row per rank: predicted and measured peak memory and communication bytes."""
-    predicted, plan_seconds = plan(config, data_prefix, work_dir)
+def compare(
+    config: PlannerConfig, data_prefix: str, work_dir: str, in_process: bool = False
+) -> list[dict]:
+    """One row per rank: predicted (`plan`) and measured peak memory and communication."""
+    predicted, plan_seconds = plan(config, data_prefix, work_dir, in_process)
     result = run(config, data_prefix, work_dir)
     if result["returncode"] != 0:
         raise RuntimeError(f"{config.name}: the run failed:\n{result['output'][-3000:]}")

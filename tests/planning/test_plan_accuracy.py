@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[config.name for config in CONFIGS])
 def test_plan_matches_the_run(config, stdlib_dataset, tmp_path):
-    rows = compare(config, stdlib_dataset, str(tmp_path))
+    rows = compare(config, stdlib_dataset, str(tmp_path), in_process=True)
     assert len(rows) == config.processes
     for row in rows:
         assert format_row(row).startswith(f"| {config.name} | {row['rank']} |")
