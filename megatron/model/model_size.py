@@ -13,11 +13,18 @@ from __future__ import annotations
 from megatron.config import ModelConfig
 
 
-def _mlp_parameters(config: ModelConfig) -> int:
+def _mlp_tensor_sizes(config: ModelConfig, parts: int = 1) -> list[int]:
+    """Elements of each tensor of one MLP split over `parts` tensor-parallel ranks:
+    dense_h_to_4h's weight (and SwiGLU's second half) and dense_4h_to_h's, then their biases
+    (the row-parallel one whole)."""
     h, ffn = config.hidden_size, config.ffn_hidden_size
     mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
-    biases = mlp_in + h if config.add_bias_linear else 0
-    return h * mlp_in + ffn * h + biases
+    weights = [h * _split(mlp_in, parts), _split(ffn, parts) * h]
+    return weights + ([_split(mlp_in, parts), h] if config.add_bias_linear else [])
+
+
+def _mlp_parameters(config: ModelConfig) -> int:
+    return sum(_mlp_tensor_sizes(config))
 
 
 def _mlp_flops(config: ModelConfig) -> int:
@@ -108,22 +115,21 @@ def layer_tensor_sizes(config: ModelConfig, tp: int, experts: int = 1, ep: int =
     qkv = proj + 2 * config.kv_projection_size
     bias = config.add_bias_linear
     norm = [h] if config.normalization == "rmsnorm" else [h, h]
-    ffn = config.ffn_hidden_size
-    mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
-
-    def mlp(parts: int) -> list[int]:
-        weights = [h * _split(mlp_in, parts), _split(ffn, parts) * h]
-        return weights + ([_split(mlp_in, parts), h] if bias else [])
-
     sizes = norm * 2 + [h * _split(qkv, tp), _split(proj, tp) * h]
     sizes += [_split(qkv, tp), h] if bias else []
     if experts == 1:
-        return sizes + mlp(tp)
-    expert_tp = tp if config.moe.expert_tensor_parallel else 1
-    sizes += mlp(expert_tp) * _split(experts, min(ep, experts)) + [h * experts]
+        return sizes + _mlp_tensor_sizes(config, tp)
+    sizes += _expert_tensor_sizes(config, tp, experts, ep) + [h * experts]
     if config.moe.residual:
-        sizes += mlp(tp) + [2 * h, 2]
+        sizes += _mlp_tensor_sizes(config, tp) + [2 * h, 2]
     return sizes
+
+
+def _expert_tensor_sizes(config: ModelConfig, tp: int, experts: int, ep: int) -> list[int]:
+    """The tensors of this rank's experts / `ep` experts (split over `tp` only with expert
+    tensor parallelism)."""
+    expert_tp = tp if config.moe.expert_tensor_parallel else 1
+    return _mlp_tensor_sizes(config, expert_tp) * _split(experts, min(ep, experts))
 
 
 def layer_parameters_per_rank(config: ModelConfig, tp: int, experts: int = 1, ep: int = 1) -> int:
@@ -166,23 +172,9 @@ def stage_parameters_per_rank(
 def expert_parameters_per_rank(config: ModelConfig, tp: int, layers: range, ep: int = 1) -> int:
     """Of `stage_parameters_per_rank`, the experts' (MoE layers' expert MLPs): DeepSpeed
     reduces and partitions them over the expert-data-parallel group, not the data one."""
-    if config.moe is None:
-        return 0
     experts = _experts(config)
-    total = 0
-    for n in layers:
-        if experts[n - 1] > 1:
-            dense = layer_parameters_per_rank(config, tp)
-            attention_and_norms = dense - _mlp_parameters_split(config, tp)
-            gate = config.hidden_size * experts[n - 1]
-            residual = 0
-            if config.moe.residual:
-                residual = _mlp_parameters_split(config, tp) + 2 * config.hidden_size + 2
-            moe_layer = layer_parameters_per_rank(config, tp, experts[n - 1], ep)
-            total += moe_layer - attention_and_norms - gate - residual
-    return total
-
-
-def _mlp_parameters_split(config: ModelConfig, tp: int) -> int:
-    """One dense MLP's parameters on a tensor-parallel rank."""
-    return sum(layer_tensor_sizes(config, tp)[-(4 if config.add_bias_linear else 2) :])
+    return sum(
+        sum(_expert_tensor_sizes(config, tp, experts[n - 1], ep))
+        for n in layers
+        if experts[n - 1] > 1
+    )

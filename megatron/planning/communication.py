@@ -20,7 +20,7 @@ import dataclasses
 from megatron.planning.activations import dtypes
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.layout import RankRole
-from megatron.planning.memory import communication_bytes
+from megatron.planning.memory import communication_bytes, weight_bytes, zero3_tensors
 
 _FP32 = 4
 
@@ -89,7 +89,7 @@ def data_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
     w, m = role.num_parameters, inputs.micro_batches
     if not inputs.deepspeed:
         return _FP32 * w  # DDP's (or average_gradients') all-reduce of fp32 gradients
-    half = 2 if inputs.precision in ("bf16", "fp16") else _FP32
+    half = weight_bytes(inputs)
     reduced = communication_bytes(inputs) * w
     zero = inputs.zero
     if zero.stage == 0:
@@ -100,13 +100,13 @@ def data_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
         return reduced + half * w
     if zero.stage == 2:
         return m * reduced + half * w
-    sizes = role.tensor_sizes
-    padded = [-(-n // group) * group for n in sizes]
-    persistent = sum(p for n, p in zip(sizes, padded) if n <= zero.param_persistence_threshold)
-    partitioned = sum(p for n, p in zip(sizes, padded) if n > zero.param_persistence_threshold)
+    whole, split = zero3_tensors(inputs, role.tensor_sizes)
+    persistent = sum(padded for _, padded in whole)
+    partitioned = sum(padded for _, padded in split)
     regathered = max(0, partitioned - zero.max_reuse_distance // 2)
     gathers = half * (partitioned + regathered)
-    return m * (gathers + communication_bytes(inputs) * sum(padded)) + half * persistent
+    reduce_scattered = communication_bytes(inputs) * (persistent + partitioned)
+    return m * (gathers + reduce_scattered) + half * persistent
 
 
 def _with_parameters(role: RankRole, count: int) -> RankRole:

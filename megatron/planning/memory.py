@@ -97,14 +97,30 @@ class _States:
     offloaded: int = 0
 
 
-def _half(inputs: PlanInputs) -> int:
+def weight_bytes(inputs: PlanInputs) -> int:
+    """Bytes per parameter element as the model holds it: half under DeepSpeed's bf16/fp16
+    (and the compute dtype of the plain path's autocast), else fp32."""
     return 2 if inputs.precision in ("bf16", "fp16") else _FP32
+
+
+def gradient_bytes(inputs: PlanInputs) -> int:
+    """Bytes per element of a parameter's gradient: the weights' dtype under DeepSpeed,
+    fp32 on the plain path (whose parameters are fp32 under autocast)."""
+    return weight_bytes(inputs) if inputs.deepspeed else _FP32
+
+
+def zero3_tensors(inputs: PlanInputs, sizes: tuple[int, ...]) -> tuple[list, list]:
+    """ZeRO-3's (elements, padded to a multiple of the group) of each tensor: those it keeps
+    whole (at most `stage3_param_persistence_threshold` elements) and those it partitions."""
+    z, threshold = inputs.zero_group, inputs.zero.param_persistence_threshold
+    pairs = [(n, _ceil(n, z) * z) for n in sizes]
+    return [p for p in pairs if p[0] <= threshold], [p for p in pairs if p[0] > threshold]
 
 
 def communication_bytes(inputs: PlanInputs) -> int:
     """Bytes per element of DeepSpeed's gradient reduction: `communication_data_type`, else
     the model's dtype (bf16 gradients are reduced in bf16 even when accumulated in fp32)."""
-    return inputs.zero.communication_bytes or _half(inputs)
+    return inputs.zero.communication_bytes or weight_bytes(inputs)
 
 
 def _plain_states(inputs: PlanInputs, w: int) -> _States:
@@ -124,7 +140,7 @@ def _plain_states(inputs: PlanInputs, w: int) -> _States:
 
 
 def _zero0_states(inputs: PlanInputs, w: int) -> _States:
-    half, z = _half(inputs), inputs.zero_group
+    half, z = weight_bytes(inputs), inputs.zero_group
     pipeline_engine = inputs.engine == "deepspeed-pipeline"  # it all-reduces even at DP 1
     flat = min(w, inputs.zero.reduce_bucket_size)
     if half == _FP32:  # the client AdamW on the parameters themselves
@@ -157,7 +173,7 @@ def _zero0_states(inputs: PlanInputs, w: int) -> _States:
 
 
 def _zero12_states(inputs: PlanInputs, w: int, largest: int) -> _States:
-    half, z, zero = _half(inputs), inputs.zero_group, inputs.zero
+    half, z, zero = weight_bytes(inputs), inputs.zero_group, inputs.zero
     partition = _ceil(w, z)
     master = _FP32 if half != _FP32 else 0
     optimizer = (master + _ADAM) * partition
@@ -199,11 +215,11 @@ def _zero12_states(inputs: PlanInputs, w: int, largest: int) -> _States:
 
 
 def _zero3_states(inputs: PlanInputs, tensor_sizes: tuple[int, ...]) -> _States:
-    half, z, zero = _half(inputs), inputs.zero_group, inputs.zero
-    padded = sum(_ceil(n, z) * z for n in tensor_sizes)
-    persistent = sum(n for n in tensor_sizes if n <= zero.param_persistence_threshold)
-    partitioned = sum(n for n in tensor_sizes if n > zero.param_persistence_threshold)
-    partition = padded // z
+    half, z, zero = weight_bytes(inputs), inputs.zero_group, inputs.zero
+    whole, split = zero3_tensors(inputs, tensor_sizes)
+    persistent = sum(n for n, _ in whole)
+    partitioned = sum(n for n, _ in split)
+    partition = sum(padded for _, padded in whole + split) // z
     master = _FP32 if half != _FP32 else 0
     return _States(
         weights=half * partition + half * persistent,
@@ -274,7 +290,7 @@ def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
     forward = fixed + states.gathered + activations + logits + carried
     # Gradient buckets are allocated at a backward's first parameter gradient: after the
     # loss and the output layer (their logits freed), beside the output weight's gradient.
-    head_gradient = _half(inputs) * role.parameters["head"] if role.last else 0
+    head_gradient = weight_bytes(inputs) * role.parameters["head"] if role.last else 0
     backward = fixed + states.gathered + activations + (carried or states.accumulators)
     backward += states.backward_buckets + head_gradient
     boundary = fixed + held + states.backward_buckets + states.reduction
@@ -284,10 +300,8 @@ def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
         # The embedding's backward ends each micro-batch's backward on the first stage: a
         # dense gradient of the whole word-embedding shard, added to the held one after.
         # By then that micro-batch's activations are gone, the others' in flight are not.
-        embedding = _half(inputs) * (inputs.model.vocab_size // inputs.tp)
-        embedding *= inputs.model.hidden_size
-        if not inputs.deepspeed:
-            embedding = _FP32 * embedding // _half(inputs)  # fp32 parameters, fp32 gradient
+        rows = inputs.model.vocab_size // inputs.tp
+        embedding = gradient_bytes(inputs) * rows * inputs.model.hidden_size
         remaining = activations - int(per_micro_batch / inputs.virtual)
         moments["embedding backward"] = fixed + held + embedding + max(0, remaining)
     peak_at = max(moments, key=moments.__getitem__)
