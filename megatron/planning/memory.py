@@ -290,7 +290,7 @@ def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
     forward = fixed + states.gathered + activations + logits + carried
     # Gradient buckets are allocated at a backward's first parameter gradient: after the
     # loss and the output layer (their logits freed), beside the output weight's gradient.
-    head_gradient = weight_bytes(inputs) * role.parameters["head"] if role.last else 0
+    head_gradient = gradient_bytes(inputs) * role.parameters["head"] if role.last else 0
     backward = fixed + states.gathered + activations + (carried or states.accumulators)
     backward += states.backward_buckets + head_gradient
     boundary = fixed + held + states.backward_buckets + states.reduction
