@@ -12,12 +12,42 @@ from megatron.text_generation import (
     modify_logits_for_top_p_filtering,
     sample_logits,
 )
-from tests.model.helpers import build_model, spawn_collect, tiny_config
+from tests.model.helpers import build_model, forward_terms, spawn_collect, tiny_config
+from tests.tolerances import reordering_atol
 
 PROMPTS = [[3, 17, 42, 8], [9, 1, 60, 33]]
 NEW_TOKENS = 10
 TP_CONFIG = dict(use_cpu_initialization=True)
 """CPU initialization draws the full weights then splits them: the same dense model at any TP."""
+
+
+def next_token_logits(model, prompts: list[list[int]], generated: list[list[int]]):
+    """Logits [b, n, v] that chose each of the n generated tokens (one full forward), and
+    the reordering bound of logits computed by another code path or TP size."""
+    sequences = torch.tensor([prompt + new for prompt, new in zip(prompts, generated)])
+    with torch.no_grad():
+        logits = model(sequences)[:, len(prompts[0]) - 1 : -1]
+    return logits, reordering_atol(logits, forward_terms(model.config, sequences.size(1)))
+
+
+def assert_far_from_ties(model, prompts, generated, *, kept=1, top_p=0.0, temperature=1.0):
+    """Generations by two code paths (cache or not, TP=2 or 1) are compared token for token.
+
+    Exact comparison is sound only if no other order of the logits' sums can change a
+    choice: at every step the `kept`-th largest logit (1: greedy, k: top-k's cut) leads the
+    next by more than twice the bound, and top-p's cumulative mass at the cut is farther
+    from `top_p` than the probabilities can move. (A multinomial draw flips only if its
+    uniform lands within that rounding of a boundary, at odds of about 1e-6.)
+    """
+    logits, atol = next_token_logits(model, prompts, generated)
+    top = logits.topk(kept + 1, dim=-1).values
+    gap = (top[..., kept - 1] - top[..., kept]).min().item()
+    assert gap > 2 * atol, f"a near tie: gap {gap:.3g} at the {kept}-th logit, bound {atol:.3g}"
+    if top_p > 0.0:
+        # A change of at most atol in every logit moves the cumulative masses by 2 atol / T.
+        cumulative = (logits.sort(-1, descending=True).values / temperature).softmax(-1)
+        distance = (cumulative.cumsum(-1) - top_p).abs().min().item()
+        assert distance > 4 * atol / temperature, f"top-p mass {distance:.3g} from the cut"
 
 
 def draws(logits: torch.Tensor, n: int, seed: int = 0, **options) -> torch.Tensor:
@@ -102,13 +132,15 @@ def model():
 def test_greedy_with_cache_equals_without(model):
     cached = generate(model, PROMPTS, NEW_TOKENS, greedy=True)
     uncached = generate(model, PROMPTS, NEW_TOKENS, greedy=True, use_cache=False)
+    assert_far_from_ties(model, PROMPTS, uncached)
     assert cached == uncached
     assert [len(row) for row in cached] == [NEW_TOKENS, NEW_TOKENS]
 
 
 def test_seeded_sampling_is_reproducible(model):
     first = generate(model, PROMPTS, NEW_TOKENS, top_k=20, seed=5)
-    assert generate(model, PROMPTS, NEW_TOKENS, top_k=20, seed=5) == first
+    assert generate(model, PROMPTS, NEW_TOKENS, top_k=20, seed=5) == first  # the same path
+    assert_far_from_ties(model, PROMPTS, first, kept=20)  # without the cache: another path
     assert generate(model, PROMPTS, NEW_TOKENS, top_k=20, seed=5, use_cache=False) == first
     assert generate(model, PROMPTS, NEW_TOKENS, top_k=20, seed=6) != first
 
@@ -155,10 +187,15 @@ def generation_body(rank: int, world: int) -> dict[str, list[list[int]]]:
 
 def test_tensor_parallel_generation_equals_tp1(model):
     ranks = spawn_collect(generation_body, 2)
-    assert ranks[0] == ranks[1]
+    assert ranks[0] == ranks[1]  # every rank continues with the first rank's tokens
+    # TP=2 sums the logits in another order: exact tokens only away from ties.
     greedy = generate(model, PROMPTS, NEW_TOKENS, greedy=True)
+    assert_far_from_ties(model, PROMPTS, greedy)
     assert ranks[0]["greedy"] == greedy
     assert ranks[0]["greedy-gathered"] == greedy
-    assert ranks[0]["top-k"] == generate(model, PROMPTS, NEW_TOKENS, top_k=8, seed=3)
+    top_k = generate(model, PROMPTS, NEW_TOKENS, top_k=8, seed=3)
+    assert_far_from_ties(model, PROMPTS, top_k, kept=8)
+    assert ranks[0]["top-k"] == top_k
     top_p = generate(model, PROMPTS, NEW_TOKENS, top_p=0.9, temperature=0.7, seed=4)
+    assert_far_from_ties(model, PROMPTS, top_p, top_p=0.9, temperature=0.7)
     assert ranks[0]["top-p"] == top_p

@@ -65,6 +65,8 @@ def _deepspeed_body(rank: int, world_size: int) -> None:
     finally:
         tp_random.use_builtin_checkpointing()
     plain.config.recompute_granularity = None
+    # Bitwise on purpose: the same model and layout twice, the recompute replaying the same
+    # kernels on the same values.
     assert loss_plain == loss_ckpt
     for a, b in zip(grads_plain, grads_ckpt, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -99,7 +101,9 @@ def _deepspeed_body(rank: int, world_size: int) -> None:
         losses.append(loss.item())
     assert losses[-1] < losses[0], losses
 
-    # Replicated parameters (layer norms, row-parallel biases) stay identical across TP ranks.
+    # Replicated parameters (layer norms, row-parallel biases) stay identical across TP ranks:
+    # bitwise, as both ranks run the same kernels on the same replicated values (and receive
+    # the same all-reduced sums).
     import torch.distributed as dist
 
     for name, param in model.named_parameters():

@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel.mappings import (
     split_tensor_into_1d_equal_chunks,
 )
 from tests.core.spawn_checks import BODY, run_checks_per_layout
+from tests.tolerances import assert_close_reordered
 
 # (world size, tp): tp = world, and tp 2 inside 4 ranks (two data-parallel replicas), where
 # a collective on the wrong group would be caught.
@@ -37,7 +38,21 @@ LAYOUTS = [(1, 1), (2, 2), (4, 4), (4, 2)]
 LAYOUT_IDS = [f"world{world}-tp{tp}" for world, tp in LAYOUTS]
 SEQ, BATCH, HIDDEN, FFN, VOCAB = 8, 2, 8, 12, 16
 SEED = 1234
-TOL = {"atol": 1e-5, "rtol": 1e-5}
+TOKENS = SEQ * BATCH
+# The parallel layers sum the same products as the dense ones in another order (partial sums
+# per rank, then the all-reduce), so fp32 results agree to a reordering bound (see
+# tests/tolerances.py) counted from the longest sums into them:
+# a linear layer's output sums HIDDEN (column) or FFN (row) products plus the bias, its input
+# gradient the other of the two, its weight and bias gradients the TOKENS tokens;
+LINEAR_TERMS = HIDDEN + FFN + 1 + TOKENS
+# the logits against the vocab-split table sum HIDDEN products, their input gradient VOCAB
+# (split over the ranks), the table's gradient TOKENS;
+LOGITS_TERMS = HIDDEN + VOCAB + TOKENS
+# the MLP: both linears forward (HIDDEN + FFN), both backward (FFN + HIDDEN), weight and bias
+# gradients over the tokens.
+MLP_TERMS = 2 * (HIDDEN + FFN + 1) + TOKENS
+# Moving values (scatter, gather, split) does no arithmetic: compared bitwise.
+EXACT = {"atol": 0, "rtol": 0}
 
 
 def init_method(weight: torch.Tensor) -> torch.Tensor:
@@ -108,14 +123,14 @@ def _check_column(gather_output: bool, skip_bias_add: bool) -> None:
         expected = expected - (full_bias if gather_output else _shard(full_bias, 0))
     else:
         assert bias is None
-    torch.testing.assert_close(out, expected, **TOL)
+    assert_close_reordered(out, expected, terms=LINEAR_TERMS)
     loss = (out * (probe if gather_output else local_probe)).sum()
     if skip_bias_add:
         loss = loss + (bias * local_probe.sum(dim=(0, 1))).sum()
     loss.backward()
-    torch.testing.assert_close(x_local.grad, dense_dx, **TOL)
-    torch.testing.assert_close(layer.weight.grad, _shard(dense_dw, 0), **TOL)
-    torch.testing.assert_close(layer.bias.grad, _shard(dense_db, 0), **TOL)
+    assert_close_reordered(x_local.grad, dense_dx, terms=LINEAR_TERMS)
+    assert_close_reordered(layer.weight.grad, _shard(dense_dw, 0), terms=LINEAR_TERMS)
+    assert_close_reordered(layer.bias.grad, _shard(dense_db, 0), terms=LINEAR_TERMS)
 
 
 def _check_row(input_is_parallel: bool, skip_bias_add: bool) -> None:
@@ -143,16 +158,16 @@ def _check_row(input_is_parallel: bool, skip_bias_add: bool) -> None:
     out, bias = layer(x_local)
     if skip_bias_add:
         assert bias is layer.bias
-        torch.testing.assert_close(out, dense_out - full_bias, **TOL)
+        assert_close_reordered(out, dense_out - full_bias, terms=LINEAR_TERMS)
         out = out + bias
     else:
         assert bias is None
-    torch.testing.assert_close(out, dense_out, **TOL)
+    assert_close_reordered(out, dense_out, terms=LINEAR_TERMS)
     (out * probe).sum().backward()
     expected_dx = _shard(dense_dx, -1) if input_is_parallel else dense_dx
-    torch.testing.assert_close(x_local.grad, expected_dx, **TOL)
-    torch.testing.assert_close(layer.weight.grad, _shard(dense_dw, 1), **TOL)
-    torch.testing.assert_close(layer.bias.grad, dense_db, **TOL)
+    assert_close_reordered(x_local.grad, expected_dx, terms=LINEAR_TERMS)
+    assert_close_reordered(layer.weight.grad, _shard(dense_dw, 1), terms=LINEAR_TERMS)
+    assert_close_reordered(layer.bias.grad, dense_db, terms=LINEAR_TERMS)
 
 
 def _check_embedding() -> None:
@@ -173,9 +188,11 @@ def _check_embedding() -> None:
     assert layer.vocab_start_index == parallel_state.get_tensor_model_parallel_rank() * per_rank
     assert layer.vocab_end_index == layer.vocab_start_index + per_rank
     out = layer(ids)
-    torch.testing.assert_close(out, dense_out.detach(), **TOL)
+    # A lookup: the all-reduce adds the owner's row to the others' zeros; a row's gradient
+    # sums its id's occurrences (at most every id in the batch), in another order.
+    assert_close_reordered(out, dense_out.detach(), terms=ids.numel())
     (out * probe).sum().backward()
-    torch.testing.assert_close(layer.weight.grad, _shard(dense.weight.grad, 0), **TOL)
+    assert_close_reordered(layer.weight.grad, _shard(dense.weight.grad, 0), terms=ids.numel())
 
 
 def _check_vocab_parallel_logits(gather_output: bool, sequence_parallel: bool) -> None:
@@ -191,14 +208,14 @@ def _check_vocab_parallel_logits(gather_output: bool, sequence_parallel: bool) -
     x_local = (_shard(x, 0) if sequence_parallel else x).clone().requires_grad_()
     logits = linear_with_vocab_parallel_weight(x_local, weight, sequence_parallel, gather_output)
     if gather_output:
-        torch.testing.assert_close(logits, dense_out.detach(), **TOL)
+        assert_close_reordered(logits, dense_out.detach(), terms=LOGITS_TERMS)
         (logits * probe).sum().backward()
     else:
-        torch.testing.assert_close(logits, _shard(dense_out.detach(), -1), **TOL)
+        assert_close_reordered(logits, _shard(dense_out.detach(), -1), terms=LOGITS_TERMS)
         (logits * _shard(probe, -1)).sum().backward()
     expected_dx = _shard(dense_x.grad, 0) if sequence_parallel else dense_x.grad
-    torch.testing.assert_close(x_local.grad, expected_dx, **TOL)
-    torch.testing.assert_close(weight.grad, _shard(dense_w.grad, 0), **TOL)
+    assert_close_reordered(x_local.grad, expected_dx, terms=LOGITS_TERMS)
+    assert_close_reordered(weight.grad, _shard(dense_w.grad, 0), terms=LOGITS_TERMS)
 
 
 def _check_sequence_parallel_mlp() -> None:
@@ -239,14 +256,14 @@ def _check_sequence_parallel_mlp() -> None:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     assert hidden.shape == (SEQ, BATCH, FFN // tp)  # the whole sequence, this rank's features
     out, _ = row(F.gelu(hidden))
-    torch.testing.assert_close(out, _shard(dense_out.detach(), 0), **TOL)
+    assert_close_reordered(out, _shard(dense_out.detach(), 0), terms=MLP_TERMS)
     (out * _shard(probe, 0)).sum().backward()
-    torch.testing.assert_close(x_local.grad, _shard(dense_x.grad, 0), **TOL)
-    torch.testing.assert_close(column.weight.grad, _shard(dense_w1.grad, 0), **TOL)
-    torch.testing.assert_close(column.bias.grad, _shard(dense_b1.grad, 0), **TOL)
-    torch.testing.assert_close(row.weight.grad, _shard(dense_w2.grad, 1), **TOL)
+    assert_close_reordered(x_local.grad, _shard(dense_x.grad, 0), terms=MLP_TERMS)
+    assert_close_reordered(column.weight.grad, _shard(dense_w1.grad, 0), terms=MLP_TERMS)
+    assert_close_reordered(column.bias.grad, _shard(dense_b1.grad, 0), terms=MLP_TERMS)
+    assert_close_reordered(row.weight.grad, _shard(dense_w2.grad, 1), terms=MLP_TERMS)
     # Partial on each rank (its sequence slice only) until the sequence-parallel hook sums it.
-    torch.testing.assert_close(row.bias.grad, dense_b2.grad, **TOL)
+    assert_close_reordered(row.bias.grad, dense_b2.grad, terms=MLP_TERMS)
 
 
 def _check_mappings() -> None:
@@ -255,7 +272,8 @@ def _check_mappings() -> None:
     rank = parallel_state.get_tensor_model_parallel_rank()
     full = _inputs(SEQ, BATCH, HIDDEN, seed=41)
     grad = _inputs(SEQ, BATCH, HIDDEN, seed=43)
-    # Rank r holds (r + 1) * t of a rank-dependent t: the TP sum is (1 + .. + tp) * t.
+    # Rank r holds (r + 1) * t of a rank-dependent t: the TP sum is (1 + .. + tp) * t, equal
+    # to total * t up to summing tp terms in another order; what only moves is bitwise equal.
     scale, total = rank + 1.0, tp * (tp + 1) / 2
 
     def run(region, x, upstream, *args):
@@ -266,36 +284,36 @@ def _check_mappings() -> None:
         return out.detach(), x.grad
 
     out, dx = run(tp_regions.copy_to_tensor_model_parallel_region, full, scale * grad)
-    torch.testing.assert_close(out, full, **TOL)
-    torch.testing.assert_close(dx, total * grad, **TOL)
+    torch.testing.assert_close(out, full, **EXACT)
+    assert_close_reordered(dx, total * grad, terms=tp)
     out, dx = run(tp_regions.reduce_from_tensor_model_parallel_region, scale * full, grad)
-    torch.testing.assert_close(out, total * full, **TOL)
-    torch.testing.assert_close(dx, grad, **TOL)
+    assert_close_reordered(out, total * full, terms=tp)
+    torch.testing.assert_close(dx, grad, **EXACT)
     out, dx = run(tp_regions.scatter_to_tensor_model_parallel_region, full, _shard(grad, -1))
-    torch.testing.assert_close(out, _shard(full, -1), **TOL)
-    torch.testing.assert_close(dx, grad, **TOL)
+    torch.testing.assert_close(out, _shard(full, -1), **EXACT)
+    torch.testing.assert_close(dx, grad, **EXACT)
     out, dx = run(tp_regions.gather_from_tensor_model_parallel_region, _shard(full, -1), grad)
-    torch.testing.assert_close(out, full, **TOL)
-    torch.testing.assert_close(dx, _shard(grad, -1), **TOL)
+    torch.testing.assert_close(out, full, **EXACT)
+    torch.testing.assert_close(dx, _shard(grad, -1), **EXACT)
     out, dx = run(tp_regions.scatter_to_sequence_parallel_region, full, _shard(grad, 0))
-    torch.testing.assert_close(out, _shard(full, 0), **TOL)
-    torch.testing.assert_close(dx, grad, **TOL)
+    torch.testing.assert_close(out, _shard(full, 0), **EXACT)
+    torch.testing.assert_close(dx, grad, **EXACT)
     region = tp_regions.gather_from_sequence_parallel_region
     out, dx = run(region, _shard(full, 0), scale * grad, True)
-    torch.testing.assert_close(out, full, **TOL)
-    torch.testing.assert_close(dx, _shard(total * grad, 0), **TOL)
+    torch.testing.assert_close(out, full, **EXACT)
+    assert_close_reordered(dx, _shard(total * grad, 0), terms=tp)
     out, dx = run(region, _shard(full, 0), grad, False)
-    torch.testing.assert_close(out, full, **TOL)
-    torch.testing.assert_close(dx, _shard(grad, 0), **TOL)
+    torch.testing.assert_close(out, full, **EXACT)
+    torch.testing.assert_close(dx, _shard(grad, 0), **EXACT)
     region = tp_regions.reduce_scatter_to_sequence_parallel_region
     out, dx = run(region, scale * full, _shard(grad, 0))
-    torch.testing.assert_close(out, _shard(total * full, 0), **TOL)
-    torch.testing.assert_close(dx, grad, **TOL)
+    assert_close_reordered(out, _shard(total * full, 0), terms=tp)
+    torch.testing.assert_close(dx, grad, **EXACT)
     # Partitioned activations: 1/tp of the flat tensor each, put back together exactly.
     chunk = split_tensor_into_1d_equal_chunks(full)
     assert chunk.numel() == full.numel() // tp
-    torch.testing.assert_close(chunk, _shard(full.reshape(-1), 0), atol=0, rtol=0)
-    torch.testing.assert_close(gather_split_1d_tensor(chunk), full.reshape(-1), atol=0, rtol=0)
+    torch.testing.assert_close(chunk, _shard(full.reshape(-1), 0), **EXACT)
+    torch.testing.assert_close(gather_split_1d_tensor(chunk), full.reshape(-1), **EXACT)
 
 
 def _check_size_errors() -> None:

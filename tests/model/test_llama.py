@@ -21,13 +21,17 @@ from megatron.model.transformer import ParallelAttention, ParallelMLP
 from megatron.model.utils import RMSNorm
 from tests.model.helpers import (
     build_model,
+    forward_terms,
     full_grads,
     gather_across_tensor_group,
+    grad_terms,
     loss_and_grads,
+    loss_terms,
     random_batch,
     spawn_collect,
 )
-from tests.model.test_pipeline import pipeline_body
+from tests.model.test_pipeline import assert_pipeline_matches_reference, pipeline_body
+from tests.tolerances import assert_close_reordered
 
 LLAMA = dict(
     normalization="rmsnorm",
@@ -52,6 +56,8 @@ CONFIG = dict(
     **LLAMA,
 )
 BATCH, SEQ = 2, 8
+PIPELINE = {**LLAMA, "num_attention_heads": 4, "ffn_hidden_size": 48}
+"""The LLaMA options on test_pipeline.py's model."""
 
 
 def config(**overrides: object) -> ModelConfig:
@@ -78,12 +84,14 @@ def test_rmsnorm_matches_a_hand_written_one(single_rank):
     weight = norm.weight.detach().clone().requires_grad_()
     reference = reference_x / torch.sqrt((reference_x**2).mean(-1, keepdim=True) + 1e-6) * weight
     out = norm(x)
-    torch.testing.assert_close(out, reference)
+    # rsqrt vs 1 / sqrt and another expression: the mean over h = 64 squares is the sum.
+    assert_close_reordered(out, reference, terms=64)
     grad = torch.randn_like(out)
     out.backward(grad)
     reference.backward(grad)
-    torch.testing.assert_close(x.grad, reference_x.grad)
-    torch.testing.assert_close(norm.weight.grad, weight.grad)
+    # Backward: another sum over h for x, and a sum over the 5 x 2 tokens for the weight.
+    assert_close_reordered(x.grad, reference_x.grad, terms=2 * 64 + 10)
+    assert_close_reordered(norm.weight.grad, weight.grad, terms=2 * 64 + 10)
 
 
 def test_rmsnorm_in_bf16_normalizes_in_fp32(single_rank):
@@ -111,11 +119,13 @@ def test_swiglu_mlp_matches_dense_reference(single_rank, bias):
     b_gate, b_up = (mlp.dense_h_to_4h.bias[:96], mlp.dense_h_to_4h.bias[96:]) if bias else (0, 0)
     hidden = F.silu(x @ gate.T + b_gate) * (x @ up.T + b_up)
     reference = hidden @ mlp.dense_4h_to_h.weight.T + (mlp.dense_4h_to_h.bias if bias else 0)
-    torch.testing.assert_close(out, reference)
+    # Separate gate/up matmuls vs the fused one: contractions over h = 64, then ffn = 96.
+    assert_close_reordered(out, reference, terms=64 + 96)
     grads = torch.autograd.grad(out.sum(), (x, w_in))
     reference_grads = torch.autograd.grad(reference.sum(), (x, w_in))
+    # Backward: over h (the output), 2 x ffn (gate and up) into x, 6 x 2 tokens into w_in.
     for got, expected in zip(grads, reference_grads):
-        torch.testing.assert_close(got, expected)
+        assert_close_reordered(got, expected, terms=64 + 96 + 64 + 2 * 96 + 12)
 
 
 def repeated_kv_attention(attention: ParallelAttention, x: torch.Tensor) -> torch.Tensor:
@@ -149,12 +159,15 @@ def test_grouped_query_attention_matches_repeated_kv_reference(single_rank, kv_h
     out, bias = attention(x, None)
     assert bias is None  # --disable-bias-linear
     reference = repeated_kv_attention(attention, x)
-    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    # QKV over h = 64, scores over hn = 8, context over SEQ keys, dense over 8 x 8 channels.
+    forward = 64 + 8 + SEQ + 64
+    assert_close_reordered(out, reference, terms=forward)
     weight = attention.query_key_value.weight
     grads = torch.autograd.grad(out.pow(2).sum(), (x, weight))
     reference_grads = torch.autograd.grad(reference.pow(2).sum(), (x, weight))
+    # Backward: the forward's contractions again, and the SEQ x BATCH tokens into the weight.
     for got, expected in zip(grads, reference_grads):
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert_close_reordered(got, expected, terms=2 * forward + SEQ * BATCH)
 
 
 def test_one_kv_head_per_query_head_is_the_gpt2_layout(single_rank):
@@ -163,7 +176,9 @@ def test_one_kv_head_per_query_head_is_the_gpt2_layout(single_rank):
     x = torch.randn(SEQ, BATCH, 64)
     query, key, value = attention._query_key_value(x)
     rows = attention.query_key_value.weight.view(8, 3, 8, 64)
-    torch.testing.assert_close(key, (x @ rows[:, 1].reshape(64, 64).T).view(SEQ, BATCH, 8, 8))
+    expected = (x @ rows[:, 1].reshape(64, 64).T).view(SEQ, BATCH, 8, 8)
+    # The fused QKV matmul vs a key-only one (other shapes): contractions over h = 64.
+    assert_close_reordered(key, expected, terms=64)
 
 
 def test_untied_model_has_its_own_output_layer(single_rank):
@@ -227,40 +242,35 @@ def tp_world() -> list[dict]:
 
 @pytest.mark.parametrize("variant", ["tp2", "tp2-sp"])
 def test_llama_tensor_parallel_equals_tp1(tp_world, variant):
+    # TP=2 splits and reorders the same sums (see tests/model/helpers.py for the counts).
     for results in tp_world:
         reference, parallel = results["tp1"], results[variant]
-        torch.testing.assert_close(parallel["loss"], reference["loss"], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(parallel["logits"], reference["logits"], atol=1e-5, rtol=1e-5)
+        assert_close_reordered(parallel["loss"], reference["loss"], terms=loss_terms(config(), SEQ))
+        assert_close_reordered(
+            parallel["logits"], reference["logits"], terms=forward_terms(config(), SEQ)
+        )
         assert set(parallel["grads"]) == set(reference["grads"])
         for name, grad in reference["grads"].items():
-            torch.testing.assert_close(
+            assert_close_reordered(
                 parallel["grads"][name],
                 grad,
-                atol=1e-5,
-                rtol=1e-4,
-                msg=lambda m, name=name: f"{variant} {name}: {m}",
+                terms=grad_terms(config(), BATCH, SEQ),
+                msg=f"{variant} {name}",
             )
 
 
 @pytest.fixture(scope="module")
 def pp_world() -> list[dict]:
     """DeepSpeed's pipeline engine at PP=2 against GPTModel, LLaMA-style (2 ranks)."""
-    overrides = {key: value for key, value in LLAMA.items()}
-    overrides.update(num_attention_heads=4, ffn_hidden_size=48)
-    return spawn_collect(pipeline_body, 2, 1, overrides)
+    return spawn_collect(pipeline_body, 2, 1, PIPELINE)
 
 
 def test_llama_pipeline_equals_gpt_model(pp_world):
     """Eval loss, one SGD train step and the updated weights equal the GPTModel's; the last
     stage owns the untied output layer (`lm_head`), the first the word embeddings."""
     for results in pp_world:
-        assert results["pipe_eval"] == pytest.approx(results["reference_eval"], abs=1e-5)
-        assert results["pipe_next"] == pytest.approx(results["reference_next"], abs=1e-5)
+        assert_pipeline_matches_reference(results, PIPELINE)
         assert results["reference_next"] < results["reference_eval"] - 0.05
-        for name, (pipe_tensor, reference_tensor) in results["updated"].items():
-            torch.testing.assert_close(
-                pipe_tensor, reference_tensor, atol=1e-6, rtol=1e-5, msg=lambda m, n=name: n + m
-            )
     by_stage = {results["stage"]: results for results in pp_world}
     assert "0.word_embeddings.weight" in by_stage[0]["local_keys"]
     assert "6.lm_head.weight" in by_stage[1]["local_keys"]
