@@ -12,8 +12,8 @@ from megatron.text_generation import (
     modify_logits_for_top_p_filtering,
     sample_logits,
 )
-from tests.model.helpers import build_model, forward_terms, spawn_collect, tiny_config
-from tests.tolerances import reordering_atol
+from tests.model.helpers import build_model, spawn_collect, tiny_config
+from tests.tolerances import forward_terms, reordering_atol
 
 PROMPTS = [[3, 17, 42, 8], [9, 1, 60, 33]]
 NEW_TOKENS = 10

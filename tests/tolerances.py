@@ -19,7 +19,14 @@ twice, a copy of weights), compare bitwise (`torch.equal`) instead.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from megatron.config import ModelConfig
 
 # Unit roundoff (half the machine epsilon) per dtype.
 UNIT_ROUNDOFF = {
@@ -65,3 +72,79 @@ def assert_close_reordered(
             f"{dtype or expected.dtype}, scale {expected.detach().abs().max().item():.3g})"
         ),
     )
+
+
+# --- terms of a GPT's computations ---------------------------------------------------------
+
+
+def forward_terms(config: ModelConfig, tokens: int) -> int:
+    """The terms summed along the longest path from the ids into one logit of `config`'s model
+    run on `tokens` tokens (all sequences together: generous for attention), for
+    `tests.tolerances` where another implementation (transformers, another tensor-parallel
+    size, another MoE dispatch) computes the same logits in fp32. Per layer: its two norms
+    (hidden each), QKV (hidden), scores (kv_channels), softmax and context (tokens each),
+    attention output (heads x kv_channels), the MLP (hidden, then ffn); with experts also the
+    gate (hidden), its softmax (experts), the dispatch (tokens), the combine (experts x tokens)
+    and PR-MoE's mixing coefficient (hidden). Then the final norm and the output layer."""
+    hidden = config.hidden_size
+    experts = config.moe.experts_per_layer if config.moe else (1,) * config.num_layers
+    terms = 2 * hidden
+    for count in experts:
+        terms += 3 * hidden + config.kv_channels + 2 * tokens + config.projection_size
+        terms += hidden + config.ffn_hidden_size
+        if count > 1:
+            terms += 2 * hidden + count + tokens + count * tokens
+    return terms
+
+
+def training_loss_terms(config: ModelConfig, micro_tokens: int, tokens: int, steps: int) -> int:
+    """The terms summed along the longest path into a loss logged `steps` optimizer steps
+    after the state two runs share (0: the first step's loss): the forward into the logits
+    (`forward_terms` of a micro-batch of `micro_tokens`), the mean over the step's `tokens`,
+    and every earlier step's forward and backward (the same contractions transposed, plus the
+    weight gradients' sums over `tokens`): errors compound over steps. The cross-entropy's sum
+    over the vocabulary is counted by `assert_losses_reordered`."""
+    forward = forward_terms(config, micro_tokens)
+    return forward + tokens + steps * (2 * forward + tokens)
+
+
+def assert_losses_reordered(
+    actual: Sequence[float],
+    expected: Sequence[float],
+    *,
+    terms: Sequence[int],
+    vocab: int,
+    digits: int | None = 7,
+    what: str = "",
+) -> None:
+    """Each fp32 loss of `actual` equals `expected`'s up to sums in other orders.
+
+    Loss i may differ by `reordering_atol(expected[i], terms[i])` (see `training_loss_terms`), plus
+    2 x `vocab` x u for the cross-entropy's softmax sum over `vocab` positive terms (in any
+    order its relative error is at most vocab x u, an absolute error of its log), plus one
+    unit of the last of the `digits` significant digits a log line keeps (None: exact floats).
+    """
+    assert len(actual) == len(expected) == len(terms), (what, actual, expected)
+    unit = UNIT_ROUNDOFF[torch.float32]
+    for index, (got, want, count) in enumerate(zip(actual, expected, terms)):
+        atol = reordering_atol(torch.tensor(want), count) + 2 * vocab * unit
+        if digits is not None and want != 0:
+            atol += 10.0 ** (math.floor(math.log10(abs(want))) - digits + 1)
+        assert abs(got - want) <= atol, (
+            f"{what}: loss {index}: {got} vs {want} differ by {abs(got - want):.3g} > {atol:.3g} "
+            f"({count} terms, vocabulary {vocab})\n{list(actual)}\n{list(expected)}"
+        )
+
+
+def loss_terms(config: ModelConfig, tokens: int) -> int:
+    """`forward_terms` and the cross entropy's log-sum-exp over the (padded) vocabulary."""
+    return forward_terms(config, tokens) + config.vocab_size
+
+
+def grad_terms(config: ModelConfig, batch: int, seq: int) -> int:
+    """Terms along the longest path into a gradient of a mean token loss.
+
+    The backward pass runs the forward's contractions again (2 x `loss_terms`), and every
+    weight gradient sums over the batch x seq tokens, as the mean does.
+    """
+    return 2 * loss_terms(config, seq) + 2 * batch * seq

@@ -4,7 +4,9 @@ A ZeRO-2 run on 2 ranks saves a checkpoint; `zero_to_fp32.py` (which DeepSpeed c
 it) rebuilds fp32 weights equal to the model's; `ds_to_universal` converts it, and
 `--universal-checkpoint` resumes it on ONE rank with the optimizer state carried: the next
 iterations' losses match a 2-rank resume of the original checkpoint (dropout off, so only the
-reduction order differs).
+reduction order differs: `assert_losses_reordered`). The weights start at `--init-method-std
+0.2`, so that a misplaced weight moves the loss far above that bound (at GPT-2's 0.02 it
+would move the tiny model's loss by 1e-4 to 1e-2, under it).
 """
 
 from __future__ import annotations
@@ -16,17 +18,27 @@ import sys
 import pytest
 import torch
 
+from megatron.config import ModelConfig
 from tests.checkpointing.compare import load_any
 from tests.conftest import REPO_ROOT
 from tests.pretrain_runs import cpu_env, iteration_logs, launch, tiny_gpt_flags
+from tests.tolerances import assert_losses_reordered, training_loss_terms
 
 DS_ZERO2 = ["--deepspeed", "--deepspeed_config", f"{REPO_ROOT}/examples/ds_configs/ds_zero2.json"]
+VOCAB = 50304
+"""The GPT-2 vocabulary padded as `tiny_gpt_flags` pads it (a multiple of 128)."""
+TINY = ModelConfig(
+    num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB,
+    max_position_embeddings=64,
+)  # fmt: skip
+"""The model of `tiny_gpt_flags` (micro-batches of 2 x 64 tokens, 4 x 64 tokens a step)."""
 
 
 def _flags(dataset: str, iterations: int) -> list[str]:
     return tiny_gpt_flags(dataset) + DS_ZERO2 + [
         "--hidden-dropout", "0", "--attention-dropout", "0", "--global-batch-size", "4",
         "--train-iters", str(iterations), "--use-checkpoint-lr-scheduler",
+        "--init-method-std", "0.2",
     ]  # fmt: skip
 
 
@@ -83,4 +95,9 @@ def test_universal_checkpoint_resumes_on_a_different_number_of_ranks(
     ours = [log["lm loss"] for log in iteration_logs(one_rank.stdout)]
     theirs = [log["lm loss"] for log in iteration_logs(two_ranks.stdout)]
     assert len(ours) == len(theirs) == 2
-    assert ours == pytest.approx(theirs, rel=1e-4)
+    # The same weights and optimizer state at iteration 2; iteration 3 + i after i more steps.
+    terms = [
+        training_loss_terms(TINY, micro_tokens=2 * 64, tokens=4 * 64, steps=steps)
+        for steps in (0, 1)
+    ]
+    assert_losses_reordered(ours, theirs, terms=terms, vocab=VOCAB, what="1 rank vs 2 ranks")

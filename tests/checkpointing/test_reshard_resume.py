@@ -7,6 +7,11 @@ the same loss (dropout off; only reduction order differs), keeping the run's pro
 vocabulary is padded to the same 50304 rows at every size (`--make-vocab-size-divisible-by
 64`): the padding logits are part of the softmax, as in Megatron.
 
+"The same" losses: equal up to fp32 sums in other orders (`assert_losses_reordered`, the
+terms counted from the model's shapes by `loss_terms`). The weights start at
+`--init-method-std 0.2`, so that a misplaced or missing weight moves the loss by ~0.1, far
+above that bound (at GPT-2's 0.02 such a bug moves the tiny model's loss by 1e-4 to 1e-2).
+
 A 4-layer run at PP=1 stops at iteration 2; its checkpoint is resharded to PP=2, from there to
 PP=1 and on to PP=4, and to PP=2 x 2 virtual stages. Iterations 3-5 log the same losses at
 PP=1, under Megatron's 1F1B at PP=2 and PP=4 (4 ranks), its interleaved 1F1B at PP=2 x 2, and
@@ -26,6 +31,7 @@ generate_samples_gpt.py samples from the DeepSpeed checkpoint in one process.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -35,10 +41,12 @@ import pytest
 import torch
 
 from megatron.checkpointing.file_format import flatten_model_state, load_file
+from megatron.config import ModelConfig, MoEConfig
 from tests.checkpointing.compare import rolled_back
 from tests.conftest import REPO_ROOT
 from tests.one_line_errors import assert_one_line_error
 from tests.pretrain_runs import cpu_env, iteration_logs, launch, tiny_gpt_flags
+from tests.tolerances import assert_losses_reordered, training_loss_terms
 
 DS_ZERO1 = ["--deepspeed", "--deepspeed_config", f"{REPO_ROOT}/examples/ds_configs/ds_zero1.json"]
 FOUR_LAYERS = [
@@ -46,15 +54,27 @@ FOUR_LAYERS = [
     "--global-batch-size", "8", "--train-iters", "5", "--exit-interval", "5",
 ]  # fmt: skip
 """The pipeline case: 4 micro-batches of 2 per step on every layout (one data-parallel rank)."""
+VOCAB = 50304
+"""The GPT-2 vocabulary padded to a multiple of 64: the rows each loss's softmax sums over."""
+TINY = ModelConfig(
+    num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB,
+    max_position_embeddings=64,
+)  # fmt: skip
+"""The model of `tiny_gpt_flags` (micro-batches of 2 x 64 tokens, 4 x 64 tokens a step)."""
 
 
 def _flags(dataset: str, *extra: str) -> list[str]:
     return tiny_gpt_flags(dataset) + [
         "--hidden-dropout", "0", "--attention-dropout", "0", "--global-batch-size", "4",
-        "--train-iters", "4", "--exit-interval", "3", *extra,
+        "--train-iters", "4", "--exit-interval", "3", "--init-method-std", "0.2", *extra,
         # 50304 rows at TP 1 and 2: new zero padding rows would join the softmax.
         "--make-vocab-size-divisible-by", "64",
     ]  # fmt: skip
+
+
+def _assert_same_losses(actual: list[float], expected: list[float], terms: list[int], what: str):
+    """Logged losses of two layouts of the same run: equal up to their sums' order."""
+    assert_losses_reordered(actual, expected, terms=terms, vocab=VOCAB, what=what)
 
 
 def _pp(size: int) -> list[str]:
@@ -104,9 +124,12 @@ def test_resharded_checkpoint_resumes_with_the_same_loss(stdlib_dataset: str, tm
     )
     _reshard(tp2, tp1, tp=1, pp=1)
     on_tp1 = _losses(launch(1, _flags(stdlib_dataset, "--load", tp1)), [3])
-    assert on_tp1 == pytest.approx(on_tp2, rel=1e-5)
-    assert on_tp2 == pytest.approx(reference, rel=1e-5)
-    assert on_tp1 == pytest.approx(reference, rel=1e-5)
+    # The same weights (resharding copies them): iteration 3's forward, 2 x 64 tokens a
+    # micro-batch, its loss the mean over 4 x 64 tokens.
+    terms = [training_loss_terms(TINY, micro_tokens=2 * 64, tokens=4 * 64, steps=0)]
+    _assert_same_losses(on_tp1, on_tp2, terms, "TP=1 vs TP=2")
+    _assert_same_losses(on_tp2, reference, terms, "TP=2 vs DeepSpeed PP=2")
+    _assert_same_losses(on_tp1, reference, terms, "TP=1 vs DeepSpeed PP=2")
 
 
 @pytest.mark.slow
@@ -134,9 +157,13 @@ def test_pipeline_layouts_of_a_resharded_checkpoint_log_the_same_losses(
         "1F1B PP=4": (4, [*_pp(4), "--load", dirs["pp4"]]),
         "DeepSpeed PP=2": (2, [*DS_ZERO1, *_pp(2), "--load", dirs["pp2"]]),
     }
+    # The same weights and optimizer state at iteration 2; iteration 3 + i after i more steps.
+    # 4 layers, micro-batches of 2 x 32 tokens, 8 x 32 tokens a step.
+    four_layers = dataclasses.replace(TINY, num_layers=4, max_position_embeddings=32)
+    terms = [training_loss_terms(four_layers, 2 * 32, 8 * 32, steps) for steps in range(3)]
     for name, (processes, extra) in runs.items():
         losses = _losses(launch(processes, flags(*extra)), iterations)
-        assert losses == pytest.approx(reference, rel=1e-5), (name, losses, reference)
+        _assert_same_losses(losses, reference, terms, name)
 
     refused = launch(2, flags(*DS_ZERO1, *_pp(2), "--load", dirs["pp2_vpp2"]))
     assert refused.returncode != 0
@@ -156,11 +183,22 @@ from converted weights, which carry no RNG state, logs the same losses."""
 EXPERT = "language_model.encoder.layers.{}.mlp.deepspeed_moe.experts.deepspeed_experts.{}."
 
 
+MOE_MODEL = dataclasses.replace(TINY, moe=MoEConfig(experts_per_layer=(4, 4), top_k=2))
+MOE_TERMS = [training_loss_terms(MOE_MODEL, micro_tokens=2 * 64, tokens=4 * 64, steps=0)]
+"""Iteration 3's forward from the same weights (the load-balancing loss sums less)."""
+
+
 def _moe_losses(run: subprocess.CompletedProcess, iteration: int) -> tuple[float, float]:
     """(LM loss, MoE loss) of `iteration` in the log of `run`."""
     assert run.returncode == 0, run.stdout[-3000:]
     (log,) = [log for log in iteration_logs(run.stdout) if log["iteration"] == iteration]
     return log["lm loss"], log["moe loss"]
+
+
+def _assert_same_moe_losses(actual: tuple, expected: tuple, what: str) -> None:
+    """Equal LM and MoE losses up to their sums' order (the MoE loss has no vocabulary)."""
+    assert_losses_reordered(actual[:1], expected[:1], terms=MOE_TERMS, vocab=VOCAB, what=what)
+    assert_losses_reordered(actual[1:], expected[1:], terms=MOE_TERMS, vocab=0, what=what)
 
 
 @pytest.mark.slow
@@ -182,7 +220,7 @@ def test_moe_checkpoint_changes_expert_and_tensor_parallel_sizes(
         assert "--no-load-optim" in error and "reshard.py" in error
     # The weights alone: DeepSpeed reads each expert's file by its global number.
     weights_only = run(1, "--load", at_2, "--no-load-optim")
-    assert _moe_losses(weights_only, 3) == pytest.approx(reference, rel=1e-5)
+    _assert_same_moe_losses(_moe_losses(weights_only, 3), reference, "EP=1, --no-load-optim")
 
     tp2, tp1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
     _reshard(original, tp2, 2, 1, 1, "--iteration", "2")
@@ -199,7 +237,7 @@ def test_moe_checkpoint_changes_expert_and_tensor_parallel_sizes(
             assert torch.equal(ranks[0][name], ranks[1][name])
     _reshard(tp2, tp1, 1, 1)
     for ep in (1, 2):
-        assert _moe_losses(run(ep, "--load", tp1), 3) == pytest.approx(reference, rel=1e-5), ep
+        _assert_same_moe_losses(_moe_losses(run(ep, "--load", tp1), 3), reference, f"EP={ep}")
 
     sampled = _tool(
         "generate_samples_gpt.py", "--load", original, "--prompt", "def", "--greedy",

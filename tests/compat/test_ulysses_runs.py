@@ -3,12 +3,15 @@ to a tiny GPT and run on CPU through the deepspeed launcher.
 
 The scripts' flags and config shape stay (ZeRO-1 or ZeRO-3, token-based schedule, full
 recomputation through DeepSpeed's activation checkpointing); the sizes shrink (2 layers, h 64,
-4 heads, 32 tokens), the run is fp32 with dropout 0 (DeepSpeed's CPU accelerator has no fp16,
-and equality needs no random masks), and `--use-flash-attn-triton` goes (flash kernels need a
-GPU; SDPA is the same attention). What must hold:
+4 heads, 32 tokens) and the initial weights grow with them (`--init-method-std 0.2`: a
+misrouted sequence part then moves the loss far above the rounding bound below), the run is
+fp32 with dropout 0 (DeepSpeed's CPU accelerator has no fp16, and equality needs no random
+masks), and `--use-flash-attn-triton` goes (flash kernels need a GPU; SDPA is the same
+attention). What must hold:
 
 - S=2 over 2 ranks logs the losses and gradient norms of one process with the same global
-  batch, at ZeRO-1 (the 1.3B script) and ZeRO-3 (the 30B script);
+  batch, at ZeRO-1 (the 1.3B script) and ZeRO-3 (the 30B script): equal up to fp32 sums in
+  other orders (`assert_losses_reordered`; the norms to the log's 3 decimals);
 - a checkpoint saved at S=2 resumes at S=1 and at S=4 to the losses of the run that never
   stopped: the weights load at any S, ZeRO's partitioned optimizer state through DeepSpeed's
   universal checkpoint (a plain resume is refused in one line that says so).
@@ -24,10 +27,19 @@ import sys
 
 import pytest
 
+from megatron.config import ModelConfig
 from tests.compat.scripts import SCRIPTS_DIR, load_script, localized, with_values
 from tests.compat.test_script_runs import GLOBAL_BATCH, SEQ, TINY, _iteration_lines, _launch
+from tests.tolerances import assert_losses_reordered, training_loss_terms
 
 ITERATIONS = 6
+VOCAB = 50304
+"""The GPT-2 vocabulary padded to a multiple of 128 (TINY): the rows the softmax sums over."""
+MODEL = ModelConfig(
+    num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB,
+    max_position_embeddings=SEQ,
+)  # fmt: skip
+"""TINY's model; a micro-batch is one sequence of SEQ tokens, a step GLOBAL_BATCH of them."""
 # The other script runs' tiny sizes, this file's 6-iteration token schedule, fp32, no dropout.
 ULYSSES_TINY = {
     **TINY,
@@ -40,6 +52,9 @@ ULYSSES_TINY = {
     "--use-flash-attn-triton": None,
     "--hidden-dropout": ["0"],
     "--attention-dropout": ["0"],
+    # The scripts' 0.013 and 0.008 suit h=2048 and 7168; at h=64 they would leave the logits
+    # so small that a wrong sequence split moved the loss by less than rounding may.
+    "--init-method-std": ["0.2"],
 }
 ZERO1 = "sequence_parallel__ds_pretrain_gpt_1.3B_seq_parallel_32k"
 ZERO3 = "sequence_parallel__ds_pretrain_gpt_30B_seq_parallel_32k"
@@ -64,11 +79,19 @@ def _logged(run: subprocess.CompletedProcess) -> list[tuple[int, float, float]]:
     ]
 
 
-def _assert_same(ours: list, theirs: list, rel_tol: float = 1e-5) -> None:
-    """Equal iterations; losses to `rel_tol`, gradient norms to the log's 3 decimals."""
+def _assert_same(ours: list, theirs: list) -> None:
+    """Equal iterations from the same weights and optimizer state; the i-th loss up to sums in
+    other orders over i + 1 steps' paths (`loss_terms`), gradient norms to the log's 3
+    decimals (each side rounded there, so 2e-3: a sum of squares over every parameter has no
+    useful worst-case bound, and its actual rounding is far below the log's resolution)."""
     assert [step for step, _, _ in ours] == [step for step, _, _ in theirs], (ours, theirs)
-    for (step, loss, norm), (_, their_loss, their_norm) in zip(ours, theirs):
-        assert math.isclose(loss, their_loss, rel_tol=rel_tol), (step, loss, their_loss)
+    terms = [
+        training_loss_terms(MODEL, SEQ, GLOBAL_BATCH * SEQ, steps) for steps in range(len(theirs))
+    ]
+    losses = [loss for _, loss, _ in ours]
+    expected = [loss for _, loss, _ in theirs]
+    assert_losses_reordered(losses, expected, terms=terms, vocab=VOCAB, what=str(ours))
+    for (step, _, norm), (_, _, their_norm) in zip(ours, theirs):
         assert math.isclose(norm, their_norm, abs_tol=2e-3), (step, norm, their_norm)
 
 
@@ -80,10 +103,9 @@ def _one_process_and_s2(name: str, dataset: str, scratch: str, **extra) -> tuple
     logged = _logged(one)
     assert [step for step, _, _ in logged] == list(range(1, ITERATIONS + 1))
     assert logged[-1][1] < logged[0][1] - 0.2  # it trains
-    # ZeRO-3 sums the sequence parts' gradients as (S x part) / (S x DP) (see
-    # megatron.arguments.ulysses_checks): fp32 roundings of its own, which Adam's first steps
-    # at this learning rate grow to 2e-5 of the loss by iteration 6 (1e-6 at iteration 4).
-    _assert_same(_logged(two), logged, rel_tol=1e-4 if name == ZERO3 else 1e-5)
+    # Another order of the same fp32 sums (ZeRO-3 also sums the sequence parts' gradients as
+    # (S x part) / (S x DP), see megatron.arguments.ulysses_checks).
+    _assert_same(_logged(two), logged)
     return logged, _logged(two)
 
 
@@ -138,6 +160,5 @@ def test_zero1_s2_equals_one_process_and_resumes_at_s1_and_s4(stdlib_dataset, tm
         )
         resumed = _launch("deepspeed", argv, ranks=ranks)
         assert "at iteration 3" in resumed.stdout, resumed.stdout[-4000:]
-        # Another S sums the sequence parts in another order: fp32 roundings that Adam's
-        # steps grow to about 1e-5 of the loss over 3 iterations.
-        _assert_same(_logged(resumed), expected, rel_tol=1e-4)
+        # Another S sums the sequence parts in another order, from the state saved at 3.
+        _assert_same(_logged(resumed), expected)

@@ -18,7 +18,7 @@ import torch
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from tests.core.spawn_checks import BODY
-from tests.tolerances import assert_close_reordered, reordering_atol
+from tests.tolerances import assert_close_reordered, forward_terms, reordering_atol
 
 SEQ, MICRO, MICROBATCHES, VOCAB = 16, 2, 4, 128
 
@@ -86,15 +86,13 @@ def _reordering_terms(config: ModelConfig, microbatches: int) -> tuple[int, int]
     """(loss terms, gradient terms): the longest fp32 sums into the loss and the gradients.
 
     The pipeline (and tensor-parallel shards) sum the dense model's terms in other orders, so
-    the two agree to a reordering bound (tests/tolerances.py). Per layer, forward: QKV
-    (hidden), scores (kv channels), softmax and context (SEQ each), projection (hidden), the
-    MLP's two linears (hidden, ffn); then the final linear (hidden), the softmax over VOCAB,
-    the masked mean over a micro-batch's tokens and the mean over micro-batches. Gradients:
-    that chain forward and back, then a weight gradient's sum over every token.
+    the two agree to a reordering bound (tests/tolerances.py): the forward into a logit, the
+    softmax over VOCAB, the masked mean over a micro-batch's tokens and the mean over
+    micro-batches; for gradients that chain forward and back, then a weight gradient's sum
+    over every token.
     """
-    hidden, tokens = config.hidden_size, MICRO * SEQ
-    layer = 3 * hidden + config.kv_channels + 2 * SEQ + config.ffn_hidden_size
-    forward = config.num_layers * layer + hidden + VOCAB + tokens + microbatches
+    tokens = MICRO * SEQ
+    forward = forward_terms(config, SEQ) + VOCAB + tokens + microbatches
     return forward, 2 * forward + tokens * microbatches
 
 

@@ -54,35 +54,6 @@ def tiny_config(**overrides: object) -> ModelConfig:
     return ModelConfig(**{**TINY, **overrides})
 
 
-def forward_terms(config: ModelConfig, seq: int) -> int:
-    """Terms summed along the longest path from the embeddings to one logit.
-
-    The `terms` of `tests.tolerances` for logits computed by two code paths or layouts. Per
-    layer: the two norms' sums over h, the QKV contraction over h, the scores over
-    kv_channels, the context over `seq` keys, the dense projection over heads x kv_channels
-    and the MLP's contractions over h and ffn; then the final norm and the output layer (h).
-    """
-    h = config.hidden_size
-    per_layer = (
-        2 * h + h + config.kv_channels + seq + config.projection_size + h + config.ffn_hidden_size
-    )
-    return config.num_layers * per_layer + 2 * h
-
-
-def loss_terms(config: ModelConfig, seq: int) -> int:
-    """`forward_terms` and the cross entropy's log-sum-exp over the (padded) vocabulary."""
-    return forward_terms(config, seq) + config.vocab_size
-
-
-def grad_terms(config: ModelConfig, batch: int, seq: int) -> int:
-    """Terms along the longest path into a gradient of a mean token loss.
-
-    The backward pass runs the forward's contractions again (2 x `loss_terms`), and every
-    weight gradient sums over the batch x seq tokens, as the mean does.
-    """
-    return 2 * loss_terms(config, seq) + 2 * batch * seq
-
-
 def build_model(config: ModelConfig, seed: int = 0) -> GPTModel:
     """A GPTModel whose weights depend only on `seed` (and, without CPU init, on TP)."""
     torch.manual_seed(seed)

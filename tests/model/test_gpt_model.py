@@ -25,14 +25,17 @@ from megatron.model.attention import RotaryEmbedding, apply_rotary_pos_emb
 from tests.model.helpers import (
     LAYER_PARAMETERS,
     build_model,
-    forward_terms,
-    grad_terms,
     loss_and_grads,
-    loss_terms,
     random_batch,
     tiny_config,
 )
-from tests.tolerances import assert_close_reordered, reordering_atol
+from tests.tolerances import (
+    assert_close_reordered,
+    forward_terms,
+    grad_terms,
+    loss_terms,
+    reordering_atol,
+)
 
 GPT2_SMALL = dict(
     num_layers=12,

@@ -23,16 +23,13 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from tests.model.helpers import (
     build_model,
-    forward_terms,
     full_grads,
     gather_across_tensor_group,
-    grad_terms,
     loss_and_grads,
-    loss_terms,
     random_batch,
     spawn_collect,
 )
-from tests.tolerances import assert_close_reordered
+from tests.tolerances import assert_close_reordered, forward_terms, grad_terms, loss_terms
 
 CONFIG = dict(
     num_layers=2,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron.model.inference_params import InferenceParams
-from tests.model.helpers import build_model, forward_terms, random_batch, tiny_config
-from tests.tolerances import assert_close_reordered
+from tests.model.helpers import build_model, random_batch, tiny_config
+from tests.tolerances import assert_close_reordered, forward_terms
 
 BATCH, SEQ = 2, 12
 VARIANTS = {

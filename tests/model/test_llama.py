@@ -21,17 +21,14 @@ from megatron.model.transformer import ParallelAttention, ParallelMLP
 from megatron.model.utils import RMSNorm
 from tests.model.helpers import (
     build_model,
-    forward_terms,
     full_grads,
     gather_across_tensor_group,
-    grad_terms,
     loss_and_grads,
-    loss_terms,
     random_batch,
     spawn_collect,
 )
 from tests.model.test_pipeline import assert_pipeline_matches_reference, pipeline_body
-from tests.tolerances import assert_close_reordered
+from tests.tolerances import assert_close_reordered, forward_terms, grad_terms, loss_terms
 
 LLAMA = dict(
     normalization="rmsnorm",

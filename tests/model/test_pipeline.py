@@ -18,14 +18,8 @@ import torch
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from tests.model.helpers import (
-    LAYER_PARAMETERS,
-    build_model,
-    grad_terms,
-    loss_terms,
-    spawn_collect,
-)
-from tests.tolerances import assert_close_reordered, reordering_atol
+from tests.model.helpers import LAYER_PARAMETERS, build_model, spawn_collect
+from tests.tolerances import assert_close_reordered, grad_terms, loss_terms, reordering_atol
 
 LAYERS = 4
 CONFIG = dict(

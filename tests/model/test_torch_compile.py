@@ -23,14 +23,12 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.model.fused_ops import bias_dropout_add, bias_gelu, fuse_eagerly, fused
 from tests.model.helpers import (
     build_model,
-    grad_terms,
     loss_and_grads,
-    loss_terms,
     random_batch,
     spawn_collect,
     tiny_config,
 )
-from tests.tolerances import assert_close_reordered, reordering_atol
+from tests.tolerances import assert_close_reordered, grad_terms, loss_terms, reordering_atol
 
 STEPS = 10
 BATCH, SEQ = 2, 16

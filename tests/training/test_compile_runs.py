@@ -5,7 +5,10 @@ ranks over gloo), each eager and compiled: DeepSpeed's pipeline engine at PP=2 w
 ZeRO-1 optimizer and activation recomputation (each layer compiled), and the plain engine
 with ZeRO-3 at DP=2 (where the whole-model graph of TP=1 is turned off: its parameter
 gathering hooks are not replayed by one graph). The logged losses (7 significant digits) must
-agree within 1e-5 relative at every iteration.
+agree at every iteration up to fp32 sums in other orders (inductor fuses and reorders them),
+the i-th after i steps whose errors compound (`assert_losses_reordered`, `loss_terms`). The
+weights start at `--init-method-std 0.2`: a graph computing something else then moves the
+loss far above that bound (at GPT-2's 0.02 the tiny model's logits are too small for that).
 """
 
 from __future__ import annotations
@@ -14,9 +17,18 @@ import json
 
 import pytest
 
+from megatron.config import ModelConfig
 from tests.pretrain_runs import iteration_logs, launch, tiny_gpt_flags
+from tests.tolerances import assert_losses_reordered, training_loss_terms
 
 ITERATIONS = 10
+VOCAB = 50304
+"""The GPT-2 vocabulary padded as `tiny_gpt_flags` pads it (a multiple of 128)."""
+TINY = ModelConfig(
+    num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB,
+    max_position_embeddings=64,
+)  # fmt: skip
+"""The model of `tiny_gpt_flags` (micro-batches of 2 x 64 tokens, 4 x 64 tokens a step)."""
 CASES = {
     "pipeline-pp2-zero1-recompute": "--pipeline-model-parallel-size 2 --zero-stage 1 "
     "--checkpoint-activations",
@@ -31,7 +43,7 @@ def test_compiled_run_logs_the_eager_losses(case, stdlib_dataset, tmp_path):
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
     flags = tiny_gpt_flags(stdlib_dataset) + [
-        *("--hidden-dropout", "0", "--attention-dropout", "0"),
+        *("--hidden-dropout", "0", "--attention-dropout", "0", "--init-method-std", "0.2"),
         *("--train-iters", str(ITERATIONS), "--global-batch-size", "4"),
         *("--deepspeed", "--deepspeed_config", str(config)),
         *CASES[case].split(),
@@ -42,5 +54,8 @@ def test_compiled_run_logs_the_eager_losses(case, stdlib_dataset, tmp_path):
         assert done.returncode == 0, done.stdout[-3000:]
         losses[mode] = [log["lm loss"] for log in iteration_logs(done.stdout)]
     assert len(losses["eager"]) == ITERATIONS
-    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5)
+    terms = [training_loss_terms(TINY, 2 * 64, 4 * 64, steps) for steps in range(ITERATIONS)]
+    assert_losses_reordered(
+        losses["compiled"], losses["eager"], terms=terms, vocab=VOCAB, what="compiled vs eager"
+    )
     assert losses["eager"][-1] < losses["eager"][0]

@@ -24,10 +24,21 @@ from megatron.training.optimizer import (
     optimizer_from_args,
 )
 from tests.distributed import run_distributed
+from tests.tolerances import assert_close_reordered, reordering_atol
 
 
 def _model() -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+
+
+NORM_TERMS = sum(p.numel() for p in _model().parameters())
+"""Our gradient norm and torch's sum the same squares (one per parameter element) in other
+orders (per-tensor norms, then across tensors): the norms and the clip coefficient agree up to
+that many fp32 terms (`tests.tolerances`)."""
+
+
+def _norm_close(norm: float, reference: float) -> bool:
+    return abs(norm - reference) <= reordering_atol(torch.tensor(reference), NORM_TERMS)
 
 
 def _ids(params) -> set[int]:
@@ -245,12 +256,12 @@ def test_clip_grad_norm_matches_torch(max_norm):
     norm = clip_grad_norm(ours.parameters(), max_norm)
     reference = torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm)
     assert isinstance(norm, float)
-    assert norm == pytest.approx(reference.item(), rel=1e-6)
-    for a, b in zip(ours.parameters(), theirs.parameters()):
-        torch.testing.assert_close(a.grad, b.grad)
+    assert _norm_close(norm, reference.item()), (norm, reference.item())
+    for a, b in zip(ours.parameters(), theirs.parameters()):  # scaled by either's coefficient
+        assert_close_reordered(a.grad, b.grad, terms=NORM_TERMS)
     if max_norm < norm:
         clipped = math.sqrt(sum(p.grad.square().sum().item() for p in ours.parameters()))
-        assert clipped == pytest.approx(max_norm, rel=1e-5)
+        assert _norm_close(clipped, max_norm * norm / (norm + 1e-6)), (clipped, max_norm)
 
 
 def test_clip_grad_norm_off_skips_none_and_reports_non_finite():
@@ -262,7 +273,7 @@ def test_clip_grad_norm_off_skips_none_and_reports_non_finite():
     expected_without = math.sqrt(
         sum(g.square().sum().item() for i, g in enumerate(before) if i != 2)
     )
-    assert clip_grad_norm(ours.parameters(), 0.0) == pytest.approx(expected_without, rel=1e-6)
+    assert _norm_close(clip_grad_norm(ours.parameters(), 0.0), expected_without)
     assert expected_without < expected
     for bad, check in ((float("inf"), math.isinf), (float("nan"), math.isnan)):
         ours[0].weight.grad[0, 0] = bad
@@ -295,8 +306,10 @@ def test_guarded_adamw_clips_then_steps_like_adamw():
     reference_optimizer.step()
     optimizer.step()
     assert not optimizer.overflow
-    assert optimizer.grad_norm == pytest.approx(expected_norm, rel=1e-6)
+    assert _norm_close(optimizer.grad_norm, expected_norm), (optimizer.grad_norm, expected_norm)
     assert optimizer._global_grad_norm == optimizer.grad_norm  # what DeepSpeed reads
+    # Adam's first step, lr * g / (|g| + eps), does not see the clip coefficient (up to eps):
+    # the two norms' rounding leaves the weights as tight as one elementwise step.
     for a, b in zip(ours.parameters(), reference.parameters()):
         torch.testing.assert_close(a.detach(), b.detach())
 
