@@ -40,13 +40,12 @@ def _config_has(config: dict | None, *keys: str) -> bool:
 def _zero_changes(inputs: PlanInputs, raw_config: dict | None) -> list[Change]:
     changes = []
     stages = range(inputs.zero.stage + 1, 4)
-    if inputs.engine == "deepspeed-pipeline":
+    if inputs.engine == "deepspeed-pipeline" and inputs.pp > 1:
         stages = range(inputs.zero.stage + 1, 2)  # DeepSpeed's pipeline engine: ZeRO 0-1
     if inputs.deepspeed:
         for stage in stages:
+            # At PP=1, ZeRO 2-3 run on DeepSpeed's plain engine: validation switches to it.
             flags: dict[str, str | None | bool] = {"--zero-stage": str(stage)}
-            if stage >= 2 and inputs.engine == "deepspeed" and inputs.pp == 1:
-                flags["--no-pipeline-parallel"] = None
             config = {"zero_optimization": {"stage": stage}}
             changes.append(
                 Change(
@@ -61,6 +60,7 @@ def _zero_changes(inputs: PlanInputs, raw_config: dict | None) -> list[Change]:
             changes.append(
                 Change(
                     f"DeepSpeed ZeRO stage {stage}",
+                    "zero",
                     {
                         "--deepspeed": None,
                         "--no-pipeline-parallel": None,

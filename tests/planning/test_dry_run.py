@@ -242,3 +242,37 @@ def test_bad_dry_run_flags_are_refused_in_one_line(extra, message, capsys):
     assert stopped.value.code == 2
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and message in error
+
+
+def test_a_plain_job_that_does_not_fit_gets_suggestions_and_its_json(tmp_path, capsys):
+    """Without --deepspeed (the plain engine) at PP=1: DeepSpeed's ZeRO stages are among the
+    candidates, and the plan with its suggestions is written (issue 36, defect 1: a TypeError
+    in the suggestions, no JSON)."""
+    path = str(tmp_path / "plan.json")
+    plain = [flag for flag in GPT2_XL if flag not in ("--deepspeed", "--no-pipeline-parallel")]
+    plain.remove("--zero-stage")
+    plain.remove("0")
+    argv = plain + ["--dry-run", "--dry-run-world-size", "8", "--dry-run-device", "H100"]
+    plan = run_dry_run(argv + ["--dry-run-json", path])
+    assert plan.fits is False and plan.inputs.engine == "plain"
+    with open(path) as file:
+        suggestions = json.load(file)["suggestions"]
+    assert suggestions and "to fit H100, change" in capsys.readouterr().out
+    for suggestion in suggestions:
+        assert plan_from_args(parse_args(suggestion["argv"]), find_device("H100")).fits
+
+
+def test_deepspeeds_default_engine_at_pp1_is_offered_every_zero_stage(tmp_path):
+    """--deepspeed at PP=1 without --no-pipeline-parallel runs DeepSpeed's pipeline engine at
+    ZeRO 0-1 and switches to its plain engine at ZeRO 2-3, as validation does: stages 2 and 3
+    are candidates, with no --no-pipeline-parallel added (issue 36, defect 2)."""
+    from megatron.planning.suggestions import candidate_changes
+
+    argv = [flag for flag in GPT2_XL if flag != "--no-pipeline-parallel"]
+    plan = plan_from_args(parse_args(argv + ["--dry-run", "--dry-run-world-size", "8"]), None)
+    assert plan.inputs.engine == "deepspeed-pipeline" and plan.inputs.pp == 1
+    zero = [change for change in candidate_changes(plan.inputs, 256, None) if change.knob == "zero"]
+    assert [change.flags for change in zero] == [{"--zero-stage": str(s)} for s in (1, 2, 3)]
+    for stage in (2, 3):
+        args = parse_args(apply_flags(argv, {"--zero-stage": str(stage)}) + ["--dry-run"])
+        assert plan_from_args(args, None).inputs.engine == "deepspeed"
