@@ -28,6 +28,7 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 from megatron.atomic_files import atomic_outputs
 from megatron.data.corpus_reader import InputError
@@ -56,9 +57,13 @@ class JsonCorpus:
     label: str
     """How messages name the corpus: the command line's words, e.g. `--train-data webtext`."""
 
-    @property
+    @cached_property
     def output_prefix(self) -> str:
-        """The cache files' prefix before `_{key}_document`."""
+        """The cache files' prefix before `_{key}_document`.
+
+        Computed once per corpus: it hashes every tokenizer file (a whole Hugging Face folder,
+        weights included), and start-up asks for it several times on every rank.
+        """
         identity = {
             "sources": list(self.sources),
             "json_key": self.json_key,

@@ -4,6 +4,7 @@ half-written."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -84,17 +85,26 @@ def test_an_unchanged_file_is_reused_and_a_changed_one_rebuilt(tmp_path, capsys)
 
 def test_another_key_or_tokenizer_gets_its_own_files(tmp_path) -> None:
     corpus = _corpus(tmp_path)
-    other_key = JsonCorpus(**{**corpus.__dict__, "json_key": "body"})
+    other_key = dataclasses.replace(corpus, json_key="body")
     assert other_key.output_prefix != corpus.output_prefix
     vocab = tmp_path / "vocab.json"
     vocab.write_text(json.dumps({**json.load(open(VOCAB_FILE)), "extra": 50257}))
-    other_vocab = JsonCorpus(
-        **{
-            **corpus.__dict__,
-            "tokenizer": TokenizerConfig("GPT2BPETokenizer", str(vocab), MERGE_FILE),
-        }
+    other_vocab = dataclasses.replace(
+        corpus, tokenizer=TokenizerConfig("GPT2BPETokenizer", str(vocab), MERGE_FILE)
     )
     assert other_vocab.output_prefix != corpus.output_prefix
+
+
+def test_the_tokenizer_files_are_hashed_once_per_corpus(tmp_path, monkeypatch) -> None:
+    """Start-up reads the prefix several times a rank; the tokenizer files are hashed once
+    (issue 36, defect 8: every access hashed them, a whole HF folder with its weights)."""
+    hashed = []
+    real = json_corpus._file_sha256
+    monkeypatch.setattr(json_corpus, "_file_sha256", lambda path: hashed.append(path) or real(path))
+    corpus = _corpus(tmp_path)
+    prefixes = {corpus.output_prefix, corpus.output_prefix}
+    assert corpus.data_prefix == f"{corpus.output_prefix}_text_document"
+    assert len(prefixes) == 1 and sorted(hashed) == sorted([VOCAB_FILE, MERGE_FILE])
 
 
 def test_a_bad_line_names_file_and_line_and_writes_nothing(tmp_path) -> None:
