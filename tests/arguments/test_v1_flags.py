@@ -52,6 +52,15 @@ def test_gas_multiplies_the_global_batch() -> None:
     assert (args.global_batch_size, args.gradient_accumulation_steps) == (12, 3)
 
 
+def test_gas_counts_data_parallel_ranks_without_the_ulysses_ones() -> None:
+    """4 ranks at DeepSpeed-Ulysses S=2 are 2 data-parallel replicas: --batch-size 2 x 2 x
+    --gas 3 = 12 (issue 36, defect 7: the global batch was computed over 4 and grew S times)."""
+    deepspeed = " --deepspeed --deepspeed_config " + _config({}) + " --no-pipeline-parallel"
+    args = validated(V1 + " --gas 3 --ds-sequence-parallel-size 2" + deepspeed, world_size=4)
+    assert (args.global_batch_size, args.data_parallel_size) == (12, 2)
+    assert args.gradient_accumulation_steps == 3
+
+
 def test_pipe_parallel_size_picks_the_pipeline_engine() -> None:
     deepspeed = " --deepspeed --deepspeed_config " + _config({"train_batch_size": 4})
     args = validated(V1 + " --pipe-parallel-size 2" + deepspeed, world_size=4)
