@@ -285,7 +285,13 @@ def _gradient_accumulation(
 
 
 def _warmup(args: argparse.Namespace, typed: set[str] | None) -> None:
-    others = [flag for flag in _WARMUP_FLAGS if _given(args, typed, flag)]
+    # Without the typed set a flag counts as given when not None/False, but today's warmup
+    # flags default to 0 (no warmup): only a nonzero one is the user's.
+    others = [
+        flag
+        for flag in _WARMUP_FLAGS
+        if _given(args, typed, flag) and (typed is not None or getattr(args, flag))
+    ]
     if args.warmup is None:
         if not others:
             args.lr_warmup_fraction = V1_WARMUP

@@ -61,6 +61,19 @@ def test_gas_counts_data_parallel_ranks_without_the_ulysses_ones() -> None:
     assert args.gradient_accumulation_steps == 3
 
 
+def test_v1_warmup_without_the_typed_flags() -> None:
+    """validate_args called without the typed-flag set (as a library caller does): v1's 1%
+    default applies, and --warmup does not contradict today's default --lr-warmup-iters 0
+    (issue 36, defect 9)."""
+    parser = build_parser()
+    args = validate_args(parser.parse_args(V1.split()), 1)
+    assert args.lr_warmup_fraction == 0.01
+    args = validate_args(parser.parse_args((V1 + " --warmup .05").split()), 1)
+    assert args.lr_warmup_fraction == 0.05
+    with pytest.raises(ArgumentError, match="contradicts --lr-warmup-iters 5"):
+        validate_args(parser.parse_args((V1 + " --warmup .05 --lr-warmup-iters 5").split()), 1)
+
+
 def test_pipe_parallel_size_picks_the_pipeline_engine() -> None:
     deepspeed = " --deepspeed --deepspeed_config " + _config({"train_batch_size": 4})
     args = validated(V1 + " --pipe-parallel-size 2" + deepspeed, world_size=4)
