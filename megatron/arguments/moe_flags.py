@@ -182,8 +182,11 @@ def _layout(args: argparse.Namespace, counts: list[int]) -> None:
 
 
 def _nccl(args: argparse.Namespace) -> bool:
-    """Whether the run will use NCCL (the flag, else what `_backend` will pick: NCCL on GPUs)."""
+    """Whether the run will use NCCL (the flag, else what `_backend` will pick: NCCL on GPUs;
+    a dry run plans for the job's GPU machines, whatever this host has)."""
     import torch
 
     backend = getattr(args, "distributed_backend", None)
+    if backend is None and getattr(args, "dry_run", False):
+        return True
     return backend == "nccl" or (backend is None and torch.cuda.is_available())

@@ -108,3 +108,14 @@ def test_layouts_deepspeed_moe_cannot_run_are_one_line(deepspeed, extra, message
         validated(extra.format(ds=deepspeed(), ds3=deepspeed(3)))
     assert str(refused.value).startswith(message), str(refused.value)
     assert "\n" not in str(refused.value)
+
+
+def test_a_dry_run_plans_moe_with_tensor_parallelism_for_the_jobs_gpus(deepspeed) -> None:
+    """On a host without GPUs, a dry run of MoE at TP=2 plans for the job's NCCL machines
+    instead of refusing it for this host's missing NCCL (issue 36, defect 3); with
+    --distributed-backend gloo it is still refused."""
+    moe = f"{deepspeed()} --no-pipeline-parallel --num-experts 4 --tensor-model-parallel-size 2"
+    args = validated(f"{moe} --dry-run --dry-run-world-size 4", world_size=4)
+    assert args.moe and args.distributed_backend == "nccl"
+    with pytest.raises(ArgumentError, match="needs NCCL"):
+        validated(f"{moe} --distributed-backend gloo --dry-run --dry-run-world-size 4", 4)
