@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import (
     VocabParallelEmbedding,
     get_cuda_rng_tracker,
@@ -63,7 +64,9 @@ class Embedding(nn.Module):
         rng = contextlib.nullcontext()
         if self.config.sequence_parallel:
             embeddings = scatter_to_sequence_parallel_region(embeddings)
-            # Each rank now holds a different part of the sequence: independent dropout.
+        if self.config.sequence_parallel or parallel_state.get_sequence_parallel_world_size() > 1:
+            # Each rank holds a different part of the sequence (Megatron's sequence parallelism,
+            # or DeepSpeed-Ulysses' input split): independent dropout.
             rng = get_cuda_rng_tracker().fork() if self.training else rng
         with rng:
             return F.dropout(embeddings, self.config.hidden_dropout, self.training)

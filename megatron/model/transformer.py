@@ -179,7 +179,11 @@ class ParallelTransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
-        self.sequence_parallel = config.sequence_parallel
+        # Each rank holds its own part of the sequence (Megatron's sequence parallelism, or
+        # DeepSpeed-Ulysses): hidden dropout draws from the per-rank model-parallel stream.
+        self.sequence_split = (
+            config.sequence_parallel or parallel_state.get_sequence_parallel_world_size() > 1
+        )
         self.bias_dropout_fusion = config.bias_dropout_fusion
         self.torch_compile = config.torch_compile
         self.input_layernorm = build_norm(config)
@@ -199,12 +203,12 @@ class ParallelTransformerLayer(nn.Module):
         inference_params: InferenceParams | None = None,
     ) -> torch.Tensor:
         """[s(/tp), b, h] -> [s(/tp), b, h]; `inference_params` is the key/value cache."""
-        # Sequence-split activations drop out independently on each TP rank. The fork stays
+        # Sequence-split activations drop out independently on each rank. The fork stays
         # outside the compiled function: a compiled dropout draws its seed from the generator
         # that is current when the function is called.
         rng = (
             get_cuda_rng_tracker().fork()
-            if self.sequence_parallel and self.training
+            if self.sequence_split and self.training
             else contextlib.nullcontext()
         )
         with rng:

@@ -10,6 +10,9 @@
   of every S-th rank, one sequence-data-parallel group; refusals name the flags.
 - DeepSpeed is given the sequence-parallel queries only when S > 1 (it reads their presence
   as Ulysses).
+- Dropout: each Ulysses rank draws its masks (embedding, attention, hidden) from its own
+  model-parallel stream, while the default stream, which initializes replicated weights, stays
+  the same on every rank.
 """
 
 from __future__ import annotations
@@ -114,11 +117,64 @@ def _check_equals_one_process(case: dict, world: int) -> None:
         close(value, reference[2][name].float(), msg=name)
 
 
+def _gathered(tensor: torch.Tensor) -> list[torch.Tensor]:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return parts
+
+
+def _check_dropout_is_drawn_per_ulysses_rank(world: int) -> None:
+    """Each Ulysses rank holds other tokens (and, in attention, other heads): its dropout masks
+    come from its own stream, while replicated weights still initialize alike (issue 36,
+    defect 10: every rank of a sequence group drew the same masks)."""
+    import deepspeed
+
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        model_parallel_cuda_manual_seed,
+    )
+    from megatron.model.embedding import Embedding
+    from megatron.model.transformer import ParallelTransformerLayer
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    parallel_state.initialize_model_parallel(1, 1, world)
+    try:
+        model_parallel_cuda_manual_seed(1234)
+        default = _gathered(torch.rand(8))
+        with get_cuda_rng_tracker().fork():
+            split = _gathered(torch.rand(8))
+        assert all(torch.equal(part, default[0]) for part in default)
+        assert len({tuple(part.tolist()) for part in split}) == world
+        config = _config(hidden_dropout=0.5, attention_dropout=0.5)
+        torch.manual_seed(3)  # the same weights on every rank
+        embedding, layer = Embedding(config), ParallelTransformerLayer(config, layer_number=1)
+        # The same tokens at the same positions on every rank: only the masks can differ.
+        ids = torch.arange(BATCH * SEQ // world).reshape(BATCH, -1) % config.vocab_size
+        embedded = _gathered(embedding(ids).detach())
+        assert all(not torch.equal(part, embedded[0]) for part in embedded[1:])
+        # A layer's training forward draws every mask from the per-rank stream.
+        before = torch.get_rng_state()
+        stream = get_cuda_rng_tracker().get_states()
+        layer(torch.randn(SEQ // world, BATCH, config.hidden_size, generator=torch.Generator()))
+        assert torch.equal(torch.get_rng_state(), before)
+        after = get_cuda_rng_tracker().get_states()
+        assert any(not torch.equal(after[name], stream[name]) for name in stream)
+    finally:
+        parallel_state.initialize_model_parallel(1, 1, 1)
+        model_parallel_cuda_manual_seed(1234)
+
+
 SPAWN_WORLD_SIZES = [2, 4]
 CHECKS = {
     world: {
-        f"S={world} {name}": (_check_equals_one_process, case, world)
-        for name, case in CASES.items()
+        **{
+            f"S={world} {name}": (_check_equals_one_process, case, world)
+            for name, case in CASES.items()
+        },
+        f"S={world} dropout drawn per Ulysses rank": (
+            _check_dropout_is_drawn_per_ulysses_rank,
+            world,
+        ),
     }
     for world in SPAWN_WORLD_SIZES
 }

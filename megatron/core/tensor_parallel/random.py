@@ -100,17 +100,31 @@ def get_cuda_rng_tracker() -> Any:
     return _TRACKER
 
 
-def model_parallel_cuda_manual_seed(seed: int) -> None:
-    """Seed the default stream with `seed` and the tensor-parallel stream per TP rank.
+def _model_parallel_seed(seed: int) -> int:
+    """`seed + 2718 + tp_rank` as Megatron, and under DeepSpeed-Ulysses `+ tp x ulysses_rank`:
+    its ranks hold other tokens (and, in attention, other heads), so they drop out apart."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    split = parallel_state.get_tensor_model_parallel_rank()
+    split += tp * parallel_state.get_sequence_parallel_rank()
+    return seed + 2718 + split
 
-    As Megatron: the default generator (same on every TP rank) gets `seed`; the
-    model-parallel stream gets `seed + 2718 + tp_rank`, so split activations drop out
-    independently on each rank.
+
+def model_parallel_cuda_manual_seed(seed: int) -> None:
+    """Seed the default stream with `seed` and the model-parallel stream per split rank.
+
+    As Megatron: the default generator (same on every TP and Ulysses rank, so replicated
+    weights initialize alike) gets `seed`; the model-parallel stream gets `seed + 2718 + tp_rank`
+    (plus `tp x ulysses_rank` under DeepSpeed-Ulysses), so activations split over ranks drop out
+    independently on each.
     """
     if _DEEPSPEED_CHECKPOINTING is not None:
         _DEEPSPEED_CHECKPOINTING.model_parallel_cuda_manual_seed(seed)
+        if parallel_state.get_sequence_parallel_world_size() > 1:
+            tracker = _DEEPSPEED_CHECKPOINTING.get_cuda_rng_tracker()
+            tracker.reset()
+            tracker.add(MODEL_PARALLEL_RNG_TRACKER_NAME, _model_parallel_seed(seed))
         return
-    tensor_parallel_seed = seed + 2718 + parallel_state.get_tensor_model_parallel_rank()
+    tensor_parallel_seed = _model_parallel_seed(seed)
     _TRACKER.reset()
     if torch.cuda.is_available():
         torch.cuda.manual_seed(seed)
