@@ -295,10 +295,14 @@ def _check_expert_split(saved: dict, args: argparse.Namespace, path: str) -> Non
 
 def _check_zero_partitions(saved: dict, args: argparse.Namespace, found) -> None:  # noqa: ANN001
     """Refuse, in one line, DeepSpeed optimizer state partitioned over another number of ranks
-    (data x Ulysses sequence parallel; ZeRO 1-3, and bf16 ZeRO-0's optimizer partitions too):
+    (data x Ulysses sequence parallel; ZeRO 1-3, and bf16 ZeRO-0 on the pipeline engine):
     DeepSpeed would stop with a traceback. The weights load at any size, and a universal
     checkpoint takes the optimizer state to any."""
-    partitioned = args.zero_stage > 0 or args.bf16
+    # DeepSpeed 0.19 (engine._do_optimizer_sanity_check): bf16 at ZeRO-0 runs BF16_Optimizer,
+    # partitioned, under the pipeline engine only; its plain engine keeps the bare optimizer,
+    # whole on every rank. A checkpoint from before `pipeline_parallel` was saved: partitioned.
+    pipeline_engine = args.pipeline_parallel or saved.get("pipeline_parallel", True)
+    partitioned = args.zero_stage > 0 or (args.bf16 and pipeline_engine)
     theirs = (saved.get("data_parallel_size") or 1) * (saved.get("ds_sequence_parallel_size") or 1)
     ours = args.data_parallel_size * args.ds_sequence_parallel_size
     if not partitioned or saved.get("data_parallel_size") is None or theirs == ours:

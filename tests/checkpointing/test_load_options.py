@@ -9,6 +9,7 @@ import pytest
 
 from megatron.checkpointing import CheckpointError, check_checkpoint_args, find_checkpoint
 from megatron.checkpointing import commit as checkpoint_commit
+from tests.checkpointing.compare import rolled_back
 from tests.pretrain_runs import iteration_logs, launch, tiny_gpt_flags
 
 
@@ -134,3 +135,28 @@ def test_a_checkpoint_of_other_moe_layers_is_a_clear_error() -> None:
     ):
         with pytest.raises(CheckpointError, match=f"f.pt was saved with --num-experts 4 .*{named}"):
             check_checkpoint_args(saved, run_args(**moe), "f.pt")
+
+
+@pytest.mark.slow
+def test_a_bf16_zero0_deepspeed_run_resumes_at_another_data_parallel_size(
+    stdlib_dataset: str, tmp_path
+) -> None:
+    """bf16 at ZeRO-0 on DeepSpeed's plain engine (--no-pipeline-parallel) keeps the bare
+    optimizer whole on every rank (DeepSpeed 0.19 partitions it only under its pipeline
+    engine), so a checkpoint saved at DP=2 resumes at DP=1 with its optimizer state (issue 36,
+    defect 6: it was refused as partitioned). Iteration 3's loss, from the same weights, is the
+    straight run's up to bf16 rounding."""
+    config = tmp_path / "ds_zero0_bf16.json"
+    config.write_text('{"zero_optimization": {"stage": 0}, "bf16": {"enabled": true}}')
+    save = str(tmp_path / "ckpt")
+    deepspeed = ["--bf16", "--deepspeed", "--deepspeed_config", str(config)]
+    flags = [*deepspeed, "--no-pipeline-parallel"]
+    straight = launch(2, _flags(stdlib_dataset, *flags, "--save", save, "--save-interval", "2"))
+    assert straight.returncode == 0, straight.stdout[-3000:]
+    at_two = rolled_back(save, 2, str(tmp_path / "at_two"))
+    resumed = launch(1, _flags(stdlib_dataset, *flags, "--load", at_two))
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    logs = {log["iteration"]: log["lm loss"] for log in iteration_logs(straight.stdout)}
+    again = {log["iteration"]: log["lm loss"] for log in iteration_logs(resumed.stdout)}
+    assert sorted(again) == [3, 4]
+    assert abs(again[3] - logs[3]) < 2e-2 * abs(logs[3]), (again, logs)
