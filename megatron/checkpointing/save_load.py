@@ -299,8 +299,9 @@ def _check_zero_partitions(saved: dict, args: argparse.Namespace, found) -> None
     DeepSpeed would stop with a traceback. The weights load at any size, and a universal
     checkpoint takes the optimizer state to any."""
     # DeepSpeed 0.19 (engine._do_optimizer_sanity_check): bf16 at ZeRO-0 runs BF16_Optimizer,
-    # partitioned, under the pipeline engine only; its plain engine keeps the bare optimizer,
-    # whole on every rank. A checkpoint from before `pipeline_parallel` was saved: partitioned.
+    # partitioned, under the pipeline engine only; its plain engine runs the fp16 wrapper
+    # (DDP_BFLOAT16 -> FP16_UnfusedOptimizer), whose fp32 state is whole on every rank. A
+    # checkpoint from before `pipeline_parallel` was saved counts as partitioned.
     pipeline_engine = args.pipeline_parallel or saved.get("pipeline_parallel", True)
     partitioned = args.zero_stage > 0 or (args.bf16 and pipeline_engine)
     theirs = (saved.get("data_parallel_size") or 1) * (saved.get("ds_sequence_parallel_size") or 1)
