@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.arguments.errors import ArgumentError
+from megatron.arguments.parallel_flags import job_backend
 from megatron.config import experts_per_layer
 
 
@@ -145,7 +146,7 @@ def _layout(args: argparse.Namespace, counts: list[int]) -> None:
         raise ArgumentError(
             f"{experts} with --zero-stage {args.zero_stage}: DeepSpeed-MoE supports ZeRO 0-2"
         )
-    if args.tensor_model_parallel_size > 1 and not _nccl(args):
+    if args.tensor_model_parallel_size > 1 and job_backend(args) != "nccl":
         raise ArgumentError(
             f"{experts} with --tensor-model-parallel-size {args.tensor_model_parallel_size} "
             "needs NCCL (GPUs): DeepSpeed-MoE gathers the tensor-parallel ranks' tokens with "
@@ -179,14 +180,3 @@ def _layout(args: argparse.Namespace, counts: list[int]) -> None:
                 f"{experts}: {count} experts cannot be spread evenly over "
                 f"--moe-expert-parallel-size {layer_ep}"
             )
-
-
-def _nccl(args: argparse.Namespace) -> bool:
-    """Whether the run will use NCCL (the flag, else what `_backend` will pick: NCCL on GPUs;
-    a dry run plans for the job's GPU machines, whatever this host has)."""
-    import torch
-
-    backend = getattr(args, "distributed_backend", None)
-    if backend is None and getattr(args, "dry_run", False):
-        return True
-    return backend == "nccl" or (backend is None and torch.cuda.is_available())

@@ -156,3 +156,13 @@ _ACTIVATION_CHECKPOINTING_FLAGS = (
     ),
     ("--profile-backward", "profile", "Time the forward and backward of checkpointed layers"),
 )
+
+
+def job_backend(args: argparse.Namespace) -> str:
+    """The job's torch.distributed backend: --distributed-backend, else NCCL on GPUs and gloo
+    on CPUs; a dry run plans for the job's GPU machines (NCCL), whatever this host has."""
+    import torch
+
+    if getattr(args, "distributed_backend", None):
+        return args.distributed_backend
+    return "nccl" if getattr(args, "dry_run", False) or torch.cuda.is_available() else "gloo"

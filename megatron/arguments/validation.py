@@ -21,6 +21,7 @@ from megatron.arguments.ds_config import (
 from megatron.arguments.ds_unused_sections import set_aside_unused_sections
 from megatron.arguments.errors import ArgumentError, flag_name
 from megatron.arguments.moe_flags import settle_moe
+from megatron.arguments.parallel_flags import job_backend
 from megatron.arguments.pipeline_checks import settle_pipeline
 from megatron.arguments.precision import check_flash_attention_precision
 from megatron.arguments.ulysses_checks import settle_ulysses
@@ -397,7 +398,7 @@ def _backend(args: argparse.Namespace) -> None:
         args.local_rank = int(os.environ["LOCAL_RANK"])
 
     if args.distributed_backend is None:
-        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+        args.distributed_backend = job_backend(args)
     elif args.distributed_backend == "nccl" and not torch.cuda.is_available():
         raise ArgumentError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPUs")
     _timeout(args)
@@ -417,7 +418,7 @@ def _dry_run(args: argparse.Namespace) -> None:
             parse_data_path(args.data_path)
         except ValueError as error:
             raise ArgumentError(str(error)) from None
-    args.distributed_backend = args.distributed_backend or "nccl"
+    args.distributed_backend = job_backend(args)
     _timeout(args)
     if args.dry_run_json:
         parent = os.path.dirname(os.path.abspath(args.dry_run_json))
