@@ -9,13 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel import (
     VocabParallelEmbedding,
     get_cuda_rng_tracker,
     scatter_to_sequence_parallel_region,
 )
-from megatron.model.utils import init_method_normal
+from megatron.model.utils import init_method_normal, sequence_split_over_ranks
 
 
 class Embedding(nn.Module):
@@ -64,9 +63,7 @@ class Embedding(nn.Module):
         rng = contextlib.nullcontext()
         if self.config.sequence_parallel:
             embeddings = scatter_to_sequence_parallel_region(embeddings)
-        if self.config.sequence_parallel or parallel_state.get_sequence_parallel_world_size() > 1:
-            # Each rank holds a different part of the sequence (Megatron's sequence parallelism,
-            # or DeepSpeed-Ulysses' input split): independent dropout.
+        if sequence_split_over_ranks(self.config):  # independent dropout on each rank's part
             rng = get_cuda_rng_tracker().fork() if self.training else rng
         with rng:
             return F.dropout(embeddings, self.config.hidden_dropout, self.training)

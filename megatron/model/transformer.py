@@ -43,7 +43,12 @@ from megatron.model.fused_ops import (
 from megatron.model.inference_params import InferenceParams
 from megatron.model.mlp import ParallelMLP, linear_kwargs
 from megatron.model.moe import build_moe_mlp
-from megatron.model.utils import build_norm, init_method_normal, scaled_init_method_normal
+from megatron.model.utils import (
+    build_norm,
+    init_method_normal,
+    scaled_init_method_normal,
+    sequence_split_over_ranks,
+)
 
 
 class ParallelAttention(nn.Module):
@@ -179,11 +184,7 @@ class ParallelTransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
-        # Each rank holds its own part of the sequence (Megatron's sequence parallelism, or
-        # DeepSpeed-Ulysses): hidden dropout draws from the per-rank model-parallel stream.
-        self.sequence_split = (
-            config.sequence_parallel or parallel_state.get_sequence_parallel_world_size() > 1
-        )
+        self.sequence_split = sequence_split_over_ranks(config)
         self.bias_dropout_fusion = config.bias_dropout_fusion
         self.torch_compile = config.torch_compile
         self.input_layernorm = build_norm(config)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import mark_sequence_parallel
 
 
@@ -57,6 +58,13 @@ class RMSNorm(nn.Module):
         x = hidden.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return x.to(hidden.dtype) * self.weight
+
+
+def sequence_split_over_ranks(config: ModelConfig) -> bool:
+    """Whether each rank holds its own part of the sequence (Megatron's sequence parallelism,
+    or DeepSpeed-Ulysses): its hidden dropout then draws from the per-rank model-parallel
+    stream."""
+    return config.sequence_parallel or parallel_state.get_sequence_parallel_world_size() > 1
 
 
 def build_norm(config: ModelConfig) -> nn.Module:
