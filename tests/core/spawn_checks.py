@@ -158,6 +158,17 @@ def _body(spec: str) -> Callable:
     return getattr(importlib.import_module(module), attr or "spawn_body")
 
 
+def _run_body(checks: Checks, rank: int, world_size: int) -> str | None:
+    """Run the body of `checks.module`; the traceback of an error outside its checks, or None."""
+    try:
+        _body(checks.module)(checks, rank, world_size)
+    except Exception:
+        return traceback.format_exc()[-3000:]
+    finally:
+        parallel_state.destroy_model_parallel()
+    return None
+
+
 def _entry(
     rank: int, world_size: int, modules: list[str], done: dict[str, list[str]], world_dir: str
 ) -> None:
@@ -165,13 +176,9 @@ def _entry(
     agreement = _Agreement(rank, world_size, os.path.join(world_dir, f"rank{rank}.jsonl"))
     for module in modules:
         agreement.enter(module, BODY)
-        checks = Checks(module, agreement, done.get(module, ()))
-        try:
-            _body(module)(checks, rank, world_size)
-        except Exception:
-            agreement.agree(module, BODY, traceback.format_exc()[-3000:])
-        finally:
-            parallel_state.destroy_model_parallel()
+        error = _run_body(Checks(module, agreement, done.get(module, ())), rank, world_size)
+        if error is not None:
+            agreement.agree(module, BODY, error)  # leaves the world
         agreement.agree(module, END, "ok")
     agreement.log.close()
 
@@ -208,12 +215,9 @@ def _run_in_this_process(modules: list[str]) -> list[dict[str, dict[str, str]]]:
     try:
         for module in modules:
             checks = Checks(module)
-            try:
-                _body(module)(checks, 0, 1)
-            except Exception:
-                checks.outcomes[BODY] = traceback.format_exc()[-3000:]
-            finally:
-                parallel_state.destroy_model_parallel()
+            error = _run_body(checks, 0, 1)
+            if error is not None:
+                checks.outcomes[BODY] = error
             results[module] = checks.outcomes
     finally:
         dist.destroy_process_group()

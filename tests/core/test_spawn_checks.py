@@ -23,7 +23,13 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from tests.core.spawn_checks import BODY, run_suite
-from tests.distributed import COLLECTIVE_TIMEOUT, WorldTimeout, run_distributed, world_store
+from tests.distributed import (
+    COLLECTIVE_TIMEOUT,
+    World,
+    WorldTimeout,
+    run_distributed,
+    world_store,
+)
 
 
 def _all_reduce_counts_the_ranks(world: int) -> None:
@@ -123,8 +129,6 @@ def _one_rank_waits_in_a_collective_the_other_never_enters(rank: int, world: int
 
 
 def test_a_hung_world_fails_with_every_ranks_stack():
-    from tests.distributed import World
-
     world = World(2)
     started = time.monotonic()
     with pytest.raises(WorldTimeout) as raised:
