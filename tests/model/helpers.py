@@ -147,3 +147,21 @@ def spawn_collect(body: Callable, world_size: int, *args: object) -> list[dict]:
             torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
             for rank in range(world_size)
         ]
+
+
+def complex_rotary(tensor: torch.Tensor, rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding of [s, ..., d] as complex products, positions along dim 0.
+
+    Channel j and channel j + rotary_dim/2 are the real and imaginary parts of one complex
+    number, turned by the angle position * base^(-2j / rotary_dim); channels past
+    `rotary_dim` pass through. Computed in float64.
+    """
+    half = rotary_dim // 2
+    seq = tensor.size(0)
+    inv_freq = base ** (-torch.arange(half, dtype=torch.float64) * 2 / rotary_dim)
+    angles = torch.arange(seq, dtype=torch.float64)[:, None] * inv_freq  # [s, half]
+    angles = angles.view(seq, *([1] * (tensor.dim() - 2)), half)
+    z = torch.complex(tensor[..., :half].double(), tensor[..., half:rotary_dim].double())
+    z = z * torch.polar(torch.ones_like(angles), angles)
+    rest = tensor[..., rotary_dim:].double()
+    return torch.cat((z.real, z.imag, rest), dim=-1).to(tensor.dtype)
