@@ -11,10 +11,16 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
+variations=${VARIATIONS:-"OMP_NUM_THREADS=1 OMP_NUM_THREADS=2 OMP_NUM_THREADS=4 ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2"}
+for variation in $variations; do
+  if [[ ! "$variation" =~ ^[A-Za-z_][A-Za-z0-9_]*=[^=]*$ ]]; then
+    echo "[variations] error: VARIATIONS entry '$variation' is not NAME=VALUE" >&2
+    exit 2
+  fi
+done
 python=$(bash scripts/setup_env.sh test | tail -n 1) || exit 1
 PATH="$(dirname "$python"):$PATH"
 export PATH
-variations=${VARIATIONS:-"OMP_NUM_THREADS=1 OMP_NUM_THREADS=2 OMP_NUM_THREADS=4 ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2"}
 failed=()
 summary=()
 for variation in $variations; do

@@ -119,9 +119,9 @@ def test_a_hung_check_fails_with_the_stacks_and_the_world_goes_on(tmp_path):
 def _one_rank_waits_in_a_collective_the_other_never_enters(rank: int, world: int) -> None:
     store = world_store()
     store.add("arrived", 1)
-    store.add("ready", 1)  # progress: the watchdog's deadline restarts from here
     while store.add("arrived", 0) < world:  # both ranks are at their blocking point
         time.sleep(0.05)
+    store.add("ready", 1)  # progress: the watchdog's deadline restarts from here
     if rank == 0:
         dist.all_reduce(torch.ones(1))
     else:
