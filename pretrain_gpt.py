@@ -29,42 +29,20 @@ from megatron.data.corpus_reader import InputError
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.indexed_dataset import IndexedDatasetError
 from megatron.data.json_corpus import ensure_tokenized
-from megatron.model import GPTModel
-from megatron.model.model_size import model_size_report
 from megatron.model.moe import moe_loss
-from megatron.model.pipeline_chunks import build_pipeline_chunks
 from megatron.tokenizer import TokenizerFileError
 from megatron.training import pretrain
+from megatron.training.engines import PipelineBatch, engine_class
 from megatron.training.failures import CollectiveFailure, report_error
 from megatron.training.loop import TrainingStopped
 from megatron.training.scheduler import SchedulerMismatchError
-from megatron.utils import current_device, get_ltor_masks_and_position_ids, print_rank_0
+from megatron.utils import current_device, get_ltor_masks_and_position_ids
 
 
 def model_provider(args: argparse.Namespace) -> torch.nn.Module:
-    """GPT-2 as a `GPTModelPipe` under DeepSpeed's pipeline engine, this rank's chunks under
-    Megatron's pipeline schedules, else a `GPTModel`."""
-    config = ModelConfig.from_args(args)
-    print_rank_0(model_size_report(config, args.seq_length))
-    if args.plain_pipeline:
-        chunks = build_pipeline_chunks(
-            config,
-            parallel_state.get_pipeline_model_parallel_rank(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-            args.virtual_pipeline_model_parallel_size or 1,
-        )
-        # What the schedule needs from GPT: the stage inputs and targets, and the loss.
-        chunks.batch_fn = partial(get_batch_pipe, args=args)
-        chunks.loss_func = loss_func
-        return chunks
-    if args.pipeline_parallel:
-        from megatron.model.pipeline import GPTModelPipe
-
-        model = GPTModelPipe(config)
-        # Megatron-DeepSpeed's hook: the engine turns raw batches into stage inputs with it.
-        model._megatron_batch_fn = partial(get_batch_pipe, args=args)
-        return model
-    return GPTModel(config)
+    """GPT-2 in the form the run's engine trains: a `GPTModel`, DeepSpeed's `GPTModelPipe`, or
+    this rank's chunks under Megatron's pipeline schedules (`args.layout.engine`)."""
+    return engine_class(args.layout).build_model(ModelConfig.from_args(args), args.layout)
 
 
 def datasets_provider(args: argparse.Namespace, num_samples: list[int]) -> tuple:
@@ -178,7 +156,13 @@ USER_ERRORS = (
 def main(argv: list[str] | None = None) -> int:
     """Run `pretrain` with GPT's providers; a stopped run exits 1 with the reason."""
     try:
-        pretrain(datasets_provider, model_provider, forward_step, argv=argv)
+        pretrain(
+            datasets_provider,
+            model_provider,
+            forward_step,
+            argv=argv,
+            pipeline_batch=PipelineBatch(batch_fn=get_batch_pipe, loss_func=loss_func),
+        )
     except USER_ERRORS as stopped:
         if os.environ.get("MEGATRON_DEBUG_TRACEBACKS", "0") not in ("", "0"):
             raise

@@ -16,12 +16,12 @@ two moments: the checkpoint is the weights plus `exp_avg` and `exp_avg_sq` (~1.5
 
 The two ways of writing and reading the same state, timed in the same run:
 
-- ours: `megatron.checkpointing.save_checkpoint(TrainState(iteration=1), model, optimizer,
+- ours: `megatron.checkpointing.save_checkpoint(TrainState(iteration=1), target,
   scheduler, args)` with `args.deepspeed = False`: the Megatron layout (nested `model` dict,
   `optimizer`, `opt_param_scheduler`, `args`, `rng_state` gathered over the data-parallel
   group, `train_state`), written under `iter_0000001.partial/`, the file fsynced, the staging
   directories fsynced, renamed, the parent fsynced, then the tracker file written atomically.
-  Load: `megatron.checkpointing.load_checkpoint(model, optimizer, scheduler, args)` (trackers,
+  Load: `megatron.checkpointing.load_checkpoint(target, args)` (trackers,
   `torch.load(weights_only=True)`, argument checks, flatten, `load_state_dict` of model,
   optimizer and scheduler, RNG restore).
 - baseline: `torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
@@ -74,6 +74,7 @@ from machine import cpu_model  # noqa: E402  (benchmarks/machine.py)
 
 from megatron import checkpointing  # noqa: E402
 from megatron.checkpointing import TrainState  # noqa: E402
+from megatron.checkpointing.save_load import CheckpointTarget  # noqa: E402
 from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.initialize import initialize_distributed, set_random_seed  # noqa: E402
@@ -247,15 +248,16 @@ def ours(
 ) -> Method:
     """`megatron.checkpointing.save_checkpoint` / `load_checkpoint`, Megatron layout."""
 
+    # What the plain engine hands the checkpoint code (Megatron's per-rank files).
+    target = CheckpointTarget(model, optimizer, scheduler, deepspeed_files=False)
+
     def save() -> None:
         with contextlib.redirect_stdout(io.StringIO()):
-            checkpointing.save_checkpoint(
-                TrainState(iteration=1), model, optimizer, scheduler, args
-            )
+            checkpointing.save_checkpoint(TrainState(iteration=1), target, args)
 
     def load() -> None:
         with contextlib.redirect_stdout(io.StringIO()):
-            state = checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+            state = checkpointing.load_checkpoint(target, args)
         if state.iteration != 1:
             raise SystemExit(f"ours: loaded iteration {state.iteration}, expected 1")
 

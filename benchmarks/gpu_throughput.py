@@ -216,18 +216,20 @@ def time_iterations(step, args: argparse.Namespace) -> dict:
 def run_ours(size: str, engine: str, mode: str, args: argparse.Namespace) -> dict:
     """One measurement through pretrain_gpt.py's engine (in this process)."""
     from megatron.initialize import initialize_megatron
+    from megatron.training.engines import PipelineBatch
     from megatron.training.loop import TrainingLoop
     from megatron.training.monitor import Timers
-    from megatron.training.training import setup_model_and_optimizer
-    from pretrain_gpt import forward_step, model_provider
+    from megatron.training.training import build_engine
+    from pretrain_gpt import forward_step, get_batch_pipe, loss_func, model_provider
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as config:
         json.dump({"zero_optimization": {"stage": 1}, "steps_per_print": 10**9}, config)
     megatron_args = initialize_megatron(argv=megatron_flags(size, engine, mode, args, config.name))
     # What build_tokenizer sets in a real run (GPT-2's vocabulary, padded).
     megatron_args.padded_vocab_size, megatron_args.eod_token_id = args.vocab_size, 50256
-    model, optimizer, scheduler = setup_model_and_optimizer(model_provider, megatron_args)
-    loop = TrainingLoop(megatron_args, model, optimizer, scheduler, forward_step, Timers(0), None)
+    pipeline_batch = PipelineBatch(batch_fn=get_batch_pipe, loss_func=loss_func)
+    engine = build_engine(model_provider, megatron_args, forward_step, pipeline_batch)
+    loop = TrainingLoop(megatron_args, engine, Timers(0), None)
     data = batches(args, args.device)
 
     def step() -> None:

@@ -6,7 +6,7 @@
 
 One GPT, one global batch of m micro-batches, trained by the project's own step
 (`megatron.arguments.parse_args` on one flag list, `setup_model_and_optimizer(
-pretrain_gpt.model_provider, args)`, then `train_step_plain` or `train_step_pipelined` as
+pretrain_gpt.model_provider, args)`, then `train_step_plain` or `train_step_megatron_schedules` as
 `TrainingLoop.step` calls them) in four layouts, each in freshly spawned gloo processes:
 
 - pp1:   1 process, no pipeline (`GPTModel`, `train_step_plain`): the baseline, always run;
@@ -97,7 +97,8 @@ from megatron.core.pipeline_parallel.schedules import initialize_tied_embedding 
 from megatron.initialize import set_random_seed  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.training import setup_model_and_optimizer  # noqa: E402
-from megatron.training.pipeline_step import train_step_pipelined  # noqa: E402
+from megatron.training.engines import PipelineBatch  # noqa: E402
+from megatron.training.megatron_schedules_step import train_step_megatron_schedules  # noqa: E402
 from megatron.training.step import train_step_plain  # noqa: E402
 
 LOSS_TOLERANCE = 1e-4
@@ -222,7 +223,10 @@ def time_layout(layout: Layout, shape: dict, microbatches: int, settings: dict) 
         args.padded_vocab_size = shape["vocab_size"]
         args.eod_token_id = shape["vocab_size"] - 1
         set_random_seed(settings["seed"])
-        trainer, _, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, args)
+        pipeline_batch = PipelineBatch(pretrain_gpt.get_batch_pipe, pretrain_gpt.loss_func)
+        trainer, _, _ = setup_model_and_optimizer(
+            pretrain_gpt.model_provider, args, pretrain_gpt.forward_step, pipeline_batch
+        )
     model = trainer.model.module if layout.dp > 1 else trainer.model  # under DDP
     load_dense_weights(model, args, layout)
     clock = ComputeClock(list(model) if layout.pp > 1 else [model])
@@ -242,7 +246,7 @@ def time_layout(layout: Layout, shape: dict, microbatches: int, settings: dict) 
         clock.wall = 0.0
         busy, own, start = machine_busy_seconds(), time.process_time(), time.perf_counter()
         if layout.pp > 1:
-            result = train_step_pipelined(data, trainer, args, None, timers)
+            result = train_step_megatron_schedules(data, trainer, args, None, timers)
         else:
             result = train_step_plain(pretrain_gpt.forward_step, data, trainer, args, None, timers)
         records.append(

@@ -246,6 +246,7 @@ def initialize_megatron(
             else ""
         )
     )
+    print_rank_0(f" > layout: {args.layout.describe()}")
     print_rank_0(batch_arithmetic(args))
     if args.deepspeed_activation_checkpointing:
         print_rank_0(activation_checkpointing_line(args))

@@ -53,9 +53,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model, data", ("megatron.model", "megatron.data")),
     ("tokenizer", ("megatron.tokenizer",)),
     ("core", ("megatron.core",)),
+    ("compatibility", ("megatron.compatibility",)),
     (
         "base",
-        ("megatron.config", "megatron.utils", "megatron.atomic_files", "megatron.extensions"),
+        (
+            "megatron.config",
+            "megatron.layout",
+            "megatron.utils",
+            "megatron.atomic_files",
+            "megatron.extensions",
+        ),
     ),
 )
 # The package namespaces that only re-export: `megatron` holds the version, and

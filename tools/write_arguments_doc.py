@@ -4,7 +4,8 @@
     python tools/write_arguments_doc.py --check    # exit 1 if docs/arguments.md is stale
 
 The page has one table per argument group of `megatron.arguments.build_parser()`, DeepSpeed's
-own flags included, with each flag's value, default and help. It is byte-deterministic: no
+own flags included, with each flag's value, default and help, and at the end the engine x
+feature table of `megatron.compatibility`. It is byte-deterministic: no
 dates, no paths, no terminal-width wrapping, and `--local-rank`'s default is shown as it is
 without a launcher (LOCAL_RANK unset). tests/tools/test_arguments_doc.py fails when it is stale.
 """
@@ -151,7 +152,26 @@ def render_arguments_markdown(parser: argparse.ArgumentParser) -> str:
             )
             cells = (flags, format_value(action), format_default(action), expand_help(action))
             lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _engines_section()) + "\n"
+
+
+def _engines_section() -> list[str]:
+    """Which engine runs which feature, from `megatron.compatibility.FEATURES` (the table the
+    flag checks and the planner's suggestions read)."""
+    from megatron.compatibility import markdown_table
+    from megatron.layout import Engine
+
+    engines = "; ".join(f"`{engine.value}`: {engine.description}" for engine in Engine)
+    return [
+        "",
+        "## Engines and features",
+        "",
+        "The flags pick one engine per run (`megatron.layout.choose_engine`): "
+        f"{engines}. A feature its engine does not run is refused in one line naming the "
+        "flag (`megatron.compatibility`).",
+        "",
+        markdown_table(),
+    ]
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:

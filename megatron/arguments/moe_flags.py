@@ -132,16 +132,7 @@ def _gating(args: argparse.Namespace) -> None:
 
 def _layout(args: argparse.Namespace, counts: list[int]) -> None:
     experts = f"--num-experts {' '.join(map(str, args.num_experts))}"
-    if not args.deepspeed:
-        raise ArgumentError(
-            f"{experts}: Mixture-of-Experts runs on DeepSpeed's engine (DeepSpeed-MoE, as in "
-            "Megatron-DeepSpeed); add --deepspeed --deepspeed_config FILE --no-pipeline-parallel"
-        )
-    if args.pipeline_parallel:
-        raise ArgumentError(
-            f"{experts} needs --no-pipeline-parallel, as Megatron-DeepSpeed's MoE scripts pass: "
-            "DeepSpeed's pipeline engine does not carry the MoE loss between stages"
-        )
+    # Which engines run MoE: megatron.compatibility (checked before this).
     if args.zero_stage > 2:
         raise ArgumentError(
             f"{experts} with --zero-stage {args.zero_stage}: DeepSpeed-MoE supports ZeRO 0-2"

@@ -2,7 +2,7 @@
 
 `--pipeline-model-parallel-size` above 1 runs on DeepSpeed's pipeline engine under
 `--deepspeed` (as Megatron-DeepSpeed), else on Megatron's 1F1B schedule over
-torch.distributed.pipelining (`args.plain_pipeline`), where virtual stages
+torch.distributed.pipelining (`Engine.MEGATRON_SCHEDULES`), where virtual stages
 (`--virtual-pipeline-model-parallel-size`, or Megatron-DeepSpeed's
 `--num-layers-per-virtual-pipeline-stage`) select the interleaved schedule.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.arguments.errors import ArgumentError, flag_name
+from megatron.layout import Engine, engine_of
 
 
 def _virtual_size(args: argparse.Namespace) -> int | None:
@@ -39,7 +40,7 @@ def _virtual_size(args: argparse.Namespace) -> int | None:
 
 
 def settle_pipeline(args: argparse.Namespace) -> None:
-    """Check the pipeline flags against each other and set `plain_pipeline` and
+    """Check the pipeline flags against each other and set
     `virtual_pipeline_model_parallel_size` (None without interleaving, as Megatron)."""
     pp = args.pipeline_model_parallel_size
     pp_flag = f"{flag_name(args, 'pipeline_model_parallel_size')} {pp}"
@@ -48,18 +49,6 @@ def settle_pipeline(args: argparse.Namespace) -> None:
         raise ArgumentError(
             f"--virtual-pipeline-model-parallel-size {virtual} needs "
             "--pipeline-model-parallel-size above 1 (virtual stages split pipeline stages)"
-        )
-    if pp > 1 and args.deepspeed and args.no_pipeline_parallel:
-        raise ArgumentError(
-            f"--no-pipeline-parallel with {pp_flag} under --deepspeed: DeepSpeed's engine is "
-            "not driven by Megatron's schedules here; drop --no-pipeline-parallel for "
-            "DeepSpeed's pipeline engine (ZeRO 0-1), or drop --deepspeed for Megatron's "
-            "schedules"
-        )
-    if virtual and args.deepspeed:
-        raise ArgumentError(
-            f"--virtual-pipeline-model-parallel-size {virtual}: the interleaved schedule is "
-            "Megatron's, run without --deepspeed (DeepSpeed's pipeline engine has none)"
         )
     if pp > 1 and args.reset_attention_mask:
         raise ArgumentError(
@@ -73,8 +62,7 @@ def settle_pipeline(args: argparse.Namespace) -> None:
             "the same number of layers"
         )
     args.virtual_pipeline_model_parallel_size = virtual
-    args.plain_pipeline = pp > 1 and not args.deepspeed
-    if args.plain_pipeline and virtual:
+    if virtual and engine_of(args) is Engine.MEGATRON_SCHEDULES:
         per_step = args.micro_batch_size * args.data_parallel_size
         sizes = [args.global_batch_size]
         if args.rampup_batch_size:  # every size of the ramp runs the same schedule

@@ -22,16 +22,7 @@ def settle_ulysses(args: argparse.Namespace) -> None:
     if sp == 1:
         return
     flag = f"--ds-sequence-parallel-size {sp}"
-    if not args.deepspeed:
-        raise ArgumentError(
-            f"{flag} needs --deepspeed: DeepSpeed's engine sums the gradients over the "
-            "sequence-parallel ranks (DeepSpeed-Ulysses)"
-        )
-    if args.pipeline_parallel:
-        raise ArgumentError(
-            f"{flag} needs --no-pipeline-parallel: DeepSpeed's pipeline engine reduces "
-            "gradients over the data-parallel ranks only, not the sequence-parallel ones"
-        )
+    # Which engines run DeepSpeed-Ulysses: megatron.compatibility (checked before this).
     for value, name in (
         (args.seq_length, "--seq-length"),
         (args.num_attention_heads, "--num-attention-heads"),

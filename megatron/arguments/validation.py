@@ -27,7 +27,9 @@ from megatron.arguments.precision import check_flash_attention_precision
 from megatron.arguments.ulysses_checks import settle_ulysses
 from megatron.arguments.v1_flags import train_data_corpus, translate_v1_flags
 from megatron.atomic_files import nearest_existing
+from megatron.compatibility import refusal
 from megatron.config import model_params_dtype
+from megatron.layout import ParallelLayout
 from megatron.tokenizer.base import MODEL_FILE_TOKENIZERS, missing_tokenizer_model
 from megatron.training.batch_schedule import BatchSizeSchedule
 
@@ -292,26 +294,16 @@ def _recompute(args: argparse.Namespace) -> None:
         )
 
 
+def _experts_flag(args: argparse.Namespace) -> str | None:
+    """`--num-experts ...` as typed when some layer has experts, else None."""
+    counts = getattr(args, "num_experts", None) or [1]
+    if not any(count > 1 for count in counts):
+        return None
+    return "--num-experts " + " ".join(map(str, counts))
+
+
 def _pipeline_and_checkpoints(args: argparse.Namespace) -> None:
     settle_pipeline(args)
-    pipelined = args.pipeline_model_parallel_size > 1
-    # Megatron-DeepSpeed runs DeepSpeed's pipeline engine whenever --deepspeed is on, unless
-    # --no-pipeline-parallel; that engine supports ZeRO stages 0 and 1 only.
-    zero_stage = getattr(args, "zero_stage", None) or 0
-    if zero_stage and not args.deepspeed:
-        raise ArgumentError(
-            f"--zero-stage {zero_stage} needs --deepspeed (ZeRO is DeepSpeed's; the plain-torch "
-            "path is DDP)"
-        )
-    if pipelined and zero_stage > 1:
-        raise ArgumentError(
-            f"--zero-stage {zero_stage} cannot be combined with --pipeline-model-parallel-size "
-            f"{args.pipeline_model_parallel_size}: DeepSpeed's pipeline engine supports ZeRO "
-            "stages 0 and 1"
-        )
-    args.pipeline_parallel = bool(
-        args.deepspeed and not args.no_pipeline_parallel and (pipelined or zero_stage < 2)
-    )
     args.max_consecutive_skipped_iterations = getattr(
         args, "max_consecutive_skipped_iterations", 100
     )
@@ -489,6 +481,11 @@ def validate_args(
     _precision_and_optimizer(args)
     _recompute(args)
     _pipeline_and_checkpoints(args)
+    # Settled once: everything past here (and past validation) reads the layout.
+    args.layout = ParallelLayout.from_args(args)
+    incompatible = refusal(args.layout, _experts_flag(args))
+    if incompatible is not None:
+        raise ArgumentError(incompatible)
     settle_moe(args)
     settle_ulysses(args)
     if args.deepspeed:

@@ -112,23 +112,24 @@ class SafeCheckpointEngine:
                 raise RuntimeError(f"cannot read checkpoint file {path}: {error}") from error
 
 
-def universal_checkpoint_info(args: Any) -> dict:
+def universal_checkpoint_info(args: Any, pipe_module_names: bool) -> dict:
     """What `deepspeed.checkpoint.ds_to_universal` needs to merge our tensor-parallel shards.
 
     Parameter-name patterns (matched from the start of the name) for the vocabulary (its
     padding is stripped; the untied output layer too), parameters replicated across TP ranks,
     row-parallel weights (split along dim 1; the rest are column-parallel, split along dim 0),
     and SwiGLU's gate-and-up weight, whose shards hold two sub-parameters each.
+    `pipe_module_names`: the module is DeepSpeed's `PipelineModule` (numbered layers).
     """
-    layer = r"\d+\." if args.pipeline_parallel else r"language_model\.encoder\.layers\.\d+\."
+    pipe = pipe_module_names
+    layer = r"\d+\." if pipe else r"language_model\.encoder\.layers\.\d+\."
     untied = getattr(args, "untie_embeddings_and_output_weights", False)
-    if args.pipeline_parallel:
+    if pipe:
         embedding = r"0\." if untied else r"tied_modules\.embed\."
     else:
         embedding = r"language_model\.embedding\."
     vocabulary = [embedding + r"word_embeddings\.weight"]
     if untied:
-        pipe = args.pipeline_parallel
         vocabulary.append(r"\d+\.lm_head\." if pipe else r"language_model\.output_layer\.")
     info = {
         UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
@@ -139,11 +140,7 @@ def universal_checkpoint_info(args: Any) -> dict:
     if args.tensor_model_parallel_size == 1:
         return info
     # DeepSpeed refuses a pattern that matches no parameter: list only those the model has.
-    final_norm = (
-        r"\d+\.(weight|bias)$"
-        if args.pipeline_parallel
-        else (r"language_model\.encoder\.final_layernorm\.")
-    )
+    final_norm = r"\d+\.(weight|bias)$" if pipe else (r"language_model\.encoder\.final_layernorm\.")
     replicated = [layer + r"(input|post_attention)_layernorm\.", final_norm]
     if getattr(args, "add_position_embedding", True) and not args.use_rotary_position_embeddings:
         replicated.append(embedding + r"position_embeddings\.weight")
@@ -185,6 +182,7 @@ def save_deepspeed(
     iteration: int,
     client_state: dict,
     args: Any,
+    pipe_module_names: bool,
     previous: tuple[str, int] | None = None,
 ) -> None:
     """Save through the engine (a collective), publishing the tag only when complete.
@@ -194,7 +192,9 @@ def save_deepspeed(
     safe = install_safe_checkpoint_engine(engine)
     # Read from the module by both of the engine's save paths (its MoE path refuses the key in
     # client state).
-    setattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info(args))
+    setattr(
+        engine.module, UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info(args, pipe_module_names)
+    )
     tag = tag_for(iteration)
     final = os.path.join(save_dir, tag)
     staging = checkpoint_commit.begin(final, previous)

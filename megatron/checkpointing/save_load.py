@@ -23,7 +23,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -115,8 +116,31 @@ def find_checkpoint(root: str, universal: bool = False) -> LocatedCheckpoint | N
     return found if found.iteration is not None else replace(found, iteration=0)
 
 
-def _client_state(state, args: argparse.Namespace, rng_states: list | None) -> dict:  # noqa: ANN001
+@dataclass(frozen=True)
+class CheckpointTarget:
+    """What a save writes and a load fills, as the run's engine describes it
+    (`megatron.training.engines`): the format is the engine's choice, made there once."""
+
+    model: Any
+    """The DeepSpeed engine, a `PlainTrainer` (maybe over DDP or pipeline chunks), or a module."""
+    optimizer: Any
+    scheduler: Any
+    deepspeed_files: bool
+    """DeepSpeed's engine writes and reads its own layout (`engine.save_checkpoint`)."""
+    pipe_module_names: bool = False
+    """The module is DeepSpeed's `PipelineModule` (`GPTModelPipe` parameter names)."""
+    engine_name: str = "plain"
+    """Saved in the checkpoint's args (`engine`), e.g. for the optimizer-partition check."""
+
+
+def _client_state(
+    state,  # noqa: ANN001
+    args: argparse.Namespace,
+    rng_states: list | None,
+    target: CheckpointTarget,
+) -> dict:
     saved_args = plain_args(args)
+    saved_args.engine = target.engine_name
     # Megatron's tools read the sample counters from the checkpoint's args.
     saved_args.consumed_train_samples = state.consumed_train_samples
     saved_args.consumed_valid_samples = state.consumed_valid_samples
@@ -164,40 +188,53 @@ def load_model_states(module: torch.nn.Module, client: dict, path: str) -> None:
         chunk.load_state_dict(flatten_model_state(client[key]))
 
 
-def save_checkpoint(state, model, optimizer, scheduler, args: argparse.Namespace) -> None:  # noqa: ANN001
-    """Save `state.iteration` to `--save` in this run's layout (a collective on all ranks)."""
+def save_checkpoint(state, target: CheckpointTarget, args: argparse.Namespace) -> None:  # noqa: ANN001
+    """Save `state.iteration` to `--save` in the target's layout (a collective on all ranks)."""
     iteration = state.iteration
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
-    if args.deepspeed:
+    if target.deepspeed_files:
         from megatron.checkpointing.deepspeed_engine import save_deepspeed
 
         rng = None if args.no_save_rng else gather_rng_states()
-        client = _client_state(state, args, rng)
-        save_deepspeed(model, args.save, iteration, client, args, previous_checkpoint(args.save))
-    else:
-        rng = None if args.no_save_rng else gather_rng_states(_data_parallel_group())
-        final = checkpoint_directory(args.save, iteration)
-        staging = checkpoint_commit.begin(final, previous_checkpoint(args.save))
-        failure = None
-        if parallel_state.get_data_parallel_rank() == 0:
-            checkpoint = _client_state(state, args, rng)
-            checkpoint.update(model_states(_unwrap(model)))
-            if not args.no_save_optim:
-                checkpoint["optimizer"] = optimizer.state_dict()
-                checkpoint["opt_param_scheduler"] = scheduler.state_dict()
-                if getattr(model, "loss_scaler", None) is not None:
-                    checkpoint["loss_scaler"] = model.loss_scaler.state_dict()
-            path = _this_rank_file(staging)
-            try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with atomic_outputs(path) as (partial,):
-                    save_torch_file(checkpoint, partial)
-            except OSError as error:
-                failure = describe_failure(error, args.save, tensor_bytes(checkpoint))
-        checkpoint_commit.commit(
-            final, checkpoint_commit.megatron_trackers(str(iteration)), failure
+        client = _client_state(state, args, rng, target)
+        save_deepspeed(
+            target.model,
+            args.save,
+            iteration,
+            client,
+            args,
+            target.pipe_module_names,
+            previous_checkpoint(args.save),
         )
+    else:
+        _save_megatron_files(state, target, args)
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
+
+
+def _save_megatron_files(state, target: CheckpointTarget, args: argparse.Namespace) -> None:  # noqa: ANN001
+    """Megatron's per-rank files, written by data-parallel rank 0 of each TP x PP rank."""
+    iteration = state.iteration
+    model = target.model
+    rng = None if args.no_save_rng else gather_rng_states(_data_parallel_group())
+    final = checkpoint_directory(args.save, iteration)
+    staging = checkpoint_commit.begin(final, previous_checkpoint(args.save))
+    failure = None
+    if parallel_state.get_data_parallel_rank() == 0:
+        checkpoint = _client_state(state, args, rng, target)
+        checkpoint.update(model_states(_unwrap(model)))
+        if not args.no_save_optim:
+            checkpoint["optimizer"] = target.optimizer.state_dict()
+            checkpoint["opt_param_scheduler"] = target.scheduler.state_dict()
+            if getattr(model, "loss_scaler", None) is not None:
+                checkpoint["loss_scaler"] = model.loss_scaler.state_dict()
+        path = _this_rank_file(staging)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with atomic_outputs(path) as (partial,):
+                save_torch_file(checkpoint, partial)
+        except OSError as error:
+            failure = describe_failure(error, args.save, tensor_bytes(checkpoint))
+    checkpoint_commit.commit(final, checkpoint_commit.megatron_trackers(str(iteration)), failure)
 
 
 def previous_checkpoint(save_dir: str) -> tuple[str, int] | None:
@@ -293,7 +330,12 @@ def _check_expert_split(saved: dict, args: argparse.Namespace, path: str) -> Non
         )
 
 
-def _check_zero_partitions(saved: dict, args: argparse.Namespace, found) -> None:  # noqa: ANN001
+def _check_zero_partitions(
+    saved: dict,
+    args: argparse.Namespace,
+    found,  # noqa: ANN001
+    target: CheckpointTarget,
+) -> None:
     """Refuse, in one line, DeepSpeed optimizer state partitioned over another number of ranks
     (data x Ulysses sequence parallel; ZeRO 1-3, and bf16 ZeRO-0 on the pipeline engine):
     DeepSpeed would stop with a traceback. The weights load at any size, and a universal
@@ -301,8 +343,12 @@ def _check_zero_partitions(saved: dict, args: argparse.Namespace, found) -> None
     # DeepSpeed 0.19 (engine._do_optimizer_sanity_check): bf16 at ZeRO-0 runs BF16_Optimizer,
     # partitioned, under the pipeline engine only; its plain engine runs the fp16 wrapper
     # (DDP_BFLOAT16 -> FP16_UnfusedOptimizer), whose fp32 state is whole on every rank. A
-    # checkpoint from before `pipeline_parallel` was saved counts as partitioned.
-    pipeline_engine = args.pipeline_parallel or saved.get("pipeline_parallel", True)
+    # checkpoint that names neither its engine nor `pipeline_parallel` counts as partitioned.
+    if "engine" in saved:
+        theirs_pipe = saved["engine"] == "deepspeed_pipe"
+    else:
+        theirs_pipe = saved.get("pipeline_parallel", True)
+    pipeline_engine = target.pipe_module_names or theirs_pipe
     partitioned = args.zero_stage > 0 or (args.bf16 and pipeline_engine)
     theirs = (saved.get("data_parallel_size") or 1) * (saved.get("ds_sequence_parallel_size") or 1)
     ours = args.data_parallel_size * args.ds_sequence_parallel_size
@@ -389,10 +435,12 @@ def _pipeline_weights(flat: dict, args: argparse.Namespace) -> dict:
     return renamed
 
 
-def _load_weights(model, flat: dict, args: argparse.Namespace, path: str) -> None:  # noqa: ANN001
+def _load_weights(
+    target: CheckpointTarget, flat: dict, args: argparse.Namespace, path: str
+) -> None:
     """Load model weights saved in the other layout (no optimizer state) into this run."""
-    module = _unwrap(model)
-    if args.deepspeed and args.pipeline_parallel:
+    module = _unwrap(target.model)
+    if target.pipe_module_names:
         flat = _pipeline_weights(flat, args)
     if getattr(args, "moe", False):
         from megatron.checkpointing.deepspeed_engine import this_ranks_experts
@@ -414,13 +462,13 @@ def _load_weights(model, flat: dict, args: argparse.Namespace, path: str) -> Non
                 f"{tuple(expected[name].shape)}"
             )
     module.load_state_dict(flat, strict=False)
-    if args.deepspeed:
+    if target.deepspeed_files:
         from megatron.checkpointing.deepspeed_engine import refresh_master_weights
 
-        refresh_master_weights(model)
+        refresh_master_weights(target.model)
 
 
-def load_checkpoint(model, optimizer, scheduler, args: argparse.Namespace):  # noqa: ANN001, ANN201
+def load_checkpoint(target: CheckpointTarget, args: argparse.Namespace) -> TrainState:
     """Resume from `--load` if it holds a checkpoint; returns the `TrainState` to continue.
 
     As Megatron: `--finetune` and `release` checkpoints load weights only and start at
@@ -446,13 +494,14 @@ def load_checkpoint(model, optimizer, scheduler, args: argparse.Namespace):  # n
     fresh = args.finetune or found.release
     load_optimizer = not (args.no_load_optim or fresh)
     optimizer_loaded = False
-    if args.deepspeed and found.layout == "deepspeed":
+    model, optimizer, scheduler = target.model, target.optimizer, target.scheduler
+    if target.deepspeed_files and found.layout == "deepspeed":
         from megatron.checkpointing.deepspeed_engine import load_deepspeed
 
         if load_optimizer:
             _check_expert_split(args_dict(client.get("args")), args, path)
             if not universal:
-                _check_zero_partitions(args_dict(client.get("args")), args, found)
+                _check_zero_partitions(args_dict(client.get("args")), args, found, target)
         _, client = load_deepspeed(model, args.load, found.tag, load_optimizer)
         optimizer_loaded = load_optimizer
     elif found.layout == "deepspeed":
@@ -461,9 +510,9 @@ def load_checkpoint(model, optimizer, scheduler, args: argparse.Namespace):  # n
                 f"{path} was saved by DeepSpeed's pipeline engine; convert it to Megatron's "
                 f"layout with {RESHARD_TOOL} --load {args.load} --save NEW_DIR"
             )
-        _load_weights(model, dict(client["module"]), args, path)
-    elif args.deepspeed:
-        _load_weights(model, flatten_model_state(client["model"]), args, path)
+        _load_weights(target, dict(client["module"]), args, path)
+    elif target.deepspeed_files:
+        _load_weights(target, flatten_model_state(client["model"]), args, path)
     else:
         load_model_states(_unwrap(model), client, path)
         if load_optimizer and "optimizer" in client:

@@ -12,9 +12,19 @@ import os
 from dataclasses import dataclass
 
 from megatron.config import ModelConfig
+from megatron.layout import Engine
 
 # GPT-2's vocabulary size: the plan's vocabulary when the tokenizer's files are not here.
 GPT2_VOCAB_SIZE = 50257
+
+
+# The planner's names for the engines (its tables and plan files use them).
+_PLANNER_ENGINES = {
+    Engine.PLAIN: "plain",
+    Engine.DEEPSPEED: "deepspeed",
+    Engine.DEEPSPEED_PIPE: "deepspeed-pipeline",
+    Engine.MEGATRON_SCHEDULES: "megatron-pipeline",
+}
 
 
 @dataclass(frozen=True)
@@ -84,12 +94,7 @@ class PlanInputs:
         """The plan's view of validated `args` on a machine with `device_type` tensors."""
         config = ModelConfig.from_args(_with_vocabulary(args))
         zero = _zero_settings(args)
-        if args.plain_pipeline:
-            engine = "megatron-pipeline"
-        elif args.deepspeed:
-            engine = "deepspeed-pipeline" if args.pipeline_parallel else "deepspeed"
-        else:
-            engine = "plain"
+        engine = _PLANNER_ENGINES[args.layout.engine]
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         return cls(
             model=config,

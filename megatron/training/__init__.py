@@ -1,8 +1,10 @@
 """Training: `pretrain()`, the loop, the step functions, optimizer, schedules and monitoring.
 
-- `training.py`: `pretrain()` and `setup_model_and_optimizer()` (Megatron's entry points).
-- `loop.py`: the iteration loop; `step.py`: one step on each engine (plain, DeepSpeed,
-  DeepSpeed pipeline).
+- `training.py`: `pretrain()`, `build_engine()` and `setup_model_and_optimizer()` (Megatron's
+  entry points).
+- `engines/`: one class per engine of `megatron.layout.Engine` behind one interface.
+- `loop.py`: the engine-agnostic iteration loop; `step.py` and `megatron_schedules_step.py`:
+  the steps the engines take.
 - `optimizer.py`: AdamW param groups, clipping, loss scaling; `scheduler.py`: the LR and
   weight-decay schedule; `batch_schedule.py`: the global batch size ramp.
 - `monitor.py`: Megatron's log line, timers, TensorBoard / W&B; `training_log.py`: the

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron import checkpointing
 from megatron.checkpointing import TrainState
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.model.model_size import flops_per_token
 from megatron.training.batch_schedule import BatchSizeSchedule
+from megatron.training.engines import TrainingEngine
 from megatron.training.fault_injection import inject_training_fault
 from megatron.training.monitor import (
     IterationStats,
@@ -30,20 +30,11 @@ from megatron.training.monitor import (
     format_iteration_log,
     memory_report,
 )
-from megatron.training.pipeline_step import train_step_pipelined
 from megatron.training.signal_handler import ExitSignalHandler
-from megatron.training.step import (
-    ForwardStep,
-    PlainTrainer,
-    StepResult,
-    train_step_deepspeed,
-    train_step_pipeline,
-    train_step_plain,
-)
+from megatron.training.step import StepResult
 from megatron.training.training_log import (
     TIMERS_TO_LOG,
     add_scalar_vs,
-    optimizer_state_is_partitioned,
     optimizer_state_stats,
     params_l2_norm,
     write_optimizer_state_stats,
@@ -111,18 +102,13 @@ class TrainingLoop:
     def __init__(
         self,
         args: argparse.Namespace,
-        model,  # noqa: ANN001 - DeepSpeed engine, pipeline engine or PlainTrainer
-        optimizer,  # noqa: ANN001
-        scheduler,  # noqa: ANN001
-        forward_step_func: ForwardStep,
+        engine: TrainingEngine,
         timers: Timers,
         writer: MetricsWriter | None,
     ) -> None:
         self.args = args
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.forward_step_func = forward_step_func
+        self.engine = engine
+        self.scheduler = engine.scheduler
         self.timers = timers
         self.writer = writer
         self.evaluate: Callable[[str, Iterator, TrainState], dict] | None = None
@@ -157,32 +143,11 @@ class TrainingLoop:
         global_batch_size = global_batch_size or args.global_batch_size
         if global_batch_size != self._global_batch_size:
             self._set_global_batch_size(global_batch_size)
-        if args.pipeline_parallel:
-            return train_step_pipeline(data_iterator, self.model, args)
-        if args.plain_pipeline:
-            return train_step_pipelined(
-                data_iterator, self.model, args, global_batch_size, self.timers
-            )
-        if args.deepspeed:
-            return train_step_deepspeed(
-                self.forward_step_func,
-                data_iterator,
-                self.model,
-                args,
-                global_batch_size,
-                self.timers,
-            )
-        return train_step_plain(
-            self.forward_step_func, data_iterator, self.model, args, global_batch_size, self.timers
-        )
+        return self.engine.train_step(data_iterator, global_batch_size, self.timers)
 
     def _set_global_batch_size(self, global_batch_size: int) -> None:
         """Change the number of micro-batches per iteration (--rampup-batch-size)."""
-        if self.args.deepspeed:
-            self.model.set_train_batch_size(global_batch_size)
-        else:
-            per_step = self.args.micro_batch_size * self.args.data_parallel_size
-            self.model.gradient_accumulation_steps = global_batch_size // per_step
+        self.engine.set_global_batch_size(global_batch_size)
         # DeepSpeed's pipeline engine steps the scheduler without arguments.
         self.scheduler.default_increment = global_batch_size
         self._global_batch_size = global_batch_size
@@ -327,8 +292,7 @@ class TrainingLoop:
         written = self._writing and state.iteration % args.tensorboard_log_interval == 0
         if not (written or state.iteration % args.log_interval == 0):
             return None
-        module = self.model.model if isinstance(self.model, PlainTrainer) else self.model
-        return params_l2_norm(module.parameters())
+        return params_l2_norm(self.engine.module().parameters())
 
     def _write_scalars(self, result: StepResult, state: TrainState, iterations: int) -> None:
         """Megatron's per-iteration TensorBoard block; `iterations` since the last log line.
@@ -352,15 +316,13 @@ class TrainingLoop:
                 self._params_norm,
             )
         if args.log_optimizer_states_to_tensorboard:
-            partitioned = args.deepspeed and optimizer_state_is_partitioned(
-                self.optimizer, args.zero_stage
-            )
-            stats = optimizer_state_stats(self.optimizer, partitioned)
+            partitioned = self.engine.optimizer_state_partitioned
+            stats = optimizer_state_stats(self.engine.optimizer, partitioned)
             if self.writer is not None:
                 write_optimizer_state_stats(self.writer, stats, state)
 
     def _save(self, state: TrainState) -> None:
-        checkpointing.save_checkpoint(state, self.model, self.optimizer, self.scheduler, self.args)
+        self.engine.save(state)
 
     def _should_exit(self, state: TrainState) -> bool:
         args = self.args

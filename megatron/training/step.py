@@ -1,5 +1,7 @@
-"""One training iteration (a global batch) for each kind of model: DeepSpeed engine,
-DeepSpeed pipeline engine, plain torch. Each returns a `StepResult` the loop logs.
+"""One training iteration (a global batch) on the plain torch engine, DeepSpeed's engine and
+DeepSpeed's pipeline engine (Megatron's schedules: `megatron_schedules_step.py`), and the
+optimizer-step tail the plain engine shares with Megatron's schedules. Each step returns a
+`StepResult` the loop logs; `megatron.training.engines` picks which one runs.
 
 The forward-step contract is Megatron's: `forward_step_func(data_iterator, model, args)`
 returns `(output_tensor, loss_func)` and `loss_func(output_tensor)` returns
@@ -65,7 +67,8 @@ def accumulate_reported(sums: dict[str, torch.Tensor], reported: dict[str, torch
         sums[name] = sums[name] + value if name in sums else value
 
 
-def _is_nan(losses: dict[str, float]) -> bool:
+def losses_are_nan(losses: dict[str, float]) -> bool:
+    """Whether some reported value is NaN or infinite."""
     return not all(math.isfinite(value) for value in losses.values())
 
 
@@ -123,13 +126,13 @@ def train_step_deepspeed(
     return StepResult(
         losses=losses,
         skipped=not engine.was_step_applied(),
-        nan=_is_nan(losses),
+        nan=losses_are_nan(losses),
         grad_norm=deepspeed_grad_norm(engine),
         loss_scale=deepspeed_loss_scale(engine),
     )
 
 
-def train_step_pipeline(
+def train_step_deepspeed_pipe(
     data_iterator: Iterator,
     engine,  # noqa: ANN001 - a deepspeed PipelineEngine
     args: argparse.Namespace,
@@ -142,7 +145,7 @@ def train_step_pipeline(
     return StepResult(
         losses=losses,
         skipped=not engine.was_step_applied(),
-        nan=_is_nan(losses),
+        nan=losses_are_nan(losses),
         grad_norm=deepspeed_grad_norm(engine),
         loss_scale=deepspeed_loss_scale(engine),
     )
@@ -202,26 +205,60 @@ def train_step_plain(
         accumulate_reported(sums, reported)
     timers("forward-backward").stop()
     timers("optimizer", 1).start()
-    if scale != 1.0:
-        for group in trainer.optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    param.grad.mul_(1.0 / scale)
-    # The optimizer clips, refuses non-finite gradients and records the norm (GuardedAdamW).
-    trainer.optimizer.step()
-    skipped = bool(trainer.optimizer.overflow)
-    if trainer.loss_scaler is not None:
-        trainer.loss_scaler.update(skipped)
-    if not skipped:
-        trainer.scheduler.step(increment=global_batch_size or args.global_batch_size)
-    trainer.optimizer.zero_grad(set_to_none=True)
+    params = [param for group in trainer.optimizer.param_groups for param in group["params"]]
+    skipped = optimizer_step_tail(
+        trainer, params, scale, global_batch_size or args.global_batch_size
+    )
     timers("optimizer").stop()
     losses = average_over_data_parallel(sums, micro_batches)
     return StepResult(
         losses=losses,
         skipped=skipped,
-        nan=_is_nan(losses),
+        nan=losses_are_nan(losses),
         grad_norm=None if skipped else trainer.optimizer.grad_norm,
         # After the update, as Megatron logs it.
         loss_scale=trainer.loss_scaler.scale if trainer.loss_scaler is not None else None,
     )
+
+
+def optimizer_step_tail(
+    trainer: PlainTrainer, params: list[torch.Tensor], scale: float, increment: int
+) -> bool:
+    """After the backward of the plain engine and of Megatron's schedules: unscale the fp16
+    gradients, step (our optimizer clips and refuses non-finite gradients, `GuardedAdamW`),
+    update the loss scale, advance the LR schedule by `increment` samples unless skipped, and
+    clear the gradients. Returns whether the update was skipped."""
+    if scale != 1.0:
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(1.0 / scale)
+    trainer.optimizer.step()
+    skipped = bool(trainer.optimizer.overflow)
+    if trainer.loss_scaler is not None:
+        trainer.loss_scaler.update(skipped)
+    if not skipped:
+        trainer.scheduler.step(increment=increment)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return skipped
+
+
+def evaluate_forward_steps(
+    forward_step_func: ForwardStep,
+    data_iterator: Iterator,
+    module: torch.nn.Module,
+    args: argparse.Namespace,
+    micro_batches: int,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> dict[str, float]:
+    """Mean reported losses of `micro_batches` forward steps without gradients, averaged over
+    the data-parallel ranks (the plain engine's and DeepSpeed's evaluation)."""
+    module.eval()
+    sums: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for _ in range(micro_batches):
+            with autocast():
+                output, loss_func = forward_step_func(data_iterator, module, args)
+                _, reported = loss_func(output)
+            accumulate_reported(sums, reported)
+    module.train()
+    return average_over_data_parallel(sums, micro_batches)

@@ -9,6 +9,7 @@ import pytest
 
 from megatron.arguments import ArgumentError, build_parser, typed_flags, validate_args
 from megatron.config import ModelConfig
+from megatron.layout import Engine
 
 BASE = (
     "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -50,7 +51,7 @@ def test_megatron_deepspeed_meanings_reach_the_model(deepspeed) -> None:
 def test_per_layer_counts_and_interval(deepspeed) -> None:
     args = validated(f"{deepspeed(2)} --num-experts 2 4 8 16 --expert-interval 1")
     assert ModelConfig.from_args(args).moe.experts_per_layer == (2, 4, 8, 16)
-    assert not args.pipeline_parallel  # ZeRO-2 runs on DeepSpeed's plain engine
+    assert args.layout.engine is Engine.DEEPSPEED  # ZeRO-2 runs on DeepSpeed's plain engine
 
 
 def test_layers_with_fewer_experts_than_ep_spread_over_their_experts(deepspeed) -> None:

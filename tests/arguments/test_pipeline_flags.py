@@ -8,6 +8,7 @@ import json
 import pytest
 
 from megatron.arguments import ArgumentError, build_parser, typed_flags, validate_args
+from megatron.layout import Engine
 
 BASE = (
     "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -23,14 +24,14 @@ def validated(extra: str, world_size: int = 2):
 
 def test_pipeline_without_deepspeed_runs_megatrons_schedule() -> None:
     args = validated("--pipeline-model-parallel-size 2 --global-batch-size 4")
-    assert args.plain_pipeline and not args.pipeline_parallel
+    assert args.layout.engine is Engine.MEGATRON_SCHEDULES
     assert args.virtual_pipeline_model_parallel_size is None  # Megatron's "not interleaved"
 
 
 def test_fewer_micro_batches_than_stages_is_megatrons_1f1b_too() -> None:
     # Megatron-LM's GPT-3 175B ramp starts at 2 micro-batches on 16 stages.
     args = validated("--pipeline-model-parallel-size 2 --global-batch-size 1")
-    assert args.gradient_accumulation_steps == 1 and args.plain_pipeline
+    assert args.gradient_accumulation_steps == 1 and args.layout.engine is Engine.MEGATRON_SCHEDULES
 
 
 @pytest.mark.parametrize(
@@ -50,7 +51,7 @@ def test_deepspeed_keeps_its_pipeline_engine(tmp_path) -> None:
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_batch_size": 4}))
     args = validated(f"--pipeline-model-parallel-size 2 --deepspeed --deepspeed_config {config}")
-    assert args.pipeline_parallel and not args.plain_pipeline
+    assert args.layout.engine is Engine.DEEPSPEED_PIPE
 
 
 @pytest.mark.parametrize(

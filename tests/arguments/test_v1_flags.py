@@ -11,6 +11,7 @@ import pytest
 
 from megatron.arguments import ArgumentError, build_parser, typed_flags, validate_args
 from megatron.arguments.validation import SHIPPED_GPT2_MERGES, SHIPPED_GPT2_VOCAB
+from megatron.layout import Engine
 
 MODEL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --lr 1e-3"
 BASE = MODEL + " --micro-batch-size 2 --train-iters 100"
@@ -77,9 +78,10 @@ def test_v1_warmup_without_the_typed_flags() -> None:
 def test_pipe_parallel_size_picks_the_pipeline_engine() -> None:
     deepspeed = " --deepspeed --deepspeed_config " + _config({"train_batch_size": 4})
     args = validated(V1 + " --pipe-parallel-size 2" + deepspeed, world_size=4)
-    assert args.pipeline_model_parallel_size == 2 and args.pipeline_parallel
+    assert args.pipeline_model_parallel_size == 2 and args.layout.engine is Engine.DEEPSPEED_PIPE
     args = validated(V1 + " --pipe-parallel-size 0" + deepspeed, world_size=2)
-    assert args.pipeline_model_parallel_size == 1 and not args.pipeline_parallel
+    assert args.pipeline_model_parallel_size == 1
+    assert args.layout.engine is not Engine.DEEPSPEED_PIPE
 
 
 def test_model_parallel_size_is_clamped_to_the_world_as_v1_did() -> None:

@@ -22,6 +22,7 @@ import pytest
 from megatron.arguments.errors import ArgumentError
 from megatron.arguments.parser import build_parser, typed_flags
 from megatron.arguments.validation import SHIPPED_GPT2_VOCAB, validate_args
+from megatron.layout import Engine
 from megatron.training.monitor import parse_iteration_log
 from tests.compat.scripts import bf16_for_cpu, load_script, localized, with_values
 from tests.conftest import REPO_ROOT
@@ -110,7 +111,7 @@ def test_each_script_means_what_v1_meant(v1_work_dir, stdlib_dataset, tmp_path) 
     assert tutorial.zero_stage == 1  # "zero_optimization": true, DeepSpeed's early form
     assert tutorial.save_interval == 5000  # v1's default; the script gives --save only
     zero2 = _validate("ds_zero2_pretrain_gpt2_model_parallel", stdlib_dataset, out, 8)
-    assert (zero2.zero_stage, zero2.pipeline_parallel) == (2, False)
+    assert (zero2.zero_stage, zero2.layout.engine) == (2, Engine.DEEPSPEED)
     assert zero2.deepspeed_activation_checkpointing and zero2.partition_activations
     plain = _validate("pretrain_gpt2", stdlib_dataset, out, 1)
     assert not plain.deepspeed and plain.global_batch_size == 8
@@ -118,7 +119,7 @@ def test_each_script_means_what_v1_meant(v1_work_dir, stdlib_dataset, tmp_path) 
     assert bare.deepspeed and bare.deepspeed_config_dict["train_batch_size"] == 32
     assert bare.deepspeed_config_dict["fp16"]["enabled"]  # built from the flags
     pipe = _validate("v1.1.5_3D_parallelism__ds_pretrain_gpt2_pipe", stdlib_dataset, out, 16)
-    assert (pipe.pipeline_model_parallel_size, pipe.pipeline_parallel) == (2, True)
+    assert (pipe.pipeline_model_parallel_size, pipe.layout.engine) == (2, Engine.DEEPSPEED_PIPE)
     assert (pipe.micro_batch_size, pipe.gradient_accumulation_steps, pipe.data_parallel_size) == (
         4,
         16,

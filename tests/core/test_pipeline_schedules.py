@@ -120,7 +120,7 @@ def _check_pipeline(
     )
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.model.pipeline_chunks import activation_shape, build_pipeline_chunks
-    from megatron.training.pipeline_step import MicroBatchLoss
+    from megatron.training.megatron_schedules_step import MicroBatchLoss
 
     dense_state, dense_loss, dense_grads = _dense(
         dataclasses.replace(config, sequence_parallel=False), microbatches

@@ -28,6 +28,7 @@ import torch
 
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
+from megatron.layout import Engine
 from megatron.model import GPTModel
 from megatron.training.step import StepResult
 
@@ -242,8 +243,8 @@ class Poison:
     def batch_fn(self, batch_fn: Callable) -> Callable:
         """A pipeline batch function whose loss mask is NaN while the switch is on."""
 
-        def poisoned(data):  # noqa: ANN001, ANN202
-            inputs, (labels, loss_mask) = batch_fn(data)
+        def poisoned(data, args):  # noqa: ANN001, ANN202
+            inputs, (labels, loss_mask) = batch_fn(data, args)
             if self.on:
                 loss_mask = loss_mask * float("nan")
             return inputs, (labels, loss_mask)
@@ -251,16 +252,23 @@ class Poison:
         return poisoned
 
 
-def build(layout: Layout, dense: dict, config_dir: str, extra: tuple[str, ...] = ()):  # noqa: ANN201
-    """Flags, groups, seeds, then `setup_model_and_optimizer` with the dense weights loaded.
-
-    Returns (args, model, optimizer, scheduler, names the loader left unset).
+def build(  # noqa: ANN201
+    layout: Layout,
+    dense: dict,
+    config_dir: str,
+    extra: tuple[str, ...] = (),
+    poison: Poison | None = None,
+):
+    """Flags, groups, seeds, then the run's engine (`build_engine`) with the dense weights
+    loaded, over pretrain_gpt's forward step and pipeline batch (switchable to NaN by
+    `poison`). Returns (args, engine, names the loader left unset).
     """
     import pretrain_gpt
     from megatron.arguments import parse_args
     from megatron.initialize import set_random_seed
     from megatron.tokenizer.tokenizer import vocab_size_with_padding
-    from megatron.training import setup_model_and_optimizer
+    from megatron.training.engines import PipelineBatch
+    from megatron.training.training import build_engine
 
     args = parse_args(layout.argv(config_dir, extra), world_size=layout.world_size)
     # What pretrain() takes from the tokenizer.
@@ -273,11 +281,15 @@ def build(layout: Layout, dense: dict, config_dir: str, extra: tuple[str, ...] =
 
     def provider(args):  # noqa: ANN001, ANN202
         model = pretrain_gpt.model_provider(args)
-        unset.extend(load_dense(model, dense, args.pipeline_parallel))
+        unset.extend(load_dense(model, dense, args.layout.engine is Engine.DEEPSPEED_PIPE))
         return model
 
-    model, optimizer, scheduler = setup_model_and_optimizer(provider, args)
-    return args, model, optimizer, scheduler, unset
+    forward_step, batch_fn = pretrain_gpt.forward_step, pretrain_gpt.get_batch_pipe
+    if poison is not None:
+        forward_step, batch_fn = poison.forward_step(forward_step), poison.batch_fn(batch_fn)
+    pipeline_batch = PipelineBatch(batch_fn=batch_fn, loss_func=pretrain_gpt.loss_func)
+    engine = build_engine(provider, args, forward_step, pipeline_batch)
+    return args, engine, unset
 
 
 def data_iterator(args, samples: np.ndarray):  # noqa: ANN001, ANN201
@@ -308,17 +320,13 @@ class Iteration:
 def _wire(layout: Layout, dense: dict, config_dir: str, extra: tuple[str, ...] = ()):  # noqa: ANN202
     """`build`, then a `TrainingLoop` whose forward step / pipeline batch function a `Poison`
     switch can turn NaN. Returns (args, model, scheduler, loop, poison, unset)."""
-    import pretrain_gpt
     from megatron.training.loop import TrainingLoop
     from megatron.training.monitor import Timers
 
-    args, model, optimizer, scheduler, unset = build(layout, dense, config_dir, extra)
     poison = Poison()
-    if args.pipeline_parallel:
-        model.set_batch_fn(poison.batch_fn(local_module(model)._megatron_batch_fn))
-    forward_step = poison.forward_step(pretrain_gpt.forward_step)
-    loop = TrainingLoop(args, model, optimizer, scheduler, forward_step, Timers(0), None)
-    return args, model, scheduler, loop, poison, unset
+    args, engine, unset = build(layout, dense, config_dir, extra, poison)
+    loop = TrainingLoop(args, engine, Timers(0), None)
+    return args, engine.model, engine.scheduler, loop, poison, unset
 
 
 def without_batch(samples: np.ndarray, number: int | None) -> np.ndarray:

@@ -118,11 +118,10 @@ ONLY_WITH_FLAGS = {
 
 def _run_loop(flags: tuple[str, ...], tensorboard_dir: str) -> dict:
     """Train ITERATIONS iterations as pretrain() wires the loop; what the test compares."""
-    import pretrain_gpt
     from megatron.training.loop import TrainingLoop
     from megatron.training.training import evaluate_and_print_results
 
-    args, model, optimizer, scheduler, _ = harness.build(
+    args, engine, _ = harness.build(
         harness.Layout("plain", 1, micro_batch=2),
         harness.dense_state_dict(),
         tensorboard_dir,
@@ -131,10 +130,9 @@ def _run_loop(flags: tuple[str, ...], tensorboard_dir: str) -> dict:
     writer = MetricsWriter(args.tensorboard_dir, None, queue_size=args.tensorboard_queue_size)
     # As pretrain(): the timers run at level 1 at least when TensorBoard wants them.
     level = max(args.timing_log_level, 1 if args.log_timers_to_tensorboard else 0)
-    forward_step = pretrain_gpt.forward_step
-    loop = TrainingLoop(args, model, optimizer, scheduler, forward_step, Timers(level), writer)
+    loop = TrainingLoop(args, engine, Timers(level), writer)
     loop.evaluate = lambda label, iterator, at: evaluate_and_print_results(
-        label, forward_step, iterator, model, args, at, writer
+        label, engine, iterator, at, writer
     )
     samples = harness.sample_tokens(64)
     state = TrainState()
@@ -142,8 +140,9 @@ def _run_loop(flags: tuple[str, ...], tensorboard_dir: str) -> dict:
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
         loop.train(harness.data_iterator(args, samples[:32]), valid, state)
-        evaluate_and_print_results("test", forward_step, valid, model, args, state, writer, True)
+        evaluate_and_print_results("test", engine, valid, state, writer, test=True)
     writer.close()
+    optimizer = engine.optimizer
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return {
         "params": [p.detach().clone() for p in params],

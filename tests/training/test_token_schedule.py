@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -309,7 +310,8 @@ def test_loop_stops_at_train_tokens_and_feeds_the_scheduler(monkeypatch):
     args = validate_args(build_parser().parse_args(argv), 1)
     args.padded_vocab_size = 128
     scheduler = scheduler_from_args(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()), args)
-    loop = TrainingLoop(args, None, None, scheduler, None, Timers(0), None)
+    engine = SimpleNamespace(scheduler=scheduler)  # the loop's step is replaced below
+    loop = TrainingLoop(args, engine, Timers(0), None)
     seen: list[int] = []
 
     def step(data_iterator, global_batch_size=None):  # noqa: ANN001, ANN202

@@ -28,9 +28,10 @@ from megatron.training.monitor import Timers
 from megatron.training.step import (
     PlainTrainer,
     StepResult,
-    _is_nan,
     accumulate_reported,
     average_over_data_parallel,
+    losses_are_nan,
+    optimizer_step_tail,
 )
 
 
@@ -95,7 +96,7 @@ def _reported(trainer: PipelineTrainer, microbatches: int) -> dict[str, float]:
     return broadcast_from_last_stage(losses)
 
 
-def train_step_pipelined(
+def train_step_megatron_schedules(
     data_iterator: Iterator,
     trainer: PipelineTrainer,
     args: argparse.Namespace,
@@ -116,42 +117,34 @@ def train_step_pipelined(
     sync_tied_embedding_grads(trainer.model)
     params = [param for group in trainer.optimizer.param_groups for param in group["params"]]
     average_gradients(params, parallel_state.get_data_parallel_group())
-    if scale != 1.0:
-        for param in params:
-            if param.grad is not None:
-                param.grad.mul_(1.0 / scale)
     # Clips with the norm over every stage and tensor-parallel rank; skips a non-finite step.
-    trainer.optimizer.step()
-    skipped = bool(trainer.optimizer.overflow)
-    if trainer.loss_scaler is not None:
-        trainer.loss_scaler.update(skipped)
-    if not skipped:
-        trainer.scheduler.step(increment=global_batch_size or args.global_batch_size)
-    trainer.optimizer.zero_grad(set_to_none=True)
+    skipped = optimizer_step_tail(
+        trainer, params, scale, global_batch_size or args.global_batch_size
+    )
     timers("optimizer").stop()
     losses = _reported(trainer, microbatches)
     return StepResult(
         losses=losses,
         skipped=skipped,
-        nan=_is_nan(losses),
+        nan=losses_are_nan(losses),
         grad_norm=None if skipped else trainer.optimizer.grad_norm,
         loss_scale=trainer.loss_scaler.scale if trainer.loss_scaler is not None else None,
     )
 
 
-def evaluate_pipelined(
-    data_iterator: Iterator, trainer: PipelineTrainer, args: argparse.Namespace
+def evaluate_megatron_schedules(
+    data_iterator: Iterator, trainer: PipelineTrainer, eval_iters: int
 ) -> dict[str, float]:
-    """Mean reported losses over `--eval-iters` global batches, forward only, every stage."""
+    """Mean reported losses over `eval_iters` global batches, forward only, every stage."""
     microbatches = trainer.gradient_accumulation_steps
     trainer.loss.scale = 1.0
     trainer.loss.reported = []
     trainer.model.eval()
     try:
-        for _ in range(args.eval_iters):
+        for _ in range(eval_iters):
             batch = _global_batch(data_iterator, trainer, microbatches)
             with trainer.autocast():
                 trainer.loss.run(trainer.runner, microbatches, batch, train=False)
     finally:
         trainer.model.train()
-    return _reported(trainer, microbatches * args.eval_iters)
+    return _reported(trainer, microbatches * eval_iters)

@@ -1,0 +1,162 @@
+"""The interface every engine implements, and what the engines share (the optimizer build).
+
+An engine owns the model in the form it trains (a whole `GPTModel`, DeepSpeed's
+`GPTModelPipe` or this rank's pipeline chunks), the optimizer and the LR scheduler, and knows
+how to take one training step, evaluate, and which checkpoint layout it writes. The loop,
+`pretrain()` and the checkpoint code call these methods and never ask which engine runs.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from megatron.checkpointing import TrainState, load_checkpoint, save_checkpoint
+from megatron.checkpointing.save_load import CheckpointTarget
+from megatron.config import ModelConfig
+from megatron.core import parallel_state
+from megatron.layout import Engine, ParallelLayout
+from megatron.training.monitor import Timers
+from megatron.training.optimizer import GuardedAdamW, get_param_groups, optimizer_from_args
+from megatron.training.step import ForwardStep, StepResult
+
+
+@dataclass(frozen=True)
+class PipelineBatch:
+    """What the pipeline engines need from the entry script besides the model (Megatron-
+    DeepSpeed's `_megatron_batch_fn` and the schedule's loss function, typed)."""
+
+    batch_fn: Callable[[dict, argparse.Namespace], tuple]
+    """A loader batch -> ((tokens, position_ids), (labels, loss_mask)) on this rank's device."""
+    loss_func: Callable[[torch.Tensor, torch.Tensor], tuple]
+    """(loss_mask, per-token losses) -> (loss, {"lm loss": value, ...})."""
+
+
+class TrainingEngine(abc.ABC):
+    """One engine: model, optimizer and scheduler, and the steps the loop takes with them."""
+
+    kind: ClassVar[Engine]
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        args: argparse.Namespace,
+        forward_step_func: ForwardStep | None = None,
+    ) -> None:
+        self.forward_step_func = forward_step_func
+        """Megatron's `forward_step_func(data_iterator, model, args)` (whole-model engines)."""
+        self.model = model
+        """What Megatron's `setup_model_and_optimizer` returns as the model: the DeepSpeed
+        engine, or our `PlainTrainer` / `PipelineTrainer`."""
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.args = args
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The run's settled layout."""
+        return self.args.layout
+
+    @staticmethod
+    @abc.abstractmethod
+    def build_model(config: ModelConfig, layout: ParallelLayout) -> torch.nn.Module:
+        """The GPT in the form this engine trains, on this rank."""
+
+    @classmethod
+    @abc.abstractmethod
+    def create(
+        cls,
+        model: torch.nn.Module,
+        args: argparse.Namespace,
+        forward_step_func: ForwardStep | None,
+        pipeline_batch: PipelineBatch | None,
+    ) -> TrainingEngine:
+        """Wrap the provider's `model` with its optimizer and scheduler."""
+
+    @abc.abstractmethod
+    def train_step(
+        self, data_iterator: Iterator, global_batch_size: int, timers: Timers
+    ) -> StepResult:
+        """One iteration of `global_batch_size` samples."""
+
+    @abc.abstractmethod
+    def evaluate(self, data_iterator: Iterator, eval_iters: int) -> dict[str, float]:
+        """Mean reported losses over `eval_iters` global batches, averaged over DP ranks."""
+
+    @abc.abstractmethod
+    def set_global_batch_size(self, global_batch_size: int) -> None:
+        """Change the micro-batches per iteration (`--rampup-batch-size`)."""
+
+    @abc.abstractmethod
+    def module(self) -> torch.nn.Module:
+        """This rank's model parameters as one module (for norms)."""
+
+    @property
+    @abc.abstractmethod
+    def optimizer_state_partitioned(self) -> bool:
+        """Whether each data-parallel rank holds only a slice of the Adam state."""
+
+    @abc.abstractmethod
+    def checkpoint_target(self) -> CheckpointTarget:
+        """What `save_checkpoint` writes and `load_checkpoint` fills."""
+
+    def save(self, state: TrainState) -> None:
+        """Save `state` to `--save` in this engine's layout (a collective)."""
+        save_checkpoint(state, self.checkpoint_target(), self.args)
+
+    def load(self) -> TrainState:
+        """Resume from `--load` when it holds a checkpoint; the state to continue from."""
+        return load_checkpoint(self.checkpoint_target(), self.args)
+
+
+def build_optimizer(model: torch.nn.Module, args: argparse.Namespace, guard: bool):  # noqa: ANN201
+    """A bare AdamW over Megatron's param groups (no weight decay on biases and norms).
+
+    With `guard`, our optimizer itself clips, measures the norm and refuses non-finite
+    gradients: the paths where nothing else does (plain torch, DeepSpeed fp32 ZeRO-0).
+    """
+    groups = _param_groups(model, args)
+    if not guard:
+        # DeepSpeed recognises torch's own AdamW (its ZeRO code paths are tested with it).
+        return optimizer_from_args(model, args, groups)
+    return GuardedAdamW(
+        groups,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        guard=True,
+        model_parallel_group=parallel_state.get_model_parallel_group(),
+        expert_parallel_group=_expert_parallel_group if getattr(args, "moe", False) else None,
+    )
+
+
+def _param_groups(model: torch.nn.Module, args: argparse.Namespace) -> list[dict]:
+    """Megatron's groups; with MoE, DeepSpeed's expert groups split off when asked
+    (`--create-moe-param-group`) or needed (ZeRO 1-2 reduces and partitions experts apart)."""
+    groups = get_param_groups(model)
+    if getattr(args, "moe", False) and (args.create_moe_param_group or args.zero_stage > 0):
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    return groups
+
+
+def _expert_parallel_group(name: str):  # noqa: ANN202 - a torch process group
+    """DeepSpeed's expert-parallel group `name` (made by `deepspeed.initialize`)."""
+    from deepspeed.utils import groups
+
+    return groups._get_expert_parallel_group(name)
+
+
+def autocast_dtype(layout: ParallelLayout) -> torch.dtype | None:
+    """The half precision the plain engines compute in under autocast (None in fp32)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(layout.precision)

@@ -1,0 +1,119 @@
+"""The plain torch engine: the whole GPT, DDP over the data-parallel group, our AdamW.
+
+fp32 parameters are the master weights; fp16/bf16 compute runs under autocast, with
+Megatron's loss scaling in fp16 (`megatron.training.step.PlainTrainer`). Checkpoints are
+Megatron's per-rank files.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+
+import torch
+
+from megatron.checkpointing.save_load import CheckpointTarget
+from megatron.config import ModelConfig
+from megatron.core import parallel_state
+from megatron.layout import Engine, ParallelLayout
+from megatron.model import GPTModel
+from megatron.training.engines.base import (
+    PipelineBatch,
+    TrainingEngine,
+    autocast_dtype,
+    build_optimizer,
+)
+from megatron.training.monitor import Timers
+from megatron.training.optimizer import loss_scaler_from_args
+from megatron.training.scheduler import scheduler_from_args
+from megatron.training.step import (
+    ForwardStep,
+    PlainTrainer,
+    StepResult,
+    evaluate_forward_steps,
+    train_step_plain,
+)
+from megatron.utils import current_device
+
+
+class PlainEngine(TrainingEngine):
+    """`PlainTrainer` (DDP when data-parallel) stepped by `train_step_plain`."""
+
+    kind = Engine.PLAIN
+
+    @staticmethod
+    def build_model(config: ModelConfig, layout: ParallelLayout) -> torch.nn.Module:
+        """The whole GPT."""
+        return GPTModel(config)
+
+    @classmethod
+    def create(
+        cls,
+        model: torch.nn.Module,
+        args: argparse.Namespace,
+        forward_step_func: ForwardStep | None,
+        pipeline_batch: PipelineBatch | None,
+    ) -> PlainEngine:
+        """AdamW (guarded), the scheduler, DDP over the data-parallel group when it has ranks."""
+        model.to(current_device())
+        optimizer = build_optimizer(model, args, guard=True)
+        scheduler = scheduler_from_args(optimizer, args)
+        if parallel_state.get_data_parallel_world_size() > 1:
+            model = torch.nn.parallel.DistributedDataParallel(
+                model,
+                device_ids=[torch.cuda.current_device()] if torch.cuda.is_available() else None,
+                process_group=parallel_state.get_data_parallel_group(),
+            )
+        trainer = PlainTrainer(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            loss_scaler=loss_scaler_from_args(args),
+            autocast_dtype=autocast_dtype(args.layout),
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+        )
+        return cls(trainer, optimizer, scheduler, args, forward_step_func)
+
+    def train_step(
+        self, data_iterator: Iterator, global_batch_size: int, timers: Timers
+    ) -> StepResult:
+        """Accumulate the micro-batches' gradients, then the guarded update."""
+        return train_step_plain(
+            self.forward_step_func, data_iterator, self.model, self.args, global_batch_size, timers
+        )
+
+    def evaluate(self, data_iterator: Iterator, eval_iters: int) -> dict[str, float]:
+        """Forward steps under the training precision's autocast."""
+        micro_batches = self.model.gradient_accumulation_steps * eval_iters
+        return evaluate_forward_steps(
+            self.forward_step_func,
+            data_iterator,
+            self.model.model,
+            self.args,
+            micro_batches,
+            self.model.autocast,
+        )
+
+    def set_global_batch_size(self, global_batch_size: int) -> None:
+        """Micro-batches per iteration = global batch / (micro-batch x data-parallel)."""
+        per_step = self.args.micro_batch_size * self.args.data_parallel_size
+        self.model.gradient_accumulation_steps = global_batch_size // per_step
+
+    def module(self) -> torch.nn.Module:
+        """The (DDP-wrapped) model."""
+        return self.model.model
+
+    @property
+    def optimizer_state_partitioned(self) -> bool:
+        """Every rank holds the whole Adam state."""
+        return False
+
+    def checkpoint_target(self) -> CheckpointTarget:
+        """Megatron's per-rank files."""
+        return CheckpointTarget(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            deepspeed_files=False,
+            engine_name=self.kind.value,
+        )
