@@ -13,11 +13,12 @@ import torch
 
 from megatron.checkpointing.layouts import CheckpointConversionError
 from megatron.config import ModelConfig
-
-WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
-POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"
-OUTPUT_LAYER = "language_model.output_layer.weight"
-"""The untied output layer (`--untie-embeddings-and-output-weights`), vocab-parallel."""
+from megatron.model.parameter_inventory import (  # noqa: F401 - the tools import them here
+    OUTPUT_LAYER,
+    POSITION_EMBEDDINGS,
+    WORD_EMBEDDINGS,
+    parameter_inventory,
+)
 
 
 def model_config(args: dict[str, Any]) -> ModelConfig:
@@ -46,73 +47,16 @@ def model_dims(args: dict[str, Any]) -> dict[str, int]:
     return dims
 
 
-def _mlp_shapes(prefix: str, config: ModelConfig, h: int, ffn: int) -> dict[str, tuple]:
-    """One MLP's parameters under `prefix` (`mlp.`, an expert's, PR-MoE's dense `mlp.mlp.`)."""
-    h_to_4h = 2 * ffn if config.activation == "swiglu" else ffn
-    shapes = {
-        f"{prefix}dense_h_to_4h.weight": (h_to_4h, h),
-        f"{prefix}dense_4h_to_h.weight": (h, ffn),
-    }
-    if config.add_bias_linear:
-        shapes.update(
-            {f"{prefix}dense_h_to_4h.bias": (h_to_4h,), f"{prefix}dense_4h_to_h.bias": (h,)}
-        )
-    return shapes
-
-
-def _moe_shapes(experts: int, config: ModelConfig, h: int, ffn: int) -> dict[str, tuple]:
-    """An MoE layer's parameters: DeepSpeed's gate, every expert by its global number, and with
-    PR-MoE the dense MLP and the coefficient mixing the two."""
-    shapes = {"mlp.deepspeed_moe.gate.wg.weight": (experts, h)}
-    for expert in range(experts):
-        prefix = f"mlp.deepspeed_moe.experts.deepspeed_experts.{expert}."
-        shapes.update(_mlp_shapes(prefix, config, h, ffn))
-    if config.moe.residual:
-        shapes.update(_mlp_shapes("mlp.mlp.", config, h, ffn))
-        shapes.update({"mlp.coefficient.weight": (2, h), "mlp.coefficient.bias": (2,)})
-    return shapes
-
-
 def expected_shapes(args: dict[str, Any], vocab_rows: int) -> dict[str, tuple[int, ...]]:
-    """The full (TP=1) shape of every GPTModel parameter the args describe.
+    """The full (TP=1) shape of every GPTModel parameter the args describe
+    (`megatron.model.parameter_inventory`, with `vocab_rows` embedding rows).
 
-    QKV rows are grouped per key/value head ([nkv, nq/nkv + 2, hn]); with SwiGLU
-    `dense_h_to_4h` holds the gate rows, then the up rows ([2 ffn, h]). An MoE layer holds
-    all its experts, numbered globally (Megatron's layout; any expert-parallel size).
+    An MoE layer holds all its experts, numbered globally (Megatron's layout; any
+    expert-parallel size).
     """
-    d, config = model_dims(args), model_config(args)
-    h, hn = d["hidden"], d["kv_channels"]
-    qkv, ffn = (d["heads"] + 2 * d["kv_heads"]) * hn, d["ffn"]
-    shapes: dict[str, tuple[int, ...]] = {WORD_EMBEDDINGS: (vocab_rows, h)}
-    if config.position_embedding_type == "learned_absolute":
-        shapes[POSITION_EMBEDDINGS] = (d["max_positions"], h)
-    layer = {
-        "input_layernorm.weight": (h,),
-        "self_attention.query_key_value.weight": (qkv, h),
-        "self_attention.dense.weight": (h, d["heads"] * hn),
-        "post_attention_layernorm.weight": (h,),
-    }
-    if config.normalization == "layernorm":
-        layer.update({"input_layernorm.bias": (h,), "post_attention_layernorm.bias": (h,)})
-    if config.add_bias_linear:
-        layer.update(
-            {"self_attention.query_key_value.bias": (qkv,), "self_attention.dense.bias": (h,)}
-        )
-    experts = config.moe.experts_per_layer if config.moe else (1,) * d["num_layers"]
-    for number in range(d["num_layers"]):
-        mlp = (
-            _moe_shapes(experts[number], config, h, ffn)
-            if experts[number] > 1
-            else _mlp_shapes("mlp.", config, h, ffn)
-        )
-        for key, shape in {**layer, **mlp}.items():
-            shapes[f"language_model.encoder.layers.{number}.{key}"] = shape
-    shapes["language_model.encoder.final_layernorm.weight"] = (h,)
-    if config.normalization == "layernorm":
-        shapes["language_model.encoder.final_layernorm.bias"] = (h,)
-    if config.untie_embeddings_and_output_weights:
-        shapes[OUTPUT_LAYER] = (vocab_rows, h)
-    return shapes
+    model_dims(args)  # names a missing shape flag before the config is built
+    config = model_config(args)
+    return {spec.name: spec.shape for spec in parameter_inventory(config, vocab_rows)}
 
 
 def check_shapes(state: dict[str, torch.Tensor], args: dict[str, Any], source: str) -> None:

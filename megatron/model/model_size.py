@@ -1,4 +1,5 @@
-"""Parameter counts and training FLOPs per token, computed from the config.
+"""Parameter counts and training FLOPs per token, computed from the config (the parameters
+from `parameter_inventory`, the one list of the model's tensors).
 
 Logging (throughput, TFLOP/s, MFU) and benchmarks reuse these so every report agrees.
 FLOPs follow Megatron's accounting (Narayanan et al. 2021): every matmul counts 2 FLOPs per
@@ -11,20 +12,22 @@ dense MLP and mixing coefficient), and `num_parameters(active=True)` counts thos
 from __future__ import annotations
 
 from megatron.config import ModelConfig
-
-
-def _mlp_tensor_sizes(config: ModelConfig, parts: int = 1) -> list[int]:
-    """Elements of each tensor of one MLP split over `parts` tensor-parallel ranks:
-    dense_h_to_4h's weight (and SwiGLU's second half) and dense_4h_to_h's, then their biases
-    (the row-parallel one whole)."""
-    h, ffn = config.hidden_size, config.ffn_hidden_size
-    mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
-    weights = [h * _split(mlp_in, parts), _split(ffn, parts) * h]
-    return weights + ([_split(mlp_in, parts), h] if config.add_bias_linear else [])
+from megatron.model.parameter_inventory import (
+    OUTPUT_LAYER,
+    POSITION_EMBEDDINGS,
+    WORD_EMBEDDINGS,
+    ParameterSpec,
+    embedding_parameters,
+    experts_per_layer,
+    head_parameters,
+    layer_parameters,
+    mlp_parameters,
+    parameter_inventory,
+)
 
 
 def _mlp_parameters(config: ModelConfig) -> int:
-    return sum(_mlp_tensor_sizes(config))
+    return sum(spec.numel for spec in mlp_parameters(config))
 
 
 def _mlp_flops(config: ModelConfig) -> int:
@@ -48,7 +51,10 @@ def _moe_layer(config: ModelConfig, experts: int, active: bool) -> tuple[int, in
 
 
 def _experts(config: ModelConfig) -> tuple[int, ...]:
-    return config.moe.experts_per_layer if config.moe else (1,) * config.num_layers
+    return experts_per_layer(config)
+
+
+_EMBEDDINGS = (WORD_EMBEDDINGS, POSITION_EMBEDDINGS, OUTPUT_LAYER)
 
 
 def num_parameters(
@@ -56,20 +62,13 @@ def num_parameters(
 ) -> int:
     """Parameters of the (unsplit) model; a tied output layer counts once. `active`: with
     MoE, only the top-k experts a token passes (the parameters one token's compute sees)."""
-    h, proj = config.hidden_size, config.projection_size
-    qkv = proj + 2 * config.kv_projection_size
-    norm = h if config.normalization == "rmsnorm" else 2 * h  # weight (and bias)
-    attention = h * qkv + proj * h + (qkv + h if config.add_bias_linear else 0)
-    total = norm  # the final norm
-    for experts in _experts(config):
-        total += 2 * norm + attention + _moe_layer(config, experts, active)[0]
-    if include_embeddings:
-        total += config.vocab_size * h
-        if config.untie_embeddings_and_output_weights:
-            total += config.vocab_size * h
-        if config.position_embedding_type == "learned_absolute":
-            total += config.max_position_embeddings * h
-    return total
+    top_k = config.moe.top_k if config.moe else 0
+    return sum(
+        spec.numel
+        for spec in parameter_inventory(config)
+        if (include_embeddings or spec.name not in _EMBEDDINGS)
+        and not (active and spec.expert is not None and spec.expert >= top_k)
+    )
 
 
 def flops_per_token(config: ModelConfig, seq_length: int) -> int:
@@ -103,33 +102,35 @@ def _split(width: int, parts: int) -> int:
     return -(-width // parts)  # a shard's width; padded vocabularies divide exactly
 
 
+def _held_experts(experts: int, ep: int) -> int:
+    """Experts one rank holds of an `experts`-expert layer: a layer with fewer experts than
+    EP ranks spreads over as many ranks as it has."""
+    return _split(experts, min(ep, experts))
+
+
+def _rank_sizes(specs: list[ParameterSpec], config: ModelConfig, tp: int, ep: int, experts: int):  # noqa: ANN202
+    """(elements per rank of each held tensor, of which the experts') of one layer's specs."""
+    held = _held_experts(experts, ep)
+    expert_tp = tp if config.moe is not None and config.moe.expert_tensor_parallel else 1
+    sizes, expert_sizes = [], []
+    for spec in specs:
+        if spec.expert is None:
+            sizes.append(spec.numel_per_rank(tp))
+        elif spec.expert < held:
+            expert_sizes.append(spec.numel_per_rank(expert_tp))
+    return sizes + expert_sizes, expert_sizes
+
+
 def layer_tensor_sizes(config: ModelConfig, tp: int, experts: int = 1, ep: int = 1) -> list[int]:
     """Elements of each parameter tensor one tensor-parallel rank holds of one layer.
 
     Column-parallel weights and biases (query_key_value, dense_h_to_4h) and row-parallel
     weights (dense, dense_4h_to_h) are split over `tp`; row-parallel biases and norms are
-    whole on every rank. An MoE layer's rank holds experts / `ep` experts (each split over
-    `tp` only with expert tensor parallelism) and the whole gate.
+    whole on every rank (`parameter_inventory.ParameterSpec.tensor_split`). An MoE layer's
+    rank holds experts / `ep` experts (each split over `tp` only with expert tensor
+    parallelism) and the whole gate.
     """
-    h, proj = config.hidden_size, config.projection_size
-    qkv = proj + 2 * config.kv_projection_size
-    bias = config.add_bias_linear
-    norm = [h] if config.normalization == "rmsnorm" else [h, h]
-    sizes = norm * 2 + [h * _split(qkv, tp), _split(proj, tp) * h]
-    sizes += [_split(qkv, tp), h] if bias else []
-    if experts == 1:
-        return sizes + _mlp_tensor_sizes(config, tp)
-    sizes += _expert_tensor_sizes(config, tp, experts, ep) + [h * experts]
-    if config.moe.residual:
-        sizes += _mlp_tensor_sizes(config, tp) + [2 * h, 2]
-    return sizes
-
-
-def _expert_tensor_sizes(config: ModelConfig, tp: int, experts: int, ep: int) -> list[int]:
-    """The tensors of this rank's experts / `ep` experts (split over `tp` only with expert
-    tensor parallelism)."""
-    expert_tp = tp if config.moe.expert_tensor_parallel else 1
-    return _mlp_tensor_sizes(config, expert_tp) * _split(experts, min(ep, experts))
+    return _rank_sizes(layer_parameters(config, experts), config, tp, ep, experts)[0]
 
 
 def layer_parameters_per_rank(config: ModelConfig, tp: int, experts: int = 1, ep: int = 1) -> int:
@@ -144,20 +145,17 @@ def stage_tensor_sizes(
     (first stage: word embeddings split over `tp`, the whole position table), `layers` (the
     global 1-based layer numbers in `layers`), `head` (last stage: the final norm and the
     untied output layer, or with tied embeddings on a stage without them, Megatron's copy)."""
-    h = config.hidden_size
     experts = _experts(config)
     parts: dict[str, list[int]] = {"embedding": [], "layers": [], "head": []}
-    word = _split(config.vocab_size, tp) * h
+    embedding = embedding_parameters(config)
     if first:
-        parts["embedding"].append(word)
-        if config.position_embedding_type == "learned_absolute":
-            parts["embedding"].append(config.max_position_embeddings * h)
+        parts["embedding"] = [spec.numel_per_rank(tp) for spec in embedding]
     for n in layers:
         parts["layers"] += layer_tensor_sizes(config, tp, experts[n - 1], ep)
     if last:
-        parts["head"] += [h] if config.normalization == "rmsnorm" else [h, h]
-        if config.untie_embeddings_and_output_weights or not first:
-            parts["head"].append(word)
+        parts["head"] = [spec.numel_per_rank(tp) for spec in head_parameters(config)]
+        if not config.untie_embeddings_and_output_weights and not first:
+            parts["head"].append(embedding[0].numel_per_rank(tp))  # the tied copy
     return parts
 
 
@@ -174,7 +172,9 @@ def expert_parameters_per_rank(config: ModelConfig, tp: int, layers: range, ep: 
     reduces and partitions them over the expert-data-parallel group, not the data one."""
     experts = _experts(config)
     return sum(
-        sum(_expert_tensor_sizes(config, tp, experts[n - 1], ep))
+        sum(
+            _rank_sizes(layer_parameters(config, experts[n - 1]), config, tp, ep, experts[n - 1])[1]
+        )
         for n in layers
         if experts[n - 1] > 1
     )

@@ -1,0 +1,149 @@
+"""Every parameter of the GPT a `ModelConfig` describes: its name, its whole shape, and which
+parallel dimension splits it. The one inventory the parameter counts and FLOPs
+(`model_size.py`), the checkpoint shape checks (`checkpointing/shapes.py`) and the planner's
+per-rank tensors read, so a new layer option is described once.
+
+Names are Megatron's `GPTModel` state-dict keys (an MoE layer's experts under their global
+numbers, DeepSpeed-MoE's names); shapes are TP = 1 shapes. `tensor_split` is the dimension
+tensor parallelism splits (0: column-parallel weights and biases and the vocabulary, 1:
+row-parallel weights), None where every tensor-parallel rank holds it whole (norms,
+row-parallel biases, the MoE gate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.config import ModelConfig
+
+WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
+POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"
+OUTPUT_LAYER = "language_model.output_layer.weight"
+"""The untied output layer (`--untie-embeddings-and-output-weights`), vocab-parallel."""
+LAYER_PREFIX = "language_model.encoder.layers."
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    """One parameter tensor of the model."""
+
+    name: str
+    """Within a layer (`layer_parameters`): relative to the layer, e.g. `mlp.dense_4h_to_h.bias`."""
+    shape: tuple[int, ...]
+    tensor_split: int | None
+    expert: int | None = None
+    """The global expert number of an MoE expert's tensor (spread over expert-parallel ranks)."""
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole tensor."""
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+    def numel_per_rank(self, tp: int) -> int:
+        """Elements one of `tp` tensor-parallel ranks holds (a padded shard rounds up)."""
+        if self.tensor_split is None or tp == 1:
+            return self.numel
+        shape = list(self.shape)
+        shape[self.tensor_split] = -(-shape[self.tensor_split] // tp)
+        count = 1
+        for size in shape:
+            count *= size
+        return count
+
+
+def _norm(name: str, config: ModelConfig) -> list[ParameterSpec]:
+    h = config.hidden_size
+    specs = [ParameterSpec(f"{name}.weight", (h,), None)]
+    if config.normalization == "layernorm":
+        specs.append(ParameterSpec(f"{name}.bias", (h,), None))
+    return specs
+
+
+def mlp_parameters(
+    config: ModelConfig, prefix: str = "mlp.", expert: int | None = None
+) -> list[ParameterSpec]:
+    """One MLP under `prefix` (the dense `mlp.`, an expert's, PR-MoE's `mlp.mlp.`): with SwiGLU
+    `dense_h_to_4h` holds the gate rows, then the up rows ([2 ffn, h])."""
+    h, ffn = config.hidden_size, config.ffn_hidden_size
+    h_to_4h = 2 * ffn if config.activation == "swiglu" else ffn
+    specs = [
+        ParameterSpec(f"{prefix}dense_h_to_4h.weight", (h_to_4h, h), 0, expert),
+        ParameterSpec(f"{prefix}dense_4h_to_h.weight", (h, ffn), 1, expert),
+    ]
+    if config.add_bias_linear:
+        specs.insert(1, ParameterSpec(f"{prefix}dense_h_to_4h.bias", (h_to_4h,), 0, expert))
+        specs.append(ParameterSpec(f"{prefix}dense_4h_to_h.bias", (h,), None, expert))
+    return specs
+
+
+def layer_parameters(config: ModelConfig, experts: int = 1) -> list[ParameterSpec]:
+    """One transformer layer with `experts` experts (1: a dense MLP), names relative to it.
+
+    QKV rows are grouped per key/value head ([nkv, nq/nkv + 2, hn]).
+    """
+    h = config.hidden_size
+    qkv = config.projection_size + 2 * config.kv_projection_size
+    specs = _norm("input_layernorm", config)
+    specs.append(ParameterSpec("self_attention.query_key_value.weight", (qkv, h), 0))
+    if config.add_bias_linear:
+        specs.append(ParameterSpec("self_attention.query_key_value.bias", (qkv,), 0))
+    specs.append(ParameterSpec("self_attention.dense.weight", (h, config.projection_size), 1))
+    if config.add_bias_linear:
+        specs.append(ParameterSpec("self_attention.dense.bias", (h,), None))
+    specs += _norm("post_attention_layernorm", config)
+    if experts == 1:
+        return specs + mlp_parameters(config)
+    specs.append(ParameterSpec("mlp.deepspeed_moe.gate.wg.weight", (experts, h), None))
+    for number in range(experts):
+        prefix = f"mlp.deepspeed_moe.experts.deepspeed_experts.{number}."
+        specs += mlp_parameters(config, prefix, expert=number)
+    if config.moe.residual:  # PR-MoE: the dense MLP and the coefficient mixing the two
+        specs += mlp_parameters(config, "mlp.mlp.")
+        specs.append(ParameterSpec("mlp.coefficient.weight", (2, h), None))
+        specs.append(ParameterSpec("mlp.coefficient.bias", (2,), None))
+    return specs
+
+
+def experts_per_layer(config: ModelConfig) -> tuple[int, ...]:
+    """Experts of each layer (1 for a dense layer)."""
+    return config.moe.experts_per_layer if config.moe else (1,) * config.num_layers
+
+
+def embedding_parameters(config: ModelConfig, vocab_rows: int | None = None) -> list[ParameterSpec]:
+    """The word embeddings (`vocab_rows`, default the padded vocabulary) and, with learned
+    absolute positions, the position table (whole on every tensor-parallel rank)."""
+    h = config.hidden_size
+    rows = config.vocab_size if vocab_rows is None else vocab_rows
+    specs = [ParameterSpec(WORD_EMBEDDINGS, (rows, h), 0)]
+    if config.position_embedding_type == "learned_absolute":
+        specs.append(ParameterSpec(POSITION_EMBEDDINGS, (config.max_position_embeddings, h), None))
+    return specs
+
+
+def head_parameters(config: ModelConfig, vocab_rows: int | None = None) -> list[ParameterSpec]:
+    """The final norm and, untied, the output layer."""
+    specs = _norm("language_model.encoder.final_layernorm", config)
+    if config.untie_embeddings_and_output_weights:
+        rows = config.vocab_size if vocab_rows is None else vocab_rows
+        specs.append(ParameterSpec(OUTPUT_LAYER, (rows, config.hidden_size), 0))
+    return specs
+
+
+def parameter_inventory(config: ModelConfig, vocab_rows: int | None = None) -> list[ParameterSpec]:
+    """Every parameter of the whole model under its full name, in state-dict order; a tied
+    output layer is the word embedding (listed once)."""
+    specs = embedding_parameters(config, vocab_rows)
+    for number, experts in enumerate(experts_per_layer(config)):
+        for spec in layer_parameters(config, experts):
+            specs.append(
+                ParameterSpec(
+                    f"{LAYER_PREFIX}{number}.{spec.name}",
+                    spec.shape,
+                    spec.tensor_split,
+                    spec.expert,
+                )
+            )
+    return specs + head_parameters(config, vocab_rows)
