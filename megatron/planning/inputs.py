@@ -12,9 +12,14 @@ import os
 from dataclasses import dataclass
 
 from megatron.config import ModelConfig
+from megatron.deepspeed_facts import OptimizerWrapper, UnsupportedByDeepSpeed, optimizer_wrapper
 
 # GPT-2's vocabulary size: the plan's vocabulary when the tokenizer's files are not here.
 GPT2_VOCAB_SIZE = 50257
+
+
+class PlanningError(ValueError):
+    """The planner cannot plan this job; the message says why, naming the setting."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,22 @@ class PlanInputs:
     def deepspeed(self) -> bool:
         """Whether DeepSpeed's engine (either form) runs the step."""
         return self.engine.startswith("deepspeed")
+
+    @property
+    def wrapper(self) -> OptimizerWrapper | None:
+        """The optimizer wrapper DeepSpeed runs for this job (None without DeepSpeed)."""
+        if not self.deepspeed:
+            return None
+        try:
+            return optimizer_wrapper(
+                self.precision,
+                self.zero.stage,
+                self.engine == "deepspeed-pipeline",
+                self.grad_accum_dtype,
+                offload_optimizer=self.zero.offload_optimizer,
+            )
+        except UnsupportedByDeepSpeed as refused:
+            raise PlanningError(f"{refused}: deepspeed.initialize would refuse it") from None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, device_type: str) -> PlanInputs:
