@@ -12,7 +12,17 @@ import os
 from dataclasses import dataclass
 
 from megatron.config import ModelConfig
-from megatron.deepspeed_facts import OptimizerWrapper, UnsupportedByDeepSpeed, optimizer_wrapper
+from megatron.deepspeed_facts import (
+    ALLGATHER_BUCKET_SIZE,
+    MAX_LIVE_PARAMETERS,
+    MAX_REUSE_DISTANCE,
+    PARAM_PERSISTENCE_THRESHOLD,
+    PREFETCH_BUCKET_SIZE,
+    REDUCE_BUCKET_SIZE,
+    OptimizerWrapper,
+    UnsupportedByDeepSpeed,
+    optimizer_wrapper,
+)
 
 # GPT-2's vocabulary size: the plan's vocabulary when the tokenizer's files are not here.
 GPT2_VOCAB_SIZE = 50257
@@ -27,17 +37,17 @@ class ZeroSettings:
     """The `zero_optimization` values the memory and communication models read."""
 
     stage: int = 0
-    reduce_bucket_size: int = 500_000_000
+    reduce_bucket_size: int = REDUCE_BUCKET_SIZE
     """Elements per gradient reduction bucket (DeepSpeed's default 5e8)."""
-    allgather_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = ALLGATHER_BUCKET_SIZE
     """Elements per parameter all-gather bucket after a ZeRO-1/2 step."""
     overlap_comm: bool = False
     contiguous_gradients: bool = True
-    param_persistence_threshold: int = 100_000
+    param_persistence_threshold: int = PARAM_PERSISTENCE_THRESHOLD
     """ZeRO-3: parameters with fewer elements stay whole on every rank."""
-    prefetch_bucket_size: int = 50_000_000
-    max_live_parameters: int = 1_000_000_000
-    max_reuse_distance: int = 1_000_000_000
+    prefetch_bucket_size: int = PREFETCH_BUCKET_SIZE
+    max_live_parameters: int = MAX_LIVE_PARAMETERS
+    max_reuse_distance: int = MAX_REUSE_DISTANCE
     """ZeRO-3: a gathered parameter used again within this many elements stays gathered."""
     communication_bytes: int | None = None
     """`communication_data_type` of the config (bytes per element), None: the model's dtype."""

@@ -148,3 +148,24 @@ def test_each_wrapper_is_what_deepspeed_initialize_builds(tmp_path):
         accumulation = None if accumulation == "None" else accumulation
         expected = optimizer_wrapper(precision, int(stage), pipeline == "True", accumulation)
         assert name == ("AdamW" if expected is W.CLIENT else expected.value), key
+
+
+def test_the_bucket_defaults_are_deepspeeds():
+    """Each default as DeepSpeed's own config class (and engine) has it."""
+    from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from megatron import deepspeed_facts as facts
+
+    parsed = DeepSpeedZeroConfig(stage=1)
+    assert facts.REDUCE_BUCKET_SIZE == parsed.reduce_bucket_size
+    assert facts.ALLGATHER_BUCKET_SIZE == parsed.allgather_bucket_size
+    assert facts.PREFETCH_BUCKET_SIZE == parsed.prefetch_bucket_size
+    assert facts.PARAM_PERSISTENCE_THRESHOLD == parsed.param_persistence_threshold
+    assert facts.MAX_LIVE_PARAMETERS == parsed.max_live_parameters
+    assert facts.MAX_REUSE_DISTANCE == parsed.max_reuse_distance
+    assert facts.ENGINE_ALLREDUCE_BUCKET == MEMORY_OPT_ALLREDUCE_SIZE
+    assert parsed.overlap_comm is False and DeepSpeedZeroConfig(stage=3).overlap_comm is True
+    import deepspeed
+
+    assert deepspeed.__version__.startswith(facts.DEEPSPEED_VERSION_READ)
