@@ -259,7 +259,8 @@ def main() -> int:
         print("\n".join(bloom_table(work_dir)))
         return 0
     data_prefix = cli.data_path or build_stdlib_dataset(work_dir)
-    print(f"machine: {describe_machine('2 processes per run (1 for plain-1)')}")
+    processes = "2 processes per run (1 for plain-1, 4 for ds-zero1-fp16-dp4)"
+    print(f"machine: {describe_machine(processes)}")
     print(HEADER)
     rows = []
     for config in CONFIGS:

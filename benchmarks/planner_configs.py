@@ -166,6 +166,15 @@ CONFIGS: tuple[PlannerConfig, ...] = (
         ("--no-pipeline-parallel", "--fp16", "--micro-batch-size", "2"),
         fp16_config(1, 2),
     ),
+    # Four data-parallel ranks: the whole fp16 gradient (2 bytes per parameter) apart from
+    # a partition's share (4 / Z bytes, the same at Z = 2).
+    PlannerConfig(
+        "ds-zero1-fp16-dp4",
+        "deepspeed",
+        4,
+        ("--no-pipeline-parallel", "--fp16", "--micro-batch-size", "1"),
+        fp16_config(1, 1),
+    ),
     PlannerConfig(
         "ds-pipe-pp2-fp16-zero1",
         "deepspeed",
