@@ -223,7 +223,8 @@ def bloom_table(work_dir: str) -> list[str]:
         plans, seconds = {}, 0.0
         for layers in sorted({ends, middle}):
             flags = bloom_flags(layers, heads, precision, stage, tokenizer, config_path)
-            path = os.path.join(work_dir, f"bloom_{precision}_{layers}x{heads}.plan.json")
+            plan_name = f"bloom_{precision}_zero{stage}_{layers}x{heads}.plan.json"
+            path = os.path.join(work_dir, plan_name)
             plans[layers], wall = dry_run_json(flags + device, path)
             seconds += wall
         peaks = {}
