@@ -4,7 +4,8 @@ For every configuration of `planner_configs.CONFIGS` (plain fp32 and bf16 DDP, T
 sequence parallelism and selective recompute, TP=2 with full recompute, DeepSpeed ZeRO 1, 2
 and 3 in bf16 at DP=2, DeepSpeed's pipeline engine at PP=2, Megatron's 1F1B and interleaved
 schedules at PP=2,
-DeepSpeed-Ulysses and -MoE, a LLaMA-style shape plain and under ZeRO-2 with TP=2):
+DeepSpeed-Ulysses and -MoE, a LLaMA-style shape plain and under ZeRO-2 with TP=2, and fp16
+at ZeRO-0 and ZeRO-1 on both DeepSpeed engines where DeepSpeed's CPU accelerator has fp16):
 
 - the plan: `pretrain_gpt.py FLAGS --dry-run --dry-run-world-size N --dry-run-json plan.json`,
   as a user runs it (its wall time is reported too);
@@ -15,6 +16,11 @@ DeepSpeed-Ulysses and -MoE, a LLaMA-style shape plain and under ZeRO-2 with TP=2
   communication within 5%.
 
     python benchmarks/planner_accuracy.py [--only NAME ...] [--out DIR] [--data-path PREFIX]
+    python benchmarks/planner_accuracy.py --bloom [--out DIR]   # BLOOM-176B's plans only
+
+`--bloom` plans BigScience's BLOOM-176B layout (384 A100 80GB: bf16 ZeRO-0 as it ran, and fp16
+ZeRO-1) the same way, and prints each stage kind's predicted peak and the predicted step
+beside nothing measured here (benchmarks/RESULTS.md sets them beside BigScience's figures).
 """
 
 from __future__ import annotations
@@ -38,8 +44,12 @@ from benchmarks.planner_configs import (  # noqa: E402
     CONFIGS,
     PRETRAIN_GPT,
     PlannerConfig,
+    bloom_ds_config,
+    bloom_flags,
+    cpu_runs_fp16,
     pretrain_flags,
     run,
+    write_bloom_tokenizer,
 )
 from tests.pretrain_runs import build_stdlib_dataset, cpu_env  # noqa: E402
 
@@ -157,21 +167,108 @@ HEADER = (
 )
 
 
+def dry_run_json(flags: list[str], path: str) -> tuple[dict, float]:
+    """`pretrain_gpt.py FLAGS --dry-run-json path` in a fresh process; its JSON and wall s."""
+    started = time.time()
+    done = subprocess.run(
+        [sys.executable, PRETRAIN_GPT, *flags, "--dry-run-json", path],
+        cwd=REPO_ROOT,
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the dry run failed:\n{done.stdout}{done.stderr}")
+    with open(path) as file:
+        return json.load(file), time.time() - started
+
+
+def bigscience_tflops(layers: int, hidden: int, vocab: int, seconds: float) -> float:
+    """TFLOP/s per GPU as BigScience's log line counts them for BLOOM's batch (2048 x 2048
+    tokens, 384 GPUs) with recomputation: Narayanan et al. 2021's Eq. 3 with 4 passes,
+    24 x 4 B s L h^2 (1 + s / 6h + V / 16Lh) (bigscience-workshop/Megatron-DeepSpeed PR 251)."""
+    batch, seq, world = 2048, 2048, 384
+    flops = 24 * 4 * batch * seq * layers * hidden**2
+    flops *= 1 + seq / (6 * hidden) + vocab / (16 * layers * hidden)
+    return flops / (seconds * world * 1e12)
+
+
+# (row, precision, ZeRO stage, heads, layers of the plan the end stages come from, layers of
+# the plan the middle stages and the step come from, layers the TFLOPs formula counts)
+BLOOM_ROWS = (
+    ("BLOOM-176B, bf16 ZeRO-0 (its flags)", "bf16", 0, 112, 60, 72, 70),
+    # BigScience's BF16_Optimizer accumulated in fp32 (tr11 README); DeepSpeed 0.19 runs
+    # that at ZeRO-1 only (at ZeRO-0 it accumulates bf16 gradients in bf16).
+    ("BLOOM-176B, bf16 ZeRO-1, fp32 accumulation", "bf16", 1, 112, 60, 72, 70),
+    ("BLOOM-176B, fp16 ZeRO-1", "fp16", 1, 112, 60, 72, 70),
+    ("BigScience's fp16 ZeRO-1 test shape (72 layers, 64 heads)", "fp16", 1, 64, 72, 72, 72),
+)
+
+
+def bloom_table(work_dir: str) -> list[str]:
+    """The BLOOM-176B plans as markdown rows (see `BLOOM_ROWS` and planner_configs)."""
+    tokenizer = write_bloom_tokenizer(os.path.join(work_dir, "bloom_tokenizer.json"))
+    device = ["--dry-run", "--dry-run-world-size", "384", "--dry-run-device", "A100-80GB"]
+    rows = [
+        "| layout | first stage GiB | busiest middle stage GiB | last stage GiB | "
+        "fits (78 GiB usable) | predicted step s | TFLOPs per GPU | dry run s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    gib = 2**30
+    for name, precision, stage, heads, ends, middle, counted in BLOOM_ROWS:
+        config_path = os.path.join(work_dir, f"bloom_{precision}_zero{stage}.json")
+        with open(config_path, "w") as file:
+            json.dump(bloom_ds_config(precision, stage), file)
+        plans, seconds = {}, 0.0
+        for layers in sorted({ends, middle}):
+            flags = bloom_flags(layers, heads, precision, stage, tokenizer, config_path)
+            plan_name = f"bloom_{precision}_zero{stage}_{layers}x{heads}.plan.json"
+            path = os.path.join(work_dir, plan_name)
+            plans[layers], wall = dry_run_json(flags + device, path)
+            seconds += wall
+        peaks = {}
+        for layers, plan in plans.items():
+            for entry in plan["ranks"]:
+                memory = entry["memory"]
+                key = (layers, entry["pp_rank"])
+                peaks[key] = (memory["peak_bytes"], memory["peak_at"])
+        first, last = peaks[(ends, 0)], peaks[(ends, 11)]
+        busiest = max(peaks[(middle, stage_)] for stage_ in range(1, 11))
+        step = plans[middle]["device"]["step_seconds"]
+        fits = max(first[0], busiest[0], last[0]) <= plans[middle]["device"]["usable_bytes"]
+        tflops = bigscience_tflops(counted, 14336, 250_880, step)
+        rows.append(
+            f"| {name} | {first[0] / gib:.2f} ({first[1]}) | {busiest[0] / gib:.2f} "
+            f"({busiest[1]}) | {last[0] / gib:.2f} ({last[1]}) | {'yes' if fits else 'NO'} | "
+            f"{step:.1f} | {tflops:.1f} | {seconds:.1f} |"
+        )
+    return rows
+
+
 def main() -> int:
     """Plan and run each configuration; print every ratio; exit 1 if a target is missed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="configuration names (default: all)")
     parser.add_argument("--out", help="where plans and reports go (default: a temporary folder)")
     parser.add_argument("--data-path", help="a dataset prefix (default: build a stdlib one)")
+    parser.add_argument("--bloom", action="store_true", help="plan BLOOM-176B's layouts only")
     cli = parser.parse_args()
     work_dir = cli.out or tempfile.mkdtemp(prefix="planner_accuracy_")
     os.makedirs(work_dir, exist_ok=True)
+    if cli.bloom:
+        print("\n".join(bloom_table(work_dir)))
+        return 0
     data_prefix = cli.data_path or build_stdlib_dataset(work_dir)
-    print(f"machine: {describe_machine('2 processes per run (1 for plain-1)')}")
+    processes = "2 processes per run (1 for plain-1, 4 for ds-zero1-fp16-dp4)"
+    print(f"machine: {describe_machine(processes)}")
     print(HEADER)
     rows = []
     for config in CONFIGS:
         if cli.only and config.name not in cli.only:
+            continue
+        if config.fp16 and not cpu_runs_fp16():
+            print(f"| {config.name} | skipped: DeepSpeed has no fp16 on this CPU |", flush=True)
             continue
         for row in compare(config, data_prefix, work_dir):
             rows.append(row)

@@ -61,6 +61,25 @@ def zero_config(stage: int) -> dict:
     }
 
 
+def fp16_config(stage: int, micro_batch: int = 4) -> dict:
+    """An fp16 DeepSpeed config at ZeRO `stage`: a static loss scale of 128, so none of the
+    three steps is skipped for an overflow (a skipped step neither steps nor gathers)."""
+    config = {key: value for key, value in zero_config(stage).items() if key != "bf16"}
+    config["train_micro_batch_size_per_gpu"] = micro_batch
+    return {**config, "fp16": {"enabled": True, "loss_scale": 128}}
+
+
+def cpu_runs_fp16() -> bool:
+    """Whether DeepSpeed runs fp16 on this CPU: its CPU accelerator's is_fp16_supported()
+    (deepspeed/accelerator/cpu_accelerator.py) asks oneDNN for fp16 (AVX512-FP16 / AMX-FP16)."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 @dataclass(frozen=True)
 class PlannerConfig:
     """One training configuration: how it is launched, its flags beyond the shared ones."""
@@ -72,6 +91,11 @@ class PlannerConfig:
     flags: tuple[str, ...]
     ds_config: dict | None
     """The --deepspeed_config contents (the command adds --deepspeed), or None."""
+
+    @property
+    def fp16(self) -> bool:
+        """Whether it trains in fp16 (DeepSpeed on a CPU with fp16 only)."""
+        return "--fp16" in self.flags
 
 
 # A LLaMA-style shape unlike MODEL_FLAGS' (deeper, narrower, longer, GQA, untied, no biases,
@@ -124,6 +148,39 @@ CONFIGS: tuple[PlannerConfig, ...] = (
     ),
     PlannerConfig(
         "ds-zero3-bf16", "deepspeed", 2, ("--no-pipeline-parallel", "--bf16"), zero_config(3)
+    ),
+    # fp16: DeepSpeed's FP16_UnfusedOptimizer on its pipeline engine (bf16 there runs the
+    # partitioned BF16_Optimizer), DeepSpeedZeroOptimizer at stage 1 on either engine; two
+    # micro-batches per iteration, so the whole fp16 gradient is held across them.
+    PlannerConfig(
+        "ds-zero0-fp16-pipe-dp2",
+        "deepspeed",
+        2,
+        ("--fp16", "--micro-batch-size", "2"),
+        fp16_config(0, 2),
+    ),
+    PlannerConfig(
+        "ds-zero1-fp16",
+        "deepspeed",
+        2,
+        ("--no-pipeline-parallel", "--fp16", "--micro-batch-size", "2"),
+        fp16_config(1, 2),
+    ),
+    # Four data-parallel ranks: the whole fp16 gradient (2 bytes per parameter) apart from
+    # a partition's share (4 / Z bytes, the same at Z = 2).
+    PlannerConfig(
+        "ds-zero1-fp16-dp4",
+        "deepspeed",
+        4,
+        ("--no-pipeline-parallel", "--fp16", "--micro-batch-size", "1"),
+        fp16_config(1, 1),
+    ),
+    PlannerConfig(
+        "ds-pipe-pp2-fp16-zero1",
+        "deepspeed",
+        2,
+        ("--pipeline-model-parallel-size", "2", "--fp16"),
+        fp16_config(1),
     ),
     PlannerConfig(
         "ds-pipe-pp2-bf16",
@@ -181,6 +238,65 @@ CONFIGS: tuple[PlannerConfig, ...] = (
         zero_config(1),
     ),
 )
+
+
+# BigScience's BLOOM-176B run (bigscience-workshop/bigscience train/tr11-176B-ml/
+# tr11-176B-ml.slurm): 70 layers, h 14336, 112 heads, seq 2048, TP 4 x PP 12 x DP 8 on 384
+# A100 80GB, micro-batch 2, global batch 2048, bf16 at ZeRO-0 (DeepSpeed's BF16_Optimizer),
+# full recomputation, GeLU, ALiBi, a layer norm after the embedding, 250,680 tokens padded to
+# 250,880. What the flags cannot say: ALiBi (no position table: --no-position-embedding; its
+# bias adds no parameter), the embedding layer norm (2 x 14,336 parameters on the end
+# stages), BigScience's `--pp-partition-method type:transformer|embedding` (stages of
+# [embedding + 5 layers], 6, ..., 6, [5 layers + embedding]: every stage here holds the same
+# number of layers, so 70 layers are planned as 72 (middle stages exact) and as 60 (end
+# stages exact)).
+BLOOM_TOKENS = 250_680
+"""BLOOM's tokenizer size (tr11-176B-ml README: "Vocabulary size is 250,680 tokens")."""
+
+BLOOM_FLAGS = (
+    "--hidden-size 14336 --seq-length 2048 --max-position-embeddings 2048 "
+    "--micro-batch-size 2 --global-batch-size 2048 --train-samples 220000000 "
+    "--tensor-model-parallel-size 4 --pipeline-model-parallel-size 12 "
+    "--checkpoint-activations --deepspeed-activation-checkpointing --no-position-embedding "
+    "--init-method-std 0.0048 --lr 6e-5 --min-lr 6e-6 --clip-grad 1.0 --weight-decay 0.1 "
+    "--adam-beta1 0.9 --adam-beta2 0.95 --seed 42 --tokenizer-type HFTokenizer"
+).split()
+
+
+def bloom_ds_config(precision: str, stage: int) -> dict:
+    """tr11-176B-ml's DeepSpeed config, in `precision` at ZeRO `stage`."""
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "train_batch_size": 2048,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+        precision: {"enabled": True},
+        "steps_per_print": 2000,
+        "wall_clock_breakdown": False,
+    }
+
+
+def write_bloom_tokenizer(path: str) -> str:
+    """A stand-in tokenizer.json of BLOOM's 250,680 tokens at `path` (a plan reads only the
+    tokenizer's size; BLOOM's own tokenizer.json gives the same plan)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {f"t{index}": index for index in range(BLOOM_TOKENS - 1)}
+    vocab["</s>"] = BLOOM_TOKENS - 1
+    Tokenizer(WordLevel(vocab, unk_token="t0")).save(path)
+    return path
+
+
+def bloom_flags(
+    layers: int, heads: int, precision: str, stage: int, tokenizer: str, ds_config_path: str
+) -> list[str]:
+    """pretrain_gpt.py's flags for BLOOM-176B's layout with `layers` layers of `heads` heads
+    in `precision` at ZeRO `stage` (its config written at `ds_config_path`)."""
+    flags = [*BLOOM_FLAGS, "--num-layers", str(layers), "--num-attention-heads", str(heads)]
+    flags += [f"--{precision}", "--zero-stage", str(stage), "--tokenizer-model", tokenizer]
+    flags += ["--deepspeed", "--deepspeed_config", ds_config_path, "--data-path", "/nowhere/x"]
+    return flags
 
 
 def pretrain_flags(config: PlannerConfig, data_prefix: str, ds_config_path: str | None) -> list:

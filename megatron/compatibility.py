@@ -61,6 +61,8 @@ FEATURES: tuple[Feature, ...] = (
             Engine.MEGATRON_SCHEDULES: _ZERO_NEEDS_DEEPSPEED,
         },
     ),
+    # DeepSpeed's pipeline engine runs ZeRO 0-1 (megatron.deepspeed_facts.
+    # PIPELINE_ENGINE_ZERO_STAGES, read from its source; tests/training/test_engines.py).
     Feature(
         name="ZeRO stages 2-3",
         flag="--zero-stage",

@@ -25,7 +25,7 @@ from megatron.arguments.ds_config import load_deepspeed_config
 from megatron.arguments.v1_flags import OLDER_SPELLINGS
 from megatron.atomic_files import atomic_outputs
 from megatron.planning.devices import Device, find_device
-from megatron.planning.inputs import PlanInputs
+from megatron.planning.inputs import PlanInputs, PlanningError
 from megatron.planning.plan import Plan, build_plan, format_plan
 from megatron.planning.suggestions import (
     Change,
@@ -38,6 +38,23 @@ from megatron.planning.suggestions import (
 # Suggestions printed at most; fewer changes first, then the faster predicted step.
 MAX_SUGGESTIONS = 5
 _GIB = 1024**3
+
+
+class ChangeRefused(Exception):
+    """A suggested change whose command line validation (or the planner) refuses."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class EveryChangeRefused(Exception):
+    """Every candidate change of a plan that does not fit was refused; `refusals` holds each
+    change's description and the one-line reason."""
+
+    def __init__(self, refusals: list[tuple[str, str]]) -> None:
+        super().__init__(f"all {len(refusals)} candidate changes were refused")
+        self.refusals = refusals
 
 
 def dry_run_requested(argv: Sequence[str] | None) -> bool:
@@ -93,7 +110,8 @@ def plan_with_changes(
     """Apply `changes` to the command line of validated `args` (and to its DeepSpeed config
     file's keys), validate the result quietly, and plan it.
 
-    Raises SystemExit when the changed command line does not validate.
+    Raises `ChangeRefused`, with validation's error line, when the changed command line does
+    not validate (or the planner cannot plan it).
     """
     new_argv, patch = list(argv), {}
     for change in changes:
@@ -111,9 +129,19 @@ def plan_with_changes(
         batch = batch_config(raw_config, micro, args.global_batch_size, data_parallel)
         patch = merge_config(patch, {k: v for k, v in batch.items() if raw_config[k] != v})
         run_defaults["deepspeed_config_dict"] = merge_config(copy.deepcopy(raw_config), patch)
-    with contextlib.redirect_stderr(io.StringIO()):  # a refused candidate is not an error here
-        changed_args = parse_args(new_argv, extra_args_provider, defaults=run_defaults)
-    return new_argv, patch, plan_from_args(changed_args, device)
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):  # a refused candidate is not an error here
+            changed_args = parse_args(new_argv, extra_args_provider, defaults=run_defaults)
+    except SystemExit as stopped:
+        if stopped.code != 2:  # the parser's refusal; anything else is not a refusal
+            raise
+        lines = errors.getvalue().strip().splitlines()
+        raise ChangeRefused(lines[-1] if lines else "refused by validation") from None
+    try:
+        return new_argv, patch, plan_from_args(changed_args, device)
+    except PlanningError as refused:
+        raise ChangeRefused(f"error: {refused}") from None
 
 
 def suggest(
@@ -124,23 +152,32 @@ def suggest(
     defaults: dict | None = None,
 ) -> list[dict]:
     """The fitting changes of a plan that does not fit: each with its command line, config
-    keys and predicted peak; single changes first, pairs only when no single one fits."""
+    keys and predicted peak; single changes first, pairs only when no single one fits.
+
+    Raises `EveryChangeRefused` (with each change's reason) when validation refuses every
+    candidate: an empty list means the candidates were planned and none fits.
+    """
     candidates = candidate_changes(plan.inputs, args.global_batch_size, _raw_config(args))
     found: list[dict] = []
+    refusals: list[tuple[str, str]] = []
+    tried = 0
     for size in (1, 2):
         for combination in itertools.combinations(candidates, size):
             if len({change.knob for change in combination}) < size:
                 continue  # two settings of the same knob
+            tried += 1
+            description = " + ".join(change.description for change in combination)
             try:
                 new_argv, patch, changed = plan_with_changes(
                     argv, combination, args, plan.device, extra_args_provider, defaults
                 )
-            except SystemExit:
+            except ChangeRefused as refused:
+                refusals.append((description, refused.reason))
                 continue  # the changed line is refused: not a suggestion
             if changed.fits:
                 found.append(
                     {
-                        "change": " + ".join(change.description for change in combination),
+                        "change": description,
                         "flags": _flag_edits(combination, argv),
                         "argv": new_argv,
                         "config": patch,
@@ -151,6 +188,8 @@ def suggest(
                 )
         if found:
             break
+    if tried and len(refusals) == tried:
+        raise EveryChangeRefused(refusals)
     found.sort(key=lambda item: item["step_seconds"])
     return found[:MAX_SUGGESTIONS]
 
@@ -171,6 +210,13 @@ def _flag_edits(changes: Sequence[Change], argv: list[str]) -> str:
             else:
                 edits[flag] = f"{flag} {value}"
     return " ".join(edits.values())
+
+
+def format_refusals(refused: EveryChangeRefused, device: Device) -> str:
+    """What is printed when validation refused every candidate change."""
+    lines = [f"  no suggestion to fit {device.name}: every candidate change was refused:"]
+    lines += [f"    {change}: {reason}" for change, reason in refused.refusals]
+    return "\n".join(lines)
 
 
 def format_suggestions(suggestions: list[dict], device: Device) -> str:
@@ -207,12 +253,22 @@ def run_dry_run(
         device = find_device(args.dry_run_device) if args.dry_run_device else None
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
-    plan = plan_from_args(args, device)
+    try:
+        plan = plan_from_args(args, device)
+    except PlanningError as refused:
+        raise SystemExit(f"error: {refused}") from None
     print(format_plan(plan), flush=True)
     result = plan.as_json()
     if device is not None and not plan.fits:
-        suggestions = suggest(argv, args, plan, extra_args_provider, defaults)
-        print(format_suggestions(suggestions, device), flush=True)
+        try:
+            suggestions = suggest(argv, args, plan, extra_args_provider, defaults)
+            print(format_suggestions(suggestions, device), flush=True)
+        except EveryChangeRefused as refused:
+            suggestions = []
+            print(format_refusals(refused, device), flush=True)
+            result["refused_changes"] = [
+                {"change": change, "reason": reason} for change, reason in refused.refusals
+            ]
         result["suggestions"] = suggestions
     if args.dry_run_json:
         with atomic_outputs(args.dry_run_json) as (partial,):
@@ -224,11 +280,12 @@ def run_dry_run(
 
 def predicted_peak_bytes(args: argparse.Namespace, device_type: str) -> list[int] | None:
     """Each pipeline stage's predicted peak per rank, for a real run's start-up line and its
-    memory report (the plan of the run's own flags on its own device type); None if the
-    planner cannot plan this run, which must not stop training."""
+    memory report (the plan of the run's own flags on its own device type); None when the
+    planner refuses this run (`PlanningError`), which must not stop training. Any other
+    exception is a planner bug, and surfaces."""
     try:
         plan = build_plan(PlanInputs.from_args(args, device_type))
-    except Exception:  # noqa: BLE001 - a report, never a reason to stop a run
+    except PlanningError:
         return None
     return [role.memory.peak_bytes for role in plan.roles]
 

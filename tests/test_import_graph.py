@@ -59,6 +59,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "megatron.config",
             "megatron.layout",
+            "megatron.deepspeed_facts",
             "megatron.utils",
             "megatron.atomic_files",
             "megatron.extensions",

@@ -365,23 +365,25 @@ def settle_gradient_accumulation_dtype(args: argparse.Namespace, config: dict, s
     tests/training/test_mixed_precision.py). What DeepSpeed 0.19 does with the key:
     - ZeRO 1-3 (either engine): "fp32" accumulates in fp32 (ZeRO-1 through its
       BF16_Optimizer), so we fill it when the config is silent;
-    - ZeRO 0: bf16 gradients accumulate in bf16 only, and DeepSpeed refuses "fp32" with a
-      traceback ("unsupported mix"); we refuse it in one line naming the way out, ZeRO-1.
+    - ZeRO 0: bf16 (and fp16) gradients accumulate in the model's dtype only, and DeepSpeed
+      refuses "fp32" with a traceback ("unsupported mix", `megatron.deepspeed_facts.
+      optimizer_wrapper`); we refuse it in one line naming the way out, ZeRO-1.
     """
-    if not args.bf16:
+    if not (args.bf16 or args.fp16):
         return
+    half = "bf16" if args.bf16 else "fp16"
     types = config.get("data_types", {})
     if not isinstance(types, dict):
         raise ArgumentError(f'{source}: "data_types" must be a JSON object {{...}}')
     wanted = types.get("grad_accum_dtype")
     if args.zero_stage > 0:
-        if wanted is None:
+        if wanted is None and args.bf16:
             config["data_types"] = {**types, "grad_accum_dtype": "fp32"}
         return
     if wanted in _FP32_NAMES:
         raise ArgumentError(
-            f'"data_types.grad_accum_dtype": "{wanted}" in {source} with bf16 needs ZeRO stage '
-            "1-3 (DeepSpeed accumulates bf16 gradients in bf16 only at stage 0): use "
+            f'"data_types.grad_accum_dtype": "{wanted}" in {source} with {half} needs ZeRO '
+            f"stage 1-3 (DeepSpeed accumulates {half} gradients in {half} only at stage 0): use "
             "--zero-stage 1, or remove the key"
         )
 

@@ -50,6 +50,7 @@ from megatron.checkpointing.rng_state import gather_rng_states, restore_rng_stat
 from megatron.checkpointing.train_state import TrainState
 from megatron.config import experts_per_layer
 from megatron.core import parallel_state
+from megatron.deepspeed_facts import optimizer_state_partitioned, optimizer_wrapper
 from megatron.utils import print_rank_0
 
 RESHARD_TOOL = "tools/checkpoint/reshard.py"
@@ -340,16 +341,21 @@ def _check_zero_partitions(
     (data x Ulysses sequence parallel; ZeRO 1-3, and bf16 ZeRO-0 on the pipeline engine):
     DeepSpeed would stop with a traceback. The weights load at any size, and a universal
     checkpoint takes the optimizer state to any."""
-    # DeepSpeed 0.19 (engine._do_optimizer_sanity_check): bf16 at ZeRO-0 runs BF16_Optimizer,
-    # partitioned, under the pipeline engine only; its plain engine runs the fp16 wrapper
-    # (DDP_BFLOAT16 -> FP16_UnfusedOptimizer), whose fp32 state is whole on every rank. A
-    # checkpoint that names neither its engine nor `pipeline_parallel` counts as partitioned.
+    # Which wrapper DeepSpeed ran and whether it partitions: megatron.deepspeed_facts (bf16 at
+    # ZeRO-0 partitions under the pipeline engine only). A checkpoint that names neither its
+    # engine nor `pipeline_parallel` counts as the pipeline engine's (partitioned in bf16).
     if "engine" in saved:
         theirs_pipe = saved["engine"] == "deepspeed_pipe"
     else:
         theirs_pipe = saved.get("pipeline_parallel", True)
-    pipeline_engine = target.pipe_module_names or theirs_pipe
-    partitioned = args.zero_stage > 0 or (args.bf16 and pipeline_engine)
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    accumulation = ((args.deepspeed_config_dict or {}).get("data_types") or {}).get(
+        "grad_accum_dtype"
+    )
+    wrapper = optimizer_wrapper(
+        precision, args.zero_stage, target.pipe_module_names or theirs_pipe, accumulation
+    )
+    partitioned = optimizer_state_partitioned(wrapper)
     theirs = (saved.get("data_parallel_size") or 1) * (saved.get("ds_sequence_parallel_size") or 1)
     ours = args.data_parallel_size * args.ds_sequence_parallel_size
     if not partitioned or saved.get("data_parallel_size") is None or theirs == ours:

@@ -3,6 +3,8 @@ step time, from the validated flags and a small device table; it needs no device
 
 - `inputs.py`: `PlanInputs`, the job as the planner sees it (typed once from the flags);
 - `layout.py`: rank roles (parameters, layers, micro-batches in flight per pipeline stage);
+- `model_states.py`: weights, gradients, optimizer state and buffers by engine and by the
+  optimizer wrapper DeepSpeed runs (`megatron/deepspeed_facts.py`);
 - `activations.py`, `memory.py`: what each rank holds, and its peak;
 - `communication.py`: collective payload bytes per iteration, by kind;
 - `devices.py`, `roofline.py`: known GPUs; step time and MFU;

@@ -16,13 +16,17 @@ iteration, start-up and evaluation excluded. Collectives on groups of one rank c
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
+from megatron.deepspeed_facts import OptimizerWrapper, effective_overlap_comm
 from megatron.planning.activations import dtypes
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.layout import RankRole
-from megatron.planning.memory import communication_bytes, weight_bytes, zero3_tensors
+from megatron.planning.model_states import communication_bytes, weight_bytes, zero3_tensors
 
 _FP32 = 4
+_DDP_BUCKET = 25 * 2**20  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb=25
+_FP16_WRAPPERS = (OptimizerWrapper.FP16_UNFUSED, OptimizerWrapper.FP16_FUSED)
 
 
 def tensor_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
@@ -64,14 +68,42 @@ def tensor_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
     return total * inputs.micro_batches
 
 
-def data_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
-    """Data-parallel (and ZeRO) collective bytes per iteration on a rank of `role`.
+@dataclass(frozen=True)
+class Collective:
+    """One data-parallel collective of an iteration: its payload and when it runs."""
 
-    DeepSpeed 0.19 (see megatron/planning/memory.py for the wrappers): ZeRO-0 and
-    BF16_Optimizer all-reduce every gradient once per iteration in the communication dtype
-    (the model's unless `communication_data_type` says otherwise); BF16_Optimizer then
-    all-gathers the updated weights; ZeRO-2 all-reduces each micro-batch's bucketed gradients
-    (pre-divided: stages 1-2 never call reduce-scatter) and all-gathers the weights; ZeRO-3
+    op: str
+    """`all_reduce`, `all_gather` or `reduce_scatter`."""
+    bytes: int
+    """Payload per iteration (summed over its micro-batches)."""
+    group: int
+    """Ranks in its group."""
+    overlap: str = "none"
+    """What it runs under: `none` (exposed), `backward` (issued bucket by bucket as the
+    backward produces gradients) or `compute` (ZeRO-3's prefetched gathers)."""
+    per_micro_batch: bool = False
+    """Issued in every micro-batch (else once, in the last)."""
+    bucket_bytes: int = 0
+    """The last bucket's payload: it waits for the end of its backward, so never hides."""
+    stride: int = 1
+    """Global ranks between two neighbours of its group (whether it fits in a node)."""
+
+
+def data_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
+    """Data-parallel (and ZeRO) collective bytes per iteration on a rank of `role`."""
+    return sum(collective.bytes for collective in data_parallel_collectives(inputs, role))
+
+
+def data_parallel_collectives(inputs: PlanInputs, role: RankRole) -> list[Collective]:
+    """Data-parallel (and ZeRO) collectives per iteration on a rank of `role`.
+
+    DDP all-reduces fp32 gradients once per iteration, bucket by bucket under the last
+    micro-batch's backward. DeepSpeed 0.19, by wrapper (megatron/deepspeed_facts.py): ZeRO-0
+    and BF16_Optimizer all-reduce every gradient once, after the last backward, in the
+    communication dtype (the model's unless `communication_data_type` says otherwise);
+    BF16_Optimizer and ZeRO 1-2 then all-gather the updated weights; ZeRO-1 reduces at the
+    boundary (under its backward with `overlap_comm`), ZeRO-2 each micro-batch's bucketed
+    gradients (pre-divided all-reduces: stages 1-2 never call reduce-scatter); ZeRO-3
     all-gathers every partitioned parameter in each forward (again in the backward beyond
     `stage3_max_reuse_distance`), reduce-scatters each micro-batch's gradients and gathers
     the persistent small parameters after the step.
@@ -81,32 +113,54 @@ def data_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
     if experts:  # the experts' share, over the expert-data-parallel group (EP ranks apart)
         expert_inputs = dataclasses.replace(inputs, dp=inputs.dp // inputs.ep, sp=1)
         dense = _with_parameters(role, role.num_parameters - experts)
-        return data_parallel_bytes(inputs, dense) + data_parallel_bytes(
-            expert_inputs, _with_parameters(role, experts)
-        )
+        expert_share = data_parallel_collectives(expert_inputs, _with_parameters(role, experts))
+        # An expert-data-parallel group's ranks are EP x TP apart (deepspeed/utils/groups.py
+        # _create_expert_and_data_parallel, TP-strided).
+        spread = [dataclasses.replace(c, stride=c.stride * inputs.ep) for c in expert_share]
+        return data_parallel_collectives(inputs, dense) + spread
     if group == 1:
-        return 0
+        return []
+    collectives = _data_parallel_collectives(inputs, role, group)
+    # Data-parallel ranks are TP apart (with Ulysses, TP 1: the ZeRO group is consecutive).
+    return [dataclasses.replace(c, stride=inputs.tp) for c in collectives]
+
+
+def _data_parallel_collectives(inputs: PlanInputs, role: RankRole, group: int) -> list:
+    """`data_parallel_collectives` of one share of the parameters, over `group` ranks."""
     w, m = role.num_parameters, inputs.micro_batches
     if not inputs.deepspeed:
-        return _FP32 * w  # DDP's (or average_gradients') all-reduce of fp32 gradients
+        if inputs.engine == "megatron-pipeline":  # average_gradients after the schedule
+            return [Collective("all_reduce", _FP32 * w, group)]
+        # torch's DDP: 25 MiB buckets (bucket_cap_mb) reduced as the backward fills them.
+        return [Collective("all_reduce", _FP32 * w, group, "backward", False, _DDP_BUCKET)]
     half = weight_bytes(inputs)
     reduced = communication_bytes(inputs) * w
-    zero = inputs.zero
-    if zero.stage == 0:
-        if half != _FP32 and inputs.engine == "deepspeed-pipeline":
-            return reduced + half * w  # BF16_Optimizer: all-reduce, then all-gather
-        return reduced
+    zero, wrapper = inputs.zero, inputs.wrapper
+    gather = Collective("all_gather", half * w, group)  # after the step: never hidden
+    pipeline = inputs.engine == "deepspeed-pipeline"
+    overlapped = effective_overlap_comm(zero.stage, zero.overlap_comm, pipeline)
+    overlap = "backward" if overlapped else "none"
+    bucket = communication_bytes(inputs) * zero.reduce_bucket_size
+    if wrapper in (OptimizerWrapper.CLIENT, *_FP16_WRAPPERS):
+        return [Collective("all_reduce", reduced, group)]
+    if wrapper is OptimizerWrapper.BF16:
+        return [Collective("all_reduce", reduced, group), gather]
     if zero.stage == 1:
-        return reduced + half * w
+        return [Collective("all_reduce", reduced, group, overlap, False, bucket), gather]
     if zero.stage == 2:
-        return m * reduced + half * w
+        return [Collective("all_reduce", m * reduced, group, overlap, True, bucket), gather]
     whole, split = zero3_tensors(inputs, role.tensor_sizes)
     persistent = sum(padded for _, padded in whole)
     partitioned = sum(padded for _, padded in split)
     regathered = max(0, partitioned - zero.max_reuse_distance // 2)
-    gathers = half * (partitioned + regathered)
-    reduce_scattered = communication_bytes(inputs) * (persistent + partitioned)
-    return m * (gathers + reduce_scattered) + half * persistent
+    gathers = m * half * (partitioned + regathered)
+    scattered = m * communication_bytes(inputs) * (persistent + partitioned)
+    prefetch = half * zero.prefetch_bucket_size
+    return [
+        Collective("all_gather", gathers, group, "compute", True, prefetch),
+        Collective("reduce_scatter", scattered, group, overlap, True, bucket),
+        Collective("all_gather", half * persistent, group),
+    ]
 
 
 def _with_parameters(role: RankRole, count: int) -> RankRole:
@@ -143,7 +197,7 @@ def pipeline_bytes(inputs: PlanInputs, role: RankRole) -> int:
     return total
 
 
-def _deepspeed_pipeline_gathers(inputs: PlanInputs, role: RankRole) -> int:
+def deepspeed_pipeline_gathers(inputs: PlanInputs, role: RankRole) -> int:
     """DeepSpeed's pipeline engine at TP > 1: the tensor-parallel all-gathers of partitioned
     sends (one per activation received, two per micro-batch in the sender's backward)."""
     if inputs.engine != "deepspeed-pipeline" or inputs.tp == 1 or inputs.pp == 1:
@@ -158,40 +212,84 @@ def _deepspeed_pipeline_gathers(inputs: PlanInputs, role: RankRole) -> int:
 def expert_capacity(inputs: PlanInputs, experts: int) -> int:
     """Tokens each expert takes per micro-batch (DeepSpeed's `_capacity`): ceil(tokens /
     experts x factor), x 2 for top-2, at least `min_capacity`. Without token dropping it is
-    the busiest expert's load, which depends on the data: the plan assumes the bound."""
+    the busiest expert's load, which depends on the data: the plan assumes the bound, every
+    token (padded to a multiple of TP at TP > 1 without expert tensor parallelism,
+    sharded_moe.py top1gating L248-259)."""
     moe = inputs.model.moe
     tokens = inputs.seq_length * inputs.micro_batch
     if not moe.drop_tokens:
-        return tokens
+        return tokens if moe.expert_tensor_parallel else -(-tokens // inputs.tp) * inputs.tp
     factor = moe.train_capacity_factor * (2 if moe.top_k == 2 else 1)
     return max(-(-int(tokens * factor) // experts), moe.min_capacity)
 
 
-def all_to_all_bytes(inputs: PlanInputs, role: RankRole) -> int:
-    """All-to-all bytes per iteration: DeepSpeed-Ulysses' four per layer each way (query,
-    key, value to heads, the context back to the sequence), and DeepSpeed-MoE's dispatch and
-    combine of the [experts, capacity, h] tokens each way, per MoE layer."""
+def _moe_layers(inputs: PlanInputs, role: RankRole) -> list[int]:
+    """The expert count of each MoE layer on a rank of `role`."""
+    if inputs.model.moe is None:
+        return []
+    per_layer = inputs.model.moe.experts_per_layer
+    return [per_layer[n - 1] for chunk in role.layers for n in chunk if per_layer[n - 1] > 1]
+
+
+def _dispatched_bytes(inputs: PlanInputs, experts: int) -> int:
+    """One micro-batch's [experts, capacity, h] dispatch tensor on one rank."""
+    size = dtypes(inputs).compute
+    return experts * expert_capacity(inputs, experts) * inputs.model.hidden_size * size
+
+
+def all_to_all_parts(inputs: PlanInputs, role: RankRole) -> dict[str, int]:
+    """All-to-all bytes per iteration, by group: `ulysses` (DeepSpeed-Ulysses' four per layer
+    each way: query, key, value to heads, the context back to the sequence) and `experts`
+    (DeepSpeed-MoE's dispatch and combine of the [experts, capacity, h] tokens each way, per
+    MoE layer spread over more than one rank).
+
+    At TP > 1 DeepSpeed-MoE sends 1/TP of the capacity: every tensor-parallel rank routes
+    the same tokens, so moe/sharded_moe.py MOELayer.forward (L686-698) keeps this rank's
+    share (`drop_tokens(dispatched_input, dim=1)`, moe/mappings.py _drop_tokens) before the
+    dispatch, and the combine carries what the experts made of it (L718-732), gathered back
+    after (`gather_tokens`, L739-742; see `moe_tensor_parallel_bytes`).
+    """
     config, size = inputs.model, dtypes(inputs).compute
-    total = 0
+    parts = {"ulysses": 0, "experts": 0}
     if inputs.sp > 1:
         local = inputs.seq_length // inputs.sp * inputs.micro_batch
         width = 2 * config.projection_size + 2 * config.kv_projection_size
-        total += 2 * role.num_layers * local * width * size
-    if config.moe is not None and inputs.ep > 1:
-        for chunk in role.layers:
-            for number in chunk:
-                experts = config.moe.experts_per_layer[number - 1]
-                if experts > 1 and min(inputs.ep, experts) > 1:
-                    capacity = expert_capacity(inputs, experts)
-                    total += 4 * experts * capacity * config.hidden_size * size
-    return total * inputs.micro_batches
+        parts["ulysses"] = 2 * role.num_layers * local * width * size * inputs.micro_batches
+    for experts in _moe_layers(inputs, role):
+        if min(inputs.ep, experts) > 1:
+            parts["experts"] += 4 * _dispatched_bytes(inputs, experts) // inputs.tp
+    parts["experts"] *= inputs.micro_batches
+    return parts
+
+
+def all_to_all_bytes(inputs: PlanInputs, role: RankRole) -> int:
+    """All-to-all bytes per iteration (`all_to_all_parts`, both groups)."""
+    return sum(all_to_all_parts(inputs, role).values())
+
+
+def moe_tensor_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
+    """DeepSpeed-MoE's tensor-parallel all-gathers at TP > 1 (bytes of their outputs).
+
+    Per MoE layer and micro-batch (moe/sharded_moe.py MOELayer.forward): the combine's output
+    gathered forward (`gather_tokens`, L739-742) and the dispatch's `drop_tokens` gathering
+    its gradient backward (moe/mappings.py _DropTokens.backward); with expert tensor
+    parallelism also the dispatch's `gather_tokens` (L710-713) forward and the combine's
+    `drop_tokens` (L718-724) backward. Full recomputation repeats the forward ones.
+    """
+    if inputs.tp == 1:
+        return 0
+    forward = 2 if inputs.model.moe is not None and inputs.model.moe.expert_tensor_parallel else 1
+    passes = 2 * forward + (forward if inputs.model.recompute_granularity == "full" else 0)
+    per_micro_batch = sum(_dispatched_bytes(inputs, e) for e in _moe_layers(inputs, role))
+    return passes * per_micro_batch * inputs.micro_batches
 
 
 def rank_communication(inputs: PlanInputs, role: RankRole) -> dict[str, int]:
     """Bytes per iteration by kind, with their `total`."""
     kinds = {
         "tensor_parallel": tensor_parallel_bytes(inputs, role)
-        + _deepspeed_pipeline_gathers(inputs, role),
+        + deepspeed_pipeline_gathers(inputs, role)
+        + moe_tensor_parallel_bytes(inputs, role),
         "data_parallel": data_parallel_bytes(inputs, role),
         "pipeline": pipeline_bytes(inputs, role),
         "all_to_all": all_to_all_bytes(inputs, role),

@@ -44,7 +44,21 @@ DEVICES: dict[str, Device] = {
         # Memory as the driver reports it (nvidia-smi's MiB; rocm-smi for MI300X).
         Device("H100", 81559 * _MIB, 989e12, 494e12, 450 * _GB, 50 * _GB),
         Device("H100-PCIe", 81559 * _MIB, 756e12, 378e12, 64 * _GB, 50 * _GB),
+        # The 96 GB H100 (six HBM3 stacks: GH200 Grace Hopper's GPU, and the H100 SXM5 96GB):
+        # the H100 SXM's compute (NVIDIA GH200 datasheet: 989 TFLOPS dense bf16) and NVLink
+        # 4; 96 GiB less the same 0.44% the driver keeps back on the 80 GB part (81,559 of
+        # 81,920 MiB).
+        Device("H100-96GB", 97871 * _MIB, 989e12, 494e12, 450 * _GB, 50 * _GB),
+        # H200 SXM: 141 GB HBM3e, the H100's compute and NVLink 4 (NVIDIA H200 datasheet,
+        # https://www.nvidia.com/en-us/data-center/h200/: 1,979 TFLOPS bf16 with sparsity).
         Device("H200", 143771 * _MIB, 989e12, 494e12, 450 * _GB, 50 * _GB),
+        # B200 in an HGX B200 (1,000 W): 2.25 PFLOPS dense bf16, 1.1 PFLOPS dense TF32
+        # (NVIDIA Blackwell datasheet, HGX figures halved from sparse; tabulated at
+        # https://glennklockwood.com/garden/processors/B200); NVLink 5 at 1.8 TB/s both ways;
+        # 180 GB HBM3e, of which nvidia-smi reports 179 GiB (Vultr's HGX B200 overview,
+        # https://docs.vultr.com/inference-cookbook/cuda/getting-started/hardware-overview);
+        # one 400 Gb/s ConnectX-7 per GPU (DGX B200).
+        Device("B200", 183359 * _MIB, 2250e12, 1100e12, 900 * _GB, 50 * _GB),
         Device("A100-80GB", 81920 * _MIB, 312e12, 156e12, 300 * _GB, 25 * _GB),
         Device("A100-40GB", 40960 * _MIB, 312e12, 156e12, 300 * _GB, 25 * _GB),
         Device("L40S", 46068 * _MIB, 362e12, 183e12, 32 * _GB, 12.5 * _GB),
@@ -58,6 +72,10 @@ DEVICES: dict[str, Device] = {
 _ALIASES = {
     "H100-SXM": "H100",
     "H100-80GB": "H100",
+    "GH200": "H100-96GB",
+    "H100-SXM5-96GB": "H100-96GB",
+    "H200-SXM": "H200",
+    "HGX-B200": "B200",
     "A100": "A100-80GB",
     "A100-SXM": "A100-80GB",
     "V100": "V100-32GB",

@@ -12,10 +12,25 @@ import os
 from dataclasses import dataclass
 
 from megatron.config import ModelConfig
+from megatron.deepspeed_facts import (
+    ALLGATHER_BUCKET_SIZE,
+    MAX_LIVE_PARAMETERS,
+    MAX_REUSE_DISTANCE,
+    PARAM_PERSISTENCE_THRESHOLD,
+    PREFETCH_BUCKET_SIZE,
+    REDUCE_BUCKET_SIZE,
+    OptimizerWrapper,
+    UnsupportedByDeepSpeed,
+    optimizer_wrapper,
+)
 from megatron.layout import Engine
 
 # GPT-2's vocabulary size: the plan's vocabulary when the tokenizer's files are not here.
 GPT2_VOCAB_SIZE = 50257
+
+
+class PlanningError(ValueError):
+    """The planner cannot plan this job; the message says why, naming the setting."""
 
 
 # The planner's names for the engines (its tables and plan files use them).
@@ -32,17 +47,17 @@ class ZeroSettings:
     """The `zero_optimization` values the memory and communication models read."""
 
     stage: int = 0
-    reduce_bucket_size: int = 500_000_000
+    reduce_bucket_size: int = REDUCE_BUCKET_SIZE
     """Elements per gradient reduction bucket (DeepSpeed's default 5e8)."""
-    allgather_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = ALLGATHER_BUCKET_SIZE
     """Elements per parameter all-gather bucket after a ZeRO-1/2 step."""
     overlap_comm: bool = False
     contiguous_gradients: bool = True
-    param_persistence_threshold: int = 100_000
+    param_persistence_threshold: int = PARAM_PERSISTENCE_THRESHOLD
     """ZeRO-3: parameters with fewer elements stay whole on every rank."""
-    prefetch_bucket_size: int = 50_000_000
-    max_live_parameters: int = 1_000_000_000
-    max_reuse_distance: int = 1_000_000_000
+    prefetch_bucket_size: int = PREFETCH_BUCKET_SIZE
+    max_live_parameters: int = MAX_LIVE_PARAMETERS
+    max_reuse_distance: int = MAX_REUSE_DISTANCE
     """ZeRO-3: a gathered parameter used again within this many elements stays gathered."""
     communication_bytes: int | None = None
     """`communication_data_type` of the config (bytes per element), None: the model's dtype."""
@@ -88,6 +103,22 @@ class PlanInputs:
     def deepspeed(self) -> bool:
         """Whether DeepSpeed's engine (either form) runs the step."""
         return self.engine.startswith("deepspeed")
+
+    @property
+    def wrapper(self) -> OptimizerWrapper | None:
+        """The optimizer wrapper DeepSpeed runs for this job (None without DeepSpeed)."""
+        if not self.deepspeed:
+            return None
+        try:
+            return optimizer_wrapper(
+                self.precision,
+                self.zero.stage,
+                self.engine == "deepspeed-pipeline",
+                self.grad_accum_dtype,
+                offload_optimizer=self.zero.offload_optimizer,
+            )
+        except UnsupportedByDeepSpeed as refused:
+            raise PlanningError(f"{refused}: deepspeed.initialize would refuse it") from None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, device_type: str) -> PlanInputs:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron.deepspeed_facts import DEEPSPEED_VERSION_READ
 from megatron.model.model_size import flops_per_token, num_parameters
 from megatron.planning.communication import rank_communication
 from megatron.planning.devices import Device
@@ -123,8 +124,26 @@ def build_plan(inputs: PlanInputs, device: Device | None = None, notes: list | N
     estimate = None
     if device is not None:
         busiest = max(roles, key=lambda plan: plan.communication["total"])
-        estimate = estimate_step(inputs, busiest.communication, device)
-    return Plan(inputs, roles, device, estimate, list(notes or []))
+        estimate = estimate_step(inputs, busiest.role, device)
+    return Plan(inputs, roles, device, estimate, list(notes or []) + deepspeed_notes(inputs))
+
+
+def deepspeed_notes(inputs: PlanInputs) -> list[str]:
+    """What a DeepSpeed plan is read from, and what of it no GPU has checked yet."""
+    if not inputs.deepspeed:
+        return []
+    wrapper = inputs.wrapper
+    notes = [
+        f"DeepSpeed's optimizer wrapper {wrapper.value} and its memory terms as read from "
+        f"DeepSpeed {DEEPSPEED_VERSION_READ}'s source (megatron/deepspeed_facts.py)"
+    ]
+    if inputs.precision == "fp16":
+        notes.append(
+            f"fp16 terms: read from DeepSpeed {DEEPSPEED_VERSION_READ}'s source and measured on "
+            "a CPU with fp16 support (benchmarks/planner_accuracy.py), not yet checked on a GPU "
+            "against torch.cuda.max_memory_allocated"
+        )
+    return notes
 
 
 def _gib(count: float) -> str:
@@ -167,8 +186,9 @@ def format_plan(plan: Plan) -> str:
             f"{comm['pipeline'] / 1e6:>9.1f} {comm['all_to_all'] / 1e6:>9.1f}"
         )
     lines.append(
-        "  (memory in GiB per rank of each pipeline stage; communication in MB per rank and "
-        "iteration, payloads handed to the collectives)"
+        "  (memory in GiB per rank of each pipeline stage at its peak moment, by column: they "
+        "add up to PEAK; communication in MB per rank and iteration, payloads handed to the "
+        "collectives)"
     )
     if plan.device is not None:
         estimate = plan.estimate

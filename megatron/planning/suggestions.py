@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron.compatibility import zero_stages_on
+from megatron.layout import Engine
 from megatron.planning.inputs import PlanInputs
 
 # Tensor parallelism beyond one node's GPUs crosses the network on every layer.
@@ -39,9 +41,9 @@ def _config_has(config: dict | None, *keys: str) -> bool:
 
 def _zero_changes(inputs: PlanInputs, raw_config: dict | None) -> list[Change]:
     changes = []
-    stages = range(inputs.zero.stage + 1, 4)
+    stages = [stage for stage in range(4) if stage > inputs.zero.stage]
     if inputs.engine == "deepspeed-pipeline" and inputs.pp > 1:
-        stages = range(inputs.zero.stage + 1, 2)  # DeepSpeed's pipeline engine: ZeRO 0-1
+        stages = [stage for stage in stages if stage in zero_stages_on(Engine.DEEPSPEED_PIPE)]
     if inputs.deepspeed:
         for stage in stages:
             # At PP=1, ZeRO 2-3 run on DeepSpeed's plain engine: validation switches to it.
@@ -133,7 +135,9 @@ def candidate_changes(
             )
         )
     pp = 2 * inputs.pp
-    pipeline_ok = inputs.engine != "deepspeed" or inputs.zero.stage < 2
+    pipeline_ok = inputs.engine != "deepspeed" or inputs.zero.stage in zero_stages_on(
+        Engine.DEEPSPEED_PIPE
+    )
     if (
         inputs.sp == 1
         and pipeline_ok

@@ -175,12 +175,6 @@ def params_l2_norm(params: Iterable[torch.nn.Parameter]) -> float:
     return squares.sqrt().item()
 
 
-def optimizer_state_is_partitioned(optimizer: object, zero_stage: int) -> bool:
-    """Whether each data-parallel rank holds only a slice of the Adam state (as theirs: ZeRO
-    stages 1-3; also DeepSpeed's BF16_Optimizer, which partitions like ZeRO-1)."""
-    return zero_stage > 0 or hasattr(optimizer, "partition_count")
-
-
 def _adam_states(
     optimizer: object,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -50,6 +50,15 @@ def test_zero0_cannot_accumulate_bf16_in_fp32(tmp_path, engine: str) -> None:
         validated(tmp_path, config, f"--bf16 {engine}")
 
 
+def test_zero0_cannot_accumulate_fp16_in_fp32_either(tmp_path) -> None:
+    """DeepSpeed 0.19 refuses fp16 with "grad_accum_dtype": "fp32" at ZeRO 0 as it does bf16
+    (`megatron.deepspeed_facts.optimizer_wrapper`): a one-line error here, not its traceback."""
+    config = {"data_types": {"grad_accum_dtype": "fp32"}}
+    with pytest.raises(ArgumentError, match=r'"fp32" in .* with fp16 needs ZeRO stage 1-3'):
+        validated(tmp_path, config, "--fp16 --no-pipeline-parallel")
+    assert validated(tmp_path, config, "--fp16 --zero-stage 1").zero_stage == 1
+
+
 def _namespace(**flags) -> argparse.Namespace:
     defaults = dict(
         fp16=False, bf16=False, deepspeed=False, loss_scale=None, initial_loss_scale=2.0**32,

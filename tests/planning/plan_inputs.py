@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.config import ModelConfig
 from megatron.planning.inputs import PlanInputs, ZeroSettings
 
@@ -21,5 +23,34 @@ def plan_inputs(
         zero=ZeroSettings(),
         grad_accum_dtype="fp32",
         device_type="cpu",
+        **fields,
+    )
+
+
+def deepspeed_inputs(
+    config: ModelConfig,
+    precision: str,
+    stage: int,
+    engine: str = "deepspeed",
+    grad_accum_dtype: str | None = None,
+    device_type: str = "cuda",
+    zero: dict | None = None,
+    **layout: int,
+) -> PlanInputs:
+    """A DeepSpeed job's `PlanInputs` (micro-batch 1, the model's sequence), `layout` fields
+    as in `plan_inputs`; `world_size` follows TP x PP x DP x Ulysses unless given."""
+    fields = dict(tp=1, pp=1, dp=1, sp=1, ep=1, virtual=1, micro_batches=1)
+    fields.update(layout)
+    fields.setdefault("world_size", fields["tp"] * fields["pp"] * fields["dp"] * fields["sp"])
+    settings = dataclasses.replace(ZeroSettings(), stage=stage, **(zero or {}))
+    return PlanInputs(
+        model=config,
+        micro_batch=1,
+        seq_length=config.max_position_embeddings,
+        precision=precision,
+        engine=engine,
+        zero=settings,
+        grad_accum_dtype=grad_accum_dtype or precision,
+        device_type=device_type,
         **fields,
     )

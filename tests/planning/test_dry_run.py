@@ -276,3 +276,54 @@ def test_deepspeeds_default_engine_at_pp1_is_offered_every_zero_stage(tmp_path):
     for stage in (2, 3):
         args = parse_args(apply_flags(argv, {"--zero-stage": str(stage)}) + ["--dry-run"])
         assert plan_from_args(args, None).inputs.engine == "deepspeed"
+
+
+def test_predicted_peak_bytes_reports_a_refused_plan_and_surfaces_a_planner_bug(
+    tmp_path, monkeypatch
+):
+    """A run's start-up line: a job DeepSpeed would refuse (fp16 ZeRO-0 accumulating in fp32)
+    has no prediction; any other exception is the planner's bug and is raised, not hidden."""
+    from megatron import dry_run
+    from megatron.dry_run import predicted_peak_bytes
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"data_types": {"grad_accum_dtype": "fp32"}}))
+    fp16 = [flag if flag != "--bf16" else "--fp16" for flag in GPT2_XL]
+    args = parse_args(fp16 + ["--deepspeed_config", str(config), "--dry-run"])
+    assert predicted_peak_bytes(args, "cuda") is None
+    assert predicted_peak_bytes(parse_args(GPT2_XL + ["--dry-run"]), "cuda")
+
+    def broken(*_: object, **__: object) -> None:
+        raise ZeroDivisionError("a planner bug")
+
+    monkeypatch.setattr(dry_run, "build_plan", broken)
+    with pytest.raises(ZeroDivisionError):
+        predicted_peak_bytes(parse_args(GPT2_XL + ["--dry-run"]), "cuda")
+
+
+def test_when_every_candidate_change_is_refused_the_dry_run_says_why(tmp_path, monkeypatch, capsys):
+    """Not an empty list of suggestions: each refused change, with validation's own line."""
+    import sys
+
+    from megatron import dry_run
+
+    argv = GPT2_XL + ["--dry-run", "--dry-run-world-size", "8", "--dry-run-device", "H100"]
+    real = dry_run.parse_args
+
+    def refusing(changed: list, *rest: object, **options: object):  # noqa: ANN202
+        if changed != argv + ["--dry-run-json", str(tmp_path / "plan.json")]:
+            sys.stderr.write("error: --example-flag is refused here\n")
+            raise SystemExit(2)
+        return real(changed, *rest, **options)
+
+    monkeypatch.setattr(dry_run, "parse_args", refusing)
+    run_dry_run(argv + ["--dry-run-json", str(tmp_path / "plan.json")])
+    output = capsys.readouterr().out
+    assert "every candidate change was refused" in output
+    assert "full recomputation: error: --example-flag is refused here" in output
+    with open(tmp_path / "plan.json") as file:
+        plan = json.load(file)
+    assert plan["suggestions"] == [] and plan["refused_changes"]
+    assert all(
+        item["reason"].startswith("error: --example-flag") for item in plan["refused_changes"]
+    )

@@ -15,6 +15,12 @@ import torch
 from megatron.checkpointing.save_load import CheckpointTarget
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
+from megatron.deepspeed_facts import (
+    OptimizerWrapper,
+    guards_steps,
+    optimizer_state_partitioned,
+    optimizer_wrapper,
+)
 from megatron.layout import Engine, ParallelLayout
 from megatron.model import GPTModel
 from megatron.training.engines.base import PipelineBatch, TrainingEngine, build_optimizer
@@ -27,17 +33,20 @@ from megatron.training.step import (
     train_step_deepspeed,
     train_step_deepspeed_pipe,
 )
-from megatron.training.training_log import optimizer_state_is_partitioned
 
 
-def _deepspeed_guards_steps(layout: ParallelLayout) -> bool:
-    """Whether DeepSpeed itself skips non-finite steps and reports the gradient norm.
-
-    It does with fp16 or bf16 and in ZeRO stages 1-3 (the flags already agree with the
-    config); fp32 ZeRO-0 hands the client optimizer the raw gradients, so there our
-    optimizer guards the step.
-    """
-    return layout.precision != "fp32" or layout.zero_stage > 0
+def deepspeed_optimizer_wrapper(args: argparse.Namespace) -> OptimizerWrapper:
+    """The optimizer wrapper DeepSpeed runs for this run (`megatron.deepspeed_facts`), from the
+    settled layout and the reconciled config's accumulation dtype and optimizer offload."""
+    config = args.deepspeed_config_dict or {}
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    return optimizer_wrapper(
+        args.layout.precision,
+        args.layout.zero_stage,
+        pipeline_engine=args.layout.engine is Engine.DEEPSPEED_PIPE,
+        grad_accum_dtype=(config.get("data_types") or {}).get("grad_accum_dtype"),
+        offload_optimizer=offload.get("device", "none") not in (None, "none"),
+    )
 
 
 class DeepSpeedEngine(TrainingEngine):
@@ -75,7 +84,9 @@ class DeepSpeedEngine(TrainingEngine):
                 mpu=mpu,
                 dtype=next(model.parameters()).dtype,
             )
-        guard = not _deepspeed_guards_steps(layout)
+        # fp32 ZeRO-0 hands the client optimizer the raw gradients: there our optimizer skips
+        # non-finite steps and reports the norm; every DeepSpeed wrapper does it itself.
+        guard = not guards_steps(deepspeed_optimizer_wrapper(args))
         if guard:
             config["gradient_clipping"] = 0.0  # the optimizer clips, so it sees the norm first
         optimizer = build_optimizer(model, args, guard)
@@ -118,7 +129,7 @@ class DeepSpeedEngine(TrainingEngine):
     @property
     def optimizer_state_partitioned(self) -> bool:
         """ZeRO 1-3, or a wrapper that partitions like ZeRO-1 (BF16_Optimizer)."""
-        return optimizer_state_is_partitioned(self.optimizer, self.layout.zero_stage)
+        return optimizer_state_partitioned(deepspeed_optimizer_wrapper(self.args))
 
     def checkpoint_target(self) -> CheckpointTarget:
         """DeepSpeed's layout, written by the engine."""
