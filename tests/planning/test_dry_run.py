@@ -281,15 +281,15 @@ def test_deepspeeds_default_engine_at_pp1_is_offered_every_zero_stage(tmp_path):
 def test_predicted_peak_bytes_reports_a_refused_plan_and_surfaces_a_planner_bug(
     tmp_path, monkeypatch
 ):
-    """A run's start-up line: a job DeepSpeed would refuse (fp16 ZeRO-0 accumulating in fp32)
-    has no prediction; any other exception is the planner's bug and is raised, not hidden."""
+    """A run's start-up line: a job DeepSpeed would refuse (fp16 ZeRO-0 accumulating in fp32;
+    validation refuses that config, so the key is put in after it) has no prediction; any
+    other exception is the planner's bug and is raised, not hidden."""
     from megatron import dry_run
     from megatron.dry_run import predicted_peak_bytes
 
-    config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"data_types": {"grad_accum_dtype": "fp32"}}))
     fp16 = [flag if flag != "--bf16" else "--fp16" for flag in GPT2_XL]
-    args = parse_args(fp16 + ["--deepspeed_config", str(config), "--dry-run"])
+    args = parse_args(fp16 + ["--dry-run"])
+    args.deepspeed_config_dict["data_types"] = {"grad_accum_dtype": "fp32"}
     assert predicted_peak_bytes(args, "cuda") is None
     assert predicted_peak_bytes(parse_args(GPT2_XL + ["--dry-run"]), "cuda")
 
