@@ -31,7 +31,6 @@ from megatron.data.indexed_dataset import IndexedDatasetError
 from megatron.data.json_corpus import ensure_tokenized
 from megatron.model import GPTModel
 from megatron.model.model_size import model_size_report
-from megatron.model.moe import moe_loss
 from megatron.model.pipeline_chunks import build_pipeline_chunks
 from megatron.tokenizer import TokenizerFileError
 from megatron.training import pretrain
@@ -118,17 +117,16 @@ def get_batch_pipe(data: dict, args: argparse.Namespace) -> tuple:
     return (tokens, position_ids), (labels, loss_mask)
 
 
-def loss_func(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor, moe_loss: torch.Tensor | None = None
-) -> tuple:
-    """Mean per-token loss over the unmasked tokens, plus the weighted MoE load-balancing
-    loss when there is one, and the values to report (Megatron-DeepSpeed's names)."""
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple:
+    """Mean per-token loss over the unmasked tokens, and the value to report.
+
+    (An MoE model's load-balancing losses reach the backward through the model itself, and
+    the training step reports them as 'moe loss': `megatron.model.moe_aux_loss`.)
+    """
     losses = output_tensor.float().reshape(-1)
     loss_mask = loss_mask.reshape(-1).float()
     loss = torch.sum(losses * loss_mask) / loss_mask.sum()
-    if moe_loss is None:
-        return loss, {"lm loss": loss.detach()}
-    return loss + moe_loss, {"lm loss": loss.detach(), "moe loss": moe_loss.detach()}
+    return loss, {"lm loss": loss.detach()}
 
 
 def sequence_parallel_loss_func(
@@ -152,12 +150,10 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module, args: argparse
     """Megatron's GPT forward step: per-token losses, then `loss_func` reduces them."""
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, args)
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
-    if parallel_state.get_sequence_parallel_world_size() > 1:  # MoE is refused with Ulysses
+    if parallel_state.get_sequence_parallel_world_size() > 1:
         scale = args.sequence_parallel_loss_scale
         return output_tensor, partial(sequence_parallel_loss_func, loss_mask, gradient_scale=scale)
-    balancing = moe_loss(model)  # the MoE layers' load-balancing losses of this forward
-    weighted = None if balancing is None else balancing * args.moe_loss_coeff
-    return output_tensor, partial(loss_func, loss_mask, moe_loss=weighted)
+    return output_tensor, partial(loss_func, loss_mask)
 
 
 # Failures a user causes or must act on (bad files, a full disk, a stopped run, a stalled or

@@ -115,6 +115,8 @@ class MoEConfig:
     expert_tensor_parallel: bool = False
     """Split each expert over tensor-parallel ranks (`--enable-expert-tensor-parallelism`);
     otherwise every TP rank holds whole experts."""
+    loss_coeff: float = 0.1
+    """Weight of each layer's load-balancing loss in the training loss (`--moe-loss-coeff`)."""
 
 
 @dataclass
@@ -345,4 +347,5 @@ def moe_config_from_args(args: Namespace) -> MoEConfig | None:
         top2_2nd_expert_sampling=args.moe_top2_2nd_expert_sampling,
         residual=args.mlp_type == "residual",
         expert_tensor_parallel=bool(args.enable_expert_tensor_parallelism),
+        loss_coeff=getattr(args, "moe_loss_coeff", MoEConfig.loss_coeff),
     )

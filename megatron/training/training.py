@@ -31,6 +31,7 @@ from megatron.dry_run import (
     run_dry_run,
 )
 from megatron.initialize import initialize_megatron
+from megatron.model.moe_aux_loss import MOE_AUX_LOSSES
 from megatron.model.pipeline_chunks import activation_shape
 from megatron.tokenizer import build_tokenizer
 from megatron.training.failures import collective_failures_reported
@@ -256,6 +257,7 @@ def evaluate(
     module.eval()
     sums: dict[str, torch.Tensor] = {}
     micro_batches = args.gradient_accumulation_steps * args.eval_iters
+    MOE_AUX_LOSSES.start()
     with torch.no_grad():
         for _ in range(micro_batches):
             plain = isinstance(model, PlainTrainer)
@@ -263,6 +265,7 @@ def evaluate(
                 output, loss_func = forward_step_func(data_iterator, module, args)
                 _, reported = loss_func(output)
             accumulate_reported(sums, reported)
+    accumulate_reported(sums, MOE_AUX_LOSSES.pop())
     module.train()
     return average_over_data_parallel(sums, micro_batches)
 
