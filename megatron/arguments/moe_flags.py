@@ -3,7 +3,9 @@
 `--num-experts N [N ...]` above 1 replaces the MLP of every `--expert-interval`-th layer with
 DeepSpeed's MoE layer over our MLP class. It runs on DeepSpeed's engine without its pipeline
 engine (`--deepspeed` with `--no-pipeline-parallel`, or ZeRO-2, as Megatron-DeepSpeed's MoE
-scripts run); where that does not hold, `settle_moe` says so in one line.
+scripts run), and without `--deepspeed` on plain torch or, at PP above 1, Megatron's pipeline
+schedules (there at EP 1 and TP 1: only DeepSpeed's engine reduces expert gradients over the
+expert-data-parallel ranks). Where that does not hold, `settle_moe` says so in one line.
 """
 
 from __future__ import annotations
@@ -132,17 +134,15 @@ def _gating(args: argparse.Namespace) -> None:
 
 def _layout(args: argparse.Namespace, counts: list[int]) -> None:
     experts = f"--num-experts {' '.join(map(str, args.num_experts))}"
-    if not args.deepspeed:
-        raise ArgumentError(
-            f"{experts}: Mixture-of-Experts runs on DeepSpeed's engine (DeepSpeed-MoE, as in "
-            "Megatron-DeepSpeed); add --deepspeed --deepspeed_config FILE --no-pipeline-parallel"
-        )
     if args.pipeline_parallel:
         raise ArgumentError(
-            f"{experts} needs --no-pipeline-parallel, as Megatron-DeepSpeed's MoE scripts pass: "
-            "DeepSpeed's pipeline engine does not carry the MoE loss between stages"
+            f"{experts} needs --no-pipeline-parallel (DeepSpeed's engine), or no --deepspeed "
+            "(plain torch; Megatron's pipeline schedules at PP above 1): DeepSpeed's pipeline "
+            "engine neither scales nor reports the MoE loss of its stages"
         )
-    if args.zero_stage > 2:
+    if not args.deepspeed:
+        _without_deepspeed(args, experts)
+    if (args.zero_stage or 0) > 2:  # None without --deepspeed
         raise ArgumentError(
             f"{experts} with --zero-stage {args.zero_stage}: DeepSpeed-MoE supports ZeRO 0-2"
         )
@@ -180,3 +180,21 @@ def _layout(args: argparse.Namespace, counts: list[int]) -> None:
                 f"{experts}: {count} experts cannot be spread evenly over "
                 f"--moe-expert-parallel-size {layer_ep}"
             )
+
+
+def _without_deepspeed(args: argparse.Namespace, experts: str) -> None:
+    """Plain torch and Megatron's schedules average every gradient over the data-parallel
+    group (DDP's all-reduce), which is right only where every rank holds every expert whole."""
+    ep, tp = args.moe_expert_parallel_size, args.tensor_model_parallel_size
+    if ep > 1:
+        raise ArgumentError(
+            f"--moe-expert-parallel-size {ep} needs --deepspeed --no-pipeline-parallel: "
+            "without DeepSpeed's engine nothing reduces expert gradients over the ranks "
+            "holding the same experts; use --moe-expert-parallel-size 1"
+        )
+    if tp > 1:
+        raise ArgumentError(
+            f"{experts} with --tensor-model-parallel-size {tp} needs --deepspeed "
+            "--no-pipeline-parallel: each tensor-parallel rank's experts take 1/TP of the "
+            "tokens, and only DeepSpeed's engine sums their gradients over those ranks"
+        )

@@ -31,6 +31,7 @@ from megatron.dry_run import (
     run_dry_run,
 )
 from megatron.initialize import initialize_megatron
+from megatron.model.moe import set_up_expert_groups
 from megatron.model.moe_aux_loss import MOE_AUX_LOSSES
 from megatron.model.pipeline_chunks import activation_shape
 from megatron.tokenizer import build_tokenizer
@@ -82,7 +83,7 @@ def _param_groups(model: torch.nn.Module, args: argparse.Namespace) -> list[dict
     """Megatron's groups; with MoE, DeepSpeed's expert groups split off when asked
     (`--create-moe-param-group`) or needed (ZeRO 1-2 reduces and partitions experts apart)."""
     groups = get_param_groups(model)
-    if getattr(args, "moe", False) and (args.create_moe_param_group or args.zero_stage > 0):
+    if getattr(args, "moe", False) and (args.create_moe_param_group or (args.zero_stage or 0) > 0):
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
@@ -147,6 +148,7 @@ def setup_model_and_optimizer(model_provider: Callable, args: argparse.Namespace
             engine.set_batch_fn(model._megatron_batch_fn)
         return engine, optimizer, scheduler
     model.to(current_device())
+    set_up_expert_groups(model)  # what deepspeed.initialize does for DeepSpeed's engine
     if args.plain_pipeline:
         return _pipeline_trainer(model, args)
     optimizer = _build_optimizer(model, args, guard=True)

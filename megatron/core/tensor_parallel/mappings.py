@@ -321,3 +321,10 @@ def all_reduce_sum_over_sequence_parallel(tensor: torch.Tensor) -> torch.Tensor:
     if parallel_state.get_sequence_parallel_world_size() > 1:
         dist.all_reduce(tensor, group=parallel_state.get_sequence_parallel_group())
     return tensor
+
+
+def all_reduce_sum_over_pipeline(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place sum over the pipeline-parallel group (no autograd; reported values)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(tensor, group=parallel_state.get_pipeline_model_parallel_group())
+    return tensor
