@@ -21,10 +21,7 @@ from megatron.checkpointing import CheckpointError, CheckpointSaveError
 from megatron.config import DataConfig, ModelConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.cross_entropy import LabelOutOfVocabularyError
-from megatron.core.tensor_parallel.mappings import (
-    all_reduce_sum_over_sequence_parallel,
-    this_ranks_sequence_part,
-)
+from megatron.core.tensor_parallel.mappings import this_ranks_sequence_part
 from megatron.data.corpus_reader import InputError
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.indexed_dataset import IndexedDatasetError
@@ -96,7 +93,7 @@ def get_batch(data_iterator: Iterator, args: argparse.Namespace) -> tuple:
 
     Under DeepSpeed-Ulysses every rank of a sequence group reads the same samples and keeps
     its part of the tokens, labels and positions; the loss mask and the attention mask stay
-    whole (the loss is a mean over the full sequence, attention sees all of it).
+    whole (the model returns the whole sequence's losses, attention sees all of it).
     """
     tokens, labels, loss_mask, attention_mask, position_ids = _tokens_and_labels(
         next(data_iterator), args, current_device()
@@ -129,30 +126,10 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple:
     return loss, {"lm loss": loss.detach()}
 
 
-def sequence_parallel_loss_func(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor, gradient_scale: int = 1
-) -> tuple:
-    """`loss_func` under DeepSpeed-Ulysses: this rank's [b, s/S] losses against the full [b, s]
-    `loss_mask`, divided by the whole sequence's token count, so the S ranks' losses add up
-    to the mean over the full sequence (DeepSpeed sums their gradients); reported in full.
-
-    `gradient_scale`: S under ZeRO-3, whose reduce-scatter averages over the sequence ranks
-    (`args.sequence_parallel_loss_scale`); the reported loss is not scaled.
-    """
-    losses = output_tensor.float().reshape(-1)
-    mine = this_ranks_sequence_part(loss_mask).reshape(-1).float()
-    loss = torch.sum(losses * mine) / loss_mask.float().sum()
-    reported = all_reduce_sum_over_sequence_parallel(loss.detach().clone())
-    return loss * gradient_scale, {"lm loss": reported}
-
-
 def forward_step(data_iterator: Iterator, model: torch.nn.Module, args: argparse.Namespace):  # noqa: ANN201
     """Megatron's GPT forward step: per-token losses, then `loss_func` reduces them."""
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, args)
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
-    if parallel_state.get_sequence_parallel_world_size() > 1:
-        scale = args.sequence_parallel_loss_scale
-        return output_tensor, partial(sequence_parallel_loss_func, loss_mask, gradient_scale=scale)
     return output_tensor, partial(loss_func, loss_mask)
 
 

@@ -190,6 +190,10 @@ class ModelConfig:
     """Return logits split over the vocabulary (True for training) or gathered."""
     check_labels: bool = False
     """Raise on a label outside the (padded) vocabulary, at a device sync (`--check-labels`)."""
+    ulysses_gradient_scale: int = 1
+    """Under DeepSpeed-Ulysses, the factor on the gradient of each rank's part of the per-token
+    losses: S under ZeRO-3, whose reduce-scatter averages over the sequence ranks where their
+    parts must add up; 1 otherwise (`args.sequence_parallel_loss_scale`)."""
     bias_gelu_fusion: bool = True
     """On a GPU, run the MLP's bias add and GeLU as one compiled kernel (`--bias-gelu-fusion`)."""
     bias_dropout_fusion: bool = True
@@ -305,6 +309,7 @@ class ModelConfig:
                 get("distribute_saved_activations") or get("partition_activations")
             ),
             check_labels=bool(get("check_labels")),
+            ulysses_gradient_scale=get("sequence_parallel_loss_scale") or 1,
             bias_gelu_fusion=bool(get("bias_gelu_fusion", True)),
             bias_dropout_fusion=bool(get("bias_dropout_fusion", True)),
             torch_compile=bool(get("torch_compile")),
