@@ -21,15 +21,11 @@ from megatron.checkpointing import CheckpointError, CheckpointSaveError
 from megatron.config import DataConfig, ModelConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.cross_entropy import LabelOutOfVocabularyError
-from megatron.core.tensor_parallel.mappings import (
-    all_reduce_sum_over_sequence_parallel,
-    this_ranks_sequence_part,
-)
+from megatron.core.tensor_parallel.mappings import this_ranks_ulysses_part
 from megatron.data.corpus_reader import InputError
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.indexed_dataset import IndexedDatasetError
 from megatron.data.json_corpus import ensure_tokenized
-from megatron.model.moe import moe_loss
 from megatron.tokenizer import TokenizerFileError
 from megatron.training import pretrain
 from megatron.training.engines import PipelineBatch, engine_class
@@ -75,12 +71,12 @@ def get_batch(data_iterator: Iterator, args: argparse.Namespace) -> tuple:
 
     Under DeepSpeed-Ulysses every rank of a sequence group reads the same samples and keeps
     its part of the tokens, labels and positions; the loss mask and the attention mask stay
-    whole (the loss is a mean over the full sequence, attention sees all of it).
+    whole (the model returns the whole sequence's losses, attention sees all of it).
     """
     tokens, labels, loss_mask, attention_mask, position_ids = _tokens_and_labels(
         next(data_iterator), args, current_device()
     )
-    tokens, labels, position_ids = map(this_ranks_sequence_part, (tokens, labels, position_ids))
+    tokens, labels, position_ids = map(this_ranks_ulysses_part, (tokens, labels, position_ids))
     return tokens, labels, loss_mask, attention_mask, position_ids
 
 
@@ -96,46 +92,23 @@ def get_batch_pipe(data: dict, args: argparse.Namespace) -> tuple:
     return (tokens, position_ids), (labels, loss_mask)
 
 
-def loss_func(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor, moe_loss: torch.Tensor | None = None
-) -> tuple:
-    """Mean per-token loss over the unmasked tokens, plus the weighted MoE load-balancing
-    loss when there is one, and the values to report (Megatron-DeepSpeed's names)."""
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple:
+    """Mean per-token loss over the unmasked tokens, and the value to report.
+
+    (An MoE model's load-balancing losses reach the backward through the model itself, and
+    the training step reports them as 'moe loss': `megatron.model.moe_aux_loss`.)
+    """
     losses = output_tensor.float().reshape(-1)
     loss_mask = loss_mask.reshape(-1).float()
     loss = torch.sum(losses * loss_mask) / loss_mask.sum()
-    if moe_loss is None:
-        return loss, {"lm loss": loss.detach()}
-    return loss + moe_loss, {"lm loss": loss.detach(), "moe loss": moe_loss.detach()}
-
-
-def sequence_parallel_loss_func(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor, gradient_scale: int = 1
-) -> tuple:
-    """`loss_func` under DeepSpeed-Ulysses: this rank's [b, s/S] losses against the full [b, s]
-    `loss_mask`, divided by the whole sequence's token count, so the S ranks' losses add up
-    to the mean over the full sequence (DeepSpeed sums their gradients); reported in full.
-
-    `gradient_scale`: S under ZeRO-3, whose reduce-scatter averages over the sequence ranks
-    (`args.sequence_parallel_loss_scale`); the reported loss is not scaled.
-    """
-    losses = output_tensor.float().reshape(-1)
-    mine = this_ranks_sequence_part(loss_mask).reshape(-1).float()
-    loss = torch.sum(losses * mine) / loss_mask.float().sum()
-    reported = all_reduce_sum_over_sequence_parallel(loss.detach().clone())
-    return loss * gradient_scale, {"lm loss": reported}
+    return loss, {"lm loss": loss.detach()}
 
 
 def forward_step(data_iterator: Iterator, model: torch.nn.Module, args: argparse.Namespace):  # noqa: ANN201
     """Megatron's GPT forward step: per-token losses, then `loss_func` reduces them."""
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, args)
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
-    if parallel_state.get_sequence_parallel_world_size() > 1:  # MoE is refused with Ulysses
-        scale = args.sequence_parallel_loss_scale
-        return output_tensor, partial(sequence_parallel_loss_func, loss_mask, gradient_scale=scale)
-    balancing = moe_loss(model)  # the MoE layers' load-balancing losses of this forward
-    weighted = None if balancing is None else balancing * args.moe_loss_coeff
-    return output_tensor, partial(loss_func, loss_mask, moe_loss=weighted)
+    return output_tensor, partial(loss_func, loss_mask)
 
 
 # Failures a user causes or must act on (bad files, a full disk, a stopped run, a stalled or

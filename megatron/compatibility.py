@@ -31,7 +31,7 @@ class Feature:
     engines: frozenset[Engine]
     refusals: dict[Engine, str] = field(default_factory=dict)
     """The one-line refusal on each engine that does not run it; `str.format` fields:
-    `{flag}` (the flag with its value), `{pp}` (the pipeline size)."""
+    `{flag}` (the flag with its value), `{pp}` (the pipeline size), `{moe}` (the MoE flags)."""
 
 
 def _zero_flag(layout: ParallelLayout, moe: str | None) -> str:
@@ -118,17 +118,44 @@ FEATURES: tuple[Feature, ...] = (
         },
     ),
     Feature(
-        name="Mixture-of-Experts (DeepSpeed-MoE)",
+        name="Mixture-of-Experts (DeepSpeed-MoE layers)",
         flag="--num-experts",
         used=lambda layout, moe: moe is not None,
+        engines=frozenset({Engine.PLAIN, Engine.DEEPSPEED, Engine.MEGATRON_SCHEDULES}),
+        refusals={
+            Engine.DEEPSPEED_PIPE: (
+                "{flag} needs --no-pipeline-parallel (DeepSpeed's engine), or no --deepspeed "
+                "(plain torch; Megatron's pipeline schedules at PP above 1): DeepSpeed's "
+                "pipeline engine neither scales nor reports the MoE loss of its stages"
+            ),
+        },
+    ),
+    Feature(
+        name="expert parallelism (EP > 1)",
+        flag="--moe-expert-parallel-size",
+        used=lambda layout, moe: moe is not None and layout.expert_parallel > 1,
         engines=frozenset({Engine.DEEPSPEED}),
         refusals={
-            Engine.PLAIN: _MOE_NEEDS_DEEPSPEED,
-            Engine.MEGATRON_SCHEDULES: _MOE_NEEDS_DEEPSPEED,
-            Engine.DEEPSPEED_PIPE: (
-                "{flag} needs --no-pipeline-parallel, as Megatron-DeepSpeed's MoE scripts "
-                "pass: DeepSpeed's pipeline engine does not carry the MoE loss between stages"
-            ),
+            engine: (
+                "{flag} needs --deepspeed --no-pipeline-parallel: without DeepSpeed's engine "
+                "nothing reduces expert gradients over the ranks holding the same experts; use "
+                "--moe-expert-parallel-size 1"
+            )
+            for engine in (Engine.PLAIN, Engine.MEGATRON_SCHEDULES)
+        },
+    ),
+    Feature(
+        name="Mixture-of-Experts with tensor parallelism",
+        flag="--tensor-model-parallel-size",
+        used=lambda layout, moe: moe is not None and layout.tensor_parallel > 1,
+        engines=frozenset({Engine.DEEPSPEED}),
+        refusals={
+            engine: (
+                "{moe} with {flag} needs --deepspeed --no-pipeline-parallel: each "
+                "tensor-parallel rank's experts take 1/TP of the tokens, and only DeepSpeed's "
+                "engine sums their gradients over those ranks"
+            )
+            for engine in (Engine.PLAIN, Engine.MEGATRON_SCHEDULES)
         },
     ),
     Feature(
@@ -158,6 +185,12 @@ _FLAG_VALUES: dict[str, Callable[[ParallelLayout, str | None], str]] = {
         f"--ds-sequence-parallel-size {layout.ulysses}"
     ),
     "--num-experts": lambda layout, moe: moe or "--num-experts",
+    "--moe-expert-parallel-size": lambda layout, moe: (
+        f"--moe-expert-parallel-size {layout.expert_parallel}"
+    ),
+    "--tensor-model-parallel-size": lambda layout, moe: (
+        f"--tensor-model-parallel-size {layout.tensor_parallel}"
+    ),
 }
 
 
@@ -177,7 +210,7 @@ def refusal(layout: ParallelLayout, moe: str | None = None) -> str | None:
         )
         value = _FLAG_VALUES.get(feature.flag)
         flag = feature.flag if value is None else value(layout, moe)
-        return template.format(flag=flag, pp=layout.pipeline_parallel)
+        return template.format(flag=flag, pp=layout.pipeline_parallel, moe=moe)
     return None
 
 

@@ -115,6 +115,8 @@ class MoEConfig:
     expert_tensor_parallel: bool = False
     """Split each expert over tensor-parallel ranks (`--enable-expert-tensor-parallelism`);
     otherwise every TP rank holds whole experts."""
+    loss_coeff: float = 0.1
+    """Weight of each layer's load-balancing loss in the training loss (`--moe-loss-coeff`)."""
 
 
 @dataclass
@@ -188,6 +190,10 @@ class ModelConfig:
     """Return logits split over the vocabulary (True for training) or gathered."""
     check_labels: bool = False
     """Raise on a label outside the (padded) vocabulary, at a device sync (`--check-labels`)."""
+    ulysses_gradient_scale: int = 1
+    """Under DeepSpeed-Ulysses, the factor on the gradient of each rank's part of the per-token
+    losses: S under ZeRO-3, whose reduce-scatter averages over the sequence ranks where their
+    parts must add up; 1 otherwise (`args.sequence_parallel_loss_scale`)."""
     bias_gelu_fusion: bool = True
     """On a GPU, run the MLP's bias add and GeLU as one compiled kernel (`--bias-gelu-fusion`)."""
     bias_dropout_fusion: bool = True
@@ -303,6 +309,7 @@ class ModelConfig:
                 get("distribute_saved_activations") or get("partition_activations")
             ),
             check_labels=bool(get("check_labels")),
+            ulysses_gradient_scale=get("sequence_parallel_loss_scale") or 1,
             bias_gelu_fusion=bool(get("bias_gelu_fusion", True)),
             bias_dropout_fusion=bool(get("bias_dropout_fusion", True)),
             torch_compile=bool(get("torch_compile")),
@@ -345,4 +352,5 @@ def moe_config_from_args(args: Namespace) -> MoEConfig | None:
         top2_2nd_expert_sampling=args.moe_top2_2nd_expert_sampling,
         residual=args.mlp_type == "residual",
         expert_tensor_parallel=bool(args.enable_expert_tensor_parallelism),
+        loss_coeff=getattr(args, "moe_loss_coeff", MoEConfig.loss_coeff),
     )

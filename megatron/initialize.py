@@ -218,7 +218,8 @@ def initialize_megatron(
     initialize_distributed(
         args.distributed_backend,
         args.local_rank,
-        args.deepspeed,
+        # DeepSpeed-MoE's layers talk over deepspeed.comm on every engine.
+        args.deepspeed or getattr(args, "moe", False),
         getattr(args, "distributed_timeout_minutes", 10),
     )
     if dist.get_world_size() != args.world_size:

@@ -3,7 +3,9 @@
 `--num-experts N [N ...]` above 1 replaces the MLP of every `--expert-interval`-th layer with
 DeepSpeed's MoE layer over our MLP class. It runs on DeepSpeed's engine without its pipeline
 engine (`--deepspeed` with `--no-pipeline-parallel`, or ZeRO-2, as Megatron-DeepSpeed's MoE
-scripts run); where that does not hold, `settle_moe` says so in one line.
+scripts run), and without `--deepspeed` on plain torch or, at PP above 1, Megatron's pipeline
+schedules (there at EP 1 and TP 1: only DeepSpeed's engine reduces expert gradients over the
+expert-data-parallel ranks). Where that does not hold, `settle_moe` says so in one line.
 """
 
 from __future__ import annotations
@@ -132,8 +134,8 @@ def _gating(args: argparse.Namespace) -> None:
 
 def _layout(args: argparse.Namespace, counts: list[int]) -> None:
     experts = f"--num-experts {' '.join(map(str, args.num_experts))}"
-    # Which engines run MoE: megatron.compatibility (checked before this).
-    if args.zero_stage > 2:
+    # Which engines run MoE, and with which sizes: megatron.compatibility (checked before this).
+    if (args.zero_stage or 0) > 2:  # None without --deepspeed
         raise ArgumentError(
             f"{experts} with --zero-stage {args.zero_stage}: DeepSpeed-MoE supports ZeRO 0-2"
         )

@@ -45,8 +45,9 @@ def settle_ulysses(args: argparse.Namespace) -> None:
 def _zero3_scale(args: argparse.Namespace, flag: str) -> None:
     """ZeRO-3's reduce-scatter averages gradients over all sequence x data ranks, where the
     sequence ranks' parts must add up (ZeRO 1-2 and its own bucketed all-reduce divide by the
-    data-parallel size only): the loss each rank back-propagates is S times its part, so the
-    average is the sum. Its other reduction, without reduce-scatter, would then be S times too
+    data-parallel size only): the gradient each rank back-propagates from its part of the
+    losses is S times its share (`ModelConfig.ulysses_gradient_scale`), so the average is the
+    sum. Its other reduction, without reduce-scatter, would then be S times too
     large, so it is refused rather than guessed per bucket."""
     zero = (args.deepspeed_config_dict or {}).get("zero_optimization", {})
     if zero.get("reduce_scatter", True) is False:

@@ -291,33 +291,34 @@ def get_model_parallel_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
-# DeepSpeed-Ulysses sequence parallelism (DeepSpeed's names, as Megatron-DeepSpeed's mpu).
-def get_sequence_parallel_group() -> dist.ProcessGroup | None:
+# DeepSpeed-Ulysses sequence parallelism (`deepspeed_mpu` hands them to DeepSpeed under its
+# names, get_sequence_parallel_*, as Megatron-DeepSpeed's mpu).
+def get_ulysses_group() -> dist.ProcessGroup | None:
     """The ranks that split each sample's sequence (Ulysses); None when uninitialized."""
     return None if _STATE is None else _STATE.sequence_group
 
 
-def get_sequence_parallel_world_size() -> int:
+def get_ulysses_world_size() -> int:
     """`--ds-sequence-parallel-size` (1 when uninitialized)."""
     return 1 if _STATE is None else _STATE.sequence_parallel_size
 
 
-def get_sequence_parallel_rank() -> int:
+def get_ulysses_rank() -> int:
     """Which part of each sequence this rank holds (0 when uninitialized)."""
     return _rank_in("sequence_ranks")
 
 
-def get_sequence_data_parallel_group() -> dist.ProcessGroup | None:
+def get_ulysses_data_parallel_group() -> dist.ProcessGroup | None:
     """Sequence x data parallel ranks: where gradients are reduced and ZeRO state split."""
     return None if _STATE is None else _STATE.sequence_data_group
 
 
-def get_sequence_data_parallel_world_size() -> int:
+def get_ulysses_data_parallel_world_size() -> int:
     """Ranks in the sequence-data-parallel group (1 when uninitialized)."""
     return 1 if _STATE is None else len(_STATE.sequence_data_ranks)
 
 
-def get_sequence_data_parallel_rank() -> int:
+def get_ulysses_data_parallel_rank() -> int:
     """This rank's index in the sequence-data-parallel group."""
     return 0 if _STATE is None else _rank_in("sequence_data_ranks")
 
@@ -352,14 +353,14 @@ mpu = types.SimpleNamespace(
 def deepspeed_mpu() -> types.SimpleNamespace:
     """The object to pass as `deepspeed.initialize(mpu=...)` and `checkpointing.configure(mpu)`:
     `mpu`, plus DeepSpeed's sequence-parallel queries when Ulysses is on (size above 1)."""
-    if get_sequence_parallel_world_size() == 1:
+    if get_ulysses_world_size() == 1:
         return mpu
     return types.SimpleNamespace(
         **vars(mpu),
-        get_sequence_parallel_group=get_sequence_parallel_group,
-        get_sequence_parallel_world_size=get_sequence_parallel_world_size,
-        get_sequence_parallel_rank=get_sequence_parallel_rank,
-        get_sequence_data_parallel_group=get_sequence_data_parallel_group,
-        get_sequence_data_parallel_world_size=get_sequence_data_parallel_world_size,
-        get_sequence_data_parallel_rank=get_sequence_data_parallel_rank,
+        get_sequence_parallel_group=get_ulysses_group,
+        get_sequence_parallel_world_size=get_ulysses_world_size,
+        get_sequence_parallel_rank=get_ulysses_rank,
+        get_sequence_data_parallel_group=get_ulysses_data_parallel_group,
+        get_sequence_data_parallel_world_size=get_ulysses_data_parallel_world_size,
+        get_sequence_data_parallel_rank=get_ulysses_data_parallel_rank,
     )

@@ -4,7 +4,8 @@ The output layer is the word embedding matrix (tied, GPT-2) or, with
 `--untie-embeddings-and-output-weights` (LLaMA), its own `language_model.output_layer`.
 
     model = GPTModel(config)
-    loss = model(tokens, labels=labels)          # per-token loss [b, s], fp32
+    loss = model(tokens, labels=labels)          # per-token loss [b, s], fp32 (under
+                                                 # DeepSpeed-Ulysses the whole sequence's)
     logits = model(tokens)                       # [b, s, vocab / tp] (or vocab)
     logits = model(tokens, inference_params=cache)  # generation: see inference_params.py
 
@@ -29,6 +30,7 @@ from megatron.core.tensor_parallel import (
     linear_with_vocab_parallel_weight,
     vocab_parallel_cross_entropy,
 )
+from megatron.core.tensor_parallel.mappings import gather_sequence_parts
 from megatron.model.embedding import Embedding
 from megatron.model.inference_params import InferenceParams
 from megatron.model.transformer import ParallelTransformer
@@ -153,7 +155,10 @@ class GPTModel(nn.Module):
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab(/tp)]
         if not self.config.parallel_output:
             raise ValueError("the loss needs vocab-parallel logits (parallel_output=True)")
-        return loss_from_logits(logits, labels, self.config.check_labels)
+        losses = loss_from_logits(logits, labels, self.config.check_labels)  # [b, s(/S)]
+        # DeepSpeed-Ulysses: every rank gets the whole sequence's losses, so the loss function
+        # averages over the whole loss mask; each rank back-propagates its own part.
+        return gather_sequence_parts(losses, self.config.ulysses_gradient_scale)  # [b, s]
 
     def _check_inference(
         self,

@@ -5,9 +5,9 @@ A layer whose `ModelConfig.moe.experts_per_layer` entry is above 1 gets `build_m
 `deepspeed.moe.layer.MoE` as its `mlp`, so its parameters carry Megatron-DeepSpeed's names
 (`mlp.deepspeed_moe.gate.wg.weight`, `mlp.deepspeed_moe.experts.deepspeed_experts.{e}.
 dense_h_to_4h.weight`, with PR-MoE also `mlp.mlp.*` and `mlp.coefficient.*`). The expert
-parallel groups are DeepSpeed's, made by `deepspeed.initialize` from our `mpu`. Each MoE layer
-leaves its load-balancing loss on the module after a forward (`ParallelTransformer.moe_losses`);
-`moe_loss` sums them for the training loss.
+parallel groups are DeepSpeed's, made from our `mpu`: by `deepspeed.initialize` under DeepSpeed's
+engine, by `set_up_expert_groups` without it. Each layer's load-balancing loss reaches the
+backward through the layer's output (`megatron.model.moe_aux_loss`).
 
 This is one of the few modules that import DeepSpeed.
 """
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.core import parallel_state
 from megatron.model.mlp import ParallelMLP
 
 
@@ -54,13 +55,25 @@ def build_moe_mlp(config: ModelConfig, num_experts: int) -> nn.Module:
     )
 
 
-def moe_loss(model: nn.Module) -> torch.Tensor | None:
-    """The sum of every MoE layer's load-balancing loss of `model`'s last forward (a
-    `GPTModel`, or the engine wrapping one); None for a dense model."""
-    module = getattr(model, "module", model)
-    losses = [loss for encoder in _encoders(module) for loss in encoder.moe_losses]
-    return torch.stack([loss.float().reshape(()) for loss in losses]).sum() if losses else None
+def set_up_expert_groups(model: nn.Module) -> None:
+    """Give `model`'s MoE layers DeepSpeed's expert-parallel groups, as `deepspeed.initialize`
+    does, for the engines that are not DeepSpeed's; nothing for a dense model.
 
+    DeepSpeed builds the groups from our `mpu` (its pipeline stages are ours) over
+    `deepspeed.comm`, which `megatron.initialize` starts for MoE runs. Every rank must call
+    this: each group is made by all ranks together.
+    """
+    layers = [module for module in model.modules() if hasattr(module, "set_deepspeed_parallelism")]
+    if not layers:
+        return
+    import deepspeed
+    from deepspeed.utils import groups
 
-def _encoders(module: nn.Module) -> list[nn.Module]:
-    return [m for m in module.modules() if hasattr(m, "moe_losses")]
+    if not deepspeed.comm.is_initialized():
+        raise RuntimeError(
+            "DeepSpeed-MoE needs deepspeed.comm: call deepspeed.init_distributed() over the "
+            "process group first (megatron.initialize does for --num-experts runs)"
+        )
+    groups.mpu = parallel_state.deepspeed_mpu()
+    for layer in layers:
+        layer.set_deepspeed_parallelism()

@@ -43,11 +43,12 @@ from megatron.model.fused_ops import (
 from megatron.model.inference_params import InferenceParams
 from megatron.model.mlp import ParallelMLP, linear_kwargs
 from megatron.model.moe import build_moe_mlp
+from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, attach_aux_loss
 from megatron.model.utils import (
     build_norm,
     init_method_normal,
     scaled_init_method_normal,
-    sequence_split_over_ranks,
+    ulysses_splits_sequence,
 )
 
 
@@ -82,10 +83,10 @@ class ParallelAttention(nn.Module):
         self.core_attention = CoreAttention(config, layer_number)
         # DeepSpeed-Ulysses: this rank holds 1/S of the sequence, the core sees all of it.
         self.ulysses = None
-        if parallel_state.get_sequence_parallel_world_size() > 1:
+        if parallel_state.get_ulysses_world_size() > 1:
             self.ulysses = UlyssesAttention(
                 self.core_attention,
-                parallel_state.get_sequence_parallel_group(),
+                parallel_state.get_ulysses_group(),
                 self.recompute_core,
             )
         self.rotary = (
@@ -118,7 +119,7 @@ class ParallelAttention(nn.Module):
         if inference_params is not None:
             offset = inference_params.sequence_len_offset
         else:  # under Ulysses this rank's tokens start at its part of the sequence
-            offset = s * parallel_state.get_sequence_parallel_rank()
+            offset = s * parallel_state.get_ulysses_rank()
         if self.rotary is not None:
             angles = self.rotary(s, offset)
             query, key = apply_rotary_pos_emb(query, angles), apply_rotary_pos_emb(key, angles)
@@ -184,7 +185,7 @@ class ParallelTransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
-        self.sequence_split = sequence_split_over_ranks(config)
+        self.sequence_split = ulysses_splits_sequence(config)
         self.bias_dropout_fusion = config.bias_dropout_fusion
         self.torch_compile = config.torch_compile
         self.input_layernorm = build_norm(config)
@@ -194,8 +195,7 @@ class ParallelTransformerLayer(nn.Module):
         self.is_moe = experts > 1
         # DeepSpeed's MoE layer (`.mlp.deepspeed_moe...`, Megatron-DeepSpeed's names) or ours.
         self.mlp = build_moe_mlp(config, experts) if self.is_moe else ParallelMLP(config)
-        self.moe_loss: torch.Tensor | None = None
-        """The load-balancing loss of this layer's last forward (MoE layers)."""
+        self.moe_loss_coeff = config.moe.loss_coeff if self.is_moe else 0.0
 
     def forward(
         self,
@@ -239,8 +239,10 @@ class ParallelTransformerLayer(nn.Module):
             attention_out, attention_bias, hidden, self.hidden_dropout, self.training
         )
         if self.is_moe:
-            # DeepSpeed's MoE: (output with the experts' biases in it, gate loss, counts).
-            mlp_out, self.moe_loss, _ = self.mlp(self.post_attention_layernorm(hidden))
+            # DeepSpeed's MoE: (output with the experts' biases in it, gate loss, counts). The
+            # weighted gate loss reaches the backward through the output (moe_aux_loss.py).
+            mlp_out, balancing, _ = self.mlp(self.post_attention_layernorm(hidden))
+            mlp_out = attach_aux_loss(mlp_out, balancing, self.moe_loss_coeff)
             mlp_bias = None
         else:
             mlp_out, mlp_bias = self.mlp(self.post_attention_layernorm(hidden))
@@ -268,8 +270,7 @@ class ParallelTransformer(nn.Module):
         self.layers = nn.ModuleList(ParallelTransformerLayer(config, n) for n in numbers)
         if post_layer_norm:
             self.final_layernorm = build_norm(config)
-        self.moe_losses: list[torch.Tensor] = []
-        """The MoE layers' load-balancing losses of the last forward, in layer order."""
+        self.has_moe = any(layer.is_moe for layer in self.layers)
 
     def _recomputed_layers(self, hidden, attention_mask):
         # uniform: recompute every group of N layers as one chunk; block: recompute each of
@@ -283,15 +284,11 @@ class ParallelTransformer(nn.Module):
         for start, stop, recompute in chunks:
             run = _run_layers(self.layers[start:stop])
             if recompute:
-                # The MoE losses leave through the checkpoint too, so they keep their graph.
-                outputs = checkpoint(
+                hidden = checkpoint(
                     run, config.distribute_saved_activations, hidden, attention_mask
                 )
             else:
-                outputs = run(hidden, attention_mask)
-            # DeepSpeed's checkpoint hands a one-tensor result back unwrapped.
-            hidden, *losses = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
-            self.moe_losses += losses
+                hidden = run(hidden, attention_mask)
         return hidden
 
     def forward(
@@ -304,28 +301,26 @@ class ParallelTransformer(nn.Module):
 
         `inference_params` (the key/value cache of generation) is passed to every layer.
         """
-        self.moe_losses = []
-        if self.config.recompute_granularity == "full" and self.training:
-            hidden = self._recomputed_layers(hidden, attention_mask)
-        else:
-            for layer in self.layers:
-                hidden = layer(hidden, attention_mask, inference_params)
-                if layer.is_moe:
-                    self.moe_losses.append(layer.moe_loss)
+        # The MoE layers' losses of this forward join the step's 'moe loss' (not those of a
+        # recomputation in the backward, which runs outside this scope).
+        scope = MOE_AUX_LOSSES.forward(self.config.moe.loss_coeff) if self.has_moe else None
+        with scope or contextlib.nullcontext():
+            if self.config.recompute_granularity == "full" and self.training:
+                hidden = self._recomputed_layers(hidden, attention_mask)
+            else:
+                for layer in self.layers:
+                    hidden = layer(hidden, attention_mask, inference_params)
         if hasattr(self, "final_layernorm"):
             hidden = self.final_layernorm(hidden)
         return hidden
 
 
 def _run_layers(layers: nn.ModuleList):
-    """A function running `layers`: (hidden, *the MoE layers' load-balancing losses)."""
+    """A function running `layers` (what a recomputed chunk replays)."""
 
-    def run(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple:
-        losses = []
+    def run(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         for layer in layers:
             hidden = layer(hidden, attention_mask)
-            if layer.is_moe:
-                losses.append(layer.moe_loss)
-        return (hidden, *losses)
+        return hidden
 
     return run

@@ -6,7 +6,9 @@ with the norm over every stage) whose model is this rank's pipeline chunks, run 
 `PipelineRunner`. One step reads the global batch's micro-batches, runs them through the
 1F1B (or interleaved 1F1B) schedule, sums the tied embedding's two gradients, averages the
 gradients over data-parallel ranks, and steps. The loss is computed on the last stage and
-sent to every stage, so each rank's log line shows what Megatron's last rank prints.
+sent to every stage, so each rank's log line shows what Megatron's last rank prints. MoE layers
+on any stage pass their load-balancing loss into the backward themselves, at the scale the step
+sets (`megatron.model.moe_aux_loss`); their 'moe loss' is summed over the stages.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from megatron.core.pipeline_parallel.schedules import (
     broadcast_from_last_stage,
     sync_tied_embedding_grads,
 )
+from megatron.core.tensor_parallel.mappings import all_reduce_sum_over_pipeline
+from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, MOE_LOSS, MoEAuxLossAutoScaler
 from megatron.training.monitor import Timers
 from megatron.training.step import (
     PlainTrainer,
@@ -33,6 +37,7 @@ from megatron.training.step import (
     losses_are_nan,
     optimizer_step_tail,
 )
+from megatron.utils import current_device
 
 
 class MicroBatchLoss:
@@ -83,14 +88,27 @@ def _global_batch(data_iterator: Iterator, trainer: PipelineTrainer, microbatche
     return inputs, labels, loss_mask
 
 
+def _moe_loss_over_stages(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
+    """This step's 'moe loss' of every stage's MoE layers, summed over the stages; {} for a
+    dense model. A collective of the pipeline group."""
+    stage = MOE_AUX_LOSSES.pop()
+    if trainer.model[0].config.moe is None:
+        return {}
+    # A stage may hold no MoE layer (--expert-interval): it adds nothing.
+    total = stage.get(MOE_LOSS, torch.zeros((), device=current_device()))
+    return {MOE_LOSS: all_reduce_sum_over_pipeline(total.detach().float().clone())}
+
+
 def _reported(trainer: PipelineTrainer, microbatches: int) -> dict[str, float]:
     """The micro-batches' reported values, averaged over them and the data-parallel ranks of
-    the last stage, then sent to every stage."""
+    the last stage (with the MoE loss of every stage), then sent to every stage."""
     losses: dict[str, float] = {}
+    moe_loss = _moe_loss_over_stages(trainer)
     if parallel_state.is_pipeline_last_stage():
         sums: dict[str, torch.Tensor] = {}
         for reported in trainer.loss.reported:
             accumulate_reported(sums, reported)
+        accumulate_reported(sums, moe_loss)
         losses = average_over_data_parallel(sums, microbatches)
     trainer.loss.reported = []
     return broadcast_from_last_stage(losses)
@@ -110,6 +128,10 @@ def train_step_megatron_schedules(
     timers("forward-backward", 1).start()
     batch = _global_batch(data_iterator, trainer, microbatches)
     trainer.loss.scale = scale
+    # The last stage's loss is multiplied by `scale` (torch divides the gradients by the
+    # micro-batches afterwards): every stage's MoE losses get the same.
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
+    MOE_AUX_LOSSES.start()
     with trainer.autocast():
         trainer.loss.run(trainer.runner, microbatches, batch, train=True)
     timers("forward-backward").stop()
@@ -139,6 +161,7 @@ def evaluate_megatron_schedules(
     microbatches = trainer.gradient_accumulation_steps
     trainer.loss.scale = 1.0
     trainer.loss.reported = []
+    MOE_AUX_LOSSES.start()
     trainer.model.eval()
     try:
         for _ in range(eval_iters):

@@ -5,8 +5,10 @@ optimizer-step tail the plain engine shares with Megatron's schedules. Each step
 
 The forward-step contract is Megatron's: `forward_step_func(data_iterator, model, args)`
 returns `(output_tensor, loss_func)` and `loss_func(output_tensor)` returns
-`(loss, {"lm loss": value, ...})`. The reported values are averaged here over the
-micro-batches and the data-parallel ranks.
+`(loss, {"lm loss": value, ...})`. The MoE layers' load-balancing losses reach the backward
+through the model (`megatron.model.moe_aux_loss`); their 'moe loss' joins the reported values
+once per step. The reported values are averaged here over the micro-batches and the
+data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, scale_aux_losses_like
 from megatron.training.monitor import Timers
 from megatron.utils import current_device
 
@@ -111,9 +114,11 @@ def train_step_deepspeed(
     sums: dict[str, torch.Tensor] = {}
     micro_batches = engine.gradient_accumulation_steps()
     forward_backward.start()
+    MOE_AUX_LOSSES.start()
     for index in range(micro_batches):
         output, loss_func = forward_step_func(data_iterator, engine, args)
         loss, reported = loss_func(output)
+        scale_aux_losses_like(loss)  # the MoE losses get what DeepSpeed scales `loss` by
         engine.backward(loss)  # scales by 1/accumulation steps itself
         if index == micro_batches - 1:  # the boundary: this engine.step updates the weights
             forward_backward.stop()
@@ -122,6 +127,7 @@ def train_step_deepspeed(
         engine.step(lr_kwargs={"increment": increment})
         accumulate_reported(sums, reported)
     optimizer_step.stop()
+    accumulate_reported(sums, MOE_AUX_LOSSES.pop())
     losses = average_over_data_parallel(sums, micro_batches)
     return StepResult(
         losses=losses,
@@ -196,13 +202,16 @@ def train_step_plain(
     micro_batches = trainer.gradient_accumulation_steps
     scale = trainer.loss_scaler.scale if trainer.loss_scaler is not None else 1.0
     timers("forward-backward", 1).start()
+    MOE_AUX_LOSSES.start()
     for index in range(micro_batches):
         with trainer.no_sync(index == micro_batches - 1):
             with trainer.autocast():
                 output, loss_func = forward_step_func(data_iterator, trainer.model, args)
                 loss, reported = loss_func(output)
+            scale_aux_losses_like(loss)
             (loss.float() * (scale / micro_batches)).backward()
         accumulate_reported(sums, reported)
+    accumulate_reported(sums, MOE_AUX_LOSSES.pop())
     timers("forward-backward").stop()
     timers("optimizer", 1).start()
     params = [param for group in trainer.optimizer.param_groups for param in group["params"]]
@@ -254,11 +263,13 @@ def evaluate_forward_steps(
     the data-parallel ranks (the plain engine's and DeepSpeed's evaluation)."""
     module.eval()
     sums: dict[str, torch.Tensor] = {}
+    MOE_AUX_LOSSES.start()
     with torch.no_grad():
         for _ in range(micro_batches):
             with autocast():
                 output, loss_func = forward_step_func(data_iterator, module, args)
                 _, reported = loss_func(output)
             accumulate_reported(sums, reported)
+    accumulate_reported(sums, MOE_AUX_LOSSES.pop())
     module.train()
     return average_over_data_parallel(sums, micro_batches)

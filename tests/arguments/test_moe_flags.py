@@ -1,5 +1,6 @@
-"""Megatron-DeepSpeed's MoE flags: their meanings reach the model config, and every layout
-DeepSpeed-MoE cannot run is refused in one line naming the flags."""
+"""Megatron-DeepSpeed's MoE flags: their meanings reach the model config, MoE runs on
+DeepSpeed's engine and without DeepSpeed (plain torch, Megatron's pipeline schedules), and every
+layout DeepSpeed-MoE cannot run is refused in one line naming the flags."""
 
 from __future__ import annotations
 
@@ -63,6 +64,20 @@ def test_layers_with_fewer_experts_than_ep_spread_over_their_experts(deepspeed) 
     assert any("min(EP, its experts)" in note for note in args.compat_notes)
 
 
+@pytest.mark.parametrize("pipeline", [1, 2])
+def test_moe_runs_without_deepspeed(pipeline: int) -> None:
+    """Plain torch (PP 1) and Megatron's pipeline schedules (PP 2) take MoE at EP 1, TP 1."""
+    args = validated(
+        f"--num-experts 4 --topk 2 --moe-loss-coeff 0.25 --pipeline-model-parallel-size {pipeline}"
+        " --global-batch-size 4",
+        world_size=2,
+    )
+    moe = ModelConfig.from_args(args).moe
+    engine = Engine.MEGATRON_SCHEDULES if pipeline > 1 else Engine.PLAIN
+    assert args.moe and not args.deepspeed and args.layout.engine is engine
+    assert (moe.experts_per_layer, moe.top_k, moe.loss_coeff) == ((1, 4, 1, 4), 2, 0.25)
+
+
 def test_one_expert_is_a_dense_model(deepspeed) -> None:
     args = validated("--num-experts 1 --moe-loss-coeff 0.5 --topk 1")
     assert not args.moe and ModelConfig.from_args(args).moe is None
@@ -71,8 +86,23 @@ def test_one_expert_is_a_dense_model(deepspeed) -> None:
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ("--num-experts 4", "--num-experts 4: Mixture-of-Experts runs on DeepSpeed's engine"),
+        (
+            "--num-experts 4 --moe-expert-parallel-size 2",
+            "--moe-expert-parallel-size 2 needs --deepspeed --no-pipeline-parallel",
+        ),
+        (
+            "--num-experts 4 --pipeline-model-parallel-size 2 --moe-expert-parallel-size 2",
+            "--moe-expert-parallel-size 2 needs --deepspeed --no-pipeline-parallel",
+        ),
+        (
+            "--num-experts 4 --tensor-model-parallel-size 2",
+            "--num-experts 4 with --tensor-model-parallel-size 2 needs --deepspeed",
+        ),
         ("{ds} --num-experts 4", "--num-experts 4 needs --no-pipeline-parallel"),
+        (
+            "{ds} --num-experts 4 --pipeline-model-parallel-size 2",
+            "--num-experts 4 needs --no-pipeline-parallel (DeepSpeed's engine), or no --deepspeed",
+        ),
         ("{ds3} --num-experts 4", "--num-experts 4 with --zero-stage 3: DeepSpeed-MoE supports"),
         (
             "{ds} --no-pipeline-parallel --num-experts 4 --tensor-model-parallel-size 2 "

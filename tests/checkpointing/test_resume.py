@@ -8,11 +8,12 @@ checkpoints must be identical file by file, tensor by tensor (weights, optimizer
 scheduler, RNG states), `args` aside. (Stopping by --exit-interval, then resuming, is covered
 by test_load_options.py and test_reshard_resume.py.)
 
-The Mixture-of-Experts cases (4 experts per layer spread over 2 expert-parallel ranks, started
-by the deepspeed launcher as Megatron-DeepSpeed's MoE scripts are) write DeepSpeed's expert
-files and per-expert-rank optimizer state; their gating draws random numbers (top-2's sampled
-second expert, top-1's random token selection) from torch's generator, which the checkpoint's
-RNG state restores.
+The Mixture-of-Experts cases on DeepSpeed's engine (4 experts per layer spread over 2
+expert-parallel ranks, started by the deepspeed launcher as Megatron-DeepSpeed's MoE scripts
+are) write DeepSpeed's expert files and per-expert-rank optimizer state; the one on Megatron's
+pipeline schedules (EP=1) writes Megatron's per-stage files, every expert in them. Their gating
+draws random numbers (top-2's sampled second expert, top-1's random token selection) from
+torch's generator, which the checkpoint's RNG state restores.
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ MOE_ZERO1_BF16 = _ds(1) + MOE_EP2.split() + [
 ]  # fmt: skip
 PP2 = ["--pipeline-model-parallel-size", "2"]
 PP2_4_LAYERS = PP2 + "--num-layers 4 --seq-length 32 --max-position-embeddings 32".split()
+MOE_MEGATRON_PP2 = PP2 + "--num-experts 4 --expert-interval 1 --topk 2".split()
 CASES = {
     # Megatron's layout: 2 tensor-parallel files, each with its RNG states; 2 pipeline stages
     # under Megatron's 1F1B, and 2 x 2 virtual stages under its interleaved 1F1B (files with
     # model0, model1; 4 micro-batches per step). DeepSpeed's: the pipeline engine (ZeRO-1,
     # also at PP=1), the plain engine (ZeRO-2), TP and PP splits; DeepSpeed-MoE at EP=2 (ZeRO-0
-    # fp32 top-2; ZeRO-1 bf16 top-1 PR-MoE with DeepSpeed's expert parameter groups).
+    # fp32 top-2; ZeRO-1 bf16 top-1 PR-MoE with DeepSpeed's expert parameter groups); and
+    # DeepSpeed-MoE without DeepSpeed's engine, on Megatron's 1F1B at PP=2 (EP=1, top-2).
     "megatron-tp2": (2, TP2),
     "megatron-pp2": (2, PP2_4_LAYERS),
     "megatron-pp2-vpp2": (2, PP2_4_LAYERS + ["--virtual-pipeline-model-parallel-size", "2"]),
@@ -58,6 +61,7 @@ CASES = {
     "deepspeed-pp2": (2, _ds(1) + PP2),
     "moe-ep2-zero0-fp32": (2, MOE_ZERO0_FP32),
     "moe-ep2-zero1-bf16": (2, MOE_ZERO1_BF16),
+    "moe-megatron-pp2": (2, MOE_MEGATRON_PP2),
 }
 
 
@@ -77,7 +81,7 @@ def _final_directory(save: str) -> str:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_stop_and_resume_equals_straight_run(case: str, stdlib_dataset: str, tmp_path) -> None:
     processes, extra = CASES[case]
-    launcher = "deepspeed" if case.startswith("moe") else "torchrun"
+    launcher = "deepspeed" if "--deepspeed" in extra and case.startswith("moe") else "torchrun"
     flags = tiny_gpt_flags(stdlib_dataset) + extra
     flags += ["--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(2 * N)]
     straight_dir, resumed_dir = str(tmp_path / "straight"), str(tmp_path / "resumed")

@@ -13,8 +13,8 @@
   first choice is e) (top-1), E^2 x mean_e(the same product) (top-2).
 - The gradient norm counts every expert once at EP=2 (the EP=1 norm of the averaged grads).
 - The parameter counts of `model_size` match an MoE GPT's parameters (total and active).
-- Full recomputation (ours and DeepSpeed's checkpointing) keeps the MoE loss's gradients: the
-  losses leave the recomputed layers as checkpoint outputs.
+- Full recomputation (ours and DeepSpeed's checkpointing) keeps the MoE loss's gradients (it
+  reaches the backward inside the recomputed layers) and its logged value (counted once).
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ def _check_recomputation_keeps_the_moe_loss_gradient() -> None:
 
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.model import GPTModel
-    from megatron.model.moe import moe_loss
+    from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, MoEAuxLossAutoScaler
 
     deepspeed.init_distributed(dist_backend="gloo")
     groups.mpu = parallel_state.mpu
@@ -287,9 +287,13 @@ def _check_recomputation_keeps_the_moe_loss_gradient() -> None:
             for module in model.modules():
                 if hasattr(module, "set_deepspeed_parallelism"):
                     module.set_deepspeed_parallelism()
+            # The MoE loss (x its 0.1 coefficient) reaches the backward through the layers;
+            # its value is read after the backward, which recomputes the layers.
+            MoEAuxLossAutoScaler.set_loss_scale(1.0)
+            MOE_AUX_LOSSES.start()
             lm = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
-            balancing = moe_loss(model)
-            (lm + 0.1 * balancing).backward()
+            lm.backward()
+            balancing = MOE_AUX_LOSSES.pop()["moe loss"]
         finally:
             tp_random.use_builtin_checkpointing()
         results[mode] = (

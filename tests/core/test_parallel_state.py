@@ -55,12 +55,12 @@ DEEPSPEED_MPU_CALLS = [
 # Their presence makes DeepSpeed treat the run as Ulysses sequence parallel.
 DEEPSPEED_SEQUENCE_PARALLEL_PROBES = [
     "initialize_sequence_parallel",
-    "get_sequence_parallel_world_size",
-    "get_sequence_parallel_rank",
-    "get_sequence_parallel_group",
-    "get_sequence_data_parallel_world_size",
-    "get_sequence_data_parallel_rank",
-    "get_sequence_data_parallel_group",
+    "get_ulysses_world_size",
+    "get_ulysses_rank",
+    "get_ulysses_group",
+    "get_ulysses_data_parallel_world_size",
+    "get_ulysses_data_parallel_rank",
+    "get_ulysses_data_parallel_group",
 ]
 
 

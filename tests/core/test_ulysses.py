@@ -10,6 +10,9 @@
   of every S-th rank, one sequence-data-parallel group; refusals name the flags.
 - DeepSpeed is given the sequence-parallel queries only when S > 1 (it reads their presence
   as Ulysses).
+- The GPT's per-token losses are the whole sequence's on every rank (Megatron's loss function
+  then averages over the whole loss mask), and each rank back-propagates its own part (times
+  S under ZeRO-3): the S ranks' gradients add up to one process's.
 - Dropout: each Ulysses rank draws its masks (embedding, attention, hidden) from its own
   model-parallel stream, while the default stream, which initializes replicated weights, stays
   the same on every rank.
@@ -104,7 +107,7 @@ def _check_equals_one_process(case: dict, world: int) -> None:
     reference = _run_layer(config, hidden, grad, mask)
     parallel_state.initialize_model_parallel(1, 1, world)
     try:
-        rank = parallel_state.get_sequence_parallel_rank()
+        rank = parallel_state.get_ulysses_rank()
         part = slice(rank * SEQ // world, (rank + 1) * SEQ // world)
         output, hidden_grad, grads = _run_layer(config, hidden[part], grad[part], mask)
     finally:
@@ -115,6 +118,57 @@ def _check_equals_one_process(case: dict, world: int) -> None:
         value = value.float()
         dist.all_reduce(value)  # DeepSpeed's engine sums the sequence ranks' gradients
         close(value, reference[2][name].float(), msg=name)
+
+
+def _model_losses(config: ModelConfig, world: int, mask: torch.Tensor, text: torch.Tensor):
+    """(per-token losses, the masked mean, {param: grad}) of a fresh GPT at S = `world`, this
+    rank holding its part of the tokens, labels and positions (as pretrain_gpt.get_batch)."""
+    from megatron.core.tensor_parallel.mappings import this_ranks_ulysses_part
+    from megatron.model import GPTModel
+
+    parallel_state.initialize_model_parallel(1, 1, world)
+    try:
+        torch.manual_seed(11)
+        model = GPTModel(config)
+        tokens, labels = text[:, :-1], text[:, 1:]
+        positions = torch.arange(SEQ).expand(BATCH, SEQ)
+        parts = [this_ranks_ulysses_part(t) for t in (tokens, positions, labels)]
+        losses = model(parts[0], parts[1], labels=parts[2])
+        # pretrain_gpt.loss_func: the mean over the whole loss mask.
+        loss = torch.sum(losses.float().reshape(-1) * mask.reshape(-1)) / mask.sum()
+        loss.backward()
+        return losses.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    finally:
+        parallel_state.initialize_model_parallel(1, 1, 1)
+
+
+def _check_model_returns_the_whole_sequences_losses(world: int, gradient_scale: int) -> None:
+    """The GPT's per-token losses at S ranks are the whole sequence's on every rank, so
+    Megatron's loss function averages them over the whole loss mask; each rank back-propagates
+    its own part (times `ulysses_gradient_scale`, ZeRO-3's S), so the S ranks' gradients add
+    up to one process's (times the scale)."""
+    import deepspeed
+
+    from tests.tolerances import grad_terms, loss_terms
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    generator = torch.Generator().manual_seed(9)
+    text = torch.randint(0, 128, (BATCH, SEQ + 1), generator=generator)
+    mask = (torch.rand(BATCH, SEQ, generator=generator) > 0.2).float()
+    config = _config(init_method_std=0.2)
+    reference = _model_losses(config, 1, mask, text)
+    scaled = _config(init_method_std=0.2, ulysses_gradient_scale=gradient_scale)
+    losses, loss, grads = _model_losses(scaled, world, mask, text)
+    assert losses.shape == (BATCH, SEQ)
+    assert all(torch.equal(other, loss) for other in _gathered(loss)), "one loss on all ranks"
+    # Attention's heads and sequence parts in other orders (see _check_equals_one_process).
+    terms = loss_terms(config, SEQ)
+    assert_close_reordered(losses, reference[0], terms=terms)
+    assert_close_reordered(loss, reference[1], terms=terms + BATCH * SEQ)
+    for name, value in grads.items():
+        dist.all_reduce(value)  # DeepSpeed's engine sums the sequence ranks' gradients
+        expected = reference[2][name] * gradient_scale
+        assert_close_reordered(value, expected, terms=grad_terms(config, BATCH, SEQ), msg=name)
 
 
 def _gathered(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -173,6 +227,16 @@ CHECKS = {
         },
         f"S={world} dropout drawn per Ulysses rank": (
             _check_dropout_is_drawn_per_ulysses_rank,
+            world,
+        ),
+        f"S={world} the model returns the whole sequence's losses": (
+            _check_model_returns_the_whole_sequences_losses,
+            world,
+            1,
+        ),
+        f"S={world} ZeRO-3's gradient scale S": (
+            _check_model_returns_the_whole_sequences_losses,
+            world,
             world,
         ),
     }
@@ -235,4 +299,4 @@ def test_group_refusals_name_the_flags(world, tp, pp, sp, words) -> None:
 def test_deepspeed_sees_sequence_queries_only_under_ulysses() -> None:
     """At S=1 the mpu has no sequence queries (DeepSpeed would take them as Ulysses)."""
     assert parallel_state.deepspeed_mpu() is parallel_state.mpu
-    assert not hasattr(parallel_state.mpu, "get_sequence_parallel_group")
+    assert not hasattr(parallel_state.mpu, "get_ulysses_group")

@@ -95,7 +95,16 @@ def test_the_layout_is_frozen_and_checks_its_sizes() -> None:
             "--ds-sequence-parallel-size 2 needs --no-pipeline-parallel",
         ),
         (_layout(Engine.DEEPSPEED_PIPE), "--num-experts 4", "--num-experts 4 needs --no-pipeline"),
-        (_layout(Engine.PLAIN), "--num-experts 4", "--num-experts 4: Mixture-of-Experts runs on"),
+        (
+            _layout(Engine.PLAIN, data_parallel=2, expert_parallel=2),
+            "--num-experts 4",
+            "--moe-expert-parallel-size 2 needs --deepspeed --no-pipeline-parallel",
+        ),
+        (
+            _layout(Engine.MEGATRON_SCHEDULES, tensor_parallel=2, pipeline_parallel=2),
+            "--num-experts 4",
+            "--num-experts 4 with --tensor-model-parallel-size 2 needs --deepspeed",
+        ),
     ],
 )
 def test_each_refusal_comes_from_the_table(layout, moe, line) -> None:  # noqa: ANN001
@@ -109,6 +118,8 @@ def test_what_every_engine_runs_is_not_refused() -> None:
     assert refusal(_layout(Engine.DEEPSPEED, zero_stage=3, ulysses=2), "--num-experts 4") is None
     interleaved = _layout(Engine.MEGATRON_SCHEDULES, pipeline_parallel=2, virtual_pipeline=2)
     assert refusal(interleaved) is None
+    assert refusal(_layout(Engine.PLAIN), "--num-experts 4") is None  # MoE at EP 1, TP 1
+    assert refusal(dataclasses.replace(interleaved, virtual_pipeline=1), "--num-experts 4") is None
 
 
 def test_the_planner_reads_zero_stages_from_the_table() -> None:

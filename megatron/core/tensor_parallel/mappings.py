@@ -306,18 +306,44 @@ def gather_split_1d_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 # DeepSpeed-Ulysses. Its attention all-to-alls are DeepSpeed's (`DistributedAttention`, which
 # `megatron.model.attention` wraps); these are the rest of what a sequence split needs.
-def this_ranks_sequence_part(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+def this_ranks_ulysses_part(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """This Ulysses rank's contiguous 1/S of `tensor` along `dim` (no communication; the
     identity with one sequence-parallel rank). [b, s] -> [b, s/S] by default."""
-    world = parallel_state.get_sequence_parallel_world_size()
+    world = parallel_state.get_ulysses_world_size()
     if world == 1:
         return tensor
     part = tensor.size(dim) // world
-    return tensor.narrow(dim, parallel_state.get_sequence_parallel_rank() * part, part)
+    return tensor.narrow(dim, parallel_state.get_ulysses_rank() * part, part)
 
 
-def all_reduce_sum_over_sequence_parallel(tensor: torch.Tensor) -> torch.Tensor:
-    """In-place sum over the Ulysses sequence-parallel group (no autograd; reported values)."""
-    if parallel_state.get_sequence_parallel_world_size() > 1:
-        dist.all_reduce(tensor, group=parallel_state.get_sequence_parallel_group())
+class _GatherSequenceParts(torch.autograd.Function):
+    """[b, s/S] parts of the Ulysses ranks -> [b, s]; the backward keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, tensor, gradient_scale):
+        ctx.gradient_scale = gradient_scale
+        group = parallel_state.get_ulysses_group()
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        part = this_ranks_ulysses_part(grad).contiguous()
+        return (part if ctx.gradient_scale == 1 else part * ctx.gradient_scale), None
+
+
+def gather_sequence_parts(tensor: torch.Tensor, gradient_scale: int = 1) -> torch.Tensor:
+    """Every Ulysses rank's [b, s/S] part of `tensor`, joined to [b, s] on every rank; the
+    gradient of this rank's part is its slice of the whole one, times `gradient_scale` (the
+    identity with one sequence-parallel rank)."""
+    if parallel_state.get_ulysses_world_size() == 1:
+        return tensor
+    return _GatherSequenceParts.apply(tensor, gradient_scale)
+
+
+def all_reduce_sum_over_pipeline(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place sum over the pipeline-parallel group (no autograd; reported values)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(tensor, group=parallel_state.get_pipeline_model_parallel_group())
     return tensor

@@ -105,7 +105,7 @@ def _model_parallel_seed(seed: int) -> int:
     its ranks hold other tokens (and, in attention, other heads), so they drop out apart."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     split = parallel_state.get_tensor_model_parallel_rank()
-    split += tp * parallel_state.get_sequence_parallel_rank()
+    split += tp * parallel_state.get_ulysses_rank()
     return seed + 2718 + split
 
 
@@ -119,7 +119,7 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     """
     if _DEEPSPEED_CHECKPOINTING is not None:
         _DEEPSPEED_CHECKPOINTING.model_parallel_cuda_manual_seed(seed)
-        if parallel_state.get_sequence_parallel_world_size() > 1:
+        if parallel_state.get_ulysses_world_size() > 1:
             tracker = _DEEPSPEED_CHECKPOINTING.get_cuda_rng_tracker()
             tracker.reset()
             tracker.add(MODEL_PARALLEL_RNG_TRACKER_NAME, _model_parallel_seed(seed))

@@ -143,7 +143,8 @@ def _param_groups(model: torch.nn.Module, args: argparse.Namespace) -> list[dict
     """Megatron's groups; with MoE, DeepSpeed's expert groups split off when asked
     (`--create-moe-param-group`) or needed (ZeRO 1-2 reduces and partitions experts apart)."""
     groups = get_param_groups(model)
-    if getattr(args, "moe", False) and (args.create_moe_param_group or args.zero_stage > 0):
+    zero_stage = args.zero_stage or 0  # None without --deepspeed
+    if getattr(args, "moe", False) and (args.create_moe_param_group or zero_stage > 0):
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
         groups = split_params_into_different_moe_groups_for_optimizer(groups)

@@ -17,6 +17,7 @@ from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import PipelineRunner, initialize_tied_embedding
 from megatron.layout import Engine, ParallelLayout
+from megatron.model.moe import set_up_expert_groups
 from megatron.model.pipeline_chunks import activation_shape, build_pipeline_chunks
 from megatron.training.engines.base import (
     PipelineBatch,
@@ -64,6 +65,7 @@ class MegatronSchedulesEngine(TrainingEngine):
         if pipeline_batch is None:
             raise ValueError("Megatron's pipeline schedules need the entry script's PipelineBatch")
         model.to(current_device())
+        set_up_expert_groups(model)  # what deepspeed.initialize does on DeepSpeed's engines
         initialize_tied_embedding(model)
         optimizer = build_optimizer(model, args, guard=True)
         scheduler = scheduler_from_args(optimizer, args)

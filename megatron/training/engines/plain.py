@@ -17,6 +17,7 @@ from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.layout import Engine, ParallelLayout
 from megatron.model import GPTModel
+from megatron.model.moe import set_up_expert_groups
 from megatron.training.engines.base import (
     PipelineBatch,
     TrainingEngine,
@@ -56,6 +57,7 @@ class PlainEngine(TrainingEngine):
     ) -> PlainEngine:
         """AdamW (guarded), the scheduler, DDP over the data-parallel group when it has ranks."""
         model.to(current_device())
+        set_up_expert_groups(model)  # what deepspeed.initialize does on DeepSpeed's engines
         optimizer = build_optimizer(model, args, guard=True)
         scheduler = scheduler_from_args(optimizer, args)
         if parallel_state.get_data_parallel_world_size() > 1:
