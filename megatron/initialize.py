@@ -228,10 +228,9 @@ def initialize_megatron(
             f"{args.world_size}"
         )
     args.rank = dist.get_rank()
+    layout = args.layout  # the groups come from the settled layout
     parallel_state.initialize_model_parallel(
-        args.tensor_model_parallel_size,
-        args.pipeline_model_parallel_size,
-        args.ds_sequence_parallel_size,
+        layout.tensor_parallel, layout.pipeline_parallel, layout.ulysses
     )
     if args.deepspeed_activation_checkpointing:
         use_deepspeed_activation_checkpointing(args)
