@@ -368,14 +368,11 @@ def _run_directories(args: argparse.Namespace) -> None:
 
 
 def _schedule(args: argparse.Namespace) -> None:
-    """Build the LR schedule once on a throwaway optimizer: its errors name the flags."""
-    import torch
+    """Check the LR schedule's settings as the scheduler does: its errors name the flags."""
+    from megatron.training.scheduler import check_schedule, scheduler_arguments
 
-    from megatron.training.scheduler import OptimizerParamScheduler, scheduler_arguments
-
-    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
     try:
-        OptimizerParamScheduler(probe, **scheduler_arguments(args))
+        check_schedule(scheduler_arguments(args))
     except ValueError as error:
         raise ArgumentError(str(error)) from None
 

@@ -19,7 +19,9 @@ lags one iteration behind the sample count), or passed as `step(token_num=...)`.
 from __future__ import annotations
 
 import math
+import types
 from argparse import Namespace
+from typing import Any
 
 import torch
 
@@ -85,59 +87,12 @@ class OptimizerParamScheduler:
         self.consumed_train_tokens = 0
         """Tokens consumed before the coming iteration; the training loop keeps it current."""
         self.last_lr: list[float] = []
-        if override_opt_param_scheduler and use_checkpoint_opt_param_scheduler:
-            raise ValueError(
-                "--override-lr-scheduler and --use-checkpoint-lr-scheduler cannot both be set"
-            )
-        self._validate()
+        _check(self)
         # Megatron sets the initial lr at construction, before any optimizer step.
         self.step(0)
 
     def _validate(self) -> None:
-        if self.min_lr < 0.0:
-            raise ValueError(f"--min-lr ({self.min_lr}) must not be negative")
-        if self.max_lr < self.min_lr:
-            raise ValueError(f"--min-lr ({self.min_lr}) is larger than --lr ({self.max_lr})")
-        if self.init_lr > self.max_lr:
-            raise ValueError(
-                f"--lr-warmup-init ({self.init_lr}) is larger than --lr ({self.max_lr})"
-            )
-        if self.lr_decay_steps <= 0:
-            raise ValueError(
-                f"{_DECAY_FLAGS}: the decay must cover more than 0 samples, "
-                f"got {self.lr_decay_steps}"
-            )
-        if not 0 <= self.lr_warmup_steps < self.lr_decay_steps:
-            raise ValueError(
-                f"{_WARMUP_FLAGS}: the warmup ({self.lr_warmup_steps} samples) must be at least 0 "
-                f"and shorter than the decay ({_DECAY_FLAGS}: {self.lr_decay_steps} samples)"
-            )
-        if self.lr_warmup_tokens is not None and self.lr_warmup_tokens < 0:
-            raise ValueError(f"--lr-warmup-tokens ({self.lr_warmup_tokens}) must not be negative")
-        if self.lr_decay_tokens is not None and self.lr_decay_tokens <= 0:
-            raise ValueError(f"--lr-decay-tokens ({self.lr_decay_tokens}) must be positive")
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(
-                f"--lr-decay-style {self.lr_decay_style!r} is not one of {LR_DECAY_STYLES}"
-            )
-        if not 0.0 <= self.start_wd <= self.end_wd:
-            raise ValueError(
-                f"{_WD_FLAGS}: need 0 <= start ({self.start_wd}) <= end ({self.end_wd})"
-            )
-        if self.wd_incr_style not in WD_INCR_STYLES:
-            raise ValueError(
-                f"--weight-decay-incr-style {self.wd_incr_style!r} is not one of {WD_INCR_STYLES}"
-            )
-        if self.wd_incr_style == "constant" and self.start_wd != self.end_wd:
-            raise ValueError(
-                f"{_WD_FLAGS}: a constant --weight-decay-incr-style needs start ({self.start_wd}) "
-                f"== end ({self.end_wd})"
-            )
-        if self.wd_incr_style != "constant" and self.wd_incr_steps <= 0:
-            raise ValueError(
-                f"--train-iters/--train-samples: weight decay increment needs more than 0 "
-                f"samples, got {self.wd_incr_steps}"
-            )
+        _check(self)
 
     def get_wd(self) -> float:
         """The weight decay at the current sample count."""
@@ -380,3 +335,62 @@ def scheduler_arguments(args: Namespace) -> dict:
         lr_warmup_tokens=getattr(args, "lr_warmup_tokens", None),
         lr_decay_tokens=getattr(args, "lr_decay_tokens", None),
     )
+
+
+def _check(schedule: Any) -> None:
+    """The checks of an `OptimizerParamScheduler`'s settings (its attributes, or
+    `scheduler_arguments`' names): ValueError naming the flags."""
+    if schedule.override_opt_param_scheduler and schedule.use_checkpoint_opt_param_scheduler:
+        raise ValueError(
+            "--override-lr-scheduler and --use-checkpoint-lr-scheduler cannot both be set"
+        )
+    if schedule.min_lr < 0.0:
+        raise ValueError(f"--min-lr ({schedule.min_lr}) must not be negative")
+    if schedule.max_lr < schedule.min_lr:
+        raise ValueError(f"--min-lr ({schedule.min_lr}) is larger than --lr ({schedule.max_lr})")
+    if schedule.init_lr > schedule.max_lr:
+        raise ValueError(
+            f"--lr-warmup-init ({schedule.init_lr}) is larger than --lr ({schedule.max_lr})"
+        )
+    if schedule.lr_decay_steps <= 0:
+        raise ValueError(
+            f"{_DECAY_FLAGS}: the decay must cover more than 0 samples, "
+            f"got {schedule.lr_decay_steps}"
+        )
+    if not 0 <= schedule.lr_warmup_steps < schedule.lr_decay_steps:
+        raise ValueError(
+            f"{_WARMUP_FLAGS}: the warmup ({schedule.lr_warmup_steps} samples) must be at least 0 "
+            f"and shorter than the decay ({_DECAY_FLAGS}: {schedule.lr_decay_steps} samples)"
+        )
+    if schedule.lr_warmup_tokens is not None and schedule.lr_warmup_tokens < 0:
+        raise ValueError(f"--lr-warmup-tokens ({schedule.lr_warmup_tokens}) must not be negative")
+    if schedule.lr_decay_tokens is not None and schedule.lr_decay_tokens <= 0:
+        raise ValueError(f"--lr-decay-tokens ({schedule.lr_decay_tokens}) must be positive")
+    if schedule.lr_decay_style not in LR_DECAY_STYLES:
+        raise ValueError(
+            f"--lr-decay-style {schedule.lr_decay_style!r} is not one of {LR_DECAY_STYLES}"
+        )
+    if not 0.0 <= schedule.start_wd <= schedule.end_wd:
+        raise ValueError(
+            f"{_WD_FLAGS}: need 0 <= start ({schedule.start_wd}) <= end ({schedule.end_wd})"
+        )
+    if schedule.wd_incr_style not in WD_INCR_STYLES:
+        raise ValueError(
+            f"--weight-decay-incr-style {schedule.wd_incr_style!r} is not one of {WD_INCR_STYLES}"
+        )
+    if schedule.wd_incr_style == "constant" and schedule.start_wd != schedule.end_wd:
+        raise ValueError(
+            f"{_WD_FLAGS}: a constant --weight-decay-incr-style needs start ({schedule.start_wd}) "
+            f"== end ({schedule.end_wd})"
+        )
+    if schedule.wd_incr_style != "constant" and schedule.wd_incr_steps <= 0:
+        raise ValueError(
+            f"--train-iters/--train-samples: weight decay increment needs more than 0 "
+            f"samples, got {schedule.wd_incr_steps}"
+        )
+
+
+def check_schedule(settings: dict) -> None:
+    """Raise ValueError, naming the flags, when `scheduler_arguments(args)` describe an
+    impossible LR / weight-decay schedule (validation's check; no optimizer needed)."""
+    _check(types.SimpleNamespace(**settings))
