@@ -12,19 +12,14 @@ from collections.abc import Iterator
 
 import torch
 
-from megatron.checkpointing.save_load import CheckpointTarget
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import PipelineRunner, initialize_tied_embedding
 from megatron.layout import Engine, ParallelLayout
 from megatron.model.moe import set_up_expert_groups
 from megatron.model.pipeline_chunks import activation_shape, build_pipeline_chunks
-from megatron.training.engines.base import (
-    PipelineBatch,
-    TrainingEngine,
-    autocast_dtype,
-    build_optimizer,
-)
+from megatron.training.engines.base import PipelineBatch, autocast_dtype, build_optimizer
+from megatron.training.engines.plain import PlainEngine
 from megatron.training.megatron_schedules_step import (
     MicroBatchLoss,
     PipelineTrainer,
@@ -38,8 +33,9 @@ from megatron.training.step import ForwardStep, StepResult
 from megatron.utils import current_device
 
 
-class MegatronSchedulesEngine(TrainingEngine):
-    """A `PipelineTrainer` over this rank's chunks, stepped by the schedule."""
+class MegatronSchedulesEngine(PlainEngine):
+    """A `PipelineTrainer` over this rank's chunks, stepped by the schedule; the batch ramp,
+    the parameters, the whole Adam state and Megatron's files are the plain engine's."""
 
     kind = Engine.MEGATRON_SCHEDULES
 
@@ -101,27 +97,3 @@ class MegatronSchedulesEngine(TrainingEngine):
     def evaluate(self, data_iterator: Iterator, eval_iters: int) -> dict[str, float]:
         """Forward-only schedules; every stage gets the last stage's losses."""
         return evaluate_megatron_schedules(data_iterator, self.model, eval_iters)
-
-    def set_global_batch_size(self, global_batch_size: int) -> None:
-        """Micro-batches per iteration = global batch / (micro-batch x data-parallel)."""
-        per_step = self.args.micro_batch_size * self.args.data_parallel_size
-        self.model.gradient_accumulation_steps = global_batch_size // per_step
-
-    def module(self) -> torch.nn.Module:
-        """This rank's chunks."""
-        return self.model.model
-
-    @property
-    def optimizer_state_partitioned(self) -> bool:
-        """Every data-parallel rank holds its stage's whole Adam state."""
-        return False
-
-    def checkpoint_target(self) -> CheckpointTarget:
-        """Megatron's per-rank files, a model entry per chunk."""
-        return CheckpointTarget(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            deepspeed_files=False,
-            engine_name=self.kind.value,
-        )
