@@ -118,6 +118,19 @@ FEATURES: tuple[Feature, ...] = (
         },
     ),
     Feature(
+        name="context parallelism",
+        flag="--context-parallel-size",
+        used=lambda layout, moe: layout.context_parallel_enabled,
+        engines=frozenset({Engine.PLAIN, Engine.DEEPSPEED, Engine.MEGATRON_SCHEDULES}),
+        refusals={
+            Engine.DEEPSPEED_PIPE: (
+                "{flag} needs --no-pipeline-parallel under --deepspeed (DeepSpeed's pipeline "
+                "engine reduces gradients over the data-parallel ranks only, not the context "
+                "ones), or no --deepspeed for Megatron's schedules at PP above 1"
+            ),
+        },
+    ),
+    Feature(
         name="Mixture-of-Experts (DeepSpeed-MoE layers)",
         flag="--num-experts",
         used=lambda layout, moe: moe is not None,
@@ -183,6 +196,9 @@ _FLAG_VALUES: dict[str, Callable[[ParallelLayout, str | None], str]] = {
     ),
     "--ds-sequence-parallel-size": lambda layout, moe: (
         f"--ds-sequence-parallel-size {layout.ulysses}"
+    ),
+    "--context-parallel-size": lambda layout, moe: (
+        f"--context-parallel-size {layout.context_parallel}"
     ),
     "--num-experts": lambda layout, moe: moe or "--num-experts",
     "--moe-expert-parallel-size": lambda layout, moe: (

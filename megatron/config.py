@@ -190,10 +190,14 @@ class ModelConfig:
     """Return logits split over the vocabulary (True for training) or gathered."""
     check_labels: bool = False
     """Raise on a label outside the (padded) vocabulary, at a device sync (`--check-labels`)."""
-    ulysses_gradient_scale: int = 1
-    """Under DeepSpeed-Ulysses, the factor on the gradient of each rank's part of the per-token
-    losses: S under ZeRO-3, whose reduce-scatter averages over the sequence ranks where their
-    parts must add up; 1 otherwise (`args.sequence_parallel_loss_scale`)."""
+    sequence_split_gradient_scale: int = 1
+    """Under a sequence split (DeepSpeed-Ulysses or context parallelism over S ranks), the factor
+    on the gradient of each rank's part of the per-token losses: S where the gradient reduction
+    averages over the split ranks whose parts must add up (DDP over data x context ranks,
+    ZeRO-3's reduce-scatter); 1 where DeepSpeed sums them (`args.sequence_parallel_loss_scale`)."""
+    cp_comm_types: tuple[str, ...] = ("p2p",)
+    """Per layer, how context-parallel attention exchanges keys and values (`--cp-comm-type`):
+    `p2p` (ring attention), `allgather` (all-gather K/V) or `a2a` (all-to-all, head-split)."""
     bias_gelu_fusion: bool = True
     """On a GPU, run the MLP's bias add and GeLU as one compiled kernel (`--bias-gelu-fusion`)."""
     bias_dropout_fusion: bool = True
@@ -309,7 +313,8 @@ class ModelConfig:
                 get("distribute_saved_activations") or get("partition_activations")
             ),
             check_labels=bool(get("check_labels")),
-            ulysses_gradient_scale=get("sequence_parallel_loss_scale") or 1,
+            sequence_split_gradient_scale=get("sequence_parallel_loss_scale") or 1,
+            cp_comm_types=_cp_comm_types(args),
             bias_gelu_fusion=bool(get("bias_gelu_fusion", True)),
             bias_dropout_fusion=bool(get("bias_dropout_fusion", True)),
             torch_compile=bool(get("torch_compile")),
@@ -317,9 +322,16 @@ class ModelConfig:
             # (outside any graph): the layers are compiled one by one around them.
             compile_whole_model=(get("zero_stage") or 0) < 3
             and moe is None
-            and (get("ds_sequence_parallel_size") or 1) == 1,
+            and (get("ds_sequence_parallel_size") or 1) == 1
+            and (get("context_parallel_size") or 1) == 1,
             moe=moe,
         )
+
+
+def _cp_comm_types(args: Namespace) -> tuple[str, ...]:
+    """`--cp-comm-type` per layer: one value for all, or one per layer (Megatron-LM's form)."""
+    types = list(getattr(args, "cp_comm_type", None) or ["p2p"])
+    return tuple(types * args.num_layers if len(types) == 1 else types)
 
 
 def _activation(args: Namespace) -> str:

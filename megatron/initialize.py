@@ -230,7 +230,7 @@ def initialize_megatron(
     args.rank = dist.get_rank()
     layout = args.layout  # the groups come from the settled layout
     parallel_state.initialize_model_parallel(
-        layout.tensor_parallel, layout.pipeline_parallel, layout.ulysses
+        layout.tensor_parallel, layout.pipeline_parallel, layout.ulysses, layout.context_parallel
     )
     if args.deepspeed_activation_checkpointing:
         use_deepspeed_activation_checkpointing(args)

@@ -1,7 +1,7 @@
 """The run's parallel layout and engine: one frozen object, settled once after validation.
 
-`ParallelLayout` holds every size (tensor, pipeline and virtual pipeline, data, expert,
-DeepSpeed-Ulysses), whether Megatron's sequence parallelism is on, the ZeRO stage, the
+`ParallelLayout` holds every size (tensor, context, pipeline and virtual pipeline, data,
+expert, DeepSpeed-Ulysses), whether Megatron's sequence parallelism is on, the ZeRO stage, the
 precision and the `Engine` that trains the model. `megatron.arguments.validate_args` builds
 it (`args.layout`) after every flag is checked; code past validation reads it by name
 (`layout.engine is Engine.MEGATRON_SCHEDULES`, `layout.engine.uses_deepspeed`) instead of
@@ -85,8 +85,8 @@ def engine_of(args: argparse.Namespace) -> Engine:
 class ParallelLayout:
     """Sizes, sharding, precision and engine of one run; frozen once validated.
 
-    world = tensor x pipeline x data x ulysses; expert-parallel ranks are a subset of the
-    data-parallel ones (DeepSpeed-MoE).
+    world = tensor x context x pipeline x data x ulysses (context and Ulysses never both);
+    expert-parallel ranks are a subset of the data-parallel ones (DeepSpeed-MoE).
     """
 
     engine: Engine
@@ -104,14 +104,20 @@ class ParallelLayout:
     zero_stage: int
     precision: str
     """"fp32", "fp16" or "bf16": what the model computes in."""
+    context_parallel: int = 1
+    """Context-parallel size (`--context-parallel-size`: ring attention and its kin); 1 when
+    off."""
 
     def __post_init__(self) -> None:
         product = self.tensor_parallel * self.pipeline_parallel * self.data_parallel
-        if product * self.ulysses != self.world_size:
+        if product * self.sequence_split != self.world_size:
             raise ValueError(
-                f"layout sizes TP {self.tensor_parallel} x PP {self.pipeline_parallel} x "
-                f"DP {self.data_parallel} x Ulysses {self.ulysses} != world {self.world_size}"
+                f"layout sizes TP {self.tensor_parallel} x CP {self.context_parallel} x "
+                f"PP {self.pipeline_parallel} x DP {self.data_parallel} x Ulysses "
+                f"{self.ulysses} != world {self.world_size}"
             )
+        if self.ulysses > 1 and self.context_parallel > 1:
+            raise ValueError("layout: context parallelism and Ulysses both split the sequence")
         if self.precision not in ("fp32", "fp16", "bf16"):
             raise ValueError(f"layout precision {self.precision!r}: fp32, fp16 or bf16")
 
@@ -128,6 +134,7 @@ class ParallelLayout:
             data_parallel=args.data_parallel_size,
             expert_parallel=getattr(args, "moe_expert_parallel_size", 1) or 1,
             ulysses=getattr(args, "ds_sequence_parallel_size", 1) or 1,
+            context_parallel=getattr(args, "context_parallel_size", 1) or 1,
             zero_stage=getattr(args, "zero_stage", None) or 0,
             precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
         )
@@ -143,13 +150,25 @@ class ParallelLayout:
         return self.ulysses > 1
 
     @property
+    def context_parallel_enabled(self) -> bool:
+        """Context parallelism splits the sequence over `context_parallel` ranks."""
+        return self.context_parallel > 1
+
+    @property
+    def sequence_split(self) -> int:
+        """Ranks that split each sample's tokens (context-parallel or Ulysses), else 1."""
+        return self.ulysses * self.context_parallel
+
+    @property
     def optimizer_sharded_ranks(self) -> int:
-        """Ranks the optimizer state is spread over under ZeRO: data x Ulysses."""
-        return self.data_parallel * self.ulysses
+        """Ranks the optimizer state is spread over under ZeRO: data x context (or Ulysses)."""
+        return self.data_parallel * self.sequence_split
 
     def describe(self) -> str:
         """One line: the sizes and the engine, as the start-up log shows them."""
         parts = [f"TP {self.tensor_parallel}" + (" (SP)" if self.sequence_parallel else "")]
+        if self.context_parallel > 1:
+            parts.append(f"CP {self.context_parallel}")
         parts.append(f"PP {self.pipeline_parallel}")
         if self.virtual_pipeline > 1:
             parts.append(f"VPP {self.virtual_pipeline}")

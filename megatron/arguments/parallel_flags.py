@@ -50,6 +50,32 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
         "tensor-parallel ranks; ignored with one tensor-parallel rank.",
     )
     group.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="Context parallelism (Megatron-LM's flag): ranks that split each sample's tokens, "
+        "load-balanced for the causal mask, attention exchanging keys and values "
+        "(--cp-comm-type); any number of key/value heads; data-parallel size = world / (TP x "
+        "PP x this).",
+    )
+    group.add_argument(
+        "--cp-comm-type",
+        nargs="+",
+        default=["p2p"],
+        choices=["p2p", "a2a", "allgather", "a2a+p2p"],
+        help="How context-parallel attention exchanges keys and values, one value or one per "
+        "layer: p2p (ring attention, sends overlapped with attention), allgather (all-gather "
+        "K/V), a2a (all-to-all to whole sequences of 1/CP of the heads). a2a+p2p "
+        "(hierarchical) is refused.",
+    )
+    group.add_argument(
+        "--hierarchical-context-parallel-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="Megatron-LM's sizes for --cp-comm-type a2a+p2p; refused (not built here).",
+    )
+    group.add_argument(
         "--ds-sequence-parallel-size",
         type=int,
         default=1,

@@ -266,9 +266,12 @@ def _gradient_accumulation(
         raise ArgumentError(f"--gas {args.gas}: must be at least 1")
     if args.micro_batch_size is None:
         raise ArgumentError("--gas needs --batch-size (the global batch is their product x DP)")
-    # A data-parallel replica spans TP x PP ranks, and DeepSpeed-Ulysses' S of them on top.
-    ulysses = getattr(args, "ds_sequence_parallel_size", None) or 1
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * ulysses
+    # A data-parallel replica spans TP x PP ranks, and the sequence split's (Ulysses' or
+    # context parallelism's) on top.
+    split = (getattr(args, "ds_sequence_parallel_size", None) or 1) * (
+        getattr(args, "context_parallel_size", None) or 1
+    )
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * split
     if world_size % model_parallel != 0:
         return  # the layout's own check names the sizes
     data_parallel = world_size // model_parallel

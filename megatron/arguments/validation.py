@@ -24,6 +24,7 @@ from megatron.arguments.moe_flags import settle_moe
 from megatron.arguments.parallel_flags import job_backend
 from megatron.arguments.pipeline_checks import settle_pipeline
 from megatron.arguments.precision import check_flash_attention_precision
+from megatron.arguments.context_parallel_checks import settle_context_parallel
 from megatron.arguments.ulysses_checks import settle_ulysses
 from megatron.arguments.v1_flags import train_data_corpus, translate_v1_flags
 from megatron.atomic_files import nearest_existing
@@ -49,6 +50,7 @@ def _require(args: argparse.Namespace, *flags: str) -> None:
 def _parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     sp = args.ds_sequence_parallel_size = getattr(args, "ds_sequence_parallel_size", 1)
+    cp = args.context_parallel_size = getattr(args, "context_parallel_size", 1)
     if tp < 1 or pp < 1:
         raise ArgumentError(
             f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) "
@@ -56,22 +58,37 @@ def _parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
         )
     if sp < 1:
         raise ArgumentError(f"--ds-sequence-parallel-size ({sp}) must be at least 1")
+    if cp < 1:
+        raise ArgumentError(f"--context-parallel-size ({cp}) must be at least 1")
+    if sp > 1 and cp > 1:
+        raise ArgumentError(
+            f"--context-parallel-size {cp} with --ds-sequence-parallel-size {sp}: both split "
+            "the sequence; choose one (context parallelism also runs DeepSpeed-Ulysses' "
+            "all-to-all pattern as --cp-comm-type a2a)"
+        )
     if sp > 1 and (tp > 1 or pp > 1):
         raise ArgumentError(
             f"--ds-sequence-parallel-size ({sp}) needs "
             f"{flag_name(args, 'tensor_model_parallel_size')} 1 and "
             f"{flag_name(args, 'pipeline_model_parallel_size')} 1, not {tp} and {pp}: "
-            "DeepSpeed-Ulysses runs without them, as in Megatron-DeepSpeed"
+            "DeepSpeed-Ulysses runs without them, as in Megatron-DeepSpeed (or use "
+            "--context-parallel-size, which does)"
         )
-    if world_size % (tp * pp * sp) != 0:
-        sizes = f" x --ds-sequence-parallel-size ({sp})" if sp > 1 else ""
+    split = sp * cp
+    if world_size % (tp * pp * split) != 0:
+        sizes = ""
+        if sp > 1:
+            sizes = f" x --ds-sequence-parallel-size ({sp})"
+        elif cp > 1:
+            sizes = f" x --context-parallel-size ({cp})"
         raise ArgumentError(
             f"world size ({world_size}) is not divisible by "
             f"{flag_name(args, 'tensor_model_parallel_size')} ({tp}) x "
-            f"{flag_name(args, 'pipeline_model_parallel_size')} ({pp}){sizes} = {tp * pp * sp}"
+            f"{flag_name(args, 'pipeline_model_parallel_size')} ({pp}){sizes} = "
+            f"{tp * pp * split}"
         )
     args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp * sp)
+    args.data_parallel_size = world_size // (tp * pp * split)
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # as Megatron: nothing to split with one TP rank
 
@@ -485,6 +502,7 @@ def validate_args(
         raise ArgumentError(incompatible)
     settle_moe(args)
     settle_ulysses(args)
+    settle_context_parallel(args)
     if args.deepspeed:
         settle_gradient_accumulation_dtype(args, args.deepspeed_config_dict, config_source)
     _schedule(args)

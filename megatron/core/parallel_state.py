@@ -31,7 +31,11 @@ class ParallelConfigError(ValueError):
 
 @dataclass
 class ParallelState:
-    """The groups this rank belongs to, and the ranks in each."""
+    """The groups this rank belongs to, and the ranks in each.
+
+    The "sequence split" is whichever of context parallelism (`context_parallel`) and
+    DeepSpeed-Ulysses splits each sample's tokens over `sequence_split_size` ranks (never both).
+    """
 
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
@@ -46,7 +50,8 @@ class ParallelState:
     data_ranks: list[int]
     model_ranks: list[int]
     embedding_ranks: list[int] = field(default_factory=list)
-    sequence_parallel_size: int = 1
+    sequence_split_size: int = 1
+    context_parallel: bool = False
     sequence_group: dist.ProcessGroup | None = None
     sequence_data_group: dist.ProcessGroup | None = None
     sequence_ranks: list[int] = field(default_factory=list)
@@ -61,85 +66,86 @@ def generate_rank_groups(
     tensor_model_parallel_size: int,
     pipeline_model_parallel_size: int,
     sequence_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> dict[str, list[list[int]]]:
-    """All groups of each kind for a world, in Megatron's order (pure: no communication)."""
-    tp, pp, sp = tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel_size
-    if tp < 1 or pp < 1 or sp < 1:
-        raise ParallelConfigError(
-            f"--tensor-model-parallel-size ({tp}), --pipeline-model-parallel-size ({pp}) and "
-            f"--ds-sequence-parallel-size ({sp}) must be at least 1"
-        )
-    if sp > 1:
-        return _ulysses_rank_groups(world_size, tp, pp, sp)
-    if world_size % (tp * pp) != 0:
-        raise ParallelConfigError(
-            f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
-            f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}"
-        )
-    dp = world_size // (tp * pp)
-    ranks_per_stage = world_size // pp
-    tensor = [list(range(start, start + tp)) for start in range(0, world_size, tp)]
-    data = [
-        list(range(stage * ranks_per_stage + offset, (stage + 1) * ranks_per_stage, tp))
-        for stage in range(pp)
-        for offset in range(tp)
-    ]
-    pipeline = [list(range(first, world_size, ranks_per_stage)) for first in range(ranks_per_stage)]
-    # A model replica: every stage's data-parallel peers at the same data-parallel index.
-    model = [
-        sorted(rank for group in data for rank in group if group.index(rank) == dp_index)
-        for dp_index in range(dp)
-    ]
-    # The tied word embedding lives on the first and the last stage.
-    embedding = [sorted({group[0], group[-1]}) for group in pipeline]
-    return {
-        "tensor": tensor,
-        "data": data,
-        "pipeline": pipeline,
-        "model": model,
-        "embedding": embedding,
-    }
+    """All groups of each kind for a world, in Megatron-LM's order (pure: no communication).
 
-
-def _ulysses_rank_groups(world_size: int, tp: int, pp: int, sp: int) -> dict[str, list[list[int]]]:
-    """Megatron-DeepSpeed's groups with DeepSpeed-Ulysses, which it runs at TP = PP = 1."""
-    if tp != 1 or pp != 1:
+    Ranks are numbered tensor-parallel fastest, then the sequence split (context-parallel or
+    Ulysses ranks), then data parallel, then pipeline stages: rank = t + TP x (c + C x (d + DP
+    x p)). With a sequence split there are also `sequence` groups (the ranks that split each
+    sample) and `sequence_data` groups (those and their data-parallel peers: where gradients
+    are summed and ZeRO state partitioned; Megatron-LM's data-parallel group "with context
+    parallel").
+    """
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    sp, cp = sequence_parallel_size, context_parallel_size
+    if tp < 1 or pp < 1 or sp < 1 or cp < 1:
+        raise ParallelConfigError(
+            f"--tensor-model-parallel-size ({tp}), --pipeline-model-parallel-size ({pp}), "
+            f"--context-parallel-size ({cp}) and --ds-sequence-parallel-size ({sp}) must be at "
+            "least 1"
+        )
+    if sp > 1 and cp > 1:
+        raise ParallelConfigError(
+            f"--context-parallel-size ({cp}) with --ds-sequence-parallel-size ({sp}): choose "
+            "one way to split the sequence"
+        )
+    if sp > 1 and (tp != 1 or pp != 1):
         raise ParallelConfigError(
             f"--ds-sequence-parallel-size ({sp}) needs --tensor-model-parallel-size 1 and "
             f"--pipeline-model-parallel-size 1, not {tp} and {pp} (DeepSpeed-Ulysses runs "
             "without them, as in Megatron-DeepSpeed)"
         )
-    if world_size % sp != 0:
+    split = max(sp, cp)
+    if world_size % (tp * pp * split) != 0:
+        flag = " x --ds-sequence-parallel-size" if sp > 1 else " x --context-parallel-size"
+        sizes = f"{flag} ({split})" if split > 1 else ""
         raise ParallelConfigError(
-            f"world size ({world_size}) is not divisible by --ds-sequence-parallel-size ({sp})"
+            f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
+            f"x --pipeline-model-parallel-size ({pp}){sizes} = {tp * pp * split}"
         )
-    alone = [[rank] for rank in range(world_size)]
-    return {
-        "tensor": alone,
-        "data": [list(range(first, world_size, sp)) for first in range(sp)],
-        "pipeline": alone,
-        # One rank is a whole replica's weights: DeepSpeed reduces norms over this group, and
-        # counting a sequence peer's identical weights again would double them.
-        "model": alone,
-        "embedding": alone,
-        "sequence": [list(range(first, first + sp)) for first in range(0, world_size, sp)],
-        "sequence_data": [list(range(world_size))],
+    dp = world_size // (tp * pp * split)
+
+    def rank(t: int, c: int, d: int, p: int) -> int:
+        return t + tp * (c + split * (d + dp * p))
+
+    T, C, D, P = range(tp), range(split), range(dp), range(pp)  # noqa: N806
+    groups = {
+        "tensor": [[rank(t, c, d, p) for t in T] for p in P for d in D for c in C],
+        "data": [[rank(t, c, d, p) for d in D] for p in P for c in C for t in T],
+        "pipeline": [[rank(t, c, d, p) for p in P] for d in D for c in C for t in T],
+        # A model replica: every stage's tensor-parallel ranks at one data (and split) index;
+        # a sequence peer's identical weights are another replica, not counted twice.
+        "model": [sorted(rank(t, c, d, p) for t in T for p in P) for d in D for c in C],
     }
+    # The tied word embedding lives on the first and the last stage.
+    groups["embedding"] = [sorted({group[0], group[-1]}) for group in groups["pipeline"]]
+    if split > 1:
+        groups["sequence"] = [[rank(t, c, d, p) for c in C] for p in P for d in D for t in T]
+        groups["sequence_data"] = [
+            sorted(rank(t, c, d, p) for c in C for d in D) for p in P for t in T
+        ]
+    return groups
 
 
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     sequence_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> ParallelState:
-    """Create the TP, PP, DP, model, embedding and (Ulysses) sequence groups; every rank
-    must call it."""
+    """Create the TP, PP, DP, model, embedding and sequence-split (context-parallel or
+    Ulysses) groups; every rank must call it."""
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed initialized first")
     world_size, rank = dist.get_world_size(), dist.get_rank()
     all_groups = generate_rank_groups(
-        world_size, tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel_size
+        world_size,
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        sequence_parallel_size,
+        context_parallel_size,
     )
     mine: dict[str, tuple[dist.ProcessGroup | None, list[int]]] = {}
     made: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -152,11 +158,12 @@ def initialize_model_parallel(
             if rank in ranks:
                 mine[kind] = (made[tuple(ranks)], ranks)
     embedding_group, embedding_ranks = mine.get("embedding", (None, []))
+    split = max(sequence_parallel_size, context_parallel_size)
     _STATE = ParallelState(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         data_parallel_size=world_size
-        // (tensor_model_parallel_size * pipeline_model_parallel_size * sequence_parallel_size),
+        // (tensor_model_parallel_size * pipeline_model_parallel_size * split),
         tensor_group=mine["tensor"][0],
         pipeline_group=mine["pipeline"][0],
         data_group=mine["data"][0],
@@ -167,9 +174,10 @@ def initialize_model_parallel(
         data_ranks=mine["data"][1],
         model_ranks=mine["model"][1],
         embedding_ranks=embedding_ranks,
-        sequence_parallel_size=sequence_parallel_size,
-        # Without Ulysses a rank holds its whole sequence, and the sequence-data-parallel
-        # group is the data-parallel one (no group of one rank is made for it).
+        sequence_split_size=split,
+        context_parallel=context_parallel_size > 1,
+        # Without a sequence split a rank holds its whole sequence, and the
+        # sequence-data-parallel group is the data-parallel one (no group of one rank is made).
         sequence_group=mine.get("sequence", (None,))[0],
         sequence_data_group=mine.get("sequence_data", mine["data"])[0],
         sequence_ranks=mine.get("sequence", (None, [rank]))[1],
@@ -291,34 +299,74 @@ def get_model_parallel_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
+def _split_is(context_parallel: bool) -> bool:
+    return _STATE is not None and _STATE.sequence_split_size > 1 and (
+        _STATE.context_parallel == context_parallel
+    )
+
+
+# Context parallelism (`--context-parallel-size`, Megatron-LM's names): ring attention.
+def get_context_parallel_group() -> dist.ProcessGroup | None:
+    """The ranks that split each sample's sequence by context parallelism; None without it."""
+    return _STATE.sequence_group if _split_is(context_parallel=True) else None
+
+
+def get_context_parallel_world_size() -> int:
+    """`--context-parallel-size` (1 without it, or when uninitialized)."""
+    return _STATE.sequence_split_size if _split_is(context_parallel=True) else 1
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's index in its context-parallel group (0 without it)."""
+    return _rank_in("sequence_ranks") if _split_is(context_parallel=True) else 0
+
+
 # DeepSpeed-Ulysses sequence parallelism (`deepspeed_mpu` hands them to DeepSpeed under its
 # names, get_sequence_parallel_*, as Megatron-DeepSpeed's mpu).
 def get_ulysses_group() -> dist.ProcessGroup | None:
-    """The ranks that split each sample's sequence (Ulysses); None when uninitialized."""
-    return None if _STATE is None else _STATE.sequence_group
+    """The ranks that split each sample's sequence (Ulysses); None without it."""
+    return _STATE.sequence_group if _split_is(context_parallel=False) else None
 
 
 def get_ulysses_world_size() -> int:
-    """`--ds-sequence-parallel-size` (1 when uninitialized)."""
-    return 1 if _STATE is None else _STATE.sequence_parallel_size
+    """`--ds-sequence-parallel-size` (1 without it, or when uninitialized)."""
+    return _STATE.sequence_split_size if _split_is(context_parallel=False) else 1
 
 
 def get_ulysses_rank() -> int:
-    """Which part of each sequence this rank holds (0 when uninitialized)."""
+    """Which part of each sequence this rank holds (0 without Ulysses)."""
+    return _rank_in("sequence_ranks") if _split_is(context_parallel=False) else 0
+
+
+# The sequence split, whichever kind: the ranks that read the same samples.
+def get_sequence_split_group() -> dist.ProcessGroup | None:
+    """The context-parallel or Ulysses group; None when neither splits the sequence."""
+    return None if _STATE is None else _STATE.sequence_group
+
+
+def get_sequence_split_world_size() -> int:
+    """Ranks splitting each sample's tokens: the context-parallel or Ulysses size, else 1."""
+    return 1 if _STATE is None else _STATE.sequence_split_size
+
+
+def get_sequence_split_rank() -> int:
+    """This rank's index among them (0 when the sequence is whole)."""
     return _rank_in("sequence_ranks")
 
 
-def get_ulysses_data_parallel_group() -> dist.ProcessGroup | None:
-    """Sequence x data parallel ranks: where gradients are reduced and ZeRO state split."""
+def get_sequence_data_parallel_group() -> dist.ProcessGroup | None:
+    """Sequence-split x data-parallel ranks: where gradients are summed and ZeRO state split
+    (Megatron-LM's data-parallel group with context parallel; DeepSpeed's sequence data
+    parallel group); the data-parallel group when the sequence is whole."""
     return None if _STATE is None else _STATE.sequence_data_group
 
 
-def get_ulysses_data_parallel_world_size() -> int:
+def get_sequence_data_parallel_world_size() -> int:
     """Ranks in the sequence-data-parallel group (1 when uninitialized)."""
     return 1 if _STATE is None else len(_STATE.sequence_data_ranks)
 
 
-def get_ulysses_data_parallel_rank() -> int:
+def get_sequence_data_parallel_rank() -> int:
     """This rank's index in the sequence-data-parallel group."""
     return 0 if _STATE is None else _rank_in("sequence_data_ranks")
 
@@ -352,15 +400,18 @@ mpu = types.SimpleNamespace(
 
 def deepspeed_mpu() -> types.SimpleNamespace:
     """The object to pass as `deepspeed.initialize(mpu=...)` and `checkpointing.configure(mpu)`:
-    `mpu`, plus DeepSpeed's sequence-parallel queries when Ulysses is on (size above 1)."""
-    if get_ulysses_world_size() == 1:
+    `mpu`, plus DeepSpeed's sequence-parallel queries when the sequence is split (Ulysses or
+    context parallelism, size above 1): DeepSpeed then sums gradients over the split ranks
+    and partitions ZeRO state over them and the data-parallel ranks, which both kinds need.
+    (Ulysses' attention is DeepSpeed's `DistributedAttention`; context parallelism's is ours.)"""
+    if get_sequence_split_world_size() == 1:
         return mpu
     return types.SimpleNamespace(
         **vars(mpu),
-        get_sequence_parallel_group=get_ulysses_group,
-        get_sequence_parallel_world_size=get_ulysses_world_size,
-        get_sequence_parallel_rank=get_ulysses_rank,
-        get_sequence_data_parallel_group=get_ulysses_data_parallel_group,
-        get_sequence_data_parallel_world_size=get_ulysses_data_parallel_world_size,
-        get_sequence_data_parallel_rank=get_ulysses_data_parallel_rank,
+        get_sequence_parallel_group=get_sequence_split_group,
+        get_sequence_parallel_world_size=get_sequence_split_world_size,
+        get_sequence_parallel_rank=get_sequence_split_rank,
+        get_sequence_data_parallel_group=get_sequence_data_parallel_group,
+        get_sequence_data_parallel_world_size=get_sequence_data_parallel_world_size,
+        get_sequence_data_parallel_rank=get_sequence_data_parallel_rank,
     )

@@ -158,7 +158,7 @@ class GPTModel(nn.Module):
         losses = loss_from_logits(logits, labels, self.config.check_labels)  # [b, s(/S)]
         # DeepSpeed-Ulysses: every rank gets the whole sequence's losses, so the loss function
         # averages over the whole loss mask; each rank back-propagates its own part.
-        return gather_sequence_parts(losses, self.config.ulysses_gradient_scale)  # [b, s]
+        return gather_sequence_parts(losses, self.config.sequence_split_gradient_scale)  # [b, s]
 
     def _check_inference(
         self,

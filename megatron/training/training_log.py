@@ -164,7 +164,7 @@ def params_l2_norm(params: Iterable[torch.nn.Parameter]) -> float:
     # partitions over the sequence-data-parallel group (the data-parallel one without Ulysses).
     if zero3:
         all_reduce_if_distributed(
-            squares, dist.ReduceOp.SUM, parallel_state.get_ulysses_data_parallel_group()
+            squares, dist.ReduceOp.SUM, parallel_state.get_sequence_data_parallel_group()
         )
     # get_model_parallel_world_size() is Megatron's legacy name for the tensor-parallel size.
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -218,7 +218,7 @@ def optimizer_state_stats(optimizer: object, partitioned: bool) -> dict[str, flo
     total, largest = total.to(device), largest.to(device)
     groups = []
     if partitioned:  # over the ranks DeepSpeed partitions across (see params_l2_norm)
-        groups.append(parallel_state.get_ulysses_data_parallel_group())
+        groups.append(parallel_state.get_sequence_data_parallel_group())
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         groups.append(parallel_state.get_tensor_model_parallel_group())
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:

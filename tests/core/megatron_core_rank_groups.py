@@ -1,10 +1,12 @@
 """Oracle job: megatron-core's own rank groups, run with megatron-core importable as `megatron`.
 
 Usage: python megatron_core_rank_groups.py CASES.json OUT.json, where CASES.json lists
-[world, tp, pp] triples. For each, megatron-core 0.16.1's `RankGenerator` (the default
-order "tp-cp-ep-dp-pp", cp = ep = 1) gives the groups its `initialize_model_parallel`
-creates: "tp", "dp", "pp", "tp-pp" (the model-parallel group) and, from each pipeline group,
-`default_embedding_ranks` (first and last stage). OUT.json maps "world,tp,pp" to them.
+[world, tp, pp] triples or [world, tp, pp, cp] quadruples. For each, megatron-core 0.16.1's
+`RankGenerator` (the default order "tp-cp-ep-dp-pp", ep = 1) gives the groups its
+`initialize_model_parallel` creates: "tp", "dp", "pp", "tp-pp" (the model-parallel group),
+from each pipeline group `default_embedding_ranks` (first and last stage), and with cp > 1
+"cp" and "dp-cp" (the data-parallel group with context parallel). OUT.json maps
+"world,tp,pp" (or "world,tp,pp,cp") to them.
 
 Only `megatron/core/parallel_state.py` is needed: `megatron.core` is registered as a bare
 package so that its `__init__` (which imports the whole library, seconds) does not run.
@@ -22,13 +24,16 @@ sys.modules["megatron.core"] = core
 from megatron.core.parallel_state import RankGenerator, default_embedding_ranks  # noqa: E402
 
 
-def groups(world: int, tp: int, pp: int) -> dict:
+def groups(world: int, tp: int, pp: int, cp: int = 1) -> dict:
     """Every group kind megatron-core builds for this world (ranks in megatron-core's order)."""
     generator = RankGenerator(
-        tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp"
+        tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order="tp-cp-ep-dp-pp"
     )
     pipeline = generator.get_ranks("pp")
-    return {
+    context = {}
+    if cp > 1:
+        context = {"sequence": generator.get_ranks("cp"), "sequence_data": generator.get_ranks("dp-cp")}
+    return context | {
         "tensor": generator.get_ranks("tp"),
         "data": generator.get_ranks("dp"),
         "pipeline": pipeline,
@@ -41,7 +46,7 @@ def main() -> None:
     """Read the cases, write megatron-core's groups for each."""
     with open(sys.argv[1]) as stream:
         cases = json.load(stream)
-    result = {f"{w},{tp},{pp}": groups(w, tp, pp) for w, tp, pp in cases}
+    result = {",".join(map(str, case)): groups(*case) for case in cases}
     with open(sys.argv[2], "w") as out:
         json.dump(result, out)
 

@@ -52,15 +52,15 @@ DEEPSPEED_MPU_CALLS = [
     "get_slice_parallel_rank",
     "get_slice_parallel_world_size",
 ]
-# Their presence makes DeepSpeed treat the run as Ulysses sequence parallel.
+# Their presence makes DeepSpeed treat the run as sequence parallel (deepspeed/utils/groups.py).
 DEEPSPEED_SEQUENCE_PARALLEL_PROBES = [
     "initialize_sequence_parallel",
-    "get_ulysses_world_size",
-    "get_ulysses_rank",
-    "get_ulysses_group",
-    "get_ulysses_data_parallel_world_size",
-    "get_ulysses_data_parallel_rank",
-    "get_ulysses_data_parallel_group",
+    "get_sequence_parallel_world_size",
+    "get_sequence_parallel_rank",
+    "get_sequence_parallel_group",
+    "get_sequence_data_parallel_world_size",
+    "get_sequence_data_parallel_rank",
+    "get_sequence_data_parallel_group",
 ]
 
 
@@ -95,6 +95,29 @@ def test_generate_rank_groups_equals_megatron_core(tmp_path):
             if ours[kind] != theirs[kind]
         ]
     assert not mismatches, "\n".join(mismatches[:20])
+
+
+def test_context_parallel_groups_equal_megatron_core(tmp_path):
+    """With --context-parallel-size: megatron-core's cp and dp-cp groups are our sequence and
+    sequence-data groups, and every other kind is still theirs (order tp-cp-ep-dp-pp)."""
+    cases = [
+        [world, tp, pp, cp]
+        for world in (4, 8, 12, 16)
+        for tp in (1, 2)
+        for pp in (1, 2)
+        for cp in (2, 4)
+        if world % (tp * pp * cp) == 0
+    ]
+    cases_file, out_file = tmp_path / "cases.json", tmp_path / "groups.json"
+    cases_file.write_text(json.dumps(cases))
+    run_oracle(ORACLE_SCRIPT, str(cases_file), str(out_file))
+    expected = json.loads(out_file.read_text())
+    for world, tp, pp, cp in cases:
+        ours = generate_rank_groups(world, tp, pp, context_parallel_size=cp)
+        theirs = expected[f"{world},{tp},{pp},{cp}"]
+        assert sorted(ours) == sorted(KINDS + ["sequence", "sequence_data"])
+        for kind in theirs:
+            assert ours[kind] == theirs[kind], (world, tp, pp, cp, kind)
 
 
 @pytest.mark.parametrize("world, tp, pp", [(8, 2, 2), (12, 3, 2), (16, 1, 4), (6, 6, 1)])

@@ -145,7 +145,7 @@ def _model_losses(config: ModelConfig, world: int, mask: torch.Tensor, text: tor
 def _check_model_returns_the_whole_sequences_losses(world: int, gradient_scale: int) -> None:
     """The GPT's per-token losses at S ranks are the whole sequence's on every rank, so
     Megatron's loss function averages them over the whole loss mask; each rank back-propagates
-    its own part (times `ulysses_gradient_scale`, ZeRO-3's S), so the S ranks' gradients add
+    its own part (times `sequence_split_gradient_scale`, ZeRO-3's S), so the S ranks' gradients add
     up to one process's (times the scale)."""
     import deepspeed
 
@@ -157,7 +157,7 @@ def _check_model_returns_the_whole_sequences_losses(world: int, gradient_scale: 
     mask = (torch.rand(BATCH, SEQ, generator=generator) > 0.2).float()
     config = _config(init_method_std=0.2)
     reference = _model_losses(config, 1, mask, text)
-    scaled = _config(init_method_std=0.2, ulysses_gradient_scale=gradient_scale)
+    scaled = _config(init_method_std=0.2, sequence_split_gradient_scale=gradient_scale)
     losses, loss, grads = _model_losses(scaled, world, mask, text)
     assert losses.shape == (BATCH, SEQ)
     assert all(torch.equal(other, loss) for other in _gathered(loss)), "one loss on all ranks"
@@ -286,7 +286,7 @@ def test_groups_are_megatron_deepspeeds() -> None:
     [
         (8, 2, 1, 2, "--tensor-model-parallel-size 1"),
         (8, 1, 2, 2, "--pipeline-model-parallel-size 1"),
-        (6, 1, 1, 4, "world size (6) is not divisible by --ds-sequence-parallel-size (4)"),
+        (6, 1, 1, 4, "--pipeline-model-parallel-size (1) x --ds-sequence-parallel-size (4) = 4"),
         (8, 1, 1, 0, "--ds-sequence-parallel-size (0) must be at least 1"),
     ],
 )

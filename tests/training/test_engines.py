@@ -38,6 +38,7 @@ def _layout(engine: Engine, **sizes: int) -> ParallelLayout:
         * values["pipeline_parallel"]
         * values["data_parallel"]
         * values["ulysses"]
+        * values.get("context_parallel", 1)
     )
     return ParallelLayout(**values)
 

@@ -79,7 +79,7 @@ class DeepSpeedEngine(TrainingEngine):
             # its own part's). Partitioned here over the sequence-data-parallel group instead.
             deepspeed.zero.Init(
                 module=model,
-                data_parallel_group=parallel_state.get_ulysses_data_parallel_group(),
+                data_parallel_group=parallel_state.get_sequence_data_parallel_group(),
                 config_dict_or_path=config,
                 mpu=mpu,
                 dtype=next(model.parameters()).dtype,

@@ -1,0 +1,81 @@
+"""`--context-parallel-size` and `--cp-comm-type`: context parallelism with Megatron-LM's rules.
+
+C ranks split every sample's tokens in Megatron's load-balanced layout (the sequence cut
+into 2C chunks, rank r holding chunks r and 2C-1-r), so the sequence must divide by 2C.
+Which engines run it is in `megatron.compatibility`; what else it cannot run with is refused
+here in one line each. It also sets the factor on each rank's part of the loss gradient
+(`args.sequence_parallel_loss_scale`): C where the gradient reduction averages over the
+context ranks whose parts must add up (DDP and Megatron's schedules over data x context
+ranks, ZeRO-3's reduce-scatter), 1 where DeepSpeed's ZeRO 0-2 sums them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron.arguments.errors import ArgumentError
+from megatron.arguments.ulysses_checks import zero3_sequence_split_scale
+from megatron.layout import Engine
+
+
+def settle_context_parallel(args: argparse.Namespace) -> None:
+    """Refuse, in one line each, what context parallelism cannot run with (size 1: only the
+    flags that need it), and set `args.sequence_parallel_loss_scale` under it."""
+    cp = args.context_parallel_size
+    comm_types = list(getattr(args, "cp_comm_type", None) or ["p2p"])
+    _check_comm_types(args, comm_types)
+    if cp == 1:
+        return
+    flag = f"--context-parallel-size {cp}"
+    if args.seq_length % (2 * cp) != 0:
+        raise ArgumentError(
+            f"--seq-length ({args.seq_length}) is not divisible by 2 x {flag}: each rank holds "
+            f"two of the {2 * cp} chunks of every sequence (load-balanced for the causal mask)"
+        )
+    if "a2a" in comm_types:
+        _check_a2a_heads(args, cp)
+    if args.moe:
+        raise ArgumentError(
+            f"{flag} with --num-experts: Mixture-of-Experts with context parallelism is not "
+            "built here (each rank would balance its own part of the tokens)"
+        )
+    if args.reset_attention_mask:
+        raise ArgumentError(
+            f"{flag} with --reset-attention-mask: document masks across the ring are not "
+            "built here (context parallelism attends causally over whole sequences)"
+        )
+    layout = args.layout
+    if layout.engine.uses_deepspeed:
+        if layout.zero_stage == 3:
+            args.sequence_parallel_loss_scale = zero3_sequence_split_scale(args, flag, cp)
+    elif layout.engine in (Engine.PLAIN, Engine.MEGATRON_SCHEDULES):
+        args.sequence_parallel_loss_scale = cp
+
+
+def _check_comm_types(args: argparse.Namespace, comm_types: list[str]) -> None:
+    """One value, or one per layer; the hierarchical kind is refused."""
+    if len(comm_types) not in (1, args.num_layers):
+        raise ArgumentError(
+            f"--cp-comm-type takes one value or one per layer ({args.num_layers}), got "
+            f"{len(comm_types)}"
+        )
+    if "a2a+p2p" in comm_types or getattr(args, "hierarchical_context_parallel_sizes", None):
+        raise ArgumentError(
+            "--cp-comm-type a2a+p2p / --hierarchical-context-parallel-sizes: hierarchical "
+            "context parallelism is not built here; use p2p (ring), a2a or allgather"
+        )
+
+
+def _check_a2a_heads(args: argparse.Namespace, cp: int) -> None:
+    """a2a gives each rank 1/C of this tensor-parallel rank's query and key/value heads."""
+    tp = args.tensor_model_parallel_size
+    for value, name in (
+        (args.num_attention_heads, "--num-attention-heads"),
+        (args.num_key_value_heads, "--num-key-value-heads"),
+    ):
+        if value % (tp * cp) != 0:
+            raise ArgumentError(
+                f"--cp-comm-type a2a: {name} ({value}) is not divisible by tensor x context "
+                f"parallel size ({tp} x {cp}); each rank attends to 1/{cp} of its heads "
+                "(use --cp-comm-type p2p or allgather, which take any head count)"
+            )
