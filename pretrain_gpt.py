@@ -21,7 +21,7 @@ from megatron.checkpointing import CheckpointError, CheckpointSaveError
 from megatron.config import DataConfig, ModelConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.cross_entropy import LabelOutOfVocabularyError
-from megatron.core.tensor_parallel.mappings import this_ranks_ulysses_part
+from megatron.core.tensor_parallel.mappings import this_ranks_sequence_part
 from megatron.data.corpus_reader import InputError
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.indexed_dataset import IndexedDatasetError
@@ -69,14 +69,15 @@ def _tokens_and_labels(data: dict, args: argparse.Namespace, device: torch.devic
 def get_batch(data_iterator: Iterator, args: argparse.Namespace) -> tuple:
     """Next micro-batch: tokens, labels, loss mask, attention mask, position ids.
 
-    Under DeepSpeed-Ulysses every rank of a sequence group reads the same samples and keeps
-    its part of the tokens, labels and positions; the loss mask and the attention mask stay
-    whole (the model returns the whole sequence's losses, attention sees all of it).
+    Under a sequence split (DeepSpeed-Ulysses, context parallelism) every rank of a sequence
+    group reads the same samples and keeps its part of the tokens, labels and positions; the
+    loss mask and the attention mask stay whole (the model returns the whole sequence's
+    losses; Ulysses' attention sees all of it, context parallelism's takes no mask).
     """
     tokens, labels, loss_mask, attention_mask, position_ids = _tokens_and_labels(
         next(data_iterator), args, current_device()
     )
-    tokens, labels, position_ids = map(this_ranks_ulysses_part, (tokens, labels, position_ids))
+    tokens, labels, position_ids = map(this_ranks_sequence_part, (tokens, labels, position_ids))
     return tokens, labels, loss_mask, attention_mask, position_ids
 
 
@@ -89,6 +90,8 @@ def get_batch_pipe(data: dict, args: argparse.Namespace) -> tuple:
     with a blocking transfer per micro-batch.)
     """
     tokens, labels, loss_mask, _, position_ids = _tokens_and_labels(data, args, current_device())
+    # Context parallelism (Megatron's schedules): this rank's part, as in `get_batch`.
+    tokens, labels, position_ids = map(this_ranks_sequence_part, (tokens, labels, position_ids))
     return (tokens, position_ids), (labels, loss_mask)
 
 

@@ -13,6 +13,7 @@ import argparse
 import os
 
 from megatron.arguments.compat_flags import refuse_unsupported_flags
+from megatron.arguments.context_parallel_checks import settle_context_parallel
 from megatron.arguments.ds_config import (
     load_deepspeed_config,
     reconcile_deepspeed_config,
@@ -24,7 +25,6 @@ from megatron.arguments.moe_flags import settle_moe
 from megatron.arguments.parallel_flags import job_backend
 from megatron.arguments.pipeline_checks import settle_pipeline
 from megatron.arguments.precision import check_flash_attention_precision
-from megatron.arguments.context_parallel_checks import settle_context_parallel
 from megatron.arguments.ulysses_checks import settle_ulysses
 from megatron.arguments.v1_flags import train_data_corpus, translate_v1_flags
 from megatron.atomic_files import nearest_existing

@@ -213,14 +213,15 @@ def save_checkpoint(state, target: CheckpointTarget, args: argparse.Namespace) -
 
 
 def _save_megatron_files(state, target: CheckpointTarget, args: argparse.Namespace) -> None:  # noqa: ANN001
-    """Megatron's per-rank files, written by data-parallel rank 0 of each TP x PP rank."""
+    """Megatron's per-rank files, written by data-parallel rank 0 of each TP x PP rank (the
+    first of its data x context-parallel ranks: the weights are the same on all of them)."""
     iteration = state.iteration
     model = target.model
     rng = None if args.no_save_rng else gather_rng_states(_data_parallel_group())
     final = checkpoint_directory(args.save, iteration)
     staging = checkpoint_commit.begin(final, previous_checkpoint(args.save))
     failure = None
-    if parallel_state.get_data_parallel_rank() == 0:
+    if parallel_state.get_sequence_data_parallel_rank() == 0:
         checkpoint = _client_state(state, args, rng, target)
         checkpoint.update(model_states(_unwrap(model)))
         if not args.no_save_optim:
@@ -255,7 +256,8 @@ def previous_checkpoint(save_dir: str) -> tuple[str, int] | None:
 
 
 def _data_parallel_group():  # noqa: ANN202
-    return parallel_state.get_data_parallel_group() if dist.is_initialized() else None
+    """The ranks one file's RNG states come from: data (x context) parallel."""
+    return parallel_state.get_sequence_data_parallel_group() if dist.is_initialized() else None
 
 
 def check_checkpoint_args(saved: dict, args: argparse.Namespace, path: str) -> None:
@@ -535,8 +537,8 @@ def load_checkpoint(target: CheckpointTarget, args: argparse.Namespace) -> Train
             _restore_rng(client, dist.get_rank(), dist.get_world_size(), path)
         else:
             dp = (
-                parallel_state.get_data_parallel_rank(),
-                parallel_state.get_data_parallel_world_size(),
+                parallel_state.get_sequence_data_parallel_rank(),
+                parallel_state.get_sequence_data_parallel_world_size(),
             )
             _restore_rng(client, *dp, path)
     print_rank_0(

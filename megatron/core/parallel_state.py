@@ -300,8 +300,10 @@ def get_model_parallel_rank() -> int:
 
 
 def _split_is(context_parallel: bool) -> bool:
-    return _STATE is not None and _STATE.sequence_split_size > 1 and (
-        _STATE.context_parallel == context_parallel
+    return (
+        _STATE is not None
+        and _STATE.sequence_split_size > 1
+        and (_STATE.context_parallel == context_parallel)
     )
 
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker
+from megatron.core.tensor_parallel.mappings import sequence_order_of_context_parallel_parts
 
 
 def flash_attn_2_version() -> str | None:
@@ -167,13 +168,17 @@ class UlyssesAttention(nn.Module):
     query heads find their key/value heads on the same rank (both divisible by S).
     """
 
-    def __init__(self, core: CoreAttention, group: object, recompute: bool) -> None:
+    def __init__(
+        self, core: CoreAttention, group: object, recompute: bool, context_parallel: bool = False
+    ) -> None:
         super().__init__()
         from deepspeed.sequence.layer import DistributedAttention
 
-        # Scatter the heads (dim 2) and gather the sequence (dim 0) of [s, b, n, hn].
+        # Scatter the heads (dim 2) and gather the sequence (dim 0) of [s, b, n, hn]. Over the
+        # context-parallel group (`--cp-comm-type a2a`) the gathered chunks are the ranks'
+        # load-balanced ones, put in sequence order around the core.
         self.distributed = DistributedAttention(
-            _HeadSplitCore(core, recompute), group, scatter_idx=2, gather_idx=0
+            _HeadSplitCore(core, recompute, context_parallel), group, scatter_idx=2, gather_idx=0
         )
 
     # DeepSpeed's all-to-alls run eagerly inside a compiled layer (graph breaks around them).
@@ -187,12 +192,24 @@ class UlyssesAttention(nn.Module):
 class _HeadSplitCore(nn.Module):
     """The attention `DistributedAttention` calls: [s, b, n/S, hn] in, [s, b, np/S, hn] out."""
 
-    def __init__(self, core: CoreAttention, recompute: bool) -> None:
+    def __init__(self, core: CoreAttention, recompute: bool, context_parallel: bool) -> None:
         super().__init__()
         self.core = core
         self.recompute = recompute
+        self.context_parallel = context_parallel
 
     def forward(self, query, key, value, mask) -> torch.Tensor:
+        s, b, heads, hn = query.shape
+        if self.context_parallel:
+            natural = sequence_order_of_context_parallel_parts(s, query.device)
+            query, key, value = (t.index_select(0, natural) for t in (query, key, value))
+            context = self._attend(query, key, value, mask)  # [s, b, np/S, hn], natural order
+            back = torch.empty_like(natural)
+            back[natural] = torch.arange(s, device=query.device)
+            return context.index_select(0, back)
+        return self._attend(query, key, value, mask)
+
+    def _attend(self, query, key, value, mask) -> torch.Tensor:
         s, b, heads, hn = query.shape
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, hn]
         if self.recompute and self.training:
@@ -219,10 +236,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, seq_length: int, offset: int = 0) -> torch.Tensor:
         """Angles [s, 1, 1, dim] for positions offset..offset+s-1."""
-        positions = torch.arange(
-            offset, offset + seq_length, device=self.inv_freq.device, dtype=torch.float32
-        )
-        freqs = torch.outer(positions, self.inv_freq)
+        return self.at(torch.arange(offset, offset + seq_length, device=self.inv_freq.device))
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Angles [s, 1, 1, dim] for the given positions [s] (any order: a rank's part of the
+        sequence under context parallelism)."""
+        freqs = torch.outer(positions.to(self.inv_freq.device, torch.float32), self.inv_freq)
         return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
 

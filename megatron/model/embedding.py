@@ -14,7 +14,7 @@ from megatron.core.tensor_parallel import (
     get_cuda_rng_tracker,
     scatter_to_sequence_parallel_region,
 )
-from megatron.model.utils import init_method_normal, ulysses_splits_sequence
+from megatron.model.utils import init_method_normal, sequence_is_split
 
 
 class Embedding(nn.Module):
@@ -63,7 +63,7 @@ class Embedding(nn.Module):
         rng = contextlib.nullcontext()
         if self.config.sequence_parallel:
             embeddings = scatter_to_sequence_parallel_region(embeddings)
-        if ulysses_splits_sequence(self.config):  # independent dropout on each rank's part
+        if sequence_is_split(self.config):  # independent dropout on each rank's part
             rng = get_cuda_rng_tracker().fork() if self.training else rng
         with rng:
             return F.dropout(embeddings, self.config.hidden_dropout, self.training)

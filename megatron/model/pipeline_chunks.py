@@ -22,11 +22,13 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.core.parallel_state import get_context_parallel_world_size
 from megatron.core.parallel_state import (
     get_tensor_model_parallel_world_size as tensor_parallel_world_size,
 )
 from megatron.core.pipeline_parallel.layout import chunk_layer_numbers, stage_index
 from megatron.core.tensor_parallel import VocabParallelEmbedding
+from megatron.core.tensor_parallel.mappings import gather_sequence_parts
 from megatron.model.embedding import Embedding
 from megatron.model.gpt_model import logits_from_hidden, loss_from_logits, output_layer
 from megatron.model.transformer import ParallelTransformer
@@ -99,13 +101,16 @@ class GPTPipelineChunk(nn.Module):
         logits = logits_from_hidden(hidden, self.output_weight(), self.config)
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab / tp]
-        return loss_from_logits(logits, labels, self.config.check_labels)
+        losses = loss_from_logits(logits, labels, self.config.check_labels)  # [b, s(/cp)]
+        # Context parallelism: the whole sequence's losses, as GPTModel returns them.
+        return gather_sequence_parts(losses, self.config.sequence_split_gradient_scale)
 
 
 def activation_shape(config: ModelConfig, micro_batch_size: int, seq_length: int) -> tuple:
-    """[s(/tp under sequence parallelism), b, h]: what one stage sends the next."""
-    tp = tensor_parallel_world_size()
-    tokens = seq_length // tp if config.sequence_parallel else seq_length
+    """[s(/cp)(/tp under sequence parallelism), b, h]: what one stage sends the next."""
+    tokens = seq_length // get_context_parallel_world_size()
+    if config.sequence_parallel:
+        tokens //= tensor_parallel_world_size()
     return (tokens, micro_batch_size, config.hidden_size)
 
 

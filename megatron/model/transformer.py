@@ -29,12 +29,14 @@ from megatron.core.tensor_parallel import (
     get_cuda_rng_tracker,
 )
 from megatron.core.tensor_parallel.layers import divide
+from megatron.core.tensor_parallel.mappings import this_ranks_sequence_positions
 from megatron.model.attention import (
     CoreAttention,
     RotaryEmbedding,
     UlyssesAttention,
     apply_rotary_pos_emb,
 )
+from megatron.model.context_parallel import ContextParallelAttention
 from megatron.model.fused_ops import (
     bias_dropout_add,
     fuse_eagerly,
@@ -48,7 +50,7 @@ from megatron.model.utils import (
     build_norm,
     init_method_normal,
     scaled_init_method_normal,
-    ulysses_splits_sequence,
+    sequence_is_split,
 )
 
 
@@ -81,6 +83,13 @@ class ParallelAttention(nn.Module):
             **linear_kwargs(config),
         )
         self.core_attention = CoreAttention(config, layer_number)
+        # Context parallelism: this rank holds 2 of 2C chunks; keys and values travel.
+        self.context_parallel = None
+        if parallel_state.get_context_parallel_world_size() > 1:
+            comm_type = config.cp_comm_types[(layer_number - 1) % len(config.cp_comm_types)]
+            self.context_parallel = ContextParallelAttention(
+                self.core_attention, comm_type, self.recompute_core
+            )
         # DeepSpeed-Ulysses: this rank holds 1/S of the sequence, the core sees all of it.
         self.ulysses = None
         if parallel_state.get_ulysses_world_size() > 1:
@@ -115,16 +124,13 @@ class ParallelAttention(nn.Module):
         on; their keys/values join the cache and the queries attend to all cached positions.
         """
         query, key, value = self._query_key_value(hidden)
-        s = query.size(0)
-        if inference_params is not None:
-            offset = inference_params.sequence_len_offset
-        else:  # under Ulysses this rank's tokens start at its part of the sequence
-            offset = s * parallel_state.get_ulysses_rank()
         if self.rotary is not None:
-            angles = self.rotary(s, offset)
+            angles = self.rotary.at(self._positions(query.size(0), query.device, inference_params))
             query, key = apply_rotary_pos_emb(query, angles), apply_rotary_pos_emb(key, angles)
         if inference_params is not None:
             return self.dense(self._attend_with_cache(query, key, value, inference_params))
+        if self.context_parallel is not None:
+            return self.dense(self.context_parallel(query, key, value))
         if self.ulysses is not None:
             return self.dense(self.ulysses(query, key, value, attention_mask))
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
@@ -133,6 +139,17 @@ class ParallelAttention(nn.Module):
         else:
             context = self.core_attention(query, key, value, attention_mask)  # [s, b, np*hn]
         return self.dense(context)
+
+    @staticmethod
+    def _positions(
+        s: int, device: torch.device, inference_params: InferenceParams | None
+    ) -> torch.Tensor:
+        """Global positions [s] of this rank's `s` tokens: after the cached ones in generation,
+        this rank's part of the sequence under Ulysses or context parallelism."""
+        if inference_params is not None:
+            offset = inference_params.sequence_len_offset
+            return torch.arange(offset, offset + s, device=device)
+        return this_ranks_sequence_positions(s, device)
 
     def _query_key_value(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[s, b, h] -> query [s, b, np, hn], key and value [s, b, nkv, hn] (this rank's)."""
@@ -185,7 +202,7 @@ class ParallelTransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
-        self.sequence_split = ulysses_splits_sequence(config)
+        self.sequence_split = sequence_is_split(config)
         self.bias_dropout_fusion = config.bias_dropout_fusion
         self.torch_compile = config.torch_compile
         self.input_layernorm = build_norm(config)

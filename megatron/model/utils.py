@@ -60,11 +60,11 @@ class RMSNorm(nn.Module):
         return x.to(hidden.dtype) * self.weight
 
 
-def ulysses_splits_sequence(config: ModelConfig) -> bool:
+def sequence_is_split(config: ModelConfig) -> bool:
     """Whether each rank holds its own part of the sequence (Megatron's sequence parallelism,
-    or DeepSpeed-Ulysses): its hidden dropout then draws from the per-rank model-parallel
-    stream."""
-    return config.sequence_parallel or parallel_state.get_ulysses_world_size() > 1
+    DeepSpeed-Ulysses or context parallelism): its hidden dropout then draws from the per-rank
+    model-parallel stream."""
+    return config.sequence_parallel or parallel_state.get_sequence_split_world_size() > 1
 
 
 def build_norm(config: ModelConfig) -> nn.Module:

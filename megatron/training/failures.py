@@ -60,6 +60,8 @@ def _group_name(group: object) -> str:
         "tensor-model-parallel": parallel_state.get_tensor_model_parallel_group,
         "pipeline-model-parallel": parallel_state.get_pipeline_model_parallel_group,
         "data-parallel": parallel_state.get_data_parallel_group,
+        "data-and-context-parallel": parallel_state.get_sequence_data_parallel_group,
+        "context-parallel": parallel_state.get_context_parallel_group,
         "model-parallel": parallel_state.get_model_parallel_group,
         "embedding": parallel_state.get_embedding_group,
     }
@@ -101,8 +103,9 @@ def _where(error: BaseException) -> tuple[str, str]:
 
 
 def _data_group() -> object:
+    """DDP's group: the data-parallel ranks (with the context-parallel ones under CP)."""
     if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_data_parallel_group()
+        return parallel_state.get_sequence_data_parallel_group()
     return None
 
 

@@ -46,7 +46,9 @@ def test_data_parallel_size_is_world_over_tp_cp_pp() -> None:
 
 @pytest.mark.parametrize("stage, scale", [(0, 1), (1, 1), (2, 1), (3, 2)])
 def test_deepspeed_sums_the_context_ranks_except_zero3(tmp_path, stage, scale) -> None:
-    args = validated(f"{_deepspeed(tmp_path, stage)} --no-pipeline-parallel --context-parallel-size 2")
+    args = validated(
+        f"{_deepspeed(tmp_path, stage)} --no-pipeline-parallel --context-parallel-size 2"
+    )
     assert args.layout.engine is Engine.DEEPSPEED
     assert args.sequence_parallel_loss_scale == scale
 
@@ -58,7 +60,9 @@ def test_megatron_schedules_run_it() -> None:
 
 
 def test_comm_type_per_layer() -> None:
-    config = ModelConfig.from_args(validated("--context-parallel-size 2 --cp-comm-type p2p allgather"))
+    config = ModelConfig.from_args(
+        validated("--context-parallel-size 2 --cp-comm-type p2p allgather")
+    )
     assert config.cp_comm_types == ("p2p", "allgather")
     config = ModelConfig.from_args(validated("--context-parallel-size 2 --cp-comm-type a2a"))
     assert config.cp_comm_types == ("a2a", "a2a")

@@ -32,7 +32,10 @@ def groups(world: int, tp: int, pp: int, cp: int = 1) -> dict:
     pipeline = generator.get_ranks("pp")
     context = {}
     if cp > 1:
-        context = {"sequence": generator.get_ranks("cp"), "sequence_data": generator.get_ranks("dp-cp")}
+        context = {
+            "sequence": generator.get_ranks("cp"),
+            "sequence_data": generator.get_ranks("dp-cp"),
+        }
     return context | {
         "tensor": generator.get_ranks("tp"),
         "data": generator.get_ranks("dp"),

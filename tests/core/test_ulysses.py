@@ -123,7 +123,7 @@ def _check_equals_one_process(case: dict, world: int) -> None:
 def _model_losses(config: ModelConfig, world: int, mask: torch.Tensor, text: torch.Tensor):
     """(per-token losses, the masked mean, {param: grad}) of a fresh GPT at S = `world`, this
     rank holding its part of the tokens, labels and positions (as pretrain_gpt.get_batch)."""
-    from megatron.core.tensor_parallel.mappings import this_ranks_ulysses_part
+    from megatron.core.tensor_parallel.mappings import this_ranks_sequence_part
     from megatron.model import GPTModel
 
     parallel_state.initialize_model_parallel(1, 1, world)
@@ -132,7 +132,7 @@ def _model_losses(config: ModelConfig, world: int, mask: torch.Tensor, text: tor
         model = GPTModel(config)
         tokens, labels = text[:, :-1], text[:, 1:]
         positions = torch.arange(SEQ).expand(BATCH, SEQ)
-        parts = [this_ranks_ulysses_part(t) for t in (tokens, positions, labels)]
+        parts = [this_ranks_sequence_part(t) for t in (tokens, positions, labels)]
         losses = model(parts[0], parts[1], labels=parts[2])
         # pretrain_gpt.loss_func: the mean over the whole loss mask.
         loss = torch.sum(losses.float().reshape(-1) * mask.reshape(-1)) / mask.sum()

@@ -1,4 +1,5 @@
-"""Every collective the model uses, as autograd functions over the tensor-parallel group.
+"""Every collective the model uses, as autograd functions over its groups (tensor-parallel,
+and the sequence split: Ulysses' or context parallelism's).
 
 Model code calls these named regions and never `torch.distributed` directly. Each forward
 collective has its transpose as the backward: an all-reduce's backward is the identity, an
@@ -304,42 +305,148 @@ def gather_split_1d_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return _gather_first_dim(tensor)
 
 
-# DeepSpeed-Ulysses. Its attention all-to-alls are DeepSpeed's (`DistributedAttention`, which
-# `megatron.model.attention` wraps); these are the rest of what a sequence split needs.
-def this_ranks_ulysses_part(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """This Ulysses rank's contiguous 1/S of `tensor` along `dim` (no communication; the
-    identity with one sequence-parallel rank). [b, s] -> [b, s/S] by default."""
-    world = parallel_state.get_ulysses_world_size()
+# The sequence split: DeepSpeed-Ulysses (its attention all-to-alls are DeepSpeed's
+# `DistributedAttention`, which `megatron.model.attention` wraps) and context parallelism (whose
+# attention exchanges keys and values with the functions below). Under context parallelism a
+# rank holds two chunks of every sequence, Megatron's load-balanced layout: cut into 2C chunks,
+# rank r holds chunks r and 2C-1-r, so every rank has as much causal attention to compute.
+def _context_chunks(rank: int, size: int) -> tuple[int, int]:
+    return rank, 2 * size - 1 - rank
+
+
+def this_ranks_sequence_part(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """This rank's part of `tensor` along `dim` ([b, s] -> [b, s/S] by default): the contiguous
+    1/S under Ulysses, chunks r and 2C-1-r of 2C under context parallelism; the identity when
+    the sequence is whole. No communication."""
+    world = parallel_state.get_sequence_split_world_size()
     if world == 1:
         return tensor
-    part = tensor.size(dim) // world
-    return tensor.narrow(dim, parallel_state.get_ulysses_rank() * part, part)
+    rank = parallel_state.get_sequence_split_rank()
+    if parallel_state.get_context_parallel_world_size() == 1:
+        part = tensor.size(dim) // world
+        return tensor.narrow(dim, rank * part, part)
+    chunk = tensor.size(dim) // (2 * world)
+    first, second = _context_chunks(rank, world)
+    return torch.cat(
+        (tensor.narrow(dim, first * chunk, chunk), tensor.narrow(dim, second * chunk, chunk)),
+        dim=dim,
+    )
+
+
+def this_ranks_sequence_positions(length: int, device: torch.device) -> torch.Tensor:
+    """Global positions [s/S] of the `length` tokens this rank holds (see above)."""
+    world = parallel_state.get_sequence_split_world_size()
+    return this_ranks_sequence_part(
+        torch.arange(length * world, device=device, dtype=torch.long), dim=0
+    )
+
+
+def _gathered_to_natural_order(size: int, length: int, device: torch.device) -> torch.Tensor:
+    """Indices that put the ranks' concatenated context-parallel parts ([r0 part, r1 part,
+    ...], `length` tokens each) back in sequence order."""
+    chunk = length // 2
+    order = torch.empty(2 * size, dtype=torch.long)
+    for rank in range(size):
+        first, second = _context_chunks(rank, size)
+        order[first], order[second] = 2 * rank, 2 * rank + 1  # natural chunk -> gathered chunk
+    tokens = order[:, None] * chunk + torch.arange(chunk)[None]
+    return tokens.reshape(-1).to(device)
+
+
+def sequence_order_of_context_parallel_parts(length: int, device: torch.device) -> torch.Tensor:
+    """Indices [length] that put the context-parallel ranks' parts, concatenated in rank order
+    (`length` tokens in all), in sequence order (`--cp-comm-type a2a`)."""
+    world = parallel_state.get_context_parallel_world_size()
+    return _gathered_to_natural_order(world, length // world, device)
+
+
+def _gather_sequence_split(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """Every split rank's part along `dim`, joined in sequence order (no autograd)."""
+    group = parallel_state.get_sequence_split_group()
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    joined = torch.cat(parts, dim=dim)
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return joined
+    return joined.index_select(
+        dim, _gathered_to_natural_order(world, tensor.size(dim), joined.device)
+    )
 
 
 class _GatherSequenceParts(torch.autograd.Function):
-    """[b, s/S] parts of the Ulysses ranks -> [b, s]; the backward keeps this rank's part."""
+    """[b, s/S] parts of the split ranks -> [b, s]; the backward keeps this rank's part."""
 
     @staticmethod
     def forward(ctx, tensor, gradient_scale):
         ctx.gradient_scale = gradient_scale
-        group = parallel_state.get_ulysses_group()
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
+        return _gather_sequence_split(tensor, dim=1)
 
     @staticmethod
     def backward(ctx, grad):
-        part = this_ranks_ulysses_part(grad).contiguous()
+        part = this_ranks_sequence_part(grad).contiguous()
         return (part if ctx.gradient_scale == 1 else part * ctx.gradient_scale), None
 
 
 def gather_sequence_parts(tensor: torch.Tensor, gradient_scale: int = 1) -> torch.Tensor:
-    """Every Ulysses rank's [b, s/S] part of `tensor`, joined to [b, s] on every rank; the
-    gradient of this rank's part is its slice of the whole one, times `gradient_scale` (the
-    identity with one sequence-parallel rank)."""
-    if parallel_state.get_ulysses_world_size() == 1:
+    """Every split rank's [b, s/S] part of `tensor` (Ulysses or context parallel), joined to
+    [b, s] in sequence order on every rank; the gradient of this rank's part is its slice of
+    the whole one, times `gradient_scale` (the identity when the sequence is whole)."""
+    if parallel_state.get_sequence_split_world_size() == 1:
         return tensor
     return _GatherSequenceParts.apply(tensor, gradient_scale)
+
+
+class _GatherContextParallelKeyValues(torch.autograd.Function):
+    """[b, n, s/C, hn] -> [b, n, s, hn] in sequence order; backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return _gather_sequence_split(tensor, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group = parallel_state.get_context_parallel_group()
+        world = dist.get_world_size(group)
+        # Back to the ranks' concatenated order, so rank r's part is the r-th slice.
+        length = grad.size(2) // world
+        order = _gathered_to_natural_order(world, length, grad.device)
+        gathered_order = torch.empty_like(order)
+        gathered_order[order] = torch.arange(order.numel(), device=grad.device)
+        grad = grad.index_select(2, gathered_order).movedim(2, 0).contiguous()
+        output = torch.empty((length, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        _reduce_scatter_single(output, grad, group=group)
+        return output.movedim(0, 2)
+
+
+def gather_context_parallel_key_values(tensor: torch.Tensor) -> torch.Tensor:
+    """Keys or values [b, n, s/C, hn] of every context-parallel rank, in sequence order
+    (`--cp-comm-type allgather`); their gradients are summed back to the owners."""
+    return _GatherContextParallelKeyValues.apply(tensor)
+
+
+class RingTransfer:
+    """Send tensors to the next rank of the context-parallel ring and receive the previous
+    rank's (same shapes) without waiting: `wait()` returns what arrived. Ring attention starts
+    one before computing on the block in hand, so the transfer hides behind the attention."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        group = parallel_state.get_context_parallel_group()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        following = dist.get_global_rank(group, (rank + 1) % world)
+        previous = dist.get_global_rank(group, (rank - 1) % world)
+        self.sent = [tensor.contiguous() for tensor in tensors]
+        self.received = [torch.empty_like(tensor) for tensor in self.sent]
+        operations = [dist.P2POp(dist.isend, tensor, following, group) for tensor in self.sent]
+        operations += [dist.P2POp(dist.irecv, tensor, previous, group) for tensor in self.received]
+        self.requests = dist.batch_isend_irecv(operations)
+
+    def wait(self) -> list[torch.Tensor]:
+        """Block until both directions are done; the received tensors."""
+        for request in self.requests:
+            request.wait()
+        self.sent = []
+        return self.received
 
 
 def all_reduce_sum_over_pipeline(tensor: torch.Tensor) -> torch.Tensor:

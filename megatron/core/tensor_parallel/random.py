@@ -101,11 +101,12 @@ def get_cuda_rng_tracker() -> Any:
 
 
 def _model_parallel_seed(seed: int) -> int:
-    """`seed + 2718 + tp_rank` as Megatron, and under DeepSpeed-Ulysses `+ tp x ulysses_rank`:
-    its ranks hold other tokens (and, in attention, other heads), so they drop out apart."""
+    """`seed + 2718 + tp_rank` as Megatron, and under a sequence split (DeepSpeed-Ulysses or
+    context parallelism) `+ tp x split_rank`: its ranks hold other tokens (and, in Ulysses'
+    attention, other heads), so they drop out apart."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     split = parallel_state.get_tensor_model_parallel_rank()
-    split += tp * parallel_state.get_ulysses_rank()
+    split += tp * parallel_state.get_sequence_split_rank()
     return seed + 2718 + split
 
 
@@ -114,12 +115,12 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
 
     As Megatron: the default generator (same on every TP and Ulysses rank, so replicated
     weights initialize alike) gets `seed`; the model-parallel stream gets `seed + 2718 + tp_rank`
-    (plus `tp x ulysses_rank` under DeepSpeed-Ulysses), so activations split over ranks drop out
+    (plus `tp x split_rank` under a sequence split), so activations split over ranks drop out
     independently on each.
     """
     if _DEEPSPEED_CHECKPOINTING is not None:
         _DEEPSPEED_CHECKPOINTING.model_parallel_cuda_manual_seed(seed)
-        if parallel_state.get_ulysses_world_size() > 1:
+        if parallel_state.get_sequence_split_world_size() > 1:
             tracker = _DEEPSPEED_CHECKPOINTING.get_cuda_rng_tracker()
             tracker.reset()
             tracker.add(MODEL_PARALLEL_RNG_TRACKER_NAME, _model_parallel_seed(seed))

@@ -73,10 +73,11 @@ class DeepSpeedEngine(TrainingEngine):
         layout = args.layout
         config = dict(args.deepspeed_config_dict)
         mpu = parallel_state.deepspeed_mpu()
-        if layout.zero_stage == 3 and layout.ulysses_enabled:
+        if layout.zero_stage == 3 and layout.sequence_split > 1:
             # DeepSpeed partitions a ZeRO-3 model over mpu.get_data_parallel_group(), which
-            # leaves the Ulysses ranks out: nothing would sum their gradients (each rank kept
-            # its own part's). Partitioned here over the sequence-data-parallel group instead.
+            # leaves the sequence-split (Ulysses or context) ranks out: nothing would sum their
+            # gradients (each rank kept its own part's). Partitioned here over the
+            # sequence-data-parallel group instead.
             deepspeed.zero.Init(
                 module=model,
                 data_parallel_group=parallel_state.get_sequence_data_parallel_group(),

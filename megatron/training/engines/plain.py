@@ -55,16 +55,18 @@ class PlainEngine(TrainingEngine):
         forward_step_func: ForwardStep | None,
         pipeline_batch: PipelineBatch | None,
     ) -> PlainEngine:
-        """AdamW (guarded), the scheduler, DDP over the data-parallel group when it has ranks."""
+        """AdamW (guarded), the scheduler, DDP over the data-parallel group when it has ranks
+        (with the context-parallel ranks, whose gradients of their parts of each sequence the
+        model scales so that DDP's average is their sum)."""
         model.to(current_device())
         set_up_expert_groups(model)  # what deepspeed.initialize does on DeepSpeed's engines
         optimizer = build_optimizer(model, args, guard=True)
         scheduler = scheduler_from_args(optimizer, args)
-        if parallel_state.get_data_parallel_world_size() > 1:
+        if parallel_state.get_sequence_data_parallel_world_size() > 1:
             model = torch.nn.parallel.DistributedDataParallel(
                 model,
                 device_ids=[torch.cuda.current_device()] if torch.cuda.is_available() else None,
-                process_group=parallel_state.get_data_parallel_group(),
+                process_group=parallel_state.get_sequence_data_parallel_group(),
             )
         trainer = PlainTrainer(
             model=model,
