@@ -257,6 +257,14 @@ class RingAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
 
 
+def draw_dropout_seed() -> int:
+    """The seed of one ring attention call's dropout masks, from the model-parallel stream:
+    different on every tensor- and context-parallel rank, and the same again when full
+    recomputation replays the forward (it restores that stream)."""
+    with get_cuda_rng_tracker().fork():
+        return int(torch.randint(0, 2**62, (1,)).item())
+
+
 class ContextParallelAttention(nn.Module):
     """[s/C, b, np, hn] query, [s/C, b, nkv, hn] key/value -> context [s/C, b, np * hn], causal
     over the whole sequence by `comm_type` (`p2p`, `allgather` or `a2a`; module docstring)."""
@@ -282,10 +290,7 @@ class ContextParallelAttention(nn.Module):
         if self.comm_type == "allgather":
             return self._all_gathered(query, key, value)
         dropout_p = self.core.dropout_p if self.training else 0.0
-        seed = 0
-        if dropout_p > 0.0:
-            with get_cuda_rng_tracker().fork():  # differs across TP and CP ranks
-                seed = int(torch.randint(0, 2**62, (1,)).item())
+        seed = draw_dropout_seed() if dropout_p > 0.0 else 0
         kernel = BlockKernel(self.core.scale, dropout_p, seed)
         context = RingAttention.apply(query, key, value, kernel)  # [b, np, s/C, hn]
         b, heads, s, hn = context.shape
