@@ -321,11 +321,13 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
             "GPTSentencePieceTokenizer",
             "Llama2Tokenizer",
             "HFTokenizer",
+            "HuggingFaceTokenizer",
             "NullTokenizer",
         ],
         help="Tokenizer (default: %(default)s, from --vocab-file/--merge-file). "
         "SentencePieceTokenizer, GPTSentencePieceTokenizer and Llama2Tokenizer read a "
-        "SentencePiece --tokenizer-model, HFTokenizer a Hugging Face one; the BERT word-piece "
+        "SentencePiece --tokenizer-model, HFTokenizer (Megatron-LM's current spelling: "
+        "HuggingFaceTokenizer) a Hugging Face one; the BERT word-piece "
         "tokenizers and NullTokenizer are refused in one line.",
     )
     group.add_argument(

@@ -228,6 +228,8 @@ def _schedule_units(args: argparse.Namespace) -> None:
 def _tokenizer_flags(args: argparse.Namespace) -> None:
     """The tokenizer types built here get their files; the others are refused in one line."""
     tokenizer = getattr(args, "tokenizer_type", None) or "GPT2BPETokenizer"
+    if tokenizer == "HuggingFaceTokenizer":  # Megatron-LM's current name for the same tokenizer
+        tokenizer = args.tokenizer_type = "HFTokenizer"
     shipped = os.path.isfile(SHIPPED_GPT2_VOCAB) and os.path.isfile(SHIPPED_GPT2_MERGES)
     if tokenizer == "GPT2BPETokenizer" and not (args.vocab_file or args.merge_file) and shipped:
         # Megatron-LM v1 fetched GPT-2's files itself; the same files ship in dataset/.
