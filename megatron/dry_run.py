@@ -125,7 +125,8 @@ def plan_with_changes(
         pp = _flag_value(
             new_argv, "--pipeline-model-parallel-size", args.pipeline_model_parallel_size
         )
-        data_parallel = max(1, args.world_size // (tp * pp * args.ds_sequence_parallel_size))
+        split = args.ds_sequence_parallel_size * args.context_parallel_size
+        data_parallel = max(1, args.world_size // (tp * pp * split))
         batch = batch_config(raw_config, micro, args.global_batch_size, data_parallel)
         patch = merge_config(patch, {k: v for k, v in batch.items() if raw_config[k] != v})
         run_defaults["deepspeed_config_dict"] = merge_config(copy.deepcopy(raw_config), patch)

@@ -2,7 +2,8 @@
 
 Counted from what our layers save for backward (checked against
 `torch.autograd.graph.saved_tensors_hooks` in tests/planning/test_activations.py), per
-micro-batch of b sequences of s tokens on one tensor-parallel rank, with T = s x b tokens,
+micro-batch of b sequences of s tokens on one tensor-parallel rank, with T = s x b tokens
+(s / S of each sequence under DeepSpeed-Ulysses, s / C under context parallelism),
 T' = T / tp in the sequence-parallel regions (norms, dropout, residual) under
 `--sequence-parallel`, else T:
 
@@ -13,6 +14,10 @@ T' = T / tp in the sequence-parallel regions (norms, dropout, residual) under
   the softmax statistics; with the unfused kernel, or torch's math kernel (which CPU
   attention with dropout falls back to), the b x np/tp x s x s probabilities, their dropout
   mask and the dropped probabilities;
+- under context parallelism, by `--cp-comm-type`: ring attention (`p2p`) keeps its output
+  and an fp32 log-sum-exp like a flash kernel (no scores, also with dropout); `allgather`
+  the gathered keys and values [b, g, s, hn] and a bool mask [s/C, s]; `a2a` what Ulysses
+  keeps;
 - the MLP's first output (T x ffn / tp, or 2 ffn with SwiGLU) and activation output;
 - a dropout mask (T' x h; bool on GPUs) after attention, after the MLP and after the
   embedding.
@@ -25,6 +30,7 @@ is fp32 under autocast).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron.config import ModelConfig
@@ -61,9 +67,11 @@ def dtypes(inputs: PlanInputs) -> Dtypes:
     return Dtypes(_FP32, 2, 2 if fused_gelu else _FP32, 1 if gpu else _FP32)
 
 
-def _math_attention(inputs: PlanInputs) -> bool:
+def _math_attention(inputs: PlanInputs, comm_type: str | None = None) -> bool:
     """Whether attention materializes s x s probabilities (no fused kernel covers it)."""
     config = inputs.model
+    if comm_type == "p2p":
+        return False  # ring attention's blocks keep only their log-sum-exp (any dropout)
     if config.attention_backend == "unfused":
         return True
     # On CPUs torch's fused SDPA kernel has no dropout: with attention dropout it runs the
@@ -71,34 +79,85 @@ def _math_attention(inputs: PlanInputs) -> bool:
     return inputs.device_type == "cpu" and config.attention_dropout > 0.0
 
 
-def _math_attention_bytes(inputs: PlanInputs, b: int, heads: int) -> int:
-    """What the math attention kernel keeps: on CPUs it computes in fp32 (half inputs are
-    upcast), keeping the scaled query and key (and the value when upcast) and the
-    probabilities, their dropout mask and the dropped probabilities."""
-    s = inputs.seq_length
-    probabilities = b * (heads // inputs.sp) * s * s * _FP32
+def _math_attention_bytes(
+    inputs: PlanInputs, b: int, heads: int, queries: int, keys: int, keys_width: int = 0
+) -> int:
+    """What the math attention kernel keeps for `queries` x `keys` scores per head: on CPUs
+    it computes in fp32 (half inputs are upcast), keeping the scaled query and key (and the
+    value when upcast) and the probabilities, their dropout mask and the dropped
+    probabilities. `keys_width`: the keys and values are not this rank's own (CP
+    `allgather`): fp32 copies of all `keys` of that width, the query's of this rank's."""
+    probabilities = b * heads * queries * keys * _FP32
     kept = 3 if inputs.model.attention_dropout > 0.0 else 1
-    copies = 2 if dtypes(inputs).compute == _FP32 else 3
     width = inputs.model.projection_size // inputs.tp
-    return kept * probabilities + copies * (s // inputs.sp) * b * width * _FP32
+    tokens = inputs.local_seq_length * b
+    if keys_width:
+        return kept * probabilities + (tokens * width + 2 * b * keys * keys_width) * _FP32
+    copies = 2 if dtypes(inputs).compute == _FP32 else 3
+    return kept * probabilities + copies * tokens * width * _FP32
 
 
-def layer_bytes(inputs: PlanInputs, kept: bool = True) -> int:
+def _comm_type(inputs: PlanInputs, layer_number: int | None) -> str | None:
+    """The layer's context-parallel attention (`p2p`, `allgather`, `a2a`), None without CP."""
+    if inputs.cp == 1:
+        return None
+    return inputs.cp_comm_type(layer_number or 1)
+
+
+def _attention_core_bytes(inputs: PlanInputs, comm_type: str | None, math: bool) -> int:
+    """What the attention core keeps besides query/key/value and the context the output
+    projection saves, per micro-batch on one rank.
+
+    - whole sequence, or Ulysses / CP `a2a` (whole sequences of np / S heads): softmax
+      statistics, or the math kernel's probabilities; Ulysses and a2a keep the core's output
+      before its all-to-all back to the sequence split;
+    - CP `p2p` (ring attention): its fp32-merged output in the compute dtype and the fp32
+      log-sum-exp [b, np, s/C], like a flash kernel; no scores;
+    - CP `allgather`: the gathered keys and values [b, g, s, hn], the mask [s/C, s] the
+      core attends with (SDPA makes it additive, in the compute dtype) and the log-sum-exp;
+      with the math kernel its fp32 copies and probabilities instead. (Grouped-query
+      attention over gathered keys takes another CPU kernel: measured 7-14% less than this.)
+    """
+    config, tp = inputs.model, inputs.tp
+    size = dtypes(inputs)
+    b, s, local = inputs.micro_batch, inputs.seq_length, inputs.local_seq_length
+    heads = config.num_attention_heads // tp
+    output = local * b * (config.projection_size // tp) * size.compute
+    grouped = config.num_key_value_heads < config.num_attention_heads
+    # With fewer key/value heads the query is a reshaped copy of the fused projection's slice.
+    query = output if grouped else 0
+    if comm_type == "p2p":
+        return query + output + b * heads * local * _FP32
+    if comm_type == "allgather":
+        width = config.projection_size // tp
+        if math:  # fp32 copies of the query and of the whole keys and values, per query head
+            return _math_attention_bytes(inputs, b, heads, local, s, keys_width=width)
+        gathered = 2 * b * s * config.kv_projection_size // tp * size.compute
+        mask = local * s * size.compute  # the bool mask as SDPA's additive one
+        # SDPA's output is laid out so that the output projection's input is a view of it.
+        return gathered + mask + query + b * heads * local * _FP32
+    split = inputs.split  # Ulysses or a2a: the whole sequence, 1/S of the heads
+    total = output if split > 1 else 0
+    if math:
+        return total + _math_attention_bytes(inputs, b, heads // split, s, s)
+    return total + b * heads // split * s * _FP32  # softmax statistics
+
+
+def layer_bytes(inputs: PlanInputs, kept: bool = True, layer_number: int | None = None) -> int:
     """Bytes one transformer layer keeps for backward for one micro-batch on one rank.
 
     `kept=False`: under full recomputation, what a recomputed layer keeps (nothing but a
-    group's input, counted by `stage_activation_bytes`).
+    group's input, counted by `stage_activation_bytes`). `layer_number` (1-based) picks the
+    layer's context-parallel attention (`--cp-comm-type` per layer); None: the first's.
     """
     if not kept:
         return 0
     config, tp = inputs.model, inputs.tp
     size = dtypes(inputs)
-    s = inputs.seq_length // inputs.sp
     b = inputs.micro_batch
-    tokens = s * b
+    tokens = inputs.local_seq_length * b  # s / C (or / S) tokens under a sequence split
     region = tokens // tp if config.sequence_parallel else tokens
     h = config.hidden_size
-    heads = config.num_attention_heads // tp
     qkv = (config.projection_size + 2 * config.kv_projection_size) // tp
     ffn = config.ffn_hidden_size // tp
     mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
@@ -107,18 +166,14 @@ def layer_bytes(inputs: PlanInputs, kept: bool = True) -> int:
     # only this rank's part, gathered again in the backward.
     total = 2 * norm + 2 * region * h * size.compute
     selective = config.recompute_granularity == "selective"
-    math = _math_attention(inputs) and not selective
-    if not (math and size.compute < _FP32):  # (the upcasting math kernel keeps fp32 copies)
+    comm_type = _comm_type(inputs, layer_number)
+    math = _math_attention(inputs, comm_type) and not selective
+    # (The upcasting math kernel keeps fp32 copies; over gathered keys and values, also of
+    # the value.)
+    if not (math and (size.compute < _FP32 or comm_type == "allgather")):
         total += tokens * qkv * size.compute  # query, key, value
-    # Ulysses: the core sees the whole sequence and np / S heads (same element count).
-    total += tokens * (config.projection_size // tp) * size.compute  # attention output
-    if math:
-        total += _math_attention_bytes(inputs, b, heads)
-    else:
-        total += b * heads // inputs.sp * inputs.seq_length * _FP32  # softmax statistics
-    if inputs.sp > 1:
-        # Ulysses: the attention output before its all-to-all back to the sequence split.
-        total += tokens * (config.projection_size // tp) * size.compute
+    total += tokens * (config.projection_size // tp) * size.compute  # the output's input
+    total += _attention_core_bytes(inputs, comm_type, math)
     total += tokens * mlp_in * size.activation_input + tokens * ffn * size.compute
     if config.activation == "swiglu":
         total += tokens * ffn * size.activation_input  # silu(gate), kept for the product
@@ -137,21 +192,33 @@ def _recomputed_layers(config: ModelConfig, layers: int) -> tuple[int, int]:
     return layers, -(-layers // n)
 
 
-def stage_activation_bytes(inputs: PlanInputs, layers: int, first: bool, last: bool) -> int:
+def stage_activation_bytes(
+    inputs: PlanInputs,
+    layers: int,
+    first: bool,
+    last: bool,
+    layer_numbers: Sequence[int] | None = None,
+) -> int:
     """Bytes one micro-batch leaves for backward on a stage with `layers` layers (without
-    the logits, see `logits_bytes`)."""
+    the logits, see `logits_bytes`); `layer_numbers`: their global numbers (each layer's
+    context-parallel attention), else 1 to `layers`."""
     config = inputs.model
     size = dtypes(inputs)
-    tokens = inputs.seq_length // inputs.sp * inputs.micro_batch
+    tokens = inputs.local_seq_length * inputs.micro_batch
     region = tokens // inputs.tp if config.sequence_parallel else tokens
     h = config.hidden_size
     recomputed, groups = _recomputed_layers(config, layers)
     group_input = region * h * size.residual
     if config.distribute_saved_activations:
         group_input //= inputs.tp
-    total = (layers - recomputed) * layer_bytes(inputs) + groups * group_input
+    numbers = list(layer_numbers or range(1, layers + 1))
+    kept = sum(layer_bytes(inputs, layer_number=n) for n in numbers[recomputed:])
+    total = kept + groups * group_input
     if first:
-        total += 2 * inputs.micro_batch * inputs.seq_length * 8  # token and position ids
+        # Token and position ids: Ulysses' parts are views of the whole batch's ids, context
+        # parallelism's two chunks a copy of their own.
+        ids = inputs.seq_length if inputs.sp > 1 else inputs.local_seq_length
+        total += 2 * inputs.micro_batch * ids * 8
         if config.hidden_dropout > 0.0:
             total += region * h * size.mask
     if last:
@@ -184,7 +251,7 @@ def autocast_copy_bytes(inputs: PlanInputs, layers: int, last: bool) -> int:
 
 def logits_bytes(inputs: PlanInputs) -> int:
     """What the loss keeps for backward: this rank's [s, b, V / tp] logits."""
-    tokens = inputs.seq_length // inputs.sp * inputs.micro_batch
+    tokens = inputs.local_seq_length * inputs.micro_batch
     return tokens * inputs.model.vocab_size // inputs.tp * dtypes(inputs).compute
 
 
@@ -192,7 +259,7 @@ def logits_working_bytes(inputs: PlanInputs) -> int:
     """The cross entropy's transient peak beside the kept logits: in the backward, the
     logits' gradient (their dtype) and chunks of fp32 scratch (the loss works over the
     vocabulary in row chunks of `CHUNK_BYTES`: 64 MiB on GPUs, 8 MiB on CPUs)."""
-    tokens = inputs.seq_length // inputs.sp * inputs.micro_batch
+    tokens = inputs.local_seq_length * inputs.micro_batch
     vocab = inputs.model.vocab_size // inputs.tp
     budget = CHUNK_BYTES if inputs.device_type == "cuda" else CPU_CHUNK_BYTES
     chunk = min(tokens, max(1, budget // (_FP32 * vocab))) * vocab * _FP32

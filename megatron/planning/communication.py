@@ -11,6 +11,9 @@ iteration, start-up and evaluation excluded. Collectives on groups of one rank c
   engine and ZeRO stage (see `data_parallel_bytes`).
 - pipeline: each micro-batch's [s, b, h] activation sent forward and its gradient sent
   back, and the tied embeddings' gradient all-reduce between the first and last stage.
+- context parallel: each layer's key/value exchange over the C ranks of its group, by
+  `--cp-comm-type` (see `context_parallel_parts`), and the loss gather; every other kind
+  then moves the rank's s / C tokens, and gradients are summed over data x context ranks.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def tensor_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
         return 0
     config = inputs.model
     size = dtypes(inputs)
-    hidden = inputs.seq_length * inputs.micro_batch * config.hidden_size
+    hidden = inputs.local_seq_length * inputs.micro_batch * config.hidden_size
     c, r = hidden * size.compute, hidden * size.residual
     if config.sequence_parallel:
         per_layer, forward = 2 * (2 * c + r) + 2 * (2 * c), 4 * c
@@ -64,7 +67,7 @@ def tensor_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
     if role.last:
         # The output layer's input (as a column-parallel layer's) and the loss's reductions.
         total += 2 * c + r if config.sequence_parallel else r
-        total += 3 * inputs.seq_length * inputs.micro_batch * _FP32
+        total += 3 * inputs.local_seq_length * inputs.micro_batch * _FP32
     return total * inputs.micro_batches
 
 
@@ -108,7 +111,7 @@ def data_parallel_collectives(inputs: PlanInputs, role: RankRole) -> list[Collec
     `stage3_max_reuse_distance`), reduce-scatters each micro-batch's gradients and gathers
     the persistent small parameters after the step.
     """
-    group = inputs.zero_group if inputs.deepspeed else inputs.dp * inputs.sp
+    group = inputs.zero_group  # data x sequence-split ranks (Ulysses' or context parallel)
     experts = role.expert_parameters
     if experts:  # the experts' share, over the expert-data-parallel group (EP ranks apart)
         expert_inputs = dataclasses.replace(inputs, dp=inputs.dp // inputs.ep, sp=1)
@@ -121,7 +124,8 @@ def data_parallel_collectives(inputs: PlanInputs, role: RankRole) -> list[Collec
     if group == 1:
         return []
     collectives = _data_parallel_collectives(inputs, role, group)
-    # Data-parallel ranks are TP apart (with Ulysses, TP 1: the ZeRO group is consecutive).
+    # Data-parallel ranks are TP apart; with a sequence split the data x split group is too
+    # (tp-cp-dp-pp order: the split ranks sit between tensor and data ranks).
     return [dataclasses.replace(c, stride=inputs.tp) for c in collectives]
 
 
@@ -183,7 +187,7 @@ def pipeline_bytes(inputs: PlanInputs, role: RankRole) -> int:
     if inputs.pp == 1:
         return 0
     config = inputs.model
-    tokens = inputs.seq_length * inputs.micro_batch
+    tokens = inputs.local_seq_length * inputs.micro_batch
     if config.sequence_parallel or inputs.engine == "deepspeed-pipeline":
         # Sequence parallelism sends each rank's part; DeepSpeed's engine partitions its
         # sends over the tensor-parallel ranks (and all-gathers them on arrival).
@@ -202,7 +206,7 @@ def deepspeed_pipeline_gathers(inputs: PlanInputs, role: RankRole) -> int:
     sends (one per activation received, two per micro-batch in the sender's backward)."""
     if inputs.engine != "deepspeed-pipeline" or inputs.tp == 1 or inputs.pp == 1:
         return 0
-    tokens = inputs.seq_length * inputs.micro_batch
+    tokens = inputs.local_seq_length * inputs.micro_batch
     activation = tokens * inputs.model.hidden_size * dtypes(inputs).compute
     received = 0 if role.first else 1
     sent = 0 if role.last else 2
@@ -284,8 +288,52 @@ def moe_tensor_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
     return passes * per_micro_batch * inputs.micro_batches
 
 
+def context_parallel_layer_bytes(inputs: PlanInputs, comm_type: str) -> dict[str, int]:
+    """One layer's context-parallel bytes per micro-batch on one rank, by pass: `forward`
+    (run again by full recomputation) and `backward`.
+
+    KV = 2 b (s/C) g hn e, the keys and values of this rank's tokens (g key/value heads per
+    tensor-parallel rank, e the compute dtype's bytes):
+    - `p2p` (ring attention): forward C-1 sends of KV to the next rank; backward C-1 sends
+      of KV again and C sends of their gradients, which travel in fp32 (KV x 4 / e);
+    - `allgather`: forward the all-gather of K and V (its output: C x KV), backward the
+      reduce-scatter of their gradients in the compute dtype (its input: C x KV);
+    - `a2a`: DeepSpeed-Ulysses' all-to-alls over the CP group: query, key, value and the
+      context forward (b (s/C) (2 np + 2 g) hn e), their transposes backward.
+    """
+    config, c, e = inputs.model, inputs.cp, dtypes(inputs).compute
+    tokens = inputs.local_seq_length * inputs.micro_batch
+    key_values = 2 * tokens * config.kv_projection_size // inputs.tp * e
+    if comm_type == "p2p":
+        gradients = key_values // e * _FP32
+        return {"forward": (c - 1) * key_values, "backward": (c - 1) * key_values + c * gradients}
+    if comm_type == "allgather":
+        return {"forward": c * key_values, "backward": c * key_values}
+    width = (2 * config.projection_size + 2 * config.kv_projection_size) // inputs.tp
+    return {"forward": tokens * width * e, "backward": tokens * width * e}
+
+
+def context_parallel_parts(inputs: PlanInputs, role: RankRole) -> dict[str, int]:
+    """Context-parallel bytes per iteration on a rank of `role`, by kind: `p2p`, `allgather`,
+    `a2a` (each layer's, see `context_parallel_layer_bytes`, twice the forward's under full
+    recomputation) and `losses` (the last stage's all-gather of each micro-batch's fp32
+    per-token losses [b, s], so every rank averages over the whole sequence). Empty at C 1."""
+    if inputs.cp == 1:
+        return {}
+    parts = {"p2p": 0, "allgather": 0, "a2a": 0, "losses": 0}
+    recomputed = inputs.model.recompute_granularity == "full"
+    for number in (n for chunk in role.layers for n in chunk):
+        comm_type = inputs.cp_comm_type(number)
+        layer = context_parallel_layer_bytes(inputs, comm_type)
+        passes = 2 * layer["forward"] if recomputed else layer["forward"]
+        parts[comm_type] += passes + layer["backward"]
+    if role.last:
+        parts["losses"] = inputs.seq_length * inputs.micro_batch * _FP32
+    return {kind: count * inputs.micro_batches for kind, count in parts.items()}
+
+
 def rank_communication(inputs: PlanInputs, role: RankRole) -> dict[str, int]:
-    """Bytes per iteration by kind, with their `total`."""
+    """Bytes per iteration by kind, with their `total` (`context_parallel` under CP)."""
     kinds = {
         "tensor_parallel": tensor_parallel_bytes(inputs, role)
         + deepspeed_pipeline_gathers(inputs, role)
@@ -294,5 +342,7 @@ def rank_communication(inputs: PlanInputs, role: RankRole) -> dict[str, int]:
         "pipeline": pipeline_bytes(inputs, role),
         "all_to_all": all_to_all_bytes(inputs, role),
     }
+    if inputs.cp > 1:
+        kinds["context_parallel"] = sum(context_parallel_parts(inputs, role).values())
     kinds["total"] = sum(kinds.values())
     return kinds

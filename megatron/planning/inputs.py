@@ -77,6 +77,9 @@ class PlanInputs:
     dp: int
     sp: int
     """DeepSpeed-Ulysses sequence-parallel size (`--ds-sequence-parallel-size`)."""
+    cp: int
+    """Context-parallel size (`--context-parallel-size`); the per-layer ways its attention
+    exchanges keys and values are the model's `cp_comm_types` (`cp_comm_type`)."""
     ep: int
     virtual: int
     """Model chunks per pipeline rank (interleaved 1F1B), else 1."""
@@ -95,9 +98,26 @@ class PlanInputs:
     """`cuda` or `cpu`: where the run's tensors live (decides the attention kernels)."""
 
     @property
+    def split(self) -> int:
+        """Ranks that split each sequence (Ulysses or context parallel; never both), else 1."""
+        return self.sp * self.cp
+
+    @property
+    def local_seq_length(self) -> int:
+        """Tokens of each sequence on one rank: s / (Ulysses or context-parallel size)."""
+        return self.seq_length // self.split
+
+    @property
     def zero_group(self) -> int:
-        """Ranks ZeRO partitions over: data parallel x Ulysses sequence parallel."""
-        return self.dp * self.sp
+        """Ranks ZeRO partitions over (and gradients are summed over): data parallel x the
+        sequence split (Ulysses' or context parallelism's)."""
+        return self.dp * self.split
+
+    def cp_comm_type(self, layer_number: int) -> str:
+        """How context-parallel attention exchanges keys and values in layer `layer_number`
+        (1-based): `p2p`, `allgather` or `a2a` (`--cp-comm-type`, one or one per layer)."""
+        types = self.model.cp_comm_types
+        return types[(layer_number - 1) % len(types)]
 
     @property
     def deepspeed(self) -> bool:
@@ -134,6 +154,7 @@ class PlanInputs:
             pp=args.pipeline_model_parallel_size,
             dp=args.data_parallel_size,
             sp=getattr(args, "ds_sequence_parallel_size", 1) or 1,
+            cp=args.layout.context_parallel,
             ep=getattr(args, "moe_expert_parallel_size", 1) or 1,
             virtual=getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
             micro_batch=args.micro_batch_size,

@@ -85,11 +85,13 @@ class RankPlace:
     pp_rank: int
     dp_rank: int
     sp_rank: int
+    """The index in the sequence split: the Ulysses or context-parallel rank."""
 
 
 def rank_places(inputs: PlanInputs) -> list[RankPlace]:
-    """Every global rank's tensor, pipeline, data and sequence-parallel indices."""
-    groups = generate_rank_groups(inputs.world_size, inputs.tp, inputs.pp, inputs.sp)
+    """Every global rank's tensor, pipeline, data and sequence-split (Ulysses or context
+    parallel) indices."""
+    groups = generate_rank_groups(inputs.world_size, inputs.tp, inputs.pp, inputs.sp, inputs.cp)
     index: dict[str, dict[int, int]] = {}
     for kind in ("tensor", "pipeline", "data"):
         index[kind] = {rank: group.index(rank) for group in groups[kind] for rank in group}

@@ -95,14 +95,18 @@ def recomputed_group_bytes(inputs: PlanInputs, role: RankRole) -> int:
     if config.recompute_granularity != "full" or role.num_layers == 0:
         return 0
     group = config.recompute_num_layers if config.recompute_method == "uniform" else 1
-    return min(group, role.num_layers) * layer_bytes(inputs)
+    last = [n for chunk in role.layers for n in chunk][-1]
+    return min(group, role.num_layers) * layer_bytes(inputs, layer_number=last)
 
 
 def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
     """The predicted peak of a rank of `role`, and what it is made of."""
     states = model_states(inputs, role)
     in_flight = micro_batches_in_flight(inputs, role.pp_rank)
-    per_micro_batch = stage_activation_bytes(inputs, role.num_layers, role.first, role.last)
+    numbers = [n for chunk in role.layers for n in chunk]
+    per_micro_batch = stage_activation_bytes(
+        inputs, role.num_layers, role.first, role.last, numbers
+    )
     activations = int(in_flight * per_micro_batch)
     activations += autocast_copy_bytes(inputs, role.num_layers, role.last)
     pipe_outputs = _pipe_outputs(inputs, role)

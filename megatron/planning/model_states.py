@@ -145,17 +145,18 @@ def _plain_states(inputs: PlanInputs, w: int) -> States:
         gradients=_FP32 * w,
         step_temporaries=_FP32 * w,  # foreach AdamW's sqrt(exp_avg_sq) list
     )
-    if inputs.engine == "plain" and inputs.dp * inputs.sp > 1:
+    if inputs.engine == "plain" and inputs.zero_group > 1:
         states.buffers = _FP32 * w  # DDP's buckets, beside the gradients
-    elif inputs.engine == "megatron-pipeline" and inputs.dp > 1:
+    elif inputs.engine == "megatron-pipeline" and inputs.zero_group > 1:
         states.reduction = _FP32 * min(w, _MEGATRON_BUCKET)  # average_gradients' flat bucket
     return states
 
 
 def _engine_reduces(inputs: PlanInputs) -> bool:
     """Whether DeepSpeed's engine all-reduces (and flattens) gradients: over data-parallel
-    ranks, and on the pipeline engine always (pipe/engine.py _exec_reduce_grads, L287-298)."""
-    return inputs.dp > 1 or inputs.engine == "deepspeed-pipeline"
+    (x sequence-split) ranks, and on the pipeline engine always (pipe/engine.py
+    _exec_reduce_grads, L287-298)."""
+    return inputs.zero_group > 1 or inputs.engine == "deepspeed-pipeline"
 
 
 def _client_states(inputs: PlanInputs, w: int, sizes: Sequence[int] | None) -> States:

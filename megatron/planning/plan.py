@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from megatron.deepspeed_facts import DEEPSPEED_VERSION_READ
 from megatron.model.model_size import flops_per_token, num_parameters
-from megatron.planning.communication import rank_communication
+from megatron.planning.communication import context_parallel_parts, rank_communication
 from megatron.planning.devices import Device
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.layout import RankRole, rank_places, stage_roles
@@ -60,7 +60,8 @@ class Plan:
     def as_json(self) -> dict:
         """`--dry-run-json`: one entry per global rank, then the job's figures."""
         ranks = []
-        for place in rank_places(self.inputs):
+        inputs = self.inputs
+        for place in rank_places(inputs):
             role = self.roles[place.pp_rank]
             ranks.append(
                 {
@@ -69,6 +70,7 @@ class Plan:
                     "pp_rank": place.pp_rank,
                     "dp_rank": place.dp_rank,
                     "sp_rank": place.sp_rank,
+                    "cp_rank": place.sp_rank if inputs.cp > 1 else 0,
                     "parameters": role.role.num_parameters,
                     "layers": role.role.num_layers,
                     "memory": role.memory.as_json(),
@@ -84,6 +86,8 @@ class Plan:
                 "virtual_pipeline": inputs.virtual,
                 "data_parallel": inputs.dp,
                 "sequence_parallel_ulysses": inputs.sp,
+                "context_parallel": inputs.cp,
+                "cp_comm_types": list(inputs.model.cp_comm_types) if inputs.cp > 1 else [],
                 "expert_parallel": inputs.ep,
                 "engine": inputs.engine,
                 "zero_stage": inputs.zero.stage,
@@ -113,6 +117,9 @@ class Plan:
                 "tokens_per_second": estimate.tokens_per_s,
                 "bubble": estimate.bubble,
             }
+            if inputs.cp > 1:
+                result["device"]["context_parallel_exposed_seconds"] = estimate.context_parallel_s
+                result["device"]["context_parallel_hidden"] = estimate.context_parallel_hidden
         return result
 
 
@@ -154,11 +161,35 @@ def _seconds(value: float) -> str:
     return f"{value:.3f} s" if value >= 1 else f"{value * 1e3:.2f} ms"
 
 
+def _context_parallel_line(plan: Plan) -> str:
+    """The CP line: the busiest stage's bytes by kind and, on a device, how much of their
+    time the ring hides behind attention."""
+    inputs = plan.inputs
+    busiest = max(plan.roles, key=lambda role: role.communication["context_parallel"])
+    parts = context_parallel_parts(inputs, busiest.role)
+    kinds = ", ".join(f"{kind} {count / 1e6:.1f}" for kind, count in parts.items() if count)
+    types = sorted(set(inputs.model.cp_comm_types))
+    line = (
+        f"  context parallel {inputs.cp} ({'/'.join(types)}): "
+        f"{busiest.communication['context_parallel'] / 1e6:.1f} MB per rank and iteration "
+        f"({kinds} MB)"
+    )
+    if plan.estimate is None:
+        return line + "; name a device (--dry-run-device) for its overlap with attention"
+    estimate = plan.estimate
+    return (
+        f"{line}; {estimate.context_parallel_hidden:.0%} of its time hidden behind "
+        f"attention, {_seconds(estimate.context_parallel_s)} exposed"
+    )
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as the dry run prints it: one block per stage, then the verdict."""
     inputs = plan.inputs
     lines = [
-        f"dry run: {inputs.world_size} ranks = TP {inputs.tp} x PP {inputs.pp}"
+        f"dry run: {inputs.world_size} ranks = TP {inputs.tp}"
+        + (f" x CP {inputs.cp}" if inputs.cp > 1 else "")
+        + f" x PP {inputs.pp}"
         + (f" (x{inputs.virtual} virtual)" if inputs.virtual > 1 else "")
         + f" x DP {inputs.dp}"
         + (f" x Ulysses {inputs.sp}" if inputs.sp > 1 else "")
@@ -173,6 +204,7 @@ def format_plan(plan: Plan) -> str:
         f"  {'stage':>5} {'params':>14} {'weights':>8} {'grads':>8} {'optim':>8} "
         f"{'activ':>8} {'logits':>8} {'buffers':>8} {'PEAK GiB':>9} {'at':>8}  "
         f"{'TP MB':>9} {'DP MB':>9} {'PP MB':>9} {'A2A MB':>9}"
+        + (f" {'CP MB':>9}" if inputs.cp > 1 else "")
     )
     lines.append(header)
     for role_plan in plan.roles:
@@ -184,6 +216,7 @@ def format_plan(plan: Plan) -> str:
             f"{_gib(memory.peak_bytes):>9} {memory.peak_at:>8}  "
             f"{comm['tensor_parallel'] / 1e6:>9.1f} {comm['data_parallel'] / 1e6:>9.1f} "
             f"{comm['pipeline'] / 1e6:>9.1f} {comm['all_to_all'] / 1e6:>9.1f}"
+            + (f" {comm['context_parallel'] / 1e6:>9.1f}" if inputs.cp > 1 else "")
         )
     lines.append(
         "  (memory in GiB per rank of each pipeline stage at its peak moment, by column: they "
@@ -202,6 +235,8 @@ def format_plan(plan: Plan) -> str:
             f"{estimate.bubble:.1%}), MFU {estimate.mfu:.1%}, "
             f"{estimate.tokens_per_s:,.0f} tokens/s"
         )
+    if inputs.cp > 1:
+        lines.append(_context_parallel_line(plan))
     for note in plan.notes + [NOT_MODELLED]:
         lines.append(f"  note: {note}")
     return "\n".join(lines)

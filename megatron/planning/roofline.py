@@ -9,7 +9,8 @@ device table's link bandwidths, the pipeline bubble on top.
                reduce-scatter) / link, then overlapped as the engines overlap it (below)
     pp comm  = pipeline bytes / link
     a2a      = Ulysses' and the experts' all-to-alls x (G-1)/G / their group's link
-    step     = (compute + tp comm) / (1 - bubble) + exposed dp comm + pp comm + a2a
+    cp comm  = context parallelism's exposed time (below)
+    step     = (compute + tp comm) / (1 - bubble) + exposed dp comm + pp comm + a2a + cp comm
     MFU      = model FLOPs of the rank / (step x peak)
 
 Overlap, as the engines run it: a collective issued bucket by bucket as the backward produces
@@ -20,6 +21,13 @@ backward ends; ZeRO-3's prefetched parameter all-gathers hide under the whole co
 same way. What does not fit in its window is exposed. Everything else (ZeRO-0's and
 BF16_Optimizer's all-reduce after the backward, the weight all-gathers after the step,
 DeepSpeed's pipeline engine, which turns `overlap_comm` off) is exposed in full.
+
+Context parallelism (`context_parallel_seconds`): ring attention (`p2p`) starts each
+key/value transfer before the attention of the block in hand, so per step only max(0,
+transfer - block attention) is exposed; a block is 1/C of the rank's causal attention (the
+load-balanced layout gives every step the same work), its backward twice its forward, and
+the backward's gradient transfers travel beside the next step's keys and values (the last
+waits in full). `allgather` and `a2a` are exposed, (C-1)/C of their payload on the link.
 
 A group stays inside a node (NVLink) when its ranks fit in `gpus_per_node` at their stride;
 otherwise it uses the network bandwidth. The efficiency (default 0.55 of the dense peak for
@@ -35,6 +43,7 @@ from megatron.model.model_size import flops_per_token
 from megatron.planning.communication import (
     Collective,
     all_to_all_parts,
+    context_parallel_layer_bytes,
     data_parallel_collectives,
     deepspeed_pipeline_gathers,
     moe_tensor_parallel_bytes,
@@ -63,6 +72,10 @@ class StepEstimate:
     step_s: float
     mfu: float
     tokens_per_s: float
+    context_parallel_s: float = 0.0
+    """Context parallelism's communication time left exposed (part of `communication_s`)."""
+    context_parallel_hidden: float = 0.0
+    """The fraction of context parallelism's communication time hidden behind attention."""
 
 
 def _recompute_factor(inputs: PlanInputs) -> float:
@@ -135,6 +148,62 @@ def all_to_all_seconds(inputs: PlanInputs, role: RankRole, device: Device) -> fl
     return seconds
 
 
+def ring_exposed_seconds(
+    size: int, key_values_s: float, gradients_s: float, block_s: float
+) -> tuple[float, float]:
+    """(exposed, total) transfer seconds of one ring attention forward and backward over
+    `size` ranks: `key_values_s` per key/value transfer, `gradients_s` per gradient transfer,
+    `block_s` one block's forward attention (its backward: twice that).
+
+    Forward: C-1 steps, each transfer hidden behind the block in hand. Backward, as
+    `RingAttention.backward` runs it: step 0 hides the keys and values; steps 1 to C-2 the
+    keys and values with the previous step's gradients beside them; step C-1 that gradient
+    alone; the last gradient is waited for after the last block.
+    """
+    if size == 1:
+        return 0.0, 0.0
+    forward = (size - 1) * max(0.0, key_values_s - block_s)
+    backward_block = 2 * block_s
+    backward = max(0.0, key_values_s - backward_block)
+    backward += (size - 2) * max(0.0, key_values_s + gradients_s - backward_block)
+    backward += max(0.0, gradients_s - backward_block) + gradients_s
+    total = 2 * (size - 1) * key_values_s + size * gradients_s
+    return forward + backward, total
+
+
+def context_parallel_seconds(
+    inputs: PlanInputs, role: RankRole, device: Device, efficiency: float
+) -> tuple[float, float]:
+    """(exposed, total) seconds of context parallelism's communication per iteration (the
+    module's docstring); the loss gather is left out (b s fp32 per micro-batch)."""
+    c = inputs.cp
+    if c == 1:
+        return 0.0, 0.0
+    link = _link(device, c, inputs.tp)  # the CP group's ranks are TP apart
+    peak = device.fp32_flops if inputs.precision == "fp32" else device.bf16_flops
+    # One block's forward: 4 np hn flops per query-key pair, over b s^2 / (2 C^2) pairs.
+    s, b = inputs.seq_length, inputs.micro_batch
+    block_flops = 2 * b * s * s * inputs.model.projection_size / (inputs.tp * c * c)
+    block_s = block_flops / (peak * efficiency)
+    recomputed = inputs.model.recompute_granularity == "full"
+    exposed = total = 0.0
+    for number in (n for chunk in role.layers for n in chunk):
+        comm_type = inputs.cp_comm_type(number)
+        layer = context_parallel_layer_bytes(inputs, comm_type)
+        if comm_type != "p2p":
+            passes = layer["backward"] + layer["forward"] * (2 if recomputed else 1)
+            seconds = passes * _ring("all_to_all", c) / link
+            exposed, total = exposed + seconds, total + seconds
+            continue
+        key_values_s = layer["forward"] / (c - 1) / link
+        gradients_s = (layer["backward"] - layer["forward"]) / c / link
+        ring = ring_exposed_seconds(c, key_values_s, gradients_s, block_s)
+        forward = (c - 1) * max(0.0, key_values_s - block_s)  # the recomputed forward's
+        exposed += ring[0] + (forward if recomputed else 0.0)
+        total += ring[1] + ((c - 1) * key_values_s if recomputed else 0.0)
+    return exposed * inputs.micro_batches, total * inputs.micro_batches
+
+
 def estimate_step(
     inputs: PlanInputs,
     role: RankRole,
@@ -165,19 +234,23 @@ def estimate_step(
     dp_comm = data_parallel_seconds(
         inputs, data_parallel_collectives(inputs, role), device, backward, compute
     )
-    pp_comm = pipeline_bytes(inputs, role) / _link(device, inputs.pp, tp * inputs.dp * inputs.sp)
+    pp_stride = tp * inputs.dp * inputs.split
+    pp_comm = pipeline_bytes(inputs, role) / _link(device, inputs.pp, pp_stride)
     a2a_comm = all_to_all_seconds(inputs, role, device)
+    cp_comm, cp_total = context_parallel_seconds(inputs, role, device, efficiency)
     bubble = 0.0
     if inputs.pp > 1:
         bubble = bubble_fraction(inputs.pp, inputs.virtual, inputs.micro_batches)
-    step = (compute + tp_comm) / (1 - bubble) + dp_comm + pp_comm + a2a_comm
+    step = (compute + tp_comm) / (1 - bubble) + dp_comm + pp_comm + a2a_comm + cp_comm
     return StepEstimate(
         model_flops=model_flops,
         executed_flops=executed,
         compute_s=compute,
-        communication_s=tp_comm + dp_comm + pp_comm + a2a_comm,
+        communication_s=tp_comm + dp_comm + pp_comm + a2a_comm + cp_comm,
         bubble=bubble,
         step_s=step,
         mfu=model_flops / (step * peak),
         tokens_per_s=tokens / step,
+        context_parallel_s=cp_comm,
+        context_parallel_hidden=1.0 - cp_comm / cp_total if cp_total else 0.0,
     )

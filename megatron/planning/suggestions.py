@@ -113,7 +113,7 @@ def candidate_changes(
             )
         )
     config, world = inputs.model, inputs.world_size
-    per_replica = inputs.tp * inputs.pp * inputs.sp
+    per_replica = inputs.tp * inputs.pp * inputs.split
     tp = 2 * inputs.tp
     if (
         inputs.sp == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from megatron.config import ModelConfig
 from megatron.planning.inputs import PlanInputs, ZeroSettings
@@ -12,7 +13,7 @@ def plan_inputs(
     config: ModelConfig, path: str, micro_batch: int, seq: int, **layout: int
 ) -> PlanInputs:
     """`path`: `fp32` (plain fp32), `autocast` (plain bf16) or `ds-bf16` (DeepSpeed bf16)."""
-    fields = dict(world_size=1, tp=1, pp=1, dp=1, sp=1, ep=1, virtual=1, micro_batches=1)
+    fields = dict(world_size=1, tp=1, pp=1, dp=1, sp=1, cp=1, ep=1, virtual=1, micro_batches=1)
     fields.update(layout)
     return PlanInputs(
         model=config,
@@ -38,10 +39,11 @@ def deepspeed_inputs(
     **layout: int,
 ) -> PlanInputs:
     """A DeepSpeed job's `PlanInputs` (micro-batch 1, the model's sequence), `layout` fields
-    as in `plan_inputs`; `world_size` follows TP x PP x DP x Ulysses unless given."""
-    fields = dict(tp=1, pp=1, dp=1, sp=1, ep=1, virtual=1, micro_batches=1)
+    as in `plan_inputs`; `world_size` follows TP x PP x DP x Ulysses x CP unless given."""
+    fields = dict(tp=1, pp=1, dp=1, sp=1, cp=1, ep=1, virtual=1, micro_batches=1)
     fields.update(layout)
-    fields.setdefault("world_size", fields["tp"] * fields["pp"] * fields["dp"] * fields["sp"])
+    sizes = ("tp", "pp", "dp", "sp", "cp")
+    fields.setdefault("world_size", math.prod(fields[size] for size in sizes))
     settings = dataclasses.replace(ZeroSettings(), stage=stage, **(zero or {}))
     return PlanInputs(
         model=config,
