@@ -41,7 +41,12 @@ SPLIT_NAMES = ("train", "valid", "test")
 
 
 def get_train_valid_test_split_(splits_string: str, size: int) -> list[int]:
-    """Document boundaries [0, a, b, size] for `--split` weights such as '949,50,1'."""
+    """Document boundaries [0, a, b, size] for `--split` weights such as '949,50,1'.
+
+    Quotes around the weights are ignored, as Megatron-LM's parser ignores them: its Llama-3
+    recipe passes `"--split '99,1,0'"` inside a bash array, so the quotes reach the program.
+    """
+    splits_string = splits_string.strip("'\"")
     separator = "," if "," in splits_string else "/"
     try:
         splits = [float(s) for s in splits_string.split(separator)]
