@@ -340,9 +340,9 @@ def _check_zero_partitions(
     target: CheckpointTarget,
 ) -> None:
     """Refuse, in one line, DeepSpeed optimizer state partitioned over another number of ranks
-    (data x Ulysses sequence parallel; ZeRO 1-3, and bf16 ZeRO-0 on the pipeline engine):
-    DeepSpeed would stop with a traceback. The weights load at any size, and a universal
-    checkpoint takes the optimizer state to any."""
+    (data x sequence split, Ulysses' or context-parallel; ZeRO 1-3, and bf16 ZeRO-0 on the
+    pipeline engine): DeepSpeed would stop with a traceback. The weights load at any size,
+    and a universal checkpoint takes the optimizer state to any."""
     # Which wrapper DeepSpeed ran and whether it partitions: megatron.deepspeed_facts (bf16 at
     # ZeRO-0 partitions under the pipeline engine only). A checkpoint that names neither its
     # engine nor `pipeline_parallel` counts as the pipeline engine's (partitioned in bf16).
@@ -359,12 +359,14 @@ def _check_zero_partitions(
     )
     partitioned = optimizer_state_partitioned(wrapper)
     theirs = (saved.get("data_parallel_size") or 1) * (saved.get("ds_sequence_parallel_size") or 1)
-    ours = args.data_parallel_size * args.ds_sequence_parallel_size
+    theirs *= saved.get("context_parallel_size") or 1
+    ours = args.layout.optimizer_sharded_ranks
     if not partitioned or saved.get("data_parallel_size") is None or theirs == ours:
         return
     raise CheckpointError(
         f"{found.directory} holds optimizer state partitioned over {theirs} data x sequence "
-        f"parallel rank(s), this run has {ours}: add --no-load-optim to load the weights only, "
+        f"parallel (Ulysses or context) rank(s), this run has {ours}: add --no-load-optim to "
+        "load the weights only, "
         "or convert it (python -m deepspeed.checkpoint.ds_to_universal --input_folder "
         f"{found.directory} --output_folder {found.directory}_universal) and resume with "
         "--universal-checkpoint"

@@ -132,7 +132,10 @@ def test_zero1_s2_equals_one_process_and_resumes_at_s1_and_s4(stdlib_dataset, tm
     )
     errors = [line for line in refused.stdout.splitlines() if line.startswith("error:")]
     assert refused.returncode != 0 and errors, refused.stdout[-4000:]
-    assert "partitioned over 2 data x sequence parallel rank(s), this run has 1" in errors[0]
+    assert (
+        "partitioned over 2 data x sequence parallel (Ulysses or context) rank(s), this run has 1"
+        in errors[0]
+    )
     assert "--universal-checkpoint" in errors[0]
     step = os.path.join(save, "global_step3")
     convert = subprocess.run(
