@@ -218,8 +218,11 @@ def initialize_megatron(
     initialize_distributed(
         args.distributed_backend,
         args.local_rank,
-        # DeepSpeed-MoE's layers talk over deepspeed.comm on every engine.
-        args.deepspeed or getattr(args, "moe", False),
+        # DeepSpeed-MoE's layers and DeepSpeed's all-to-alls of --cp-comm-type a2a talk over
+        # deepspeed.comm on every engine.
+        args.deepspeed
+        or getattr(args, "moe", False)
+        or (args.context_parallel_size > 1 and "a2a" in (args.cp_comm_type or [])),
         getattr(args, "distributed_timeout_minutes", 10),
     )
     if dist.get_world_size() != args.world_size:

@@ -6,7 +6,8 @@ heads, untied output layer), fp32, dropout 0, real GPT-2-tokenized data. What mu
 
 - C=2 logs the losses and gradient norms of the run without it, equal up to fp32 sums in other
   orders (`assert_losses_reordered`; norms to the log's 3 decimals), with the same token
-  counts: on the plain engine (DDP over data x context ranks), on DeepSpeed's engine at ZeRO-1
+  counts: on the plain engine (DDP over data x context ranks; ring attention, and per layer
+  all-to-all and all-gathered keys and values), on DeepSpeed's engine at ZeRO-1
   and ZeRO-3, at TP=2 with sequence parallelism on 4 ranks, and on Megatron's pipeline
   schedules at PP=2 on 4 ranks;
 - checkpoints do not depend on C: saved at C=2 (plain engine) after iteration 3, the run
@@ -118,6 +119,16 @@ def test_plain_engine_c2_equals_one_process_and_resumes_at_c1_and_c4(
             save_interval=100,
         )
         _assert_same(resumed, one_process[3:])
+
+
+@pytest.mark.slow
+def test_per_layer_comm_types_a2a_and_allgather_equal_one_process(
+    stdlib_dataset: str, one_process: list[dict]
+) -> None:
+    """`--cp-comm-type a2a allgather`: layer 1 all-to-all (DeepSpeed's, over deepspeed.comm
+    without --deepspeed), layer 2 all-gathered keys and values."""
+    logged = _run(stdlib_dataset, 2, context_parallel_size=2, cp_comm_type="a2a allgather")
+    _assert_same(logged, one_process)
 
 
 def _deepspeed_config(tmp_path, stage: int) -> str:
