@@ -69,6 +69,8 @@ class BlockKernel:
 
     def __init__(self, scale: float, dropout_p: float, seed: int) -> None:
         self.scale, self.dropout_p, self.seed = scale, dropout_p, seed
+        # What the CUDA flash kernel's backward needs from each block's forward, by step.
+        self._flash_state: dict[int, tuple] = {}
 
     def forward(self, q, k, v, causal: bool, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[b, h, sq, hn] q, k, v (heads expanded) -> (out [b, h, sq, hn], lse fp32 [b, h, sq])."""
@@ -78,9 +80,12 @@ class BlockKernel:
                     q, k, v, 0.0, causal, scale=self.scale
                 )
                 return out, lse
-            out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, 0.0, causal, False, scale=self.scale
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
+                torch.ops.aten._scaled_dot_product_flash_attention(
+                    q, k, v, 0.0, causal, False, scale=self.scale
+                )
             )
+            self._flash_state[step] = (cum_q, cum_k, max_q, max_k, seed, offset)
             return out, lse
         scores = self._scores(q, k, causal)
         lse = torch.logsumexp(scores, dim=-1)
@@ -99,7 +104,24 @@ class BlockKernel:
                 return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     grad_out, q, k, v, out, lse, 0.0, causal, scale=self.scale
                 )
-            return self._cuda_flash_backward(grad_out, q, k, v, out, lse, causal)
+            cum_q, cum_k, max_q, max_k, seed, offset = self._flash_state.pop(step)
+            return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                grad_out,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                cum_q,
+                cum_k,
+                max_q,
+                max_k,
+                0.0,
+                causal,
+                seed,
+                offset,
+                scale=self.scale,
+            )
         grad_out = grad_out.float()
         probs = torch.exp(self._scores(q, k, causal) - lse[..., None])  # [b, h, sq, sk]
         kept = self._keep(probs, step) if self.dropout_p > 0.0 else None
@@ -126,27 +148,6 @@ class BlockKernel:
         generator.manual_seed(self.seed + step)
         keep = torch.rand(probs.shape, generator=generator, device=probs.device)
         return (keep >= self.dropout_p).float() / (1.0 - self.dropout_p)
-
-    def _cuda_flash_backward(self, grad_out, q, k, v, out, lse, causal: bool) -> tuple:
-        empty = torch.empty(0, device=q.device)
-        philox = torch.zeros(2, dtype=torch.int64, device=q.device)  # unused without dropout
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            empty,
-            empty,
-            q.size(2),
-            k.size(2),
-            0.0,
-            causal,
-            philox[0],
-            philox[1],
-            scale=self.scale,
-        )
 
 
 def _ring_block(rank: int, step: int, size: int) -> str:
