@@ -172,6 +172,31 @@ FEATURES: tuple[Feature, ...] = (
         },
     ),
     Feature(
+        name="sharded data parallelism (torch FSDP2)",
+        flag="--use-distributed-optimizer",
+        used=lambda layout, moe: layout.sharding != "none",
+        engines=frozenset({Engine.PLAIN}),
+        refusals={
+            Engine.MEGATRON_SCHEDULES: (
+                "{flag} with --pipeline-model-parallel-size {pp}: FSDP2 under Megatron's "
+                "schedules is not built yet; use --deepspeed (ZeRO-1 on DeepSpeed's pipeline "
+                "engine) or PP 1"
+            ),
+        },
+    ),
+    Feature(
+        name="sharded data parallelism with MoE",
+        flag="--use-distributed-optimizer",
+        used=lambda layout, moe: layout.sharding != "none" and moe is not None,
+        engines=frozenset(),
+        refusals={
+            Engine.PLAIN: (
+                "{flag} with {moe}: FSDP2 over expert layers is not built here; use "
+                "--deepspeed --no-pipeline-parallel with ZeRO"
+            ),
+        },
+    ),
+    Feature(
         name="tensor parallelism",
         flag="--tensor-model-parallel-size",
         used=lambda layout, moe: layout.tensor_parallel > 1,
@@ -184,6 +209,12 @@ FEATURES: tuple[Feature, ...] = (
         engines=_ALL,
     ),
 )
+
+_SHARDING_FLAGS = {
+    "none": "--use-distributed-optimizer",
+    "optim_grads": "--use-distributed-optimizer (FSDP2 optim_grads)",
+    "optim_grads_params": "--use-torch-fsdp2 (FSDP2 optim_grads_params)",
+}
 
 # The flag with its value, as the refusal names it.
 _FLAG_VALUES: dict[str, Callable[[ParallelLayout, str | None], str]] = {
@@ -200,6 +231,7 @@ _FLAG_VALUES: dict[str, Callable[[ParallelLayout, str | None], str]] = {
     "--context-parallel-size": lambda layout, moe: (
         f"--context-parallel-size {layout.context_parallel}"
     ),
+    "--use-distributed-optimizer": lambda layout, moe: _SHARDING_FLAGS[layout.sharding],
     "--num-experts": lambda layout, moe: moe or "--num-experts",
     "--moe-expert-parallel-size": lambda layout, moe: (
         f"--moe-expert-parallel-size {layout.expert_parallel}"

@@ -107,6 +107,10 @@ class ParallelLayout:
     context_parallel: int = 1
     """Context-parallel size (`--context-parallel-size`: ring attention and its kin); 1 when
     off."""
+    sharding: str = "none"
+    """Sharded data parallelism without DeepSpeed (torch FSDP2): "none" (DDP), "optim_grads"
+    (ZeRO-2 pattern: `--use-distributed-optimizer`) or "optim_grads_params" (ZeRO-3 pattern:
+    `--use-torch-fsdp2`); see `megatron.arguments.sharding_flags`."""
 
     def __post_init__(self) -> None:
         product = self.tensor_parallel * self.pipeline_parallel * self.data_parallel
@@ -118,6 +122,8 @@ class ParallelLayout:
             )
         if self.ulysses > 1 and self.context_parallel > 1:
             raise ValueError("layout: context parallelism and Ulysses both split the sequence")
+        if self.sharding not in ("none", "optim_grads", "optim_grads_params"):
+            raise ValueError(f"layout sharding {self.sharding!r}")
         if self.precision not in ("fp32", "fp16", "bf16"):
             raise ValueError(f"layout precision {self.precision!r}: fp32, fp16 or bf16")
 
@@ -135,6 +141,7 @@ class ParallelLayout:
             expert_parallel=getattr(args, "moe_expert_parallel_size", 1) or 1,
             ulysses=getattr(args, "ds_sequence_parallel_size", 1) or 1,
             context_parallel=getattr(args, "context_parallel_size", 1) or 1,
+            sharding=getattr(args, "data_parallel_sharding", "none"),
             zero_stage=getattr(args, "zero_stage", None) or 0,
             precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
         )
@@ -178,4 +185,6 @@ class ParallelLayout:
         if self.ulysses > 1:
             parts.append(f"Ulysses {self.ulysses}")
         zero = f", ZeRO-{self.zero_stage}" if self.engine.uses_deepspeed else ""
+        if self.sharding != "none":
+            zero = f", FSDP2 {self.sharding}"
         return f"{' x '.join(parts)}, {self.precision}{zero} on {self.engine.value}"

@@ -234,11 +234,6 @@ REFUSED: list[CompatFlag] = [
         "--fp8-amax-compute-algo:str",
     ),
     *_refused(
-        "Megatron's distributed optimizer is not built here; use --deepspeed with "
-        "--zero-stage 1, which shards the optimizer state the same way",
-        "--use-distributed-optimizer",
-    ),
-    *_refused(
         "Megatron's DDP implementations are not used here (local and torch are accepted: "
         "data parallelism is DeepSpeed's engine or torch DDP); FSDP is not built",
         "--DDP-impl:str",

@@ -22,6 +22,7 @@ from megatron.arguments import (
     moe_flags,
     parallel_flags,
     run_flags,
+    sharding_flags,
     v1_flags,
 )
 from megatron.arguments.errors import ArgumentError
@@ -43,6 +44,7 @@ FLAG_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     run_flags.add_dry_run_flags,
     parallel_flags.add_distributed_flags,
     parallel_flags.add_deepspeed_flags,
+    sharding_flags.add_sharding_flags,
     moe_flags.add_moe_flags,
     v1_flags.add_v1_flags,
     compat_flags.add_compat_flags,

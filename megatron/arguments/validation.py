@@ -25,6 +25,7 @@ from megatron.arguments.moe_flags import settle_moe
 from megatron.arguments.parallel_flags import job_backend
 from megatron.arguments.pipeline_checks import settle_pipeline
 from megatron.arguments.precision import check_flash_attention_precision
+from megatron.arguments.sharding_flags import settle_sharding
 from megatron.arguments.ulysses_checks import settle_ulysses
 from megatron.arguments.v1_flags import train_data_corpus, translate_v1_flags
 from megatron.atomic_files import nearest_existing
@@ -497,6 +498,7 @@ def validate_args(
     _precision_and_optimizer(args)
     _recompute(args)
     _pipeline_and_checkpoints(args)
+    settle_sharding(args)
     # Settled once: everything past here (and past validation) reads the layout.
     args.layout = ParallelLayout.from_args(args)
     incompatible = refusal(args.layout, _experts_flag(args))

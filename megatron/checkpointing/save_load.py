@@ -47,6 +47,14 @@ from megatron.checkpointing.file_format import (
 )
 from megatron.checkpointing.layouts import LocatedCheckpoint, locate_checkpoint
 from megatron.checkpointing.rng_state import gather_rng_states, restore_rng_state
+from megatron.checkpointing.sharded_states import (
+    full_model_state,
+    full_optimizer_state,
+    is_sharded,
+    load_full_model_state,
+    load_full_optimizer_state,
+    optimizer_file,
+)
 from megatron.checkpointing.train_state import TrainState
 from megatron.config import experts_per_layer
 from megatron.core import parallel_state
@@ -214,28 +222,45 @@ def save_checkpoint(state, target: CheckpointTarget, args: argparse.Namespace) -
 
 def _save_megatron_files(state, target: CheckpointTarget, args: argparse.Namespace) -> None:  # noqa: ANN001
     """Megatron's per-rank files, written by data-parallel rank 0 of each TP x PP rank (the
-    first of its data x context-parallel ranks: the weights are the same on all of them)."""
+    first of its data x context-parallel ranks: the weights are the same on all of them).
+    Under FSDP2 every rank first helps gather the weights and the optimizer state, which goes
+    to `distrib_optim.pt` beside the model file (`sharded_states`)."""
     iteration = state.iteration
     model = target.model
+    module = _unwrap(model)
+    sharded = is_sharded(module)
+    save_optimizer = not args.no_save_optim
+    weights = full_model_state(module) if sharded else None
+    optimizer_state = None
+    if sharded and save_optimizer:
+        optimizer_state = full_optimizer_state(module, target.optimizer)
     rng = None if args.no_save_rng else gather_rng_states(_data_parallel_group())
     final = checkpoint_directory(args.save, iteration)
     staging = checkpoint_commit.begin(final, previous_checkpoint(args.save))
     failure = None
     if parallel_state.get_sequence_data_parallel_rank() == 0:
         checkpoint = _client_state(state, args, rng, target)
-        checkpoint.update(model_states(_unwrap(model)))
-        if not args.no_save_optim:
-            checkpoint["optimizer"] = target.optimizer.state_dict()
+        checkpoint.update(
+            model_entries([nest_model_state(weights)]) if sharded else model_states(module)
+        )
+        if save_optimizer:
+            if not sharded:
+                checkpoint["optimizer"] = target.optimizer.state_dict()
             checkpoint["opt_param_scheduler"] = target.scheduler.state_dict()
             if getattr(model, "loss_scaler", None) is not None:
                 checkpoint["loss_scaler"] = model.loss_scaler.state_dict()
         path = _this_rank_file(staging)
+        files = {path: checkpoint}
+        if optimizer_state is not None:
+            files[optimizer_file(path)] = optimizer_state
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with atomic_outputs(path) as (partial,):
-                save_torch_file(checkpoint, partial)
+            with atomic_outputs(*files) as partials:
+                for partial, contents in zip(partials, files.values(), strict=True):
+                    save_torch_file(contents, partial)
         except OSError as error:
-            failure = describe_failure(error, args.save, tensor_bytes(checkpoint))
+            sizes = sum(tensor_bytes(contents) for contents in files.values())
+            failure = describe_failure(error, args.save, sizes)
     checkpoint_commit.commit(final, checkpoint_commit.megatron_trackers(str(iteration)), failure)
 
 
@@ -371,6 +396,25 @@ def _check_zero_partitions(
         f"{found.directory} --output_folder {found.directory}_universal) and resume with "
         "--universal-checkpoint"
     )
+
+
+def _load_optimizer_state(module, optimizer, client: dict, path: str) -> bool:  # noqa: ANN001
+    """Load the optimizer state of a Megatron file (or of `distrib_optim.pt` beside it, from
+    a sharded run, which loads into a sharded or an unsharded one); False when it has none."""
+    gathered = optimizer_file(path)
+    if os.path.isfile(gathered):
+        load_full_optimizer_state(module, optimizer, load_file(gathered))
+        return True
+    if "optimizer" not in client:
+        return False
+    if is_sharded(module):
+        raise CheckpointError(
+            f"{path} holds the optimizer state of a run without sharded data parallelism "
+            "(no distrib_optim.pt beside it); add --no-load-optim to load the weights only, "
+            "or resume without --use-distributed-optimizer / --use-torch-fsdp2"
+        )
+    optimizer.load_state_dict(client["optimizer"])
+    return True
 
 
 def _train_state(client: dict, iteration: int) -> TrainState:
@@ -524,9 +568,12 @@ def load_checkpoint(target: CheckpointTarget, args: argparse.Namespace) -> Train
     elif target.deepspeed_files:
         _load_weights(target, flatten_model_state(client["model"]), args, path)
     else:
-        load_model_states(_unwrap(model), client, path)
-        if load_optimizer and "optimizer" in client:
-            optimizer.load_state_dict(client["optimizer"])
+        module = _unwrap(model)
+        if is_sharded(module):
+            load_full_model_state(module, flatten_model_state(client["model"]))
+        else:
+            load_model_states(module, client, path)
+        if load_optimizer and _load_optimizer_state(module, optimizer, client, path):
             scheduler.load_state_dict(client["opt_param_scheduler"])
             if "loss_scaler" in client and getattr(model, "loss_scaler", None) is not None:
                 model.loss_scaler.load_state_dict(client["loss_scaler"])

@@ -239,10 +239,16 @@ def counted_once(param: torch.nn.Parameter, tp_rank_0: bool) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank_0
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 (DTensor) gradient, or the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return tensor if to_local is None else to_local()
+
+
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads]
+    norms = [torch.linalg.vector_norm(_local(g), dtype=torch.float32).to(device) for g in grads]
     return torch.stack(norms).square().sum()
 
 
@@ -251,8 +257,12 @@ def clip_grad_norm(
     max_norm: float,
     model_parallel_group: object = None,
     expert_parallel_group: Callable[[str], object] | None = None,
+    shard_group: object = None,
 ) -> float:
     """Megatron's clip_grad_norm_fp32: the global L2 grad norm; clip to `max_norm` if finite.
+
+    `shard_group`: under FSDP2 the gradients are DTensors sharded over it; the squares of
+    each rank's shards are summed over it too.
 
     MoE experts count once each: their squares are also summed over the expert-parallel
     group that `expert_parallel_group(param.group_name)` names (the group spreading that
@@ -261,7 +271,7 @@ def clip_grad_norm(
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [param for param in parameters if param.grad is not None]
-    grads = [param.grad.detach() for param in params]
+    grads = [_local(param.grad.detach()) for param in params]
     tp_rank_0 = parallel_state.get_tensor_model_parallel_rank() == 0
     counted = [param for param in params if counted_once(param, tp_rank_0)]
     device = _reduction_device(grads)
@@ -275,6 +285,8 @@ def clip_grad_norm(
         experts = _sum_of_squares(own, device)
         all_reduce_if_distributed(experts, dist.ReduceOp.SUM, expert_parallel_group(name))
         sum_of_squares = sum_of_squares + experts
+    if shard_group is not None:  # FSDP2: each data-parallel rank holds 1/DP of every gradient
+        all_reduce_if_distributed(sum_of_squares, dist.ReduceOp.SUM, shard_group)
     if model_parallel_group is not None:
         all_reduce_if_distributed(sum_of_squares, dist.ReduceOp.SUM, model_parallel_group)
     total_norm = sum_of_squares.sqrt().item()
@@ -307,6 +319,7 @@ class GuardedAdamW(torch.optim.AdamW):
         guard: bool = True,
         model_parallel_group: object = None,
         expert_parallel_group: Callable[[str], object] | None = None,
+        shard_group: object = None,
     ) -> None:
         params = list(params)
         super().__init__(
@@ -321,6 +334,7 @@ class GuardedAdamW(torch.optim.AdamW):
         self.guard = guard
         self.model_parallel_group = model_parallel_group
         self.expert_parallel_group = expert_parallel_group
+        self.shard_group = shard_group
         self.overflow = False
         self.grad_norm: float | None = None
 
@@ -345,7 +359,11 @@ class GuardedAdamW(torch.optim.AdamW):
         # equal across data-parallel ranks) is non-finite exactly when some gradient is, and
         # clip_grad_norm leaves the gradients alone then.
         norm = clip_grad_norm(
-            params, self.clip_grad, self.model_parallel_group, self.expert_parallel_group
+            params,
+            self.clip_grad,
+            self.model_parallel_group,
+            self.expert_parallel_group,
+            self.shard_group,
         )
         self.overflow = not math.isfinite(norm)
         self.grad_norm = None if self.overflow else norm

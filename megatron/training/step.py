@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import sum_sharded_sequence_parallel_grads
 from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, scale_aux_losses_like
 from megatron.training.monitor import Timers
 from megatron.utils import current_device
@@ -179,7 +180,11 @@ class PlainTrainer:
         return torch.autocast(current_device().type, dtype=self.autocast_dtype)
 
     def no_sync(self, last_micro_batch: bool) -> contextlib.AbstractContextManager:
-        """Skip DDP's gradient all-reduce on all but the last micro-batch."""
+        """Skip DDP's gradient all-reduce (FSDP2's reduce-scatter) on all but the last
+        micro-batch."""
+        if hasattr(self.model, "set_requires_gradient_sync"):  # an FSDP2 module
+            self.model.set_requires_gradient_sync(last_micro_batch)
+            return contextlib.nullcontext()
         if last_micro_batch or not hasattr(self.model, "no_sync"):
             return contextlib.nullcontext()
         return self.model.no_sync()
@@ -237,6 +242,7 @@ def optimizer_step_tail(
     gradients, step (our optimizer clips and refuses non-finite gradients, `GuardedAdamW`),
     update the loss scale, advance the LR schedule by `increment` samples unless skipped, and
     clear the gradients. Returns whether the update was skipped."""
+    sum_sharded_sequence_parallel_grads(params)  # FSDP2 with Megatron's sequence parallelism
     if scale != 1.0:
         for param in params:
             if param.grad is not None:

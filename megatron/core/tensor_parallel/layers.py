@@ -62,6 +62,21 @@ def mark_sequence_parallel(param: nn.Parameter) -> None:
         param.register_hook(lambda grad: all_reduce_sum_over_tensor_parallel(grad.clone()))
 
 
+def sum_sharded_sequence_parallel_grads(params: list[nn.Parameter]) -> None:
+    """The same sum for parameters torch FSDP2 sharded: it computes with its own unsharded
+    copies, so `mark_sequence_parallel`'s hook never fires; each such gradient shard (already
+    reduced over the data-parallel ranks) is summed over the TP ranks once per step instead."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    for param in params:
+        grad = param.grad
+        if grad is not None and getattr(param, "sequence_parallel", False):
+            to_local = getattr(grad, "to_local", None)
+            if to_local is not None:  # a DTensor: FSDP2's shard
+                local = to_local()
+                local.copy_(all_reduce_sum_over_tensor_parallel(local.clone()))
+
+
 def _new_parameter(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype))
 

@@ -136,6 +136,12 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace, guard: boo
         guard=True,
         model_parallel_group=parallel_state.get_model_parallel_group(),
         expert_parallel_group=_expert_parallel_group if getattr(args, "moe", False) else None,
+        # FSDP2 (sharded data parallelism): each rank holds a shard of every gradient.
+        shard_group=(
+            parallel_state.get_sequence_data_parallel_group()
+            if getattr(getattr(args, "layout", None), "sharding", "none") != "none"
+            else None
+        ),
     )
 
 

@@ -1,4 +1,5 @@
-"""The plain torch engine: the whole GPT, DDP over the data-parallel group, our AdamW.
+"""The plain torch engine: the whole GPT, DDP over the data-parallel group (or torch FSDP2 with
+sharded data parallelism, `engines/fsdp.py`), our AdamW.
 
 fp32 parameters are the master weights; fp16/bf16 compute runs under autocast, with
 Megatron's loss scaling in fp16 (`megatron.training.step.PlainTrainer`). Checkpoints are
@@ -24,6 +25,7 @@ from megatron.training.engines.base import (
     autocast_dtype,
     build_optimizer,
 )
+from megatron.training.engines.fsdp import shard_model
 from megatron.training.monitor import Timers
 from megatron.training.optimizer import loss_scaler_from_args
 from megatron.training.scheduler import scheduler_from_args
@@ -60,9 +62,14 @@ class PlainEngine(TrainingEngine):
         model scales so that DDP's average is their sum)."""
         model.to(current_device())
         set_up_expert_groups(model)  # what deepspeed.initialize does on DeepSpeed's engines
+        if args.layout.sharding != "none":
+            # FSDP2 first: the optimizer then holds each parameter's 1/DP shard.
+            model = shard_model(model, args.layout, args.grad_reduce_in_bf16)
         optimizer = build_optimizer(model, args, guard=True)
         scheduler = scheduler_from_args(optimizer, args)
-        if parallel_state.get_sequence_data_parallel_world_size() > 1:
+        if args.layout.sharding == "none" and (
+            parallel_state.get_sequence_data_parallel_world_size() > 1
+        ):
             model = torch.nn.parallel.DistributedDataParallel(
                 model,
                 device_ids=[torch.cuda.current_device()] if torch.cuda.is_available() else None,

@@ -1,0 +1,67 @@
+"""Megatron's files for a model sharded by torch FSDP2 (sharded data parallelism).
+
+The model file (`mp_rank_XX/model_optim_rng.pt`) holds each tensor-parallel rank's whole
+weights, as without sharding, gathered from the data-parallel shards; the optimizer state,
+gathered the same way, goes beside it in `distrib_optim.pt` (Megatron-LM's name for its
+distributed optimizer's file), keyed by parameter name (torch.distributed.checkpoint's "full
+state dict"). Both load at any data-parallel size: each rank takes its shard on loading. The
+gathering and loading are torch.distributed.checkpoint's `get_/set_model_state_dict` and
+`get_/set_optimizer_state_dict`; every rank of the data-parallel group must call them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether `module` is an FSDP2 module (its parameters DTensor shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def _full(**kwargs: bool) -> object:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) weights of `module` by name, on every rank (a collective)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module, options=_full())
+
+
+def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The whole optimizer state keyed by parameter name, on every rank (a collective)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(module, optimizer, options=_full())
+
+
+def load_full_model_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load whole weights into `module`, each rank keeping its shard."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(module, state, options=_full())
+
+
+def load_full_optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+) -> None:
+    """Load a name-keyed whole optimizer state (`full_optimizer_state`'s), sharded or not."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(module, optimizer, state, options=_full())
+
+
+def optimizer_file(model_file: str) -> str:
+    """`distrib_optim.pt` beside a rank's model file."""
+    return os.path.join(os.path.dirname(model_file), DISTRIBUTED_OPTIMIZER_FILE)

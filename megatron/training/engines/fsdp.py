@@ -1,0 +1,82 @@
+"""Sharded data parallelism on the plain engine: torch's FSDP2 (`fully_shard`).
+
+Each transformer layer, then the whole GPT, becomes an FSDP2 unit over the data-parallel
+ranks (with the context-parallel ones under context parallelism: the gradient group DDP
+would use), so every rank keeps 1/DP of each parameter, of its fp32 master copy and of Adam's
+moments; parameters are all-gathered for the forward (and again for the backward under the
+ZeRO-3 pattern), gradients reduce-scattered and averaged. Tensor parallelism stays ours: FSDP2
+shards each rank's tensor-parallel shard. Which flags choose which strategy:
+`megatron.arguments.sharding_flags`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.core import parallel_state
+from megatron.layout import ParallelLayout
+from megatron.utils import current_device
+
+# What our layers and the optimizer read from a parameter; FSDP2 makes new ones (DTensors).
+_PARAMETER_ATTRIBUTES = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "sequence_parallel",
+    "shared",
+    "allreduce",
+    "group_name",
+)
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def shard_model(
+    model: nn.Module, layout: ParallelLayout, grad_reduce_in_bf16: bool = False
+) -> nn.Module:
+    """`model` with FSDP2 applied per transformer layer and at the root (in place)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    group = parallel_state.get_sequence_data_parallel_group()
+    _broadcast_initial_states(model, group)
+    mesh = DeviceMesh.from_group(group, current_device().type)
+    attributes = {
+        name: {key: getattr(param, key) for key in _PARAMETER_ATTRIBUTES if hasattr(param, key)}
+        for name, param in model.named_parameters()
+    }
+    policy = MixedPrecisionPolicy(
+        param_dtype=_COMPUTE_DTYPES.get(layout.precision),
+        reduce_dtype=torch.bfloat16 if grad_reduce_in_bf16 else torch.float32,
+    )
+    # ZeRO-3 frees each layer's gathered parameters after its forward; ZeRO-2 keeps them
+    # until its backward (one all-gather per step instead of two).
+    reshard = layout.sharding == "optim_grads_params"
+    for layer in model.language_model.encoder.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    for name, param in model.named_parameters():
+        for key, value in attributes[name].items():
+            setattr(param, key, value)
+    return model
+
+
+def _broadcast_initial_states(model: nn.Module, group: object) -> None:
+    """Every rank of `group` starts from its first rank's weights, as DDP does on wrapping:
+    context-parallel ranks draw tensor-parallel weights from their own model-parallel RNG
+    streams (they drop out apart), and FSDP2 would otherwise shard a mixture of them."""
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) == 1:
+        return
+    source = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, source, group=group)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `model` is an FSDP2 module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
