@@ -18,82 +18,16 @@ heads, untied output layer), fp32, dropout 0, real GPT-2-tokenized data. What mu
 from __future__ import annotations
 
 import json
-import math
-import os
 
 import pytest
 
-from megatron.config import ModelConfig
-from tests.compat.test_script_runs import _iteration_lines, _launch
-from tests.tolerances import assert_losses_reordered, training_loss_terms
-
-SEQ, GLOBAL_BATCH, ITERATIONS = 64, 4, 6
-VOCAB = 50304  # GPT-2's vocabulary padded to a multiple of 128
-MODEL = ModelConfig(
-    num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-    vocab_size=VOCAB, max_position_embeddings=SEQ, activation="swiglu",
-    normalization="rmsnorm", position_embedding_type="rope", add_bias_linear=False,
-    untie_embeddings_and_output_weights=True,
-)  # fmt: skip
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-GPT2 = os.path.join(os.path.dirname(REPO), "shared", "data", "gpt2")
-
-
-def _argv(dataset: str, **flags: object) -> list[str]:
-    """pretrain_gpt.py's flags for the tiny model, with `flags` (name_with_underscores=value;
-    True for a switch) added."""
-    argv = (
-        f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-key-value-heads 2 "
-        f"--seq-length {SEQ} --max-position-embeddings {SEQ} --swiglu --normalization RMSNorm "
-        "--use-rotary-position-embeddings --no-position-embedding --disable-bias-linear "
-        "--untie-embeddings-and-output-weights --init-method-std 0.2 "
-        f"--micro-batch-size 2 --global-batch-size {GLOBAL_BATCH} --train-iters {ITERATIONS} "
-        "--lr 1e-3 --lr-decay-style constant --clip-grad 1.0 --attention-dropout 0 "
-        "--hidden-dropout 0 --seed 1234 --split 100,0,0 --eval-iters 0 --log-interval 1 "
-        f"--data-path {dataset} --vocab-file {GPT2}/gpt2-vocab.json "
-        f"--merge-file {GPT2}/gpt2-merges.txt"
-    ).split()
-    for name, value in flags.items():
-        # DeepSpeed's own flag keeps its underscore.
-        argv.append("--" + (name if name == "deepspeed_config" else name.replace("_", "-")))
-        if value is not True:
-            argv += str(value).split()
-    return argv
-
-
-def _run(dataset: str, ranks: int, **flags: object) -> list[dict]:
-    """The parsed iteration lines of a clean torchrun launch."""
-    run = _launch("torchrun", _argv(dataset, **flags), ranks=ranks)
-    assert run.returncode == 0, run.stdout[-4000:]
-    if flags.get("context_parallel_size", 1) != 1:
-        assert f"CP {flags['context_parallel_size']}" in run.stdout, run.stdout[-4000:]
-    return _iteration_lines(run.stdout)
-
-
-def _assert_same(ours: list[dict], theirs: list[dict]) -> None:
-    """The same iterations, token counts, losses up to fp32 sums in other orders, gradient
-    norms to the log's 3 decimals (each rounded there)."""
-    assert [log["iteration"] for log in ours] == [log["iteration"] for log in theirs]
-    for key in ("consumed samples", "consumed tokens", "global batch size"):
-        assert [log[key] for log in ours] == [log[key] for log in theirs], key
-    terms = [
-        training_loss_terms(MODEL, SEQ, GLOBAL_BATCH * SEQ, steps) for steps in range(len(theirs))
-    ]
-    assert_losses_reordered(
-        [log["lm loss"] for log in ours],
-        [log["lm loss"] for log in theirs],
-        terms=terms,
-        vocab=VOCAB,
-        what=str([(log["lm loss"], log["grad norm"]) for log in ours]),
-    )
-    for mine, their in zip(ours, theirs, strict=True):
-        assert math.isclose(mine["grad norm"], their["grad norm"], abs_tol=2e-3), (mine, their)
+from tests.training.llama_runs import GLOBAL_BATCH, ITERATIONS, assert_same, run
 
 
 @pytest.fixture(scope="module")
 def one_process(stdlib_dataset: str) -> list[dict]:
     """The run without any parallelism: the reference of every C=2 run at TP = PP = 1."""
-    logged = _run(stdlib_dataset, 1)
+    logged = run(stdlib_dataset, 1)
     assert [log["iteration"] for log in logged] == list(range(1, ITERATIONS + 1))
     assert logged[-1]["lm loss"] < logged[0]["lm loss"] - 0.2  # it trains
     return logged
@@ -105,12 +39,12 @@ def test_plain_engine_c2_equals_one_process_and_resumes_at_c1_and_c4(
 ) -> None:
     save = str(tmp_path / "save")
     # Stopped (and saved) after iteration 3, as a run that lost its nodes.
-    logged = _run(
+    logged = run(
         stdlib_dataset, 2, context_parallel_size=2, save=save, save_interval=100, exit_interval=3
     )
-    _assert_same(logged, one_process[:3])
+    assert_same(logged, one_process[:3])
     for size in (1, 4):
-        resumed = _run(
+        resumed = run(
             stdlib_dataset,
             size,
             context_parallel_size=size,
@@ -118,7 +52,7 @@ def test_plain_engine_c2_equals_one_process_and_resumes_at_c1_and_c4(
             save=str(tmp_path / f"r{size}"),
             save_interval=100,
         )
-        _assert_same(resumed, one_process[3:])
+        assert_same(resumed, one_process[3:])
 
 
 @pytest.mark.slow
@@ -127,8 +61,8 @@ def test_per_layer_comm_types_a2a_and_allgather_equal_one_process(
 ) -> None:
     """`--cp-comm-type a2a allgather`: layer 1 all-to-all (DeepSpeed's, over deepspeed.comm
     without --deepspeed), layer 2 all-gathered keys and values."""
-    logged = _run(stdlib_dataset, 2, context_parallel_size=2, cp_comm_type="a2a allgather")
-    _assert_same(logged, one_process)
+    logged = run(stdlib_dataset, 2, context_parallel_size=2, cp_comm_type="a2a allgather")
+    assert_same(logged, one_process)
 
 
 def _deepspeed_config(tmp_path, stage: int) -> str:
@@ -151,7 +85,7 @@ def _deepspeed_config(tmp_path, stage: int) -> str:
 def test_deepspeed_zero_c2_equals_one_process(
     stdlib_dataset: str, one_process: list[dict], tmp_path, stage: int
 ) -> None:
-    logged = _run(
+    logged = run(
         stdlib_dataset,
         2,
         context_parallel_size=2,
@@ -160,7 +94,7 @@ def test_deepspeed_zero_c2_equals_one_process(
         zero_stage=stage,
         no_pipeline_parallel=True,
     )
-    _assert_same(logged, one_process)
+    assert_same(logged, one_process)
 
 
 @pytest.mark.slow
@@ -175,7 +109,7 @@ def test_deepspeed_zero_c2_equals_one_process(
 def test_c2_on_four_ranks_equals_two(stdlib_dataset: str, sizes: dict) -> None:
     """TP=2 with sequence parallelism, and Megatron's schedules at PP=2: C=2 on 4 ranks logs
     what the same layout logs on 2 (whose initial weights are those of its TP/PP split)."""
-    _assert_same(
-        _run(stdlib_dataset, 4, context_parallel_size=2, **sizes),
-        _run(stdlib_dataset, 2, **sizes),
+    assert_same(
+        run(stdlib_dataset, 4, context_parallel_size=2, **sizes),
+        run(stdlib_dataset, 2, **sizes),
     )
