@@ -7,7 +7,9 @@ branch) passes `--context-parallel-size`. Some of its other flags are built by l
 one line (unknown to the parser, or refused by validation), so the list must shrink as they
 land. Without them the command line validates at its world size, and, scaled to a tiny model
 on CPU, runs through torchrun at CP=2: the loss falls, the log lines parse, and a second
-launch of the same command line resumes from the first one's checkpoint.
+launch of the same command line resumes from the first one's checkpoint. Its DDP arguments
+(`--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather`,
+`--grad-reduce-in-bf16`) run on torch FSDP2 (over the 2 context-parallel ranks there).
 """
 
 from __future__ import annotations
@@ -33,13 +35,9 @@ GPT2 = os.path.join(
     "data",
     "gpt2",
 )
-# Flags of the recipe that later issues build (issue: 38 sharded data parallelism, 39
-# torch_dist checkpoints, 40 Megatron-LM's training/data/logging flags and recipes).
+# Flags of the recipe that later issues build (issue: 39 torch_dist checkpoints, 40
+# Megatron-LM's training/data/logging flags and recipes).
 LATER = {
-    "--use-distributed-optimizer": 38,
-    "--overlap-grad-reduce": 38,
-    "--overlap-param-gather": 38,
-    "--grad-reduce-in-bf16": 38,
     "--ckpt-format": 39,
     "--apply-layernorm-1p": 40,
     "--vocab-size": 40,
@@ -124,7 +122,8 @@ def test_the_recipe_stops_only_at_flags_of_later_issues(stdlib_dataset: str, tmp
     assert args.context_parallel_size == 1 and args.layout.data_parallel == 8
     assert args.tokenizer_type == "HFTokenizer" and args.num_key_value_heads == 8
     at_cp2 = _validate(_without_later(with_values(argv, {"--context-parallel-size": ["2"]})), 8)
-    assert at_cp2.layout.describe() == "TP 1 x CP 2 x PP 1 x DP 4, bf16 on plain"
+    # Its DDP arguments: Megatron-LM's distributed optimizer, here on torch FSDP2.
+    assert at_cp2.layout.describe() == "TP 1 x CP 2 x PP 1 x DP 4, bf16, FSDP2 optim_grads on plain"
     still_refused = []
     for flag in LATER:
         errors = io.StringIO()
@@ -151,7 +150,8 @@ def test_scaled_recipe_runs_at_cp2_and_a_second_launch_resumes(
     argv = _without_later(_localized(with_values(script.argv, TINY), stdlib_dataset, str(tmp_path)))
     first = _launch("torchrun", argv + ["--exit-interval", "3"], ranks=2)
     assert first.returncode == 0, first.stdout[-4000:]
-    assert "TP 1 x CP 2 x PP 1 x DP 1, bf16 on plain" in first.stdout, first.stdout[-4000:]
+    layout = "TP 1 x CP 2 x PP 1 x DP 1, bf16, FSDP2 optim_grads on plain"
+    assert layout in first.stdout, first.stdout[-4000:]
     logged = _iteration_lines(first.stdout)
     assert [log["iteration"] for log in logged] == [1, 2, 3]
     second = _launch("torchrun", argv, ranks=2)  # the same command line again
