@@ -185,18 +185,6 @@ FEATURES: tuple[Feature, ...] = (
         },
     ),
     Feature(
-        name="sharded data parallelism with MoE",
-        flag="--use-distributed-optimizer",
-        used=lambda layout, moe: layout.sharding != "none" and moe is not None,
-        engines=frozenset(),
-        refusals={
-            Engine.PLAIN: (
-                "{flag} with {moe}: FSDP2 over expert layers is not built here; use "
-                "--deepspeed --no-pipeline-parallel with ZeRO"
-            ),
-        },
-    ),
-    Feature(
         name="tensor parallelism",
         flag="--tensor-model-parallel-size",
         used=lambda layout, moe: layout.tensor_parallel > 1,

@@ -117,3 +117,18 @@ def settle_sharding(args: argparse.Namespace) -> None:
             "--grad-reduce-in-bf16 needs --bf16 and sharded data parallelism "
             "(--use-distributed-optimizer, --use-torch-fsdp2 or --use-megatron-fsdp)"
         )
+
+
+def refuse_sharded_experts(args: argparse.Namespace, experts: str | None) -> None:
+    """FSDP2 over MoE layers (`experts`: the MoE flags, or None) is not built: one line."""
+    if experts is not None and args.layout.sharding != "none":
+        raise ArgumentError(
+            f"{_sharding_flag(args)} with {experts}: FSDP2 over expert layers is not built "
+            "here; use --deepspeed --no-pipeline-parallel with ZeRO"
+        )
+
+
+def _sharding_flag(args: argparse.Namespace) -> str:
+    if args.use_torch_fsdp2:
+        return "--use-torch-fsdp2"
+    return "--use-megatron-fsdp" if args.use_megatron_fsdp else "--use-distributed-optimizer"

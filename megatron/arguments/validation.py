@@ -25,7 +25,7 @@ from megatron.arguments.moe_flags import settle_moe
 from megatron.arguments.parallel_flags import job_backend
 from megatron.arguments.pipeline_checks import settle_pipeline
 from megatron.arguments.precision import check_flash_attention_precision
-from megatron.arguments.sharding_flags import settle_sharding
+from megatron.arguments.sharding_flags import refuse_sharded_experts, settle_sharding
 from megatron.arguments.ulysses_checks import settle_ulysses
 from megatron.arguments.v1_flags import train_data_corpus, translate_v1_flags
 from megatron.atomic_files import nearest_existing
@@ -504,6 +504,7 @@ def validate_args(
     incompatible = refusal(args.layout, _experts_flag(args))
     if incompatible is not None:
         raise ArgumentError(incompatible)
+    refuse_sharded_experts(args, _experts_flag(args))
     settle_moe(args)
     settle_ulysses(args)
     settle_context_parallel(args)

@@ -78,8 +78,8 @@ def test_each_spelling_means_one_strategy(flags: str, sharding: str) -> None:
         ),
         (
             "--use-distributed-optimizer --num-experts 4",
-            "--use-distributed-optimizer (FSDP2 optim_grads) with --num-experts 4: FSDP2 over "
-            "expert layers is not built here",
+            "--use-distributed-optimizer with --num-experts 4: FSDP2 over expert layers is not "
+            "built here",
         ),
     ],
 )

@@ -6,7 +6,8 @@ The tiny LLaMA-style model of `llama_runs` at DP=2 with 2 micro-batches per step
 
 - each strategy (optim_grads: `--use-distributed-optimizer`; optim_grads_params:
   `--use-torch-fsdp2`) logs DDP's losses and gradient norms in fp32 (up to fp32 sums in other
-  orders), and in bf16 to bf16's precision; at TP=2 with sequence parallelism on 4 ranks too;
+  orders), and in bf16 to bf16's precision (fp16 trains without a skipped step); at TP=2 with
+  sequence parallelism on 4 ranks too;
 - a checkpoint saved by FSDP2 at DP=2 (weights gathered into Megatron's file, the optimizer
   state into distrib_optim.pt) resumes bit for bit at DP=2, and at DP=1 both sharded and
   unsharded, to the iterations of the run that never stopped.
@@ -55,10 +56,17 @@ def _assert_bf16_close(ours: list[dict], theirs: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_bf16_both_strategies_track_ddp(stdlib_dataset: str) -> None:
+def test_bf16_both_strategies_track_ddp_and_fp16_trains(stdlib_dataset: str) -> None:
+    """bf16: parameters all-gathered in bf16, gradients reduced in fp32. fp16 (parameters
+    gathered in fp16, Megatron's loss scaling over the fp32 master shards): no skipped or NaN
+    step at a loss scale that suits the model, and the loss falls."""
     reference = run(stdlib_dataset, 2, bf16=True, **BATCH)
     for flags in STRATEGIES.values():
         _assert_bf16_close(run(stdlib_dataset, 2, bf16=True, **BATCH, **flags), reference)
+    fp16 = run(stdlib_dataset, 2, fp16=True, initial_loss_scale=1024, use_torch_fsdp2=True, **BATCH)
+    assert [log["number of skipped iterations"] for log in fp16] == [0] * len(fp16)
+    assert all(math.isfinite(log["lm loss"]) for log in fp16)
+    assert fp16[-1]["lm loss"] < fp16[0]["lm loss"] - 0.2
 
 
 @pytest.mark.slow
