@@ -87,7 +87,8 @@ FEATURES: tuple[Feature, ...] = (
                 "--no-pipeline-parallel with {flag} under --deepspeed: DeepSpeed's engine is "
                 "not driven by Megatron's schedules here; drop --no-pipeline-parallel for "
                 "DeepSpeed's pipeline engine (ZeRO 0-1), or drop --deepspeed for Megatron's "
-                "schedules"
+                "schedules (with --use-distributed-optimizer or --use-torch-fsdp2 for "
+                "ZeRO-2/3-style sharding on torch FSDP2)"
             ),
         },
     ),
@@ -175,14 +176,7 @@ FEATURES: tuple[Feature, ...] = (
         name="sharded data parallelism (torch FSDP2)",
         flag="--use-distributed-optimizer",
         used=lambda layout, moe: layout.sharding != "none",
-        engines=frozenset({Engine.PLAIN}),
-        refusals={
-            Engine.MEGATRON_SCHEDULES: (
-                "{flag} with --pipeline-model-parallel-size {pp}: FSDP2 under Megatron's "
-                "schedules is not built yet; use --deepspeed (ZeRO-1 on DeepSpeed's pipeline "
-                "engine) or PP 1"
-            ),
-        },
+        engines=frozenset({Engine.PLAIN, Engine.MEGATRON_SCHEDULES}),
     ),
     Feature(
         name="tensor parallelism",

@@ -176,6 +176,11 @@ def _chunks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return list(module) if isinstance(module, torch.nn.ModuleList) else [module]
 
 
+def _is_sharded(module: torch.nn.Module) -> bool:
+    """Whether this rank's model (or its pipeline chunks) is sharded by FSDP2."""
+    return any(is_sharded(chunk) for chunk in _chunks(module))
+
+
 def model_states(module: torch.nn.Module) -> dict:
     """Megatron's `model` entry, or `model0`, `model1`, ... for this rank's pipeline chunks
     with virtual stages (each chunk numbering its layers from 0, as Megatron-LM)."""
@@ -194,7 +199,10 @@ def load_model_states(module: torch.nn.Module, client: dict, path: str) -> None:
             f"chunk(s) per pipeline rank need {', '.join(keys)}; convert it with {RESHARD_TOOL}"
         )
     for chunk, key in zip(chunks, keys):
-        chunk.load_state_dict(flatten_model_state(client[key]))
+        if is_sharded(chunk):  # FSDP2: every rank loads the whole weights, keeps its shard
+            load_full_model_state(chunk, flatten_model_state(client[key]))
+        else:
+            chunk.load_state_dict(flatten_model_state(client[key]))
 
 
 def save_checkpoint(state, target: CheckpointTarget, args: argparse.Namespace) -> None:  # noqa: ANN001
@@ -228,9 +236,9 @@ def _save_megatron_files(state, target: CheckpointTarget, args: argparse.Namespa
     iteration = state.iteration
     model = target.model
     module = _unwrap(model)
-    sharded = is_sharded(module)
+    sharded = _is_sharded(module)
     save_optimizer = not args.no_save_optim
-    weights = full_model_state(module) if sharded else None
+    weights = [full_model_state(chunk) for chunk in _chunks(module)] if sharded else None
     optimizer_state = None
     if sharded and save_optimizer:
         optimizer_state = full_optimizer_state(module, target.optimizer)
@@ -241,7 +249,9 @@ def _save_megatron_files(state, target: CheckpointTarget, args: argparse.Namespa
     if parallel_state.get_sequence_data_parallel_rank() == 0:
         checkpoint = _client_state(state, args, rng, target)
         checkpoint.update(
-            model_entries([nest_model_state(weights)]) if sharded else model_states(module)
+            model_entries([nest_model_state(chunk) for chunk in weights])
+            if sharded
+            else model_states(module)
         )
         if save_optimizer:
             if not sharded:
@@ -407,7 +417,7 @@ def _load_optimizer_state(module, optimizer, client: dict, path: str) -> bool:  
         return True
     if "optimizer" not in client:
         return False
-    if is_sharded(module):
+    if _is_sharded(module):
         raise CheckpointError(
             f"{path} holds the optimizer state of a run without sharded data parallelism "
             "(no distrib_optim.pt beside it); add --no-load-optim to load the weights only, "
@@ -569,10 +579,7 @@ def load_checkpoint(target: CheckpointTarget, args: argparse.Namespace) -> Train
         _load_weights(target, flatten_model_state(client["model"]), args, path)
     else:
         module = _unwrap(model)
-        if is_sharded(module):
-            load_full_model_state(module, flatten_model_state(client["model"]))
-        else:
-            load_model_states(module, client, path)
+        load_model_states(module, client, path)
         if load_optimizer and _load_optimizer_state(module, optimizer, client, path):
             scheduler.load_state_dict(client["opt_param_scheduler"])
             if "loss_scaler" in client and getattr(model, "loss_scaler", None) is not None:

@@ -138,8 +138,10 @@ def train_step_megatron_schedules(
     timers("optimizer", 1).start()
     sync_tied_embedding_grads(trainer.model)
     params = [param for group in trainer.optimizer.param_groups for param in group["params"]]
-    # Over data x context ranks (each context rank's part is scaled so the average sums them).
-    average_gradients(params, parallel_state.get_sequence_data_parallel_group())
+    # Over data x context ranks (each context rank's part is scaled so the average sums them);
+    # FSDP2 chunks were reduce-scattered by torch's stages already.
+    if args.layout.sharding == "none":
+        average_gradients(params, parallel_state.get_sequence_data_parallel_group())
     # Clips with the norm over every stage and tensor-parallel rank; skips a non-finite step.
     skipped = optimizer_step_tail(
         trainer, params, scale, global_batch_size or args.global_batch_size

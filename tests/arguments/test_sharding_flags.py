@@ -46,13 +46,15 @@ def validated(extra: str, world_size: int = 4):
         ),
         ("--use-distributed-optimizer --bf16 --grad-reduce-in-bf16", "optim_grads"),
         ("--use-distributed-optimizer --context-parallel-size 2", "optim_grads"),
+        ("--use-torch-fsdp2 --pipeline-model-parallel-size 2", "optim_grads_params"),
     ],
 )
 def test_each_spelling_means_one_strategy(flags: str, sharding: str) -> None:
     layout = validated(flags).layout
-    assert layout.engine is Engine.PLAIN and layout.sharding == sharding
+    engine = Engine.MEGATRON_SCHEDULES if layout.pipelined else Engine.PLAIN
+    assert layout.engine is engine and layout.sharding == sharding
     if sharding != "none":
-        assert layout.describe().endswith(f"FSDP2 {sharding} on plain")
+        assert layout.describe().endswith(f"FSDP2 {sharding} on {engine.value}")
 
 
 @pytest.mark.parametrize(
@@ -71,11 +73,6 @@ def test_each_spelling_means_one_strategy(flags: str, sharding: str) -> None:
         ("DS --use-torch-fsdp2", "--use-torch-fsdp2 with --deepspeed: DeepSpeed shards with ZeRO"),
         ("--grad-reduce-in-bf16 --bf16", "--grad-reduce-in-bf16 needs --bf16 and sharded"),
         ("--use-distributed-optimizer --grad-reduce-in-bf16", "--grad-reduce-in-bf16 needs"),
-        (
-            "--use-torch-fsdp2 --pipeline-model-parallel-size 2",
-            "--use-torch-fsdp2 (FSDP2 optim_grads_params) with --pipeline-model-parallel-size "
-            "2: FSDP2 under Megatron's schedules is not built yet",
-        ),
         (
             "--use-distributed-optimizer --num-experts 4",
             "--use-distributed-optimizer with --num-experts 4: FSDP2 over expert layers is not "

@@ -29,7 +29,7 @@ GPT2 = os.path.join(os.path.dirname(REPO), "shared", "data", "gpt2")
 
 def argv(dataset: str, **flags: object) -> list[str]:
     """pretrain_gpt.py's flags for the tiny model, with `flags` (name_with_underscores=value;
-    True for a switch) added."""
+    True for a switch; None takes one of the model's switches away) added."""
     tokens = (
         f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-key-value-heads 2 "
         f"--seq-length {SEQ} --max-position-embeddings {SEQ} --swiglu --normalization RMSNorm "
@@ -43,7 +43,11 @@ def argv(dataset: str, **flags: object) -> list[str]:
     ).split()
     for name, value in flags.items():
         # DeepSpeed's own flag keeps its underscore.
-        tokens.append("--" + (name if name == "deepspeed_config" else name.replace("_", "-")))
+        flag = "--" + (name if name == "deepspeed_config" else name.replace("_", "-"))
+        if value is None:
+            tokens.remove(flag)
+            continue
+        tokens.append(flag)
         if value is not True:
             tokens += str(value).split()
     return tokens

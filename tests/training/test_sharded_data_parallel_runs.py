@@ -102,3 +102,24 @@ def test_resumes_bit_exactly_and_at_another_data_parallel_size(
     ]  # bit for bit, as printed
     for flags in (dict(use_torch_fsdp2=True), {}):
         assert_same(run(stdlib_dataset, 1, load=save, **BATCH, **flags), straight[3:])
+
+
+@pytest.mark.slow
+def test_megatron_interleaved_schedule_pp2_dp2(stdlib_dataset: str, tmp_path) -> None:
+    """Megatron's interleaved 1F1B at PP=2 x DP=2 (4 layers, 2 virtual stages, GPT-2's tied
+    embedding across the first and last stage): each chunk an FSDP2 unit, torch's stages
+    reduce-scatter once per step; the same losses as DDP at that layout, also after a resume
+    from a checkpoint saved at iteration 2."""
+    sizes = dict(
+        pipeline_model_parallel_size=2,
+        num_layers=4,
+        virtual_pipeline_model_parallel_size=2,
+        untie_embeddings_and_output_weights=None,
+        **BATCH,
+    )
+    reference = run(stdlib_dataset, 4, **sizes)
+    save = str(tmp_path / "save")
+    first = run(stdlib_dataset, 4, use_torch_fsdp2=True, save=save, save_interval=100,
+                exit_interval=2, **sizes)  # fmt: skip
+    resumed = run(stdlib_dataset, 4, use_torch_fsdp2=True, load=save, **sizes)
+    assert_same(first + resumed, reference)

@@ -168,10 +168,15 @@ def initialize_tied_embedding(chunks: nn.ModuleList) -> None:
 
 
 def sync_tied_embedding_grads(chunks: nn.ModuleList) -> None:
-    """Sum the two copies' gradients (Megatron's embedding group), so both update alike."""
+    """Sum the two copies' gradients (Megatron's embedding group), so both update alike.
+
+    Under FSDP2 each copy's gradient is a shard (a DTensor): both ends shard the same shape
+    over equal data-parallel groups, so the shards at one data-parallel index add up alike.
+    """
     weight = _tied_embedding_weight(chunks)
     if weight is not None and weight.grad is not None:
-        _embedding_group_all_reduce(weight.grad)
+        grad = weight.grad
+        _embedding_group_all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad)
 
 
 def average_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None) -> None:

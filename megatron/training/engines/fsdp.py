@@ -34,7 +34,9 @@ _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def shard_model(
     model: nn.Module, layout: ParallelLayout, grad_reduce_in_bf16: bool = False
 ) -> nn.Module:
-    """`model` with FSDP2 applied per transformer layer and at the root (in place)."""
+    """`model` with FSDP2 applied per transformer layer and at the root (in place); for
+    Megatron's schedules, `model` is this rank's `ModuleList` of chunks and each chunk is a
+    root (torch's `PipelineStage` reduce-scatters each chunk's gradients once per step)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -52,9 +54,11 @@ def shard_model(
     # ZeRO-3 frees each layer's gathered parameters after its forward; ZeRO-2 keeps them
     # until its backward (one all-gather per step instead of two).
     reshard = layout.sharding == "optim_grads_params"
-    for layer in model.language_model.encoder.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    roots = list(model) if isinstance(model, nn.ModuleList) else [model]
+    for root in roots:
+        for layer in root.language_model.encoder.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(root, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     for name, param in model.named_parameters():
         for key, value in attributes[name].items():
             setattr(param, key, value)
@@ -73,10 +77,3 @@ def _broadcast_initial_states(model: nn.Module, group: object) -> None:
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(tensor.data, source, group=group)
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether `model` is an FSDP2 module."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)

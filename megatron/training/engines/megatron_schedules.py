@@ -1,5 +1,6 @@
 """Megatron's pipeline schedules without DeepSpeed: this rank's chunks on
-torch.distributed.pipelining (1F1B, or interleaved with virtual stages), our AdamW.
+torch.distributed.pipelining (1F1B, or interleaved with virtual stages), our AdamW; with
+sharded data parallelism each chunk is an FSDP2 module (`engines/fsdp.py`).
 
 The update is the plain engine's (`megatron.training.step.optimizer_step_tail`); checkpoints
 are Megatron's per-rank files, one model entry per chunk.
@@ -19,6 +20,7 @@ from megatron.layout import Engine, ParallelLayout
 from megatron.model.moe import set_up_expert_groups
 from megatron.model.pipeline_chunks import activation_shape, build_pipeline_chunks
 from megatron.training.engines.base import PipelineBatch, autocast_dtype, build_optimizer
+from megatron.training.engines.fsdp import shard_model
 from megatron.training.engines.plain import PlainEngine
 from megatron.training.megatron_schedules_step import (
     MicroBatchLoss,
@@ -63,6 +65,9 @@ class MegatronSchedulesEngine(PlainEngine):
         model.to(current_device())
         set_up_expert_groups(model)  # what deepspeed.initialize does on DeepSpeed's engines
         initialize_tied_embedding(model)
+        if args.layout.sharding != "none":
+            # After tying (the head copy starts equal to the embedding), before the optimizer.
+            model = shard_model(model, args.layout, args.grad_reduce_in_bf16)
         optimizer = build_optimizer(model, args, guard=True)
         scheduler = scheduler_from_args(optimizer, args)
         loss = MicroBatchLoss(pipeline_batch.loss_func)
