@@ -33,13 +33,13 @@ class PlanningError(ValueError):
     """The planner cannot plan this job; the message says why, naming the setting."""
 
 
-# The planner's names for the engines (its tables and plan files use them).
-_PLANNER_ENGINES = {
+PLANNER_ENGINES = {
     Engine.PLAIN: "plain",
     Engine.DEEPSPEED: "deepspeed",
     Engine.DEEPSPEED_PIPE: "deepspeed-pipeline",
     Engine.MEGATRON_SCHEDULES: "megatron-pipeline",
 }
+"""The planner's names for the engines (its tables and plan files use them)."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class PlanInputs:
         """The plan's view of validated `args` on a machine with `device_type` tensors."""
         config = ModelConfig.from_args(_with_vocabulary(args))
         zero = _zero_settings(args)
-        engine = _PLANNER_ENGINES[args.layout.engine]
+        engine = PLANNER_ENGINES[args.layout.engine]
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         return cls(
             model=config,
