@@ -4,8 +4,9 @@ For every configuration of `planner_configs.CONFIGS` (plain fp32 and bf16 DDP, T
 sequence parallelism and selective recompute, TP=2 with full recompute, DeepSpeed ZeRO 1, 2
 and 3 in bf16 at DP=2, DeepSpeed's pipeline engine at PP=2, Megatron's 1F1B and interleaved
 schedules at PP=2,
-DeepSpeed-Ulysses and -MoE, a LLaMA-style shape plain and under ZeRO-2 with TP=2, and fp16
-at ZeRO-0 and ZeRO-1 on both DeepSpeed engines where DeepSpeed's CPU accelerator has fp16):
+DeepSpeed-Ulysses and -MoE, a LLaMA-style shape plain and under ZeRO-2 with TP=2, fp16
+at ZeRO-0 and ZeRO-1 on both DeepSpeed engines where DeepSpeed's CPU accelerator has fp16,
+and torch FSDP2's two strategies in fp32 and bf16 on the plain engine):
 
 - the plan: `pretrain_gpt.py FLAGS --dry-run --dry-run-world-size N --dry-run-json plan.json`,
   as a user runs it (its wall time is reported too);

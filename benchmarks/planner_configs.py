@@ -237,6 +237,23 @@ CONFIGS: tuple[PlannerConfig, ...] = (
         ),
         zero_config(1),
     ),
+    # torch FSDP2 on the plain engine (no DeepSpeed) at DP 2, both strategies, fp32 and bf16
+    # autocast, two micro-batches per iteration: the unsharded gradients FSDP2 accumulates
+    # between its reduce-scatters, and its gathered parameters kept or freed after a forward.
+    *(
+        PlannerConfig(
+            f"fsdp2-{strategy}-{precision}",
+            "torchrun",
+            2,
+            (flag, "--micro-batch-size", "2", *(("--bf16",) if precision == "bf16" else ())),
+            None,
+        )
+        for strategy, flag in (
+            ("optim-grads", "--use-distributed-optimizer"),
+            ("optim-grads-params", "--use-torch-fsdp2"),
+        )
+        for precision in ("fp32", "bf16")
+    ),
 )
 
 

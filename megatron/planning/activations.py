@@ -60,7 +60,9 @@ def dtypes(inputs: PlanInputs) -> Dtypes:
     gpu = inputs.device_type == "cuda"
     if inputs.precision == "fp32":
         return Dtypes(_FP32, _FP32, _FP32, 1 if gpu else _FP32)
-    if inputs.deepspeed:  # half-precision parameters: everything half
+    if inputs.deepspeed or inputs.fsdp:
+        # Half-precision parameters (DeepSpeed's, or FSDP2's gathered in `param_dtype`):
+        # everything half, autocast or not (tests/planning/test_fsdp_plan.py measures it).
         return Dtypes(2, 2, 2, 1 if gpu else 2)
     # fp32 parameters under torch.autocast.
     fused_gelu = gpu and inputs.model.bias_gelu_fusion and inputs.model.activation != "swiglu"

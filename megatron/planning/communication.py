@@ -7,8 +7,9 @@ iteration, start-up and evaluation excluded. Collectives on groups of one rank c
 - tensor parallel (Megatron, Shoeybi et al. 2019; Korthikanti et al. 2022 with sequence
   parallelism): see `tensor_parallel_bytes`; plus the vocabulary-parallel embedding, the
   output layer's input and the cross entropy's three [s, b] fp32 reductions.
-- data parallel: DDP's all-reduce of fp32 gradients once per iteration; DeepSpeed's per
-  engine and ZeRO stage (see `data_parallel_bytes`).
+- data parallel: DDP's all-reduce of fp32 gradients once per iteration; torch FSDP2's
+  all-gathers and reduce-scatter (`fsdp_collectives`); DeepSpeed's per engine and ZeRO stage
+  (see `data_parallel_bytes`).
 - pipeline: each micro-batch's [s, b, h] activation sent forward and its gradient sent
   back, and the tied embeddings' gradient all-reduce between the first and last stage.
 - context parallel: each layer's key/value exchange over the C ranks of its group, by
@@ -25,7 +26,13 @@ from megatron.deepspeed_facts import OptimizerWrapper, effective_overlap_comm
 from megatron.planning.activations import dtypes
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.layout import RankRole
-from megatron.planning.model_states import communication_bytes, weight_bytes, zero3_tensors
+from megatron.planning.model_states import (
+    communication_bytes,
+    fsdp_units,
+    reduce_bytes,
+    weight_bytes,
+    zero3_tensors,
+)
 
 _FP32 = 4
 _DDP_BUCKET = 25 * 2**20  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb=25
@@ -132,6 +139,8 @@ def data_parallel_collectives(inputs: PlanInputs, role: RankRole) -> list[Collec
 def _data_parallel_collectives(inputs: PlanInputs, role: RankRole, group: int) -> list:
     """`data_parallel_collectives` of one share of the parameters, over `group` ranks."""
     w, m = role.num_parameters, inputs.micro_batches
+    if inputs.fsdp:
+        return fsdp_collectives(inputs, role, group)
     if not inputs.deepspeed:
         if inputs.engine == "megatron-pipeline":  # average_gradients after the schedule
             return [Collective("all_reduce", _FP32 * w, group)]
@@ -164,6 +173,29 @@ def _data_parallel_collectives(inputs: PlanInputs, role: RankRole, group: int) -
         Collective("all_gather", gathers, group, "compute", True, prefetch),
         Collective("reduce_scatter", scattered, group, overlap, True, bucket),
         Collective("all_gather", half * persistent, group),
+    ]
+
+
+def fsdp_collectives(inputs: PlanInputs, role: RankRole, group: int) -> list[Collective]:
+    """torch FSDP2's collectives per iteration over `group` (the data x context ranks).
+
+    Every micro-batch's forward all-gathers each unit (each layer, then the root) in the
+    compute dtype, its output the unit padded to a multiple of the group; optim_grads_params
+    gathers each again in the backward (reshard_after_forward; so does optim_grads between
+    micro-batches, but not within one: reshard_after_backward frees the weights after every
+    backward either way, so both gather once per micro-batch forward). The last micro-batch's
+    backward reduce-scatters each unit's summed gradients once, in the reduce dtype (the
+    earlier ones skip it: set_requires_gradient_sync(False)). The root's gather opens the
+    forward and its reduce-scatter closes the backward: neither hides.
+    """
+    z, c, r = group, weight_bytes(inputs), reduce_bytes(inputs)
+    padded = sum(-(-n // z) * z for n in role.tensor_sizes)
+    root = -(-fsdp_units(role)[0] // z) * z
+    passes = 2 if inputs.sharding == "optim_grads_params" else 1
+    gathers = passes * inputs.micro_batches * c * padded
+    return [
+        Collective("all_gather", gathers, group, "compute", True, c * root),
+        Collective("reduce_scatter", r * padded, group, "backward", False, r * root),
     ]
 
 

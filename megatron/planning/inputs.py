@@ -33,13 +33,13 @@ class PlanningError(ValueError):
     """The planner cannot plan this job; the message says why, naming the setting."""
 
 
-# The planner's names for the engines (its tables and plan files use them).
-_PLANNER_ENGINES = {
+PLANNER_ENGINES = {
     Engine.PLAIN: "plain",
     Engine.DEEPSPEED: "deepspeed",
     Engine.DEEPSPEED_PIPE: "deepspeed-pipeline",
     Engine.MEGATRON_SCHEDULES: "megatron-pipeline",
 }
+"""The planner's names for the engines (its tables and plan files use them)."""
 
 
 @dataclass(frozen=True)
@@ -90,12 +90,24 @@ class PlanInputs:
     precision: str
     """`fp32`, `bf16` or `fp16`."""
     engine: str
-    """`plain` (DDP), `megatron-pipeline`, `deepspeed` or `deepspeed-pipeline`."""
+    """`plain` (DDP or FSDP2, see `sharding`), `megatron-pipeline`, `deepspeed` or
+    `deepspeed-pipeline`."""
     zero: ZeroSettings
     grad_accum_dtype: str
     """The dtype micro-batch gradients are summed in (`fp32`, `bf16`, `fp16`)."""
     device_type: str
     """`cuda` or `cpu`: where the run's tensors live (decides the attention kernels)."""
+    sharding: str = "none"
+    """The plain engine's sharded data parallelism (torch FSDP2; the layout's `sharding`):
+    `none` (DDP), `optim_grads` (`--use-distributed-optimizer`) or `optim_grads_params`
+    (`--use-torch-fsdp2`)."""
+    grad_reduce_dtype: str = "fp32"
+    """FSDP2's `reduce_dtype`: `fp32`, or `bf16` with `--grad-reduce-in-bf16`."""
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether torch FSDP2 shards the plain engine's model over the data x context ranks."""
+        return self.sharding != "none"
 
     @property
     def split(self) -> int:
@@ -145,7 +157,7 @@ class PlanInputs:
         """The plan's view of validated `args` on a machine with `device_type` tensors."""
         config = ModelConfig.from_args(_with_vocabulary(args))
         zero = _zero_settings(args)
-        engine = _PLANNER_ENGINES[args.layout.engine]
+        engine = PLANNER_ENGINES[args.layout.engine]
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         return cls(
             model=config,
@@ -165,6 +177,8 @@ class PlanInputs:
             zero=zero,
             grad_accum_dtype=_grad_accum_dtype(args, precision),
             device_type=device_type,
+            sharding=args.layout.sharding,
+            grad_reduce_dtype="bf16" if getattr(args, "grad_reduce_in_bf16", False) else "fp32",
         )
 
 

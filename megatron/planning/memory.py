@@ -9,7 +9,11 @@ The peak is the largest of these moments of an iteration, each a sum of what is 
 - `boundary`: the last backward ends and gradients are reduced (flat copies);
 - `step`: every gradient reduced, the optimizer updating (its temporaries alive);
 - `embedding backward` (first stage): the embedding's dense gradient beside the held one,
-  the other micro-batches in flight still holding their activations.
+  the other micro-batches in flight still holding their activations;
+- `all-gather` (torch FSDP2): the root unit gathered (its flat output beside the
+  per-parameter copies) as the forward starts, and under optim_grads_params again as the
+  backward starts. FSDP2's gathered weights, the whole gradients it carries across
+  micro-batches and its gradient shard join the other moments (`model_states.fsdp_states`).
 
 Each moment is kept by column (weights, gradients, optimizer, activations, logits, buffers),
 so the columns a plan prints beside its peak are the peak moment's and add up to it.
@@ -117,7 +121,8 @@ def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
     held = {"gradients": states.gradients + states.accumulators, "buffers": states.held_buckets}
     # From the first backward to the step; carried into later forwards with accumulation. A
     # backward's first gradient allocates the accumulators and buckets, not the gradients.
-    carried = held if inputs.micro_batches > 1 else {}
+    several = inputs.micro_batches > 1
+    carried = _moment(held, {"gradients": states.unsharded_gradients}) if several else {}
     first_gradient = carried or {"gradients": states.accumulators, "buffers": states.held_buckets}
     gathered = {"weights": states.gathered}
     forward = _moment(fixed, gathered, carried, {"activations": activations, "logits": logits})
@@ -132,11 +137,14 @@ def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
         first_gradient,
         {"activations": activations + recomputed, "logits": pipe_outputs},
         {"buffers": states.backward_buckets, "gradients": head_gradient},
+        {"weights": states.prefetched},
     )
-    late = {"logits": pipe_outputs}
+    late = {"logits": pipe_outputs, "gradients": states.sharded_gradients}
     boundary = _moment(fixed, held, late, {"buffers": states.backward_buckets + states.reduction})
     step = _moment(fixed, held, late, {"buffers": states.step_temporaries})
     moments = {"forward": forward, "backward": backward, "boundary": boundary, "step": step}
+    if states.gather_copy:
+        moments["all-gather"] = _fsdp_root_gather(inputs, states, fixed, carried, activations)
     if role.first:
         # The embedding's backward ends each micro-batch's backward on the first stage: a
         # dense gradient of the whole word-embedding shard, added to the held one after.
@@ -144,8 +152,19 @@ def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
         rows = inputs.model.vocab_size // inputs.tp
         embedding = gradient_bytes(inputs) * rows * inputs.model.hidden_size
         remaining = activations - int(per_micro_batch / inputs.virtual)
+        # FSDP2: the root's weights are still gathered; the gradients are whole until the
+        # last micro-batch, where the layers' are shards by now (the root's still whole).
+        fsdp = {"weights": states.root_gathered, "gradients": states.unsharded_gradients}
+        if not several:
+            fsdp["gradients"] = states.sharded_gradients + gradient_bytes(inputs) * (
+                role.parameters["embedding"] + role.parameters["head"]
+            )
         moments["embedding backward"] = _moment(
-            fixed, held, late, {"gradients": embedding, "activations": max(0, remaining)}
+            fixed,
+            held,
+            {"logits": pipe_outputs},
+            fsdp if inputs.fsdp else {},
+            {"gradients": embedding, "activations": max(0, remaining)},
         )
     totals = {name: sum(columns.values()) for name, columns in moments.items()}
     peak_at = max(totals, key=totals.__getitem__)
@@ -155,6 +174,21 @@ def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
         peak_at=peak_at,
         moments=totals,
         offloaded=states.offloaded,
+    )
+
+
+def _fsdp_root_gather(
+    inputs: PlanInputs, states: States, fixed: dict, carried: dict, activations: int
+) -> dict[str, int]:
+    """FSDP2's gather of the root unit (the largest: the embeddings): its flat all-gather
+    output and the per-parameter copies made of it, at the forward's start, and under
+    optim_grads_params again as the backward starts, beside the kept activations and
+    logits."""
+    gather = {"weights": states.root_gathered + states.gather_copy}
+    if inputs.sharding != "optim_grads_params":
+        return _moment(fixed, carried, gather)
+    return _moment(
+        fixed, carried, gather, {"activations": activations, "logits": logits_bytes(inputs)}
     )
 
 

@@ -20,6 +20,17 @@ wrapper: persistent | held from the first backward to the step | transient
 - stage 2: hP + 12P/Z | the gradient partition (4P/Z with fp32 accumulation, else hP/Z) |
   hB bucket each backward (two with overlap_comm); the norm's fp64 copy and 4P/Z in the step
 - ZeRO-3: hP/Z + small parameters whole + 12P/Z + 4P/Z + hB | - | gathered layers; 16P/Z
+
+torch FSDP2 on the plain engine (`fsdp_states`; torch 2.13's _fully_shard/), c the compute
+dtype's bytes (`param_dtype`: 2 under --bf16/--fp16, else 4), r the reduce dtype's (4, or 2
+with --grad-reduce-in-bf16), Z the data x context ranks, units: each layer and the root
+(embeddings, final norm, output layer):
+- both strategies: 4P/Z fp32 weights + 8P/Z Adam | 4P/Z gradient shard, from the
+  reduce-scatter to the step | cP gathered weights of the units alive (optim_grads: every
+  unit, kept to its backward; optim_grads_params: the root and one layer, two in the
+  backward's prefetch); rP whole gradients summed across micro-batches before the last
+  one's reduce-scatter; a unit's rP reduce-scatter input; a unit's second cP copy as it is
+  gathered; 4P/Z AdamW
 """
 
 from __future__ import annotations
@@ -72,18 +83,36 @@ class States:
     """ZeRO-3: whole parameters gathered for the layers that ran."""
     offloaded: int = 0
     """Optimizer bytes held in host memory (ZeRO offload)."""
+    prefetched: int = 0
+    """FSDP2 optim_grads_params: the next layer's weights, gathered ahead in the backward."""
+    unsharded_gradients: int = 0
+    """FSDP2: whole gradients summed across micro-batches without a reduce-scatter, carried
+    into the later micro-batches when there are several."""
+    sharded_gradients: int = 0
+    """FSDP2: this rank's reduce-scattered gradient shard, from the last backward to the step."""
+    root_gathered: int = 0
+    """FSDP2: the root unit's gathered weights (embeddings, final norm, output layer): alive
+    through its forward and its backward, which ends with the embedding's."""
+    gather_copy: int = 0
+    """FSDP2: the root's all-gather output beside the per-parameter copies made of it."""
 
 
 def weight_bytes(inputs: PlanInputs) -> int:
     """Bytes per parameter element as the model holds it: half under DeepSpeed's bf16/fp16
-    (and the compute dtype of the plain path's autocast), else fp32."""
+    (and the compute dtype of the plain path's autocast, and FSDP2's gathered weights),
+    else fp32."""
     return 2 if inputs.precision in ("bf16", "fp16") else _FP32
 
 
 def gradient_bytes(inputs: PlanInputs) -> int:
-    """Bytes per element of a parameter's gradient: the weights' dtype under DeepSpeed,
-    fp32 on the plain path (whose parameters are fp32 under autocast)."""
-    return weight_bytes(inputs) if inputs.deepspeed else _FP32
+    """Bytes per element of a parameter's gradient: the weights' dtype under DeepSpeed (and
+    of FSDP2's gathered weights), fp32 on the plain path (fp32 parameters under autocast)."""
+    return weight_bytes(inputs) if inputs.deepspeed or inputs.fsdp else _FP32
+
+
+def reduce_bytes(inputs: PlanInputs) -> int:
+    """Bytes per element FSDP2 reduce-scatters gradients in (`reduce_dtype`)."""
+    return _BYTES[inputs.grad_reduce_dtype]
 
 
 def accumulation_bytes(inputs: PlanInputs) -> int:
@@ -302,6 +331,54 @@ def _zero3_states(inputs: PlanInputs, tensor_sizes: tuple[int, ...]) -> States:
     )
 
 
+def fsdp_units(role: RankRole) -> tuple[int, int]:
+    """(root, one layer) elements of FSDP2's units on a rank of `role`: `fully_shard` per
+    transformer layer, then at the root over what is left (embeddings, final norm, output
+    layer)."""
+    layer = role.parameters["layers"] // role.num_layers if role.num_layers else 0
+    return role.parameters["embedding"] + role.parameters["head"], layer
+
+
+def fsdp_states(inputs: PlanInputs, role: RankRole) -> States:
+    """torch FSDP2 (`megatron.training.engines.fsdp`): fp32 parameters sharded with their
+    gradients and Adam state, gathered in the compute dtype per unit (torch 2.13,
+    distributed/fsdp/_fully_shard)."""
+    z, c, r = inputs.zero_group, weight_bytes(inputs), reduce_bytes(inputs)
+    # Each rank keeps ceil(n / Z) of every tensor (dim 0 padded to a multiple of Z).
+    shard = sum(_ceil(n, z) for n in role.tensor_sizes)
+    whole = shard * z
+    root, layer = fsdp_units(role)
+    if inputs.sharding == "optim_grads":
+        # reshard_after_forward=False: every unit's gathered weights wait for its backward.
+        gathered, prefetched = c * whole, 0
+    else:
+        # The root's forward spans the model's, one layer between its pre- and post-forward
+        # hooks; the backward gathers the next layer while one runs (_backward_prefetch).
+        gathered, prefetched = c * (root + layer), c * layer
+    # Until the last micro-batch the gradients stay whole (set_requires_gradient_sync(False));
+    # post_backward converts each to the reduce dtype when it differs from the gathered one
+    # (_fsdp_param.py to_accumulated_grad_if_needed), and sums the next ones into it.
+    carried = r * whole
+    # The root's reduce-scatter ends the backward: its whole gradient (carried, else in the
+    # gathered dtype) copied into the flat reduce-scatter input (foreach_reduce); reduced in
+    # bf16, its output is another tensor before the fp32 shard is made of it.
+    root_gradient = (r if inputs.micro_batches > 1 else c) * root
+    converted = r * _ceil(root, z) if r != _FP32 else 0
+    return States(
+        weights=_FP32 * shard,
+        optimizer=_ADAM * shard,
+        sharded_gradients=_FP32 * shard,
+        gathered=gathered,
+        prefetched=prefetched,
+        unsharded_gradients=carried,
+        root_gathered=c * root,
+        # foreach_all_gather's flat output, split into each parameter's own storage.
+        gather_copy=c * _ceil(root, z) * z,
+        reduction=root_gradient + r * _ceil(root, z) * z + converted,
+        step_temporaries=_FP32 * shard,  # foreach AdamW's sqrt(exp_avg_sq) list
+    )
+
+
 def model_states(inputs: PlanInputs, role: RankRole) -> States:
     """Weights, gradients, optimizer state and buffers of a rank of `role`, by engine.
 
@@ -328,7 +405,9 @@ def _states_of(inputs: PlanInputs, role: RankRole, w: int, sizes: Sequence[int] 
     """The states of `w` parameters (tensors of `sizes`, in order; None: not known apart)."""
     wrapper = inputs.wrapper
     largest = max(role.tensor_sizes, default=0)
-    if wrapper is None:
+    if inputs.fsdp:
+        states = fsdp_states(inputs, role)
+    elif wrapper is None:
         states = _plain_states(inputs, w)
     elif wrapper is OptimizerWrapper.CLIENT:
         states = _client_states(inputs, w, sizes)

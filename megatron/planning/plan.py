@@ -91,6 +91,7 @@ class Plan:
                 "expert_parallel": inputs.ep,
                 "engine": inputs.engine,
                 "zero_stage": inputs.zero.stage,
+                "sharding": inputs.sharding,
                 "precision": inputs.precision,
                 "micro_batch_size": inputs.micro_batch,
                 "micro_batches_per_iteration": inputs.micro_batches,
@@ -195,6 +196,7 @@ def format_plan(plan: Plan) -> str:
         + (f" x Ulysses {inputs.sp}" if inputs.sp > 1 else "")
         + f"; {inputs.engine}"
         + (f" ZeRO-{inputs.zero.stage}" if inputs.deepspeed else "")
+        + (f" FSDP2 {inputs.sharding}" if inputs.fsdp else "")
         + f", {inputs.precision}, micro-batch {inputs.micro_batch} x {inputs.micro_batches}"
         + f" per iteration, seq {inputs.seq_length}",
         f"  model: {num_parameters(inputs.model):,} parameters, "

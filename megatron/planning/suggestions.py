@@ -1,4 +1,5 @@
-"""Changes that shrink a rank's peak: ZeRO stage, recomputation, micro-batch, TP, PP.
+"""Changes that shrink a rank's peak: ZeRO stage or FSDP2 sharding, recomputation,
+micro-batch, TP, PP.
 
 Each `Change` is what a user would edit: flags to set (or remove) on the command line and,
 when the DeepSpeed config file holds the same setting, the keys to change there, so the
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron.compatibility import zero_stages_on
+from megatron.compatibility import engines_running, zero_stages_on
 from megatron.layout import Engine
-from megatron.planning.inputs import PlanInputs
+from megatron.planning.inputs import PLANNER_ENGINES, PlanInputs
 
 # Tensor parallelism beyond one node's GPUs crosses the network on every layer.
 MAX_TENSOR_PARALLEL = 8
@@ -25,7 +26,8 @@ class Change:
 
     description: str
     knob: str
-    """What it turns (`zero`, `recompute`, `micro-batch`, `tp`, `pp`): one change per knob."""
+    """What it turns (`zero`: ZeRO or FSDP2 sharding, `recompute`, `micro-batch`, `tp`,
+    `pp`): one change per knob."""
     flags: dict[str, str | None | bool]
     config: dict = field(default_factory=dict)
 
@@ -39,8 +41,37 @@ def _config_has(config: dict | None, *keys: str) -> bool:
     return True
 
 
+# The plain engine's sharding strategies (megatron.arguments.sharding_flags), least first.
+_FSDP_STRATEGIES = (
+    ("optim_grads", "--use-distributed-optimizer"),
+    ("optim_grads_params", "--use-torch-fsdp2"),
+)
+
+
+def _fsdp_changes(inputs: PlanInputs) -> list[Change]:
+    """torch FSDP2's strategies beyond the job's own, where the compatibility table runs
+    sharded data parallelism on its engine (and with its experts, if any)."""
+    engine = next(kind for kind, name in PLANNER_ENGINES.items() if name == inputs.engine)
+    runs = engine in engines_running("sharded data parallelism (torch FSDP2)")
+    if inputs.model.moe is not None:
+        runs = runs and engine in engines_running("sharded data parallelism with MoE")
+    if not runs or inputs.zero_group == 1:
+        return []
+    names = [name for name, _ in _FSDP_STRATEGIES]
+    current = names.index(inputs.sharding) + 1 if inputs.fsdp else 0
+    return [
+        Change(
+            f"FSDP2 {name} ({flag})",
+            "zero",
+            # The stronger flag alone: --use-torch-fsdp2 wins over --use-distributed-optimizer.
+            {flag: None, **{other: False for _, other in _FSDP_STRATEGIES if other != flag}},
+        )
+        for name, flag in _FSDP_STRATEGIES[current:]
+    ]
+
+
 def _zero_changes(inputs: PlanInputs, raw_config: dict | None) -> list[Change]:
-    changes = []
+    changes = _fsdp_changes(inputs)
     stages = [stage for stage in range(4) if stage > inputs.zero.stage]
     if inputs.engine == "deepspeed-pipeline" and inputs.pp > 1:
         stages = [stage for stage in stages if stage in zero_stages_on(Engine.DEEPSPEED_PIPE)]
@@ -57,7 +88,7 @@ def _zero_changes(inputs: PlanInputs, raw_config: dict | None) -> list[Change]:
                     config if _config_has(raw_config, "zero_optimization", "stage") else {},
                 )
             )
-    elif inputs.pp == 1:
+    elif inputs.pp == 1 and not inputs.fsdp:
         for stage in (1, 2, 3):
             changes.append(
                 Change(

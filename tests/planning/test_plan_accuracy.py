@@ -2,9 +2,11 @@
 benchmarks/planner_configs.py (plain fp32 and bf16 DDP, TP=2 with sequence parallelism and
 selective recompute, TP=2 with full recompute, DeepSpeed ZeRO 1-3 in bf16 at DP=2,
 DeepSpeed's pipeline engine and Megatron's 1F1B and interleaved schedules at PP=2,
-DeepSpeed-Ulysses and -MoE, a LLaMA-style shape plain and under ZeRO-2 with TP=2, and fp16
-ZeRO-0 / ZeRO-1 on both DeepSpeed engines where the CPU has fp16), each rank's predicted peak
-within 10% of the measured one and its communication per iteration within 5%, by kind.
+DeepSpeed-Ulysses and -MoE, a LLaMA-style shape plain and under ZeRO-2 with TP=2, fp16
+ZeRO-0 / ZeRO-1 on both DeepSpeed engines where the CPU has fp16, and torch FSDP2's
+optim_grads and optim_grads_params in fp32 and bf16 with two micro-batches), each rank's
+predicted peak within 10% of the measured one and its communication per iteration within 5%,
+by kind.
 
 Measured with benchmarks/measured_run.py (the allocator's events, the bytes handed to each
 collective); the runs are deterministic in what they allocate and send.
