@@ -59,14 +59,15 @@ def add_sharding_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--overlap-grad-reduce",
         action="store_true",
-        help="Overlap the gradient reduce-scatter with the backward pass (FSDP2 does, on its "
-        "own streams on GPU; accepted for Megatron-LM's scripts).",
+        help="Overlap the gradient reduce-scatter with the backward pass: FSDP2 always does "
+        "(on its own stream on GPU), so this changes nothing; accepted for Megatron-LM's "
+        "scripts.",
     )
     group.add_argument(
         "--overlap-param-gather",
         action="store_true",
-        help="All-gather the next layer's parameters while this one computes (FSDP2's forward "
-        "prefetch of the next layer).",
+        help="Issue each layer's parameter all-gather as soon as the previous layer's is "
+        "copied out (FSDP2's explicit forward prefetch) instead of when the layer starts.",
     )
     group.add_argument(
         "--grad-reduce-in-bf16",

@@ -32,11 +32,19 @@ _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def shard_model(
-    model: nn.Module, layout: ParallelLayout, grad_reduce_in_bf16: bool = False
+    model: nn.Module,
+    layout: ParallelLayout,
+    grad_reduce_in_bf16: bool = False,
+    overlap_param_gather: bool = False,
 ) -> nn.Module:
     """`model` with FSDP2 applied per transformer layer and at the root (in place); for
     Megatron's schedules, `model` is this rank's `ModuleList` of chunks and each chunk is a
-    root (torch's `PipelineStage` reduce-scatters each chunk's gradients once per step)."""
+    root (torch's `PipelineStage` reduce-scatters each chunk's gradients once per step).
+
+    `overlap_param_gather` (`--overlap-param-gather`): each layer issues the next layer's
+    all-gather as soon as its own is copied out (FSDP2's explicit forward prefetch), rather
+    than when the next layer starts; FSDP2 overlaps the gradient reduce-scatter with the
+    backward on its own (`--overlap-grad-reduce` changes nothing more)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -56,9 +64,13 @@ def shard_model(
     reshard = layout.sharding == "optim_grads_params"
     roots = list(model) if isinstance(model, nn.ModuleList) else [model]
     for root in roots:
-        for layer in root.language_model.encoder.layers:
+        layers = list(root.language_model.encoder.layers)
+        for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         fully_shard(root, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        if overlap_param_gather:
+            for layer, following in zip(layers, layers[1:]):
+                layer.set_modules_to_forward_prefetch([following])
     for name, param in model.named_parameters():
         for key, value in attributes[name].items():
             setattr(param, key, value)

@@ -67,7 +67,9 @@ class MegatronSchedulesEngine(PlainEngine):
         initialize_tied_embedding(model)
         if args.layout.sharding != "none":
             # After tying (the head copy starts equal to the embedding), before the optimizer.
-            model = shard_model(model, args.layout, args.grad_reduce_in_bf16)
+            model = shard_model(
+                model, args.layout, args.grad_reduce_in_bf16, args.overlap_param_gather
+            )
         optimizer = build_optimizer(model, args, guard=True)
         scheduler = scheduler_from_args(optimizer, args)
         loss = MicroBatchLoss(pipeline_batch.loss_func)

@@ -64,7 +64,9 @@ class PlainEngine(TrainingEngine):
         set_up_expert_groups(model)  # what deepspeed.initialize does on DeepSpeed's engines
         if args.layout.sharding != "none":
             # FSDP2 first: the optimizer then holds each parameter's 1/DP shard.
-            model = shard_model(model, args.layout, args.grad_reduce_in_bf16)
+            model = shard_model(
+                model, args.layout, args.grad_reduce_in_bf16, args.overlap_param_gather
+            )
         optimizer = build_optimizer(model, args, guard=True)
         scheduler = scheduler_from_args(optimizer, args)
         if args.layout.sharding == "none" and (
