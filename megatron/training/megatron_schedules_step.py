@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.checkpointing.sharded_states import is_sharded
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import (
     PipelineRunner,
@@ -140,7 +141,7 @@ def train_step_megatron_schedules(
     params = [param for group in trainer.optimizer.param_groups for param in group["params"]]
     # Over data x context ranks (each context rank's part is scaled so the average sums them);
     # FSDP2 chunks were reduce-scattered by torch's stages already.
-    if args.layout.sharding == "none":
+    if not any(is_sharded(chunk) for chunk in trainer.model):
         average_gradients(params, parallel_state.get_sequence_data_parallel_group())
     # Clips with the norm over every stage and tensor-parallel rank; skips a non-finite step.
     skipped = optimizer_step_tail(

@@ -24,16 +24,10 @@ import pytest
 from megatron.arguments import ArgumentError, build_parser, typed_flags, validate_args
 from tests.compat.scripts import load_script, with_values
 from tests.compat.test_script_runs import _iteration_lines, _launch
+from tests.conftest import MERGE_FILE, VOCAB_FILE
 
 RECIPE = os.path.join(
     os.path.dirname(__file__), "megatron_lm", "llama__train_llama3_8b_h100_fp8.json"
-)
-GPT2 = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    "..",
-    "shared",
-    "data",
-    "gpt2",
 )
 # Flags of the recipe that later issues build (issue: 39 torch_dist checkpoints, 40
 # Megatron-LM's training/data/logging flags and recipes).
@@ -86,8 +80,8 @@ def _without_later(argv: list[str], keep: str | None = None) -> list[str]:
 def _hf_gpt2_folder(path: str) -> str:
     """GPT-2's files as a Hugging Face tokenizer folder (what HuggingFaceTokenizer loads)."""
     os.makedirs(path, exist_ok=True)
-    for ours, theirs in (("gpt2-vocab.json", "vocab.json"), ("gpt2-merges.txt", "merges.txt")):
-        with open(os.path.join(GPT2, ours)) as source, open(os.path.join(path, theirs), "w") as out:
+    for ours, theirs in ((VOCAB_FILE, "vocab.json"), (MERGE_FILE, "merges.txt")):
+        with open(ours) as source, open(os.path.join(path, theirs), "w") as out:
             out.write(source.read())
     with open(os.path.join(path, "tokenizer_config.json"), "w") as config:
         json.dump({"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>"}, config)

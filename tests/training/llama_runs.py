@@ -9,10 +9,10 @@ counts exactly, losses up to fp32 sums in other orders, gradient norms to the lo
 from __future__ import annotations
 
 import math
-import os
 
 from megatron.config import ModelConfig
 from tests.compat.test_script_runs import _iteration_lines, _launch
+from tests.conftest import MERGE_FILE, VOCAB_FILE
 from tests.tolerances import assert_losses_reordered, training_loss_terms
 
 SEQ, GLOBAL_BATCH, ITERATIONS = 64, 4, 6
@@ -23,8 +23,6 @@ MODEL = ModelConfig(
     normalization="rmsnorm", position_embedding_type="rope", add_bias_linear=False,
     untie_embeddings_and_output_weights=True,
 )  # fmt: skip
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-GPT2 = os.path.join(os.path.dirname(REPO), "shared", "data", "gpt2")
 
 
 def argv(dataset: str, **flags: object) -> list[str]:
@@ -38,8 +36,7 @@ def argv(dataset: str, **flags: object) -> list[str]:
         f"--micro-batch-size 2 --global-batch-size {GLOBAL_BATCH} --train-iters {ITERATIONS} "
         "--lr 1e-3 --lr-decay-style constant --clip-grad 1.0 --attention-dropout 0 "
         "--hidden-dropout 0 --seed 1234 --split 100,0,0 --eval-iters 0 --log-interval 1 "
-        f"--data-path {dataset} --vocab-file {GPT2}/gpt2-vocab.json "
-        f"--merge-file {GPT2}/gpt2-merges.txt"
+        f"--data-path {dataset} --vocab-file {VOCAB_FILE} --merge-file {MERGE_FILE}"
     ).split()
     for name, value in flags.items():
         # DeepSpeed's own flag keeps its underscore.

@@ -6,16 +6,15 @@ The tiny LLaMA-style model of `llama_runs` at DP=2 with 2 micro-batches per step
 
 - each strategy (optim_grads: `--use-distributed-optimizer`; optim_grads_params:
   `--use-torch-fsdp2`) logs DDP's losses and gradient norms in fp32 (up to fp32 sums in other
-  orders), and in bf16 to bf16's precision (fp16 trains without a skipped step); at TP=2 with
-  sequence parallelism on 4 ranks too;
+  orders), under Megatron's interleaved schedule at PP=2 x DP=2 too (bf16 with the
+  distributed optimizer runs in tests/compat/test_megatron_lm_recipes.py);
 - a checkpoint saved by FSDP2 at DP=2 (weights gathered into Megatron's file, the optimizer
-  state into distrib_optim.pt) resumes bit for bit at DP=2, and at DP=1 both sharded and
-  unsharded, to the iterations of the run that never stopped.
+  state into distrib_optim.pt) resumes bit for bit at DP=2, and at DP=1 unsharded, to the
+  iterations of the run that never stopped.
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -47,38 +46,6 @@ def test_each_strategy_logs_ddps_losses(stdlib_dataset: str, ddp: list[dict], fs
     assert_same(run(stdlib_dataset, 2, **BATCH, **STRATEGIES["optim_grads"]), ddp)
 
 
-def _assert_bf16_close(ours: list[dict], theirs: list[dict]) -> None:
-    """bf16 runs: the same rounding points in other orders (bf16's u = 2^-8 on the losses'
-    inputs, a few steps compounding): 1e-3 relative on the losses, 1% on the norms."""
-    for mine, their in zip(ours, theirs, strict=True):
-        assert math.isclose(mine["lm loss"], their["lm loss"], rel_tol=1e-3), (mine, their)
-        assert math.isclose(mine["grad norm"], their["grad norm"], rel_tol=1e-2), (mine, their)
-
-
-@pytest.mark.slow
-def test_bf16_both_strategies_track_ddp_and_fp16_trains(stdlib_dataset: str) -> None:
-    """bf16: parameters all-gathered in bf16, gradients reduced in fp32. fp16 (parameters
-    gathered in fp16, Megatron's loss scaling over the fp32 master shards): no skipped or NaN
-    step at a loss scale that suits the model, and the loss falls."""
-    reference = run(stdlib_dataset, 2, bf16=True, **BATCH)
-    for flags in STRATEGIES.values():
-        _assert_bf16_close(run(stdlib_dataset, 2, bf16=True, **BATCH, **flags), reference)
-    fp16 = run(stdlib_dataset, 2, fp16=True, initial_loss_scale=1024, use_torch_fsdp2=True, **BATCH)
-    assert [log["number of skipped iterations"] for log in fp16] == [0] * len(fp16)
-    assert all(math.isfinite(log["lm loss"]) for log in fp16)
-    assert fp16[-1]["lm loss"] < fp16[0]["lm loss"] - 0.2
-
-
-@pytest.mark.slow
-def test_tp2_with_sequence_parallelism_on_four_ranks(stdlib_dataset: str) -> None:
-    """FSDP2 shards each tensor-parallel rank's shard; the layer norms' sequence-parallel
-    gradients are still summed over the TP ranks."""
-    sizes = dict(tensor_model_parallel_size=2, sequence_parallel=True, **BATCH)
-    assert_same(
-        run(stdlib_dataset, 4, use_torch_fsdp2=True, **sizes), run(stdlib_dataset, 4, **sizes)
-    )
-
-
 @pytest.mark.slow
 def test_resumes_bit_exactly_and_at_another_data_parallel_size(
     stdlib_dataset: str, ddp: list[dict], fsdp2: list[dict], tmp_path
@@ -100,16 +67,15 @@ def test_resumes_bit_exactly_and_at_another_data_parallel_size(
     assert [(log["lm loss"], log["grad norm"]) for log in resumed] == [
         (log["lm loss"], log["grad norm"]) for log in straight[3:]
     ]  # bit for bit, as printed
-    for flags in (dict(use_torch_fsdp2=True), {}):
-        assert_same(run(stdlib_dataset, 1, load=save, **BATCH, **flags), straight[3:])
+    # At DP=1 without sharding: the gathered optimizer state loads into a plain AdamW.
+    assert_same(run(stdlib_dataset, 1, load=save, **BATCH), straight[3:])
 
 
 @pytest.mark.slow
 def test_megatron_interleaved_schedule_pp2_dp2(stdlib_dataset: str, tmp_path) -> None:
     """Megatron's interleaved 1F1B at PP=2 x DP=2 (4 layers, 2 virtual stages, GPT-2's tied
     embedding across the first and last stage): each chunk an FSDP2 unit, torch's stages
-    reduce-scatter once per step; the same losses as DDP at that layout, also after a resume
-    from a checkpoint saved at iteration 2."""
+    reduce-scatter once per step; the same losses as DDP at that layout."""
     sizes = dict(
         pipeline_model_parallel_size=2,
         num_layers=4,
@@ -118,8 +84,4 @@ def test_megatron_interleaved_schedule_pp2_dp2(stdlib_dataset: str, tmp_path) ->
         **BATCH,
     )
     reference = run(stdlib_dataset, 4, **sizes)
-    save = str(tmp_path / "save")
-    first = run(stdlib_dataset, 4, use_torch_fsdp2=True, save=save, save_interval=100,
-                exit_interval=2, **sizes)  # fmt: skip
-    resumed = run(stdlib_dataset, 4, use_torch_fsdp2=True, load=save, **sizes)
-    assert_same(first + resumed, reference)
+    assert_same(run(stdlib_dataset, 4, use_torch_fsdp2=True, **sizes), reference)
