@@ -11,8 +11,8 @@ heads, untied output layer), fp32, dropout 0, real GPT-2-tokenized data. What mu
   and ZeRO-3, at TP=2 with sequence parallelism on 4 ranks, and on Megatron's pipeline
   schedules at PP=2 on 4 ranks;
 - checkpoints do not depend on C: saved at C=2 (plain engine) after iteration 3, the run
-  resumes at C=1 and at C=4 (2 key/value heads over 4 ranks, where DeepSpeed-Ulysses is
-  refused) to iterations 4-6 of the run that never stopped.
+  resumes at C=4 (2 key/value heads over 4 ranks, where DeepSpeed-Ulysses is refused) to
+  iterations 4-6 of the run that never stopped.
 """
 
 from __future__ import annotations
