@@ -24,7 +24,10 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker
-from megatron.core.tensor_parallel.mappings import sequence_order_of_context_parallel_parts
+from megatron.core.tensor_parallel.mappings import (
+    inverse_order,
+    sequence_order_of_context_parallel_parts,
+)
 
 
 def flash_attn_2_version() -> str | None:
@@ -204,9 +207,7 @@ class _HeadSplitCore(nn.Module):
             natural = sequence_order_of_context_parallel_parts(s, query.device)
             query, key, value = (t.index_select(0, natural) for t in (query, key, value))
             context = self._attend(query, key, value, mask)  # [s, b, np/S, hn], natural order
-            back = torch.empty_like(natural)
-            back[natural] = torch.arange(s, device=query.device)
-            return context.index_select(0, back)
+            return context.index_select(0, inverse_order(natural))
         return self._attend(query, key, value, mask)
 
     def _attend(self, query, key, value, mask) -> torch.Tensor:

@@ -353,6 +353,13 @@ def _gathered_to_natural_order(size: int, length: int, device: torch.device) -> 
     return tokens.reshape(-1).to(device)
 
 
+def inverse_order(order: torch.Tensor) -> torch.Tensor:
+    """The indices that undo `tensor.index_select(dim, order)` for a permutation `order`."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
 def sequence_order_of_context_parallel_parts(length: int, device: torch.device) -> torch.Tensor:
     """Indices [length] that put the context-parallel ranks' parts, concatenated in rank order
     (`length` tokens in all), in sequence order (`--cp-comm-type a2a`)."""
@@ -411,9 +418,7 @@ class _GatherContextParallelKeyValues(torch.autograd.Function):
         # Back to the ranks' concatenated order, so rank r's part is the r-th slice.
         length = grad.size(2) // world
         order = _gathered_to_natural_order(world, length, grad.device)
-        gathered_order = torch.empty_like(order)
-        gathered_order[order] = torch.arange(order.numel(), device=grad.device)
-        grad = grad.index_select(2, gathered_order).movedim(2, 0).contiguous()
+        grad = grad.index_select(2, inverse_order(order)).movedim(2, 0).contiguous()
         output = torch.empty((length, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
         _reduce_scatter_single(output, grad, group=group)
         return output.movedim(0, 2)
