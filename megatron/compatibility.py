@@ -73,7 +73,9 @@ FEATURES: tuple[Feature, ...] = (
             Engine.MEGATRON_SCHEDULES: _ZERO_NEEDS_DEEPSPEED,
             Engine.DEEPSPEED_PIPE: (
                 "{flag} cannot be combined with --pipeline-model-parallel-size {pp}: "
-                "DeepSpeed's pipeline engine supports ZeRO stages 0 and 1"
+                "DeepSpeed's pipeline engine supports ZeRO stages 0 and 1; for ZeRO-2/3-style "
+                "sharding with pipelines drop --deepspeed and add --use-distributed-optimizer "
+                "or --use-torch-fsdp2 (torch FSDP2 under Megatron's schedules)"
             ),
         },
     ),

@@ -106,9 +106,10 @@ INERT: list[CompatFlag] = [
         "--ds_fused_adam",
     ),
     *_inert(
-        "Megatron's local DDP and its buffers; data parallelism here is DeepSpeed's engine "
-        "or torch DDP, with fp32 gradients on the plain path and the DeepSpeed config's "
-        "data_types.grad_accum_dtype under --deepspeed",
+        "Megatron's local DDP and its buffers; gradients accumulate and reduce in fp32 here "
+        "anyway: torch DDP's are fp32, FSDP2 accumulates micro-batches in its fp32 "
+        "reduce_dtype (bf16 only with --grad-reduce-in-bf16), and under --deepspeed the "
+        "DeepSpeed config's data_types.grad_accum_dtype decides",
         "--accumulate-allreduce-grads-in-fp32",
         "--no-contiguous-buffers-in-local-ddp",
     ),
@@ -235,7 +236,8 @@ REFUSED: list[CompatFlag] = [
     ),
     *_refused(
         "Megatron's DDP implementations are not used here (local and torch are accepted: "
-        "data parallelism is DeepSpeed's engine or torch DDP); FSDP is not built",
+        "data parallelism is DeepSpeed's engine or torch DDP); for FSDP use "
+        "--use-torch-fsdp2 (torch FSDP2)",
         "--DDP-impl:str",
         accepts=_equals("local", "torch"),
     ),

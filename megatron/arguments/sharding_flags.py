@@ -72,8 +72,8 @@ def add_sharding_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--grad-reduce-in-bf16",
         action="store_true",
-        help="Reduce gradients in bf16 (FSDP2's reduce_dtype) instead of fp32; needs --bf16 "
-        "and sharding.",
+        help="Accumulate micro-batch gradients and reduce them in bf16 (FSDP2's "
+        "reduce_dtype) instead of fp32, as Megatron-LM; needs --bf16 and sharding.",
     )
 
 

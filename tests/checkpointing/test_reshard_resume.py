@@ -13,11 +13,12 @@ terms counted from the model's shapes by `loss_terms`). The weights start at
 above that bound (at GPT-2's 0.02 such a bug moves the tiny model's loss by 1e-4 to 1e-2).
 
 A 4-layer run at PP=1 stops at iteration 2; its checkpoint is resharded to PP=2, from there to
-PP=1 and on to PP=4, and to PP=2 x 2 virtual stages. Iterations 3-5 log the same losses at
-PP=1, under Megatron's 1F1B at PP=2 and PP=4 (4 ranks), its interleaved 1F1B at PP=2 x 2, and
-DeepSpeed's pipeline engine loading the PP=2 files (Megatron's local layer numbers placed at
-the stage's offset); that engine refuses the virtual-stage files in one line naming the
-conversion.
+PP=1 and on to PP=4, to PP=2 x 2 virtual stages, and to TP=2. Iterations 3-5 log the same
+losses at PP=1, under Megatron's 1F1B at PP=2 x DP=2 with the distributed optimizer and at
+PP=4, its interleaved 1F1B at PP=2 x 2 x DP=2 on FSDP2, TP=2 with sequence parallelism x DP=2
+on FSDP2, and DeepSpeed's pipeline engine loading the PP=2 files (Megatron's local layer
+numbers placed at the stage's offset); that engine refuses the virtual-stage files in one
+line naming the conversion.
 
 A Mixture-of-Experts run (4 experts per layer over 2 expert-parallel ranks, DeepSpeed's expert
 files) saves at iteration 2 and goes on to 3. Resumed at another expert-parallel size with
@@ -142,21 +143,33 @@ def test_pipeline_layouts_of_a_resharded_checkpoint_log_the_same_losses(
     pp1 = str(tmp_path / "pp1")
     first = launch(1, flags("--save", pp1, "--save-interval", "2", "--exit-interval", "2"))
     assert first.returncode == 0, first.stdout[-3000:]
-    dirs = {name: str(tmp_path / name) for name in ("pp2", "back_to_pp1", "pp4", "pp2_vpp2")}
+    names = ("pp2", "back_to_pp1", "pp4", "pp2_vpp2", "tp2")
+    dirs = {name: str(tmp_path / name) for name in names}
     _reshard(pp1, dirs["pp2"], tp=1, pp=2)
     _reshard(dirs["pp2"], dirs["back_to_pp1"], tp=1, pp=1)
     _reshard(dirs["back_to_pp1"], dirs["pp4"], tp=1, pp=4)
     _reshard(dirs["pp2"], dirs["pp2_vpp2"], tp=1, pp=2, virtual=2)
+    _reshard(pp1, dirs["tp2"], tp=2, pp=1)
 
     iterations = [3, 4, 5]
     reference = _losses(launch(1, flags("--load", dirs["back_to_pp1"])), iterations)
     virtual = ["--virtual-pipeline-model-parallel-size", "2"]
+    # The pipelines at DP=2 shard the data-parallel state (torch FSDP2; 2 micro-batches of 2
+    # per rank a step, their gradients reduce-scattered once): the same losses as PP=1 x DP=1.
     runs = {
-        "1F1B PP=2": (2, [*_pp(2), "--load", dirs["pp2"]]),
-        "interleaved PP=2 x 2": (2, [*_pp(2), *virtual, "--load", dirs["pp2_vpp2"]]),
+        "1F1B PP=2 x DP=2, distributed optimizer": (
+            4, [*_pp(2), "--use-distributed-optimizer", "--load", dirs["pp2"]],
+        ),
+        "interleaved PP=2 x 2 x DP=2, FSDP2": (
+            4, [*_pp(2), *virtual, "--use-torch-fsdp2", "--load", dirs["pp2_vpp2"]],
+        ),
+        "TP=2 + SP x DP=2, FSDP2": (
+            4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-torch-fsdp2",
+                "--load", dirs["tp2"]],
+        ),
         "1F1B PP=4": (4, [*_pp(4), "--load", dirs["pp4"]]),
         "DeepSpeed PP=2": (2, [*DS_ZERO1, *_pp(2), "--load", dirs["pp2"]]),
-    }
+    }  # fmt: skip
     # The same weights and optimizer state at iteration 2; iteration 3 + i after i more steps.
     # 4 layers, micro-batches of 2 x 32 tokens, 8 x 32 tokens a step.
     four_layers = dataclasses.replace(TINY, num_layers=4, max_position_embeddings=32)

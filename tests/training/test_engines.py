@@ -77,7 +77,8 @@ def test_the_layout_is_frozen_and_checks_its_sizes() -> None:
             _layout(Engine.DEEPSPEED_PIPE, zero_stage=2, pipeline_parallel=2),
             None,
             "--zero-stage 2 cannot be combined with --pipeline-model-parallel-size 2: "
-            "DeepSpeed's pipeline engine supports ZeRO stages 0 and 1",
+            "DeepSpeed's pipeline engine supports ZeRO stages 0 and 1; for ZeRO-2/3-style "
+            "sharding with pipelines drop --deepspeed and add --use-distributed-optimizer",
         ),
         (
             _layout(Engine.DEEPSPEED, pipeline_parallel=2),
