@@ -53,6 +53,7 @@ from megatron.checkpointing.sharded_states import (
     is_sharded,
     load_full_model_state,
     load_full_optimizer_state,
+    name_keyed_optimizer_state,
     optimizer_file,
 )
 from megatron.checkpointing.train_state import TrainState
@@ -410,19 +411,20 @@ def _check_zero_partitions(
 
 def _load_optimizer_state(module, optimizer, client: dict, path: str) -> bool:  # noqa: ANN001
     """Load the optimizer state of a Megatron file (or of `distrib_optim.pt` beside it, from
-    a sharded run, which loads into a sharded or an unsharded one); False when it has none."""
+    a sharded run); either loads into a sharded or an unsharded run. False when it has none."""
     gathered = optimizer_file(path)
     if os.path.isfile(gathered):
         load_full_optimizer_state(module, optimizer, load_file(gathered))
         return True
     if "optimizer" not in client:
         return False
-    if _is_sharded(module):
-        raise CheckpointError(
-            f"{path} holds the optimizer state of a run without sharded data parallelism "
-            "(no distrib_optim.pt beside it); add --no-load-optim to load the weights only, "
-            "or resume without --use-distributed-optimizer / --use-torch-fsdp2"
-        )
+    if _is_sharded(module):  # saved without sharding: each rank takes its shard of it
+        try:
+            state = name_keyed_optimizer_state(module, optimizer, client["optimizer"], path)
+        except ValueError as error:
+            raise CheckpointError(str(error)) from None
+        load_full_optimizer_state(module, optimizer, state)
+        return True
     optimizer.load_state_dict(client["optimizer"])
     return True
 

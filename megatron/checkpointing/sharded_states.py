@@ -7,6 +7,11 @@ distributed optimizer's file), keyed by parameter name (torch.distributed.checkp
 state dict"). Both load at any data-parallel size: each rank takes its shard on loading. The
 gathering and loading are torch.distributed.checkpoint's `get_/set_model_state_dict` and
 `get_/set_optimizer_state_dict`; every rank of the data-parallel group must call them.
+
+A run without sharding saves torch's own optimizer state dict (parameters numbered in the
+optimizer's order) in the model file; `name_keyed_optimizer_state` renames its entries so it
+loads into a sharded run too (a DDP run that turns on `--use-distributed-optimizer` keeps its
+Adam moments).
 """
 
 from __future__ import annotations
@@ -65,3 +70,35 @@ def load_full_optimizer_state(
 def optimizer_file(model_file: str) -> str:
     """`distrib_optim.pt` beside a rank's model file."""
     return os.path.join(os.path.dirname(model_file), DISTRIBUTED_OPTIMIZER_FILE)
+
+
+def name_keyed_optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict, path: str
+) -> dict:
+    """`saved`, torch's optimizer state dict of an unsharded run (parameters numbered in the
+    optimizer's order), keyed by parameter name as `load_full_optimizer_state` takes it.
+
+    The numbering is matched to this optimizer's own parameters, which the same model and
+    flags put in the same groups and order; a checkpoint whose groups differ in number or
+    size is refused (ValueError naming `path`)."""
+    names = {id(param): name for name, param in module.named_parameters()}
+    ours = [group["params"] for group in optimizer.param_groups]
+    theirs = [group["params"] for group in saved["param_groups"]]
+    if [len(group) for group in ours] != [len(group) for group in theirs]:
+        raise ValueError(
+            f"{path}: its optimizer state has parameter groups of sizes "
+            f"{[len(group) for group in theirs]}, this model's optimizer "
+            f"{[len(group) for group in ours]}; add --no-load-optim to load the weights only"
+        )
+    renamed = {
+        number: names[id(param)]
+        for numbers, params in zip(theirs, ours, strict=True)
+        for number, param in zip(numbers, params, strict=True)
+    }
+    return {
+        "state": {renamed[number]: value for number, value in saved["state"].items()},
+        "param_groups": [
+            dict(group, params=[renamed[number] for number in group["params"]])
+            for group in saved["param_groups"]
+        ],
+    }

@@ -109,3 +109,27 @@ def test_sharded_optimizer_state(spawned, name: str) -> None:
 def test_spawned_body_ran_every_check(spawned) -> None:
     """Nothing escaped the checks, and every check has a test."""
     assert spawned[4].names() == set(CHECKS), spawned[4].per_rank[0].get(BODY)
+
+
+def test_an_unsharded_optimizer_state_is_renamed_by_parameter_and_checked() -> None:
+    """torch's numbered optimizer state dict, keyed by parameter name for FSDP2's loader: each
+    entry goes to the parameter at its place in the groups; groups of other sizes refused."""
+    from megatron.checkpointing.sharded_states import name_keyed_optimizer_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    decay, no_decay = [model[0].weight, model[1].weight], [model[0].bias, model[1].bias]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0}])
+    model(torch.ones(4, 3)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    renamed = name_keyed_optimizer_state(model, optimizer, saved, "ckpt/model_optim_rng.pt")
+    assert [group["params"] for group in renamed["param_groups"]] == [
+        ["0.weight", "1.weight"],
+        ["0.bias", "1.bias"],
+    ]
+    named = dict(model.named_parameters())
+    for name, state in renamed["state"].items():
+        assert torch.equal(state["exp_avg"], optimizer.state[named[name]]["exp_avg"])
+    other = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=r"ckpt/model_optim_rng.pt: .* sizes \[2, 2\], .* \[4\]"):
+        name_keyed_optimizer_state(model, other, saved, "ckpt/model_optim_rng.pt")

@@ -6,12 +6,13 @@ The tiny LLaMA-style model of `llama_runs` at DP=2 with 2 micro-batches per step
 
 - each strategy (optim_grads: `--use-distributed-optimizer`; optim_grads_params:
   `--use-torch-fsdp2`) logs DDP's losses and gradient norms in fp32 (up to fp32 sums in other
-  orders; the distributed optimizer's run under `--torch-compile`); fp16 and bf16 track them to half precision's accuracy (Megatron's schedules at
-  PP=2 x DP=2 and TP=2 with sequence parallelism x DP=2, against PP=1 x DP=1:
-  tests/checkpointing/test_reshard_resume.py);
+  orders; the distributed optimizer's run under `--torch-compile`); fp16 and bf16 track
+  them to half precision's accuracy (Megatron's schedules at PP=2 x DP=2 and TP=2 with
+  sequence parallelism x DP=2, against PP=1 x DP=1: tests/checkpointing/test_reshard_resume.py);
 - a checkpoint saved by FSDP2 at DP=2 (weights gathered into Megatron's file, the optimizer
   state into distrib_optim.pt) resumes bit for bit at DP=2, and at DP=1 unsharded, to the
-  iterations of the run that never stopped.
+  iterations of the run that never stopped; that unsharded run's own checkpoint resumes
+  with the distributed optimizer at DP=2 (the optimizer state sharded on loading).
 """
 
 from __future__ import annotations
@@ -70,8 +71,14 @@ def test_resumes_bit_exactly_and_at_another_data_parallel_size(
     assert [(log["lm loss"], log["grad norm"]) for log in resumed] == [
         (log["lm loss"], log["grad norm"]) for log in straight[3:]
     ]  # bit for bit, as printed
-    # At DP=1 without sharding: the gathered optimizer state loads into a plain AdamW.
-    assert_same(run(stdlib_dataset, 1, load=save, **BATCH), straight[3:])
+    # At DP=1 without sharding: the gathered optimizer state loads into a plain AdamW; its
+    # own checkpoint at iteration 4 (torch's optimizer state dict in the model file) loads
+    # back into the distributed optimizer at DP=2, Adam's moments kept.
+    unsharded = str(tmp_path / "unsharded")
+    flags = dict(save=unsharded, save_interval=100, exit_interval=4, **BATCH)
+    assert_same(run(stdlib_dataset, 1, load=save, **flags), straight[3:4])
+    back = run(stdlib_dataset, 2, load=unsharded, **BATCH, **STRATEGIES["optim_grads"])
+    assert_same(back, straight[4:])
 
 
 @pytest.mark.slow
