@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from megatron.arguments import (
+    checkpoint_format_flags,
     compat_flags,
     model_flags,
     moe_flags,
@@ -40,6 +41,7 @@ FLAG_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     model_flags.add_mixed_precision_flags,
     model_flags.add_data_flags,
     run_flags.add_checkpointing_flags,
+    checkpoint_format_flags.add_checkpoint_format_flags,
     run_flags.add_logging_flags,
     run_flags.add_dry_run_flags,
     parallel_flags.add_distributed_flags,

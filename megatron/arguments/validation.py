@@ -12,6 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from megatron.arguments.checkpoint_format_flags import (
+    refuse_dist_checkpoint_experts,
+    settle_checkpoint_format,
+)
 from megatron.arguments.compat_flags import refuse_unsupported_flags
 from megatron.arguments.context_parallel_checks import settle_context_parallel
 from megatron.arguments.ds_config import (
@@ -499,12 +503,14 @@ def validate_args(
     _recompute(args)
     _pipeline_and_checkpoints(args)
     settle_sharding(args)
+    settle_checkpoint_format(args)
     # Settled once: everything past here (and past validation) reads the layout.
     args.layout = ParallelLayout.from_args(args)
     incompatible = refusal(args.layout, _experts_flag(args))
     if incompatible is not None:
         raise ArgumentError(incompatible)
     refuse_sharded_experts(args, _experts_flag(args))
+    refuse_dist_checkpoint_experts(args, _experts_flag(args))
     settle_moe(args)
     settle_ulysses(args)
     settle_context_parallel(args)

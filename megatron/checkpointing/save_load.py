@@ -32,6 +32,13 @@ import torch.distributed as dist
 from megatron.atomic_files import atomic_outputs
 from megatron.checkpointing import commit as checkpoint_commit
 from megatron.checkpointing.disk import describe_failure, save_torch_file, tensor_bytes, tree_bytes
+from megatron.checkpointing.dist_checkpoint import (
+    DistCheckpointError,
+    is_dist_checkpoint,
+    load_dist_checkpoint,
+    read_common,
+    save_dist_checkpoint,
+)
 from megatron.checkpointing.file_format import (
     CHECKPOINT_VERSION,
     HEAD_KEY,
@@ -224,9 +231,43 @@ def save_checkpoint(state, target: CheckpointTarget, args: argparse.Namespace) -
             target.pipe_module_names,
             previous_checkpoint(args.save),
         )
+    elif getattr(args, "ckpt_format", "torch") != "torch":
+        _save_dist_files(state, target, args)
     else:
         _save_megatron_files(state, target, args)
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
+
+
+def _save_dist_files(state, target: CheckpointTarget, args: argparse.Namespace) -> None:  # noqa: ANN001
+    """`--ckpt-format torch_dist`: every rank writes its slices through torch.distributed.
+    checkpoint into the staging directory, published by the same commit as Megatron's files."""
+    model = target.model
+    save_optimizer = not args.no_save_optim
+    common = _client_state(state, args, None, target)
+    if save_optimizer:
+        common["opt_param_scheduler"] = target.scheduler.state_dict()
+        if getattr(model, "loss_scaler", None) is not None:
+            common["loss_scaler"] = model.loss_scaler.state_dict()
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    final = checkpoint_directory(args.save, state.iteration)
+    staging = checkpoint_commit.begin(final, previous_checkpoint(args.save))
+    failure = None
+    try:
+        save_dist_checkpoint(
+            staging,
+            _unwrap(model),
+            target.optimizer if save_optimizer else None,
+            common,
+            args,
+            save_rng=not args.no_save_rng,
+        )
+    except OSError as error:
+        failure = describe_failure(error, args.save, tree_bytes(staging))
+    except CheckpointException as error:  # DCP's report of a write that failed on some rank
+        failure = f"error: saving {final} failed: {str(error).splitlines()[0]}"
+    trackers = checkpoint_commit.megatron_trackers(str(state.iteration))
+    checkpoint_commit.commit(final, trackers, failure)
 
 
 def _save_megatron_files(state, target: CheckpointTarget, args: argparse.Namespace) -> None:  # noqa: ANN001
@@ -296,8 +337,21 @@ def _data_parallel_group():  # noqa: ANN202
     return parallel_state.get_sequence_data_parallel_group() if dist.is_initialized() else None
 
 
-def check_checkpoint_args(saved: dict, args: argparse.Namespace, path: str) -> None:
-    """Refuse a checkpoint whose parallel split, model shape or vocabulary differ from ours."""
+def check_checkpoint_args(
+    saved: dict, args: argparse.Namespace, path: str, any_layout: bool = False
+) -> None:
+    """Refuse a checkpoint whose parallel split, model shape or vocabulary differ from ours.
+
+    `any_layout` (a torch_dist checkpoint): another split and vocabulary padding load."""
+    if any_layout:
+        _check_model_shape(saved, args, path)
+        theirs, ours = saved.get("padded_vocab_size"), getattr(args, "padded_vocab_size", None)
+        if theirs is not None and ours is not None and theirs != ours:
+            print_rank_0(
+                f"> {path}: vocabulary padded to {theirs} rows there, {ours} here; the common "
+                "rows load, padding rows are added as zeros or dropped"
+            )
+        return
     for name, flag in PARALLEL_FLAGS.items():
         theirs, ours = saved.get(name), getattr(args, name)
         if theirs is not None and theirs != ours:
@@ -316,6 +370,17 @@ def check_checkpoint_args(saved: dict, args: argparse.Namespace, path: str) -> N
             f"--target-pipeline-parallel-size {args.pipeline_model_parallel_size} "
             f"--target-virtual-pipeline-parallel-size {ours}"
         )
+    _check_model_shape(saved, args, path)
+    theirs, ours = saved.get("padded_vocab_size"), getattr(args, "padded_vocab_size", None)
+    if theirs is not None and ours is not None and theirs != ours:
+        raise CheckpointError(
+            f"{path} has a vocabulary of {theirs} rows (padded), this run {ours}: use the "
+            "checkpoint's tokenizer files and --make-vocab-size-divisible-by "
+            f"{saved.get('make_vocab_size_divisible_by')}"
+        )
+
+
+def _check_model_shape(saved: dict, args: argparse.Namespace, path: str) -> None:
     for name, flag in MODEL_SHAPE_FLAGS.items():
         theirs, ours = saved.get(name), getattr(args, name, None)
         if theirs is not None and ours is not None and theirs != ours:
@@ -328,13 +393,6 @@ def check_checkpoint_args(saved: dict, args: argparse.Namespace, path: str) -> N
         raise CheckpointError(
             f"{path} was saved with {_describe_experts(saved)}, this run has "
             f"{_describe_experts(vars(args))}: pass the checkpoint's MoE flags"
-        )
-    theirs, ours = saved.get("padded_vocab_size"), getattr(args, "padded_vocab_size", None)
-    if theirs is not None and ours is not None and theirs != ours:
-        raise CheckpointError(
-            f"{path} has a vocabulary of {theirs} rows (padded), this run {ours}: use the "
-            "checkpoint's tokenizer files and --make-vocab-size-divisible-by "
-            f"{saved.get('make_vocab_size_divisible_by')}"
         )
 
 
@@ -471,6 +529,11 @@ def _continue_schedule(scheduler, state) -> None:  # noqa: ANN001
 
 def _metadata(found: LocatedCheckpoint) -> tuple[str, dict]:
     """(file, contents) holding this rank's weights (Megatron) or the run's metadata (DS)."""
+    if found.layout == "megatron" and is_dist_checkpoint(found.directory):
+        try:
+            return read_common(found.directory)
+        except DistCheckpointError as error:
+            raise CheckpointError(str(error)) from None
     if found.layout == "megatron":
         path = _this_rank_file(found.directory)
         return path, load_file(path)
@@ -556,10 +619,11 @@ def load_checkpoint(target: CheckpointTarget, args: argparse.Namespace) -> Train
         print_rank_0(f"> no checkpoint found in {args.load}; starting from iteration 0")
         return TrainState()
     path, client = _metadata(found)
-    check_checkpoint_args(args_dict(client.get("args")), args, path)
+    any_layout = found.layout == "megatron" and is_dist_checkpoint(found.directory)
+    check_checkpoint_args(args_dict(client.get("args")), args, path, any_layout)
     fresh = args.finetune or found.release
     load_optimizer = not (args.no_load_optim or fresh)
-    optimizer_loaded = False
+    optimizer_loaded = rng_restored = False
     model, optimizer, scheduler = target.model, target.optimizer, target.scheduler
     if target.deepspeed_files and found.layout == "deepspeed":
         from megatron.checkpointing.deepspeed_engine import load_deepspeed
@@ -577,6 +641,27 @@ def load_checkpoint(target: CheckpointTarget, args: argparse.Namespace) -> Train
                 f"layout with {RESHARD_TOOL} --load {args.load} --save NEW_DIR"
             )
         _load_weights(target, dict(client["module"]), args, path)
+    elif is_dist_checkpoint(found.directory):
+        if target.deepspeed_files:
+            raise CheckpointError(
+                f"{found.directory} is a torch_dist checkpoint; DeepSpeed's engine loads its "
+                "own checkpoints: resume it without --deepspeed"
+            )
+        rng_restored = not (fresh or args.no_load_rng)
+        try:
+            optimizer_loaded = load_dist_checkpoint(
+                found.directory,
+                _unwrap(model),
+                optimizer if load_optimizer else None,
+                args,
+                load_rng=rng_restored,
+            )
+        except DistCheckpointError as error:
+            raise CheckpointError(str(error)) from None
+        if optimizer_loaded:
+            scheduler.load_state_dict(client["opt_param_scheduler"])
+            if "loss_scaler" in client and getattr(model, "loss_scaler", None) is not None:
+                model.loss_scaler.load_state_dict(client["loss_scaler"])
     elif target.deepspeed_files:
         _load_weights(target, flatten_model_state(client["model"]), args, path)
     else:
@@ -590,7 +675,7 @@ def load_checkpoint(target: CheckpointTarget, args: argparse.Namespace) -> Train
     state = TrainState() if fresh else _train_state(client, found.iteration)
     if not fresh and not optimizer_loaded:
         _continue_schedule(scheduler, state)
-    if not (fresh or args.no_load_rng):
+    if not (fresh or args.no_load_rng or rng_restored):
         if found.layout == "deepspeed":
             _restore_rng(client, dist.get_rank(), dist.get_world_size(), path)
         else:

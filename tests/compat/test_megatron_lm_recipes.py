@@ -1,15 +1,16 @@
 """Megatron-LM's current recipes (tests/compat/megatron_lm/*.json): how far they get today.
 
 Megatron-LM's Llama-3 8B recipe (`examples/llama/train_llama3_8b_h100_fp8.sh`, its bf16
-branch) passes `--context-parallel-size`. Some of its other flags are built by later issues
-(sharded data parallelism, `torch_dist` checkpoints, Megatron-LM's training and data flags):
-`LATER` names each with its issue, and the first test checks that each is still refused in
-one line (unknown to the parser, or refused by validation), so the list must shrink as they
-land. Without them the command line validates at its world size, and, scaled to a tiny model
-on CPU, runs through torchrun at CP=2: the loss falls, the log lines parse, and a second
+branch) passes `--context-parallel-size`. Some of its other flags are built by a later issue
+(Megatron-LM's training and data flags): `LATER` names each with its issue, and the first
+test checks that each is still refused in one line (unknown to the parser, or refused by
+validation), so the list must shrink as they land. Without them the command line validates
+at its world size, and, scaled to a tiny model on CPU, runs through torchrun at CP=2: the
+loss falls, the log lines parse, and a second
 launch of the same command line resumes from the first one's checkpoint. Its DDP arguments
 (`--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather`,
-`--grad-reduce-in-bf16`) run on torch FSDP2 (over the 2 context-parallel ranks there).
+`--grad-reduce-in-bf16`) run on torch FSDP2 (over the 2 context-parallel ranks there), and
+its `--ckpt-format torch_dist` checkpoints through torch.distributed.checkpoint.
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ from tests.conftest import MERGE_FILE, VOCAB_FILE
 RECIPE = os.path.join(
     os.path.dirname(__file__), "megatron_lm", "llama__train_llama3_8b_h100_fp8.json"
 )
-# Flags of the recipe that later issues build (issue: 39 torch_dist checkpoints, 40
-# Megatron-LM's training/data/logging flags and recipes).
+# Flags of the recipe that later issues build (issue 40: Megatron-LM's training, data and
+# logging flags and recipes).
 LATER = {
-    "--ckpt-format": 39,
     "--apply-layernorm-1p": 40,
     "--vocab-size": 40,
     "--decoupled-lr": 40,
@@ -151,6 +151,7 @@ def test_scaled_recipe_runs_at_cp2_and_a_second_launch_resumes(
     second = _launch("torchrun", argv, ranks=2)  # the same command line again
     assert second.returncode == 0, second.stdout[-4000:]
     assert "at iteration 3" in second.stdout, second.stdout[-4000:]
+    assert os.path.isfile(os.path.join(str(tmp_path), "checkpoints", "iter_0000003", ".metadata"))
     resumed = _iteration_lines(second.stdout)
     assert [log["iteration"] for log in resumed] == [4, 5, 6]
     losses = [log["lm loss"] for log in logged + resumed]

@@ -1,0 +1,421 @@
+"""Megatron-LM's `torch_dist` checkpoint format on torch.distributed.checkpoint (DCP).
+
+`--ckpt-format torch_dist` writes `iter_XXXXXXX/` as DCP does (`.metadata` and one
+`__R_0.distcp` file per writing rank) plus `common.pt` (the run's args, counters, scheduler,
+loss scaler and optimizer hyperparameters, written by rank 0) and Megatron-LM's
+`metadata.json`, under the same trackers and crash-safe commit as the `torch` format.
+
+Every tensor is saved once under a layout-free name with its global shape, each rank writing
+its own slice: a tensor-parallel shard is a DTensor sharded over the tensor-parallel group
+(SwiGLU's [gate; up] rows as a [2, F, ...] tensor, so each rank's two blocks are one slice);
+layers carry their global numbers (pipeline stages and virtual chunks renumbered), the tied
+output copy of the word embeddings is the embeddings; replicas (data, context and sequence
+parallel ranks, the tied copy) are written once (DCP's deduplication). Adam's moments and
+step are saved the same way under `optimizer.state.{name}.{key}`. So a checkpoint loads into
+any TP x PP (x virtual stages) x DP x CP layout of the same model, with or without FSDP2
+sharding (whose shards are gathered per tensor-parallel rank first). Vocabulary matrices
+padded to another size (`--make-vocab-size-divisible-by` x TP) load their common rows.
+
+Each rank's random generators are saved under `rng_state.rank{R}` and restored when the
+layout is the one that saved them; otherwise they keep their seeds and a line says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+
+import torch
+from torch import nn
+
+from megatron.checkpointing.disk import save_torch_file
+from megatron.checkpointing.file_format import HEAD_KEY, SAFE_GLOBALS, load_file
+from megatron.checkpointing.pipeline_stages import chunk_layers, renumber_layers
+from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
+from megatron.checkpointing.shapes import WORD_EMBEDDINGS
+from megatron.checkpointing.shards import VOCAB_PARALLEL, partition_dim, swiglu_tensors
+from megatron.core import parallel_state
+from megatron.utils import print_rank_0
+
+COMMON_FILE = "common.pt"
+FORMAT_FILE = "metadata.json"  # Megatron-LM's name: which backend wrote the directory
+DCP_METADATA = ".metadata"
+HEAD_WEIGHT = HEAD_KEY + ".weight"
+
+
+class DistCheckpointError(ValueError):
+    """A torch_dist checkpoint this run cannot load; the message names the file and tensor."""
+
+
+def is_dist_checkpoint(directory: str) -> bool:
+    """Whether `directory` was written in the torch_dist format (its DCP metadata is there)."""
+    return os.path.isfile(os.path.join(directory, DCP_METADATA))
+
+
+def _chunks(module: nn.Module) -> list[nn.Module]:
+    return list(module) if isinstance(module, nn.ModuleList) else [module]
+
+
+def _layout_key(layout) -> dict:  # noqa: ANN001 - megatron.layout.ParallelLayout
+    """What must match for per-rank state (random generators) to mean the same rank."""
+    return {
+        "world_size": layout.world_size,
+        "tensor_parallel": layout.tensor_parallel,
+        "pipeline_parallel": layout.pipeline_parallel,
+        "virtual_pipeline": layout.virtual_pipeline,
+        "context_parallel": layout.context_parallel,
+        "data_parallel": layout.data_parallel,
+    }
+
+
+class _TensorParallelView:
+    """Wraps this rank's tensor-parallel shards as slices of the global tensors (DTensors)."""
+
+    def __init__(self, chunk_states: list[dict[str, torch.Tensor]]):
+        self.size = parallel_state.get_tensor_model_parallel_world_size()
+        self.mesh = None
+        if self.size > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            group = parallel_state.get_tensor_model_parallel_group()
+            device = next(iter(chunk_states[0].values())).device.type
+            self.mesh = DeviceMesh.from_group(group, device)
+        self.swiglu = set().union(*(swiglu_tensors(state) for state in chunk_states))
+
+    def global_view(self, local_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (this rank's shard of `local_name`) as a slice of the global tensor."""
+        dim = partition_dim(local_name)
+        if tensor.dim() == 0:  # Adam's step
+            return tensor
+        if local_name in self.swiglu:  # [gate_r; up_r] -> [2, F/TP, ...], sharded on dim 1
+            tensor = tensor.view(2, tensor.size(0) // 2, *tensor.shape[1:])
+            dim = 1
+        if dim is None or self.mesh is None:
+            return tensor
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(tensor, self.mesh, [Shard(dim)], run_check=False)
+
+
+def _model_entries(module: nn.Module, args: argparse.Namespace) -> list[tuple]:
+    """(name in `module`, chunk index, name in the chunk, global name) of each saved tensor:
+    every chunk's state dict entry (parameters and persistent buffers)."""
+    chunks = _chunks(module)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    prefix = isinstance(module, nn.ModuleList)
+    entries, seen = [], set()
+    for index, chunk in enumerate(chunks):
+        layers = chunk_layers(
+            args.num_layers, args.layout.pipeline_parallel, len(chunks), pp_rank, index
+        )
+        for local in chunk.state_dict():
+            name = WORD_EMBEDDINGS if local == HEAD_WEIGHT else local
+            (name,) = renumber_layers({name: None}, layers.start)
+            if name in seen:
+                raise DistCheckpointError(f"two model chunks of this rank hold {name}")
+            seen.add(name)
+            entries.append((f"{index}.{local}" if prefix else local, index, local, name))
+    return entries
+
+
+def _optimizer_key(name: str, key: str) -> str:
+    return f"optimizer.state.{name}.{key}"
+
+
+def _rng_key(rank: int) -> str:
+    return f"rng_state.rank{rank}"
+
+
+def _encoded(value: object) -> torch.Tensor:
+    """`value` (random generator states) as the bytes of its torch.save, in a uint8 tensor:
+    DCP unpickles byte items with weights_only=False, tensors it only copies."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _decoded(tensor: torch.Tensor) -> object:
+    """What `_encoded` encoded, read as checkpoint files are (weights_only, allow-listed)."""
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        return torch.load(io.BytesIO(tensor.numpy().tobytes()), weights_only=True)
+
+
+class _SafeReader:
+    """DCP's FileSystemReader whose `.metadata` is unpickled allowing only DCP's metadata
+    classes, torch sizes and dtypes: nothing in a checkpoint can run code."""
+
+    _ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata", "ChunkStorageMetadata", "TensorStorageMetadata", "TensorProperties",
+            "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+        "collections": {"OrderedDict"},
+    }  # fmt: skip
+
+    @classmethod
+    def create(cls, directory: str):  # noqa: ANN206 - a torch FileSystemReader
+        """A FileSystemReader of `directory` with the restricted metadata unpickler."""
+        import pickle
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        allowed = cls._ALLOWED
+
+        class Unpickler(pickle.Unpickler):
+            def find_class(self, module: str, name: str) -> object:
+                dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+                if (
+                    dtype
+                    or (module == "torch" and name == "Size")
+                    or name in allowed.get(module, ())
+                ):
+                    return super().find_class(module, name)
+                raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+
+        class Reader(dcp.FileSystemReader):
+            def read_metadata(self, *args: object, **kwargs: object):  # noqa: ANN202
+                path = os.path.join(directory, DCP_METADATA)
+                with open(path, "rb") as handle:
+                    metadata = Unpickler(handle).load()
+                if getattr(metadata, "storage_meta", None) is None:
+                    metadata.storage_meta = StorageMeta()
+                metadata.storage_meta.load_id = self.load_id
+                return metadata
+
+        return Reader(directory)
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def save_dist_checkpoint(
+    directory: str,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    common: dict,
+    args: argparse.Namespace,
+    save_rng: bool = True,
+) -> None:
+    """Write this rank's part of a torch_dist checkpoint into `directory` (a collective on
+    every rank); `optimizer` None saves the weights only. `common` (args, counters, scheduler
+    and loss-scaler state) goes to `common.pt` from rank 0."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.checkpointing.sharded_states import (
+        full_model_state,
+        full_optimizer_state,
+        is_sharded,
+    )
+
+    chunks = _chunks(module)
+    sharded = any(is_sharded(chunk) for chunk in chunks)
+    # FSDP2: each tensor-parallel rank's whole tensors, gathered from the data-parallel shards.
+    states = [full_model_state(chunk) if sharded else chunk.state_dict() for chunk in chunks]
+    view = _TensorParallelView(states)
+    tensors: dict[str, object] = {}
+    optimizer_states = {}
+    if optimizer is not None:
+        if sharded:
+            optimizer_states = full_optimizer_state(module, optimizer)["state"]
+        else:
+            by_param = {id(p): optimizer.state.get(p, {}) for p in module.parameters()}
+            optimizer_states = {
+                name: by_param[id(param)] for name, param in module.named_parameters()
+            }
+    for module_name, index, local, name in _model_entries(module, args):
+        tensors[name] = view.global_view(local, states[index][local])
+        for key, value in optimizer_states.get(module_name, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0:  # Adam's moments: the weight's slice
+                value = view.global_view(local, value)
+            tensors[_optimizer_key(name, key)] = value
+    if save_rng:
+        tensors[_rng_key(dist.get_rank())] = _encoded(capture_rng_state())
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory, sync_files=True))
+    if dist.get_rank() == 0:
+        common = dict(common, layout=_layout_key(args.layout))
+        if optimizer is not None:
+            common["optimizer_param_groups"] = _hyperparameters(optimizer)
+        save_torch_file(common, os.path.join(directory, COMMON_FILE))
+        with open(os.path.join(directory, FORMAT_FILE), "w") as out:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, out)
+            out.flush()
+            os.fsync(out.fileno())
+
+
+def read_common(directory: str) -> tuple[str, dict]:
+    """(path, contents) of a torch_dist checkpoint's `common.pt`."""
+    path = os.path.join(directory, COMMON_FILE)
+    if not os.path.isfile(path):
+        raise DistCheckpointError(f"{path} is missing: {directory} is not a complete checkpoint")
+    return path, load_file(path)
+
+
+class _Requests:
+    """The tensors a load asks DCP for, checked against the checkpoint's metadata first."""
+
+    def __init__(self, directory: str, metadata: dict, view: _TensorParallelView):
+        self.directory, self.metadata, self.view = directory, metadata, view
+        self.tensors: dict[str, object] = {}
+        self.vocab_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add(self, key: str, local_name: str, tensor: torch.Tensor) -> None:
+        """Read `key` into `tensor`, this rank's shard of `local_name` (in place)."""
+        saved = self.metadata.get(key)
+        if saved is None or not hasattr(saved, "size"):
+            raise DistCheckpointError(f"{self.directory} has no tensor {key}")
+        request = self.view.global_view(local_name, tensor)
+        if tuple(saved.size) == tuple(request.shape):
+            self.tensors[key] = request
+            return
+        if local_name in VOCAB_PARALLEL and tuple(saved.size[1:]) == tuple(tensor.shape[1:]):
+            # Padded to another multiple: read the whole saved matrix, keep this rank's rows.
+            whole = torch.zeros(tuple(saved.size), dtype=tensor.dtype)
+            self.tensors[key] = whole
+            self.vocab_copies.append((whole, tensor))
+            return
+        raise DistCheckpointError(
+            f"{self.directory}: tensor {key} has shape {tuple(saved.size)} there, this "
+            f"model's is {tuple(request.shape)}"
+        )
+
+    def load(self) -> None:
+        """Read every requested tensor, then place the vocabulary rows."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            dcp.load(self.tensors, storage_reader=_SafeReader.create(self.directory))
+        except CheckpointException as error:  # some rank failed to read: its first line
+            failures = getattr(error, "failures", {}) or {}
+            first = next(iter(failures.values()), error)
+            raise DistCheckpointError(f"{self.directory}: reading failed: {first!r:.300}") from None
+        rows = parallel_state.get_tensor_model_parallel_rank()
+        for whole, shard in self.vocab_copies:
+            start = rows * shard.size(0)
+            kept = max(0, min(shard.size(0), whole.size(0) - start))
+            with torch.no_grad():
+                shard.zero_()
+                shard[:kept].copy_(whole[start : start + kept])
+
+
+def load_dist_checkpoint(
+    directory: str,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    args: argparse.Namespace,
+    load_rng: bool = True,
+) -> bool:
+    """Load a torch_dist checkpoint into this rank's model (and `optimizer`, unless None);
+    a collective on every rank. Returns whether optimizer state was loaded."""
+    import torch.distributed as dist
+
+    from megatron.checkpointing.sharded_states import (
+        is_sharded,
+        load_full_model_state,
+        load_full_optimizer_state,
+    )
+
+    _, common = read_common(directory)
+    metadata = _checked_metadata(directory).state_dict_metadata
+    chunks = _chunks(module)
+    sharded = any(is_sharded(chunk) for chunk in chunks)
+    if sharded:  # FSDP2: whole tensor-parallel-rank tensors, each rank keeps its shard after
+        states = [
+            {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in chunk.state_dict().items()}
+            for chunk in chunks
+        ]
+    else:
+        states = [chunk.state_dict() for chunk in chunks]
+    requests = _Requests(directory, metadata, _TensorParallelView(states))
+    entries = _model_entries(module, args)
+    for _, index, local, name in entries:
+        requests.add(name, local, states[index][local])
+
+    params = dict(module.named_parameters())
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    saved_groups = common.get("optimizer_param_groups")
+    if optimizer is not None and saved_groups is not None:
+        if len(saved_groups) != len(optimizer.param_groups):
+            raise DistCheckpointError(
+                f"{directory}/{COMMON_FILE}: {len(saved_groups)} optimizer parameter groups "
+                f"there, {len(optimizer.param_groups)} here; add --no-load-optim"
+            )
+        for module_name, index, local, name in entries:
+            if module_name not in params:
+                continue  # a buffer
+            keys = [key for key in ("step", "exp_avg", "exp_avg_sq")
+                    if _optimizer_key(name, key) in metadata]  # fmt: skip
+            if not keys:
+                continue  # never stepped
+            shape = states[index][local].shape
+            moments[module_name] = {
+                key: torch.zeros(() if key == "step" else shape, dtype=torch.float32)
+                for key in keys
+            }
+            for key, tensor in moments[module_name].items():
+                requests.add(_optimizer_key(name, key), local, tensor)
+
+    rng_key = _rng_key(dist.get_rank())
+    same_layout = common.get("layout") == _layout_key(args.layout)
+    if load_rng and same_layout and rng_key in metadata:
+        requests.tensors[rng_key] = torch.empty(tuple(metadata[rng_key].size), dtype=torch.uint8)
+    requests.load()
+
+    if sharded:
+        for chunk, state in zip(chunks, states, strict=True):
+            load_full_model_state(chunk, state)
+    if optimizer is not None and saved_groups is not None:
+        for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+            group.update(saved)
+        if sharded:
+            names = {id(param): name for name, param in params.items()}
+            groups = [
+                dict(saved, params=[names[id(p)] for p in group["params"]])
+                for group, saved in zip(optimizer.param_groups, saved_groups, strict=True)
+            ]
+            load_full_optimizer_state(module, optimizer, {"state": moments, "param_groups": groups})
+        else:
+            for module_name, state in moments.items():
+                optimizer.state[params[module_name]] = state
+    if rng_key in requests.tensors:
+        restore_rng_state(_decoded(requests.tensors[rng_key]))
+    elif load_rng:
+        print_rank_0(
+            f"> {directory}: saved at another layout ({common.get('layout')}); random "
+            "generators keep their seeds"
+        )
+    return optimizer is not None and saved_groups is not None
+
+
+def _checked_metadata(directory: str):  # noqa: ANN202 - DCP's Metadata
+    """DCP's metadata of `directory`, after checking that every file it names is there and
+    long enough (a missing shard or a torn write is one line naming the file)."""
+
+    try:
+        metadata = _SafeReader.create(directory).read_metadata()
+    except Exception as error:  # noqa: BLE001 - whatever unpickling a torn file raises
+        raise DistCheckpointError(
+            f"{os.path.join(directory, DCP_METADATA)} cannot be read ({error!r:.200})"
+        ) from None
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
+    for name, end in sorted(ends.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise DistCheckpointError(f"{path} is missing: the checkpoint is incomplete")
+        if os.path.getsize(path) < end:
+            raise DistCheckpointError(
+                f"{path} holds {os.path.getsize(path)} bytes, its index needs {end}: a torn "
+                "write; resume from an earlier checkpoint"
+            )
+    return metadata

@@ -1,0 +1,91 @@
+"""`--ckpt-format torch_dist` (torch.distributed.checkpoint): a checkpoint saved at one parallel
+layout resumes at others with the optimizer state kept.
+
+The tiny LLaMA-style model of `llama_runs` (SwiGLU, 2 key/value heads, untied output layer),
+fp32, dropout 0, global batch 8, the vocabulary padded to 50304 rows at TP 1 and 2. A TP=2 run
+saves at iteration 3 and goes on to 6. From its checkpoint:
+
+- at the same layout, iterations 4-6 are the run's bit for bit (weights, Adam's moments and
+  step, scheduler, random generators, data position);
+- at PP=2 (each stage one layer) they are the same up to fp32 sums in other orders;
+- at DP=4 sharded by FSDP2 (its shards gathered per tensor-parallel rank on saving) iteration
+  4 is, and its own torch_dist checkpoint resumes with the distributed optimizer at DP=2 for
+  iterations 5-6;
+- with `--no-load-optim` the losses after the first update differ: Adam's state mattered;
+- a torn shard file (cut short) ends a resume in one line naming it, before anything loads.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from tests.one_line_errors import assert_one_line_error
+from tests.pretrain_runs import launch
+from tests.training.llama_runs import argv, assert_same, run
+
+FLAGS = dict(global_batch_size=8, make_vocab_size_divisible_by=64, ckpt_format="torch_dist")
+
+
+def _losses(logs: list[dict]) -> list[tuple[float, float]]:
+    return [(log["lm loss"], log["grad norm"]) for log in logs]
+
+
+@pytest.mark.slow
+def test_a_tp2_checkpoint_resumes_at_other_layouts_with_its_optimizer(
+    stdlib_dataset: str, tmp_path
+) -> None:
+    tp2 = dict(tensor_model_parallel_size=2)
+    saved = str(tmp_path / "tp2")
+    straight = run(stdlib_dataset, 2, save=saved, save_interval=3, **tp2, **FLAGS)
+    assert os.path.isfile(os.path.join(saved, "iter_0000003", ".metadata"))
+    assert os.path.isfile(os.path.join(saved, "iter_0000003", "common.pt"))
+
+    # The newest checkpoint is iteration 6's: point the resumes at 3's.
+    with open(os.path.join(saved, "latest_checkpointed_iteration.txt"), "w") as tracker:
+        tracker.write("3")
+    same = run(stdlib_dataset, 2, load=saved, **tp2, **FLAGS)
+    assert _losses(same) == _losses(straight[3:])  # bit for bit, as printed
+
+    assert_same(run(stdlib_dataset, 2, load=saved, pipeline_model_parallel_size=2, **FLAGS),
+                straight[3:])  # fmt: skip
+
+    fsdp = str(tmp_path / "fsdp_dp4")
+    first = run(stdlib_dataset, 4, load=saved, save=fsdp, save_interval=100, exit_interval=4,
+                use_torch_fsdp2=True, **FLAGS)  # fmt: skip
+    assert_same(first, straight[3:4])
+    back = run(stdlib_dataset, 2, load=fsdp, use_distributed_optimizer=True, **FLAGS)
+    assert_same(back, straight[4:])
+
+    fresh = run(stdlib_dataset, 2, load=saved, no_load_optim=True, exit_interval=5, **FLAGS)
+    assert_same(fresh[:1], straight[3:4])  # the same weights
+    assert abs(fresh[1]["lm loss"] - straight[4]["lm loss"]) > 1e-3  # another update
+
+    torn = str(tmp_path / "torn")
+    shutil.copytree(saved, torn)
+    shard = os.path.join(torn, "iter_0000003", "__1_0.distcp")
+    with open(shard, "r+b") as handle:
+        handle.truncate(os.path.getsize(shard) // 2)
+    failed = launch(1, argv(stdlib_dataset, load=torn, **FLAGS))
+    assert_one_line_error(failed.returncode, failed.stdout, shard, "torn write")
+
+
+class _Payload:
+    """A pickle that would run code when loaded."""
+
+    def __reduce__(self):
+        return (os.makedirs, ("/tmp/never_made_by_a_checkpoint",))
+
+
+def test_metadata_that_would_run_code_is_refused(tmp_path) -> None:
+    """DCP unpickles `.metadata`; ours allows DCP's metadata classes, sizes and dtypes only."""
+    import pickle
+
+    from megatron.checkpointing.dist_checkpoint import DistCheckpointError, _checked_metadata
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(DistCheckpointError, match=r"\.metadata cannot be read .*not allowed"):
+        _checked_metadata(str(tmp_path))
+    assert not os.path.exists("/tmp/never_made_by_a_checkpoint")
