@@ -60,6 +60,14 @@ def add_checkpoint_format_flags(parser: argparse.ArgumentParser) -> None:
         "and extra tensors in the checkpoint are ignored (assume_ok_unexpected, the default); "
         "the other choices are refused.",
     )
+    group.add_argument(
+        "--async-save",
+        action="store_true",
+        help="Write torch_dist checkpoints in the background: each rank stages a CPU copy and "
+        "training goes on; the checkpoint is committed (trackers) once every rank's write "
+        "is done, polled each iteration; at most one in flight. Needs --ckpt-format "
+        "torch_dist, as in Megatron-LM.",
+    )
     for flag in (
         "--ckpt-fully-parallel-save",
         "--no-ckpt-fully-parallel-save",
@@ -95,6 +103,11 @@ def settle_checkpoint_format(args: argparse.Namespace) -> None:
             "is built (missing tensors end the run naming them; extra ones are ignored)"
         )
     args.ckpt_format = "torch" if chosen == "torch" else "torch_dist"
+    if args.async_save and args.ckpt_format != "torch_dist":
+        raise ArgumentError(
+            "--async-save needs --ckpt-format torch_dist (as in Megatron-LM): the per-rank "
+            "torch files are written synchronously"
+        )
     if args.ckpt_format == "torch_dist" and args.deepspeed:
         raise ArgumentError(
             "--ckpt-format torch_dist with --deepspeed: DeepSpeed's engine writes its own "

@@ -202,10 +202,14 @@ def save_dist_checkpoint(
     common: dict,
     args: argparse.Namespace,
     save_rng: bool = True,
-) -> None:
+    background_group: object = None,
+) -> object:
     """Write this rank's part of a torch_dist checkpoint into `directory` (a collective on
     every rank); `optimizer` None saves the weights only. `common` (args, counters, scheduler
-    and loss-scaler state) goes to `common.pt` from rank 0."""
+    and loss-scaler state) goes to `common.pt` from rank 0.
+
+    `background_group` (`--async-save`): stage a copy and write it from a thread that
+    coordinates over that group; returns the write's Future (None when written already)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -238,8 +242,7 @@ def save_dist_checkpoint(
             tensors[_optimizer_key(name, key)] = value
     if save_rng:
         tensors[_rng_key(dist.get_rank())] = _encoded(capture_rng_state())
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory, sync_files=True))
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # small: written now, before the tensors
         common = dict(common, layout=_layout_key(args.layout))
         if optimizer is not None:
             common["optimizer_param_groups"] = _hyperparameters(optimizer)
@@ -248,6 +251,11 @@ def save_dist_checkpoint(
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, out)
             out.flush()
             os.fsync(out.fileno())
+    writer = dcp.FileSystemWriter(directory, sync_files=True)
+    if background_group is None:
+        dcp.save(tensors, storage_writer=writer)
+        return None
+    return dcp.async_save(tensors, storage_writer=writer, process_group=background_group)
 
 
 def read_common(directory: str) -> tuple[str, dict]:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megatron.atomic_files import atomic_outputs
 from megatron.checkpointing import commit as checkpoint_commit
+from megatron.checkpointing.async_save import ASYNC_SAVES
 from megatron.checkpointing.disk import describe_failure, save_torch_file, tensor_bytes, tree_bytes
 from megatron.checkpointing.dist_checkpoint import (
     DistCheckpointError,
@@ -232,15 +233,20 @@ def save_checkpoint(state, target: CheckpointTarget, args: argparse.Namespace) -
             previous_checkpoint(args.save),
         )
     elif getattr(args, "ckpt_format", "torch") != "torch":
-        _save_dist_files(state, target, args)
+        if not _save_dist_files(state, target, args):
+            print_rank_0(
+                f"  checkpoint at iteration {iteration:7d} staged, written in the background"
+            )
+            return
     else:
         _save_megatron_files(state, target, args)
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
 
 
-def _save_dist_files(state, target: CheckpointTarget, args: argparse.Namespace) -> None:  # noqa: ANN001
+def _save_dist_files(state, target: CheckpointTarget, args: argparse.Namespace) -> bool:  # noqa: ANN001
     """`--ckpt-format torch_dist`: every rank writes its slices through torch.distributed.
-    checkpoint into the staging directory, published by the same commit as Megatron's files."""
+    checkpoint into the staging directory, published by the same commit as Megatron's files.
+    False when the write went to the background (`--async-save`), committed later."""
     model = target.model
     save_optimizer = not args.no_save_optim
     common = _client_state(state, args, None, target)
@@ -250,24 +256,31 @@ def _save_dist_files(state, target: CheckpointTarget, args: argparse.Namespace) 
             common["loss_scaler"] = model.loss_scaler.state_dict()
     from torch.distributed.checkpoint.api import CheckpointException
 
+    ASYNC_SAVES.finish()  # at most one save in flight: the previous one is committed first
+    background = ASYNC_SAVES.group() if getattr(args, "async_save", False) else None
     final = checkpoint_directory(args.save, state.iteration)
     staging = checkpoint_commit.begin(final, previous_checkpoint(args.save))
     failure = None
     try:
-        save_dist_checkpoint(
+        future = save_dist_checkpoint(
             staging,
             _unwrap(model),
             target.optimizer if save_optimizer else None,
             common,
             args,
             save_rng=not args.no_save_rng,
+            background_group=background,
         )
+        if future is not None:
+            ASYNC_SAVES.started(future, final, state.iteration)
+            return False
     except OSError as error:
         failure = describe_failure(error, args.save, tree_bytes(staging))
     except CheckpointException as error:  # DCP's report of a write that failed on some rank
         failure = f"error: saving {final} failed: {str(error).splitlines()[0]}"
     trackers = checkpoint_commit.megatron_trackers(str(state.iteration))
     checkpoint_commit.commit(final, trackers, failure)
+    return True
 
 
 def _save_megatron_files(state, target: CheckpointTarget, args: argparse.Namespace) -> None:  # noqa: ANN001

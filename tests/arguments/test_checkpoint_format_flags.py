@@ -33,6 +33,7 @@ def validated(extra: str, world_size: int = 2):
          "--dist-ckpt-strictness assume_ok_unexpected", "torch_dist"),
         ("--ckpt-format torch_dist --use-torch-fsdp2 --pipeline-model-parallel-size 2",
          "torch_dist"),
+        ("--ckpt-format torch_dist --async-save", "torch_dist"),
     ],
 )  # fmt: skip
 def test_each_spelling_means_one_format(flags: str, chosen: str) -> None:
@@ -43,6 +44,7 @@ def test_each_spelling_means_one_format(flags: str, chosen: str) -> None:
     "flags, words",
     [
         ("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor"),
+        ("--async-save", "--async-save needs --ckpt-format torch_dist"),
         ("--dist-ckpt-format zarr", "--dist-ckpt-format zarr"),
         ("--dist-ckpt-strictness raise_all", "--dist-ckpt-strictness raise_all"),
         ("--ckpt-format torch_dist --deepspeed --zero-stage 1", "--ckpt-format torch_dist with "

@@ -3,7 +3,8 @@ layout resumes at others with the optimizer state kept.
 
 The tiny LLaMA-style model of `llama_runs` (SwiGLU, 2 key/value heads, untied output layer),
 fp32, dropout 0, global batch 8, the vocabulary padded to 50304 rows at TP 1 and 2. A TP=2 run
-saves at iteration 3 and goes on to 6. From its checkpoint:
+saves at iterations 3 and 6 in the background (`--async-save`) and is killed committing 6's
+(before its directory is renamed into place): 3's is the newest checkpoint. From it:
 
 - at the same layout, iterations 4-6 are the run's bit for bit (weights, Adam's moments and
   step, scheduler, random generators, data position);
@@ -22,6 +23,8 @@ import shutil
 
 import pytest
 
+from megatron.checkpointing.commit import FAULT_ENV
+from tests.compat.test_script_runs import _iteration_lines, _launch
 from tests.one_line_errors import assert_one_line_error
 from tests.pretrain_runs import launch
 from tests.training.llama_runs import argv, assert_same, run
@@ -39,13 +42,21 @@ def test_a_tp2_checkpoint_resumes_at_other_layouts_with_its_optimizer(
 ) -> None:
     tp2 = dict(tensor_model_parallel_size=2)
     saved = str(tmp_path / "tp2")
-    straight = run(stdlib_dataset, 2, save=saved, save_interval=3, **tp2, **FLAGS)
+    # Saves in the background at 3 and 6; rank 0 is killed committing 6's (before its rename).
+    killed = _launch(
+        "torchrun",
+        argv(stdlib_dataset, save=saved, save_interval=3, async_save=True, **tp2, **FLAGS),
+        env={FAULT_ENV: "before-rename:2"},
+    )
+    assert killed.returncode != 0
+    straight = _iteration_lines(killed.stdout)
+    assert [log["iteration"] for log in straight] == [1, 2, 3, 4, 5, 6], killed.stdout[-3000:]
     assert os.path.isfile(os.path.join(saved, "iter_0000003", ".metadata"))
     assert os.path.isfile(os.path.join(saved, "iter_0000003", "common.pt"))
+    assert not os.path.exists(os.path.join(saved, "iter_0000006"))  # never published
+    with open(os.path.join(saved, "latest_checkpointed_iteration.txt")) as tracker:
+        assert tracker.read().strip() == "3"
 
-    # The newest checkpoint is iteration 6's: point the resumes at 3's.
-    with open(os.path.join(saved, "latest_checkpointed_iteration.txt"), "w") as tracker:
-        tracker.write("3")
     same = run(stdlib_dataset, 2, load=saved, **tp2, **FLAGS)
     assert _losses(same) == _losses(straight[3:])  # bit for bit, as printed
 

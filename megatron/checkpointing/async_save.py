@@ -1,0 +1,83 @@
+"""`--async-save`: torch_dist checkpoints written in the background, committed when durable.
+
+A save stages a CPU copy of every tensor this rank writes (torch.distributed.checkpoint's
+`async_save`, which copies before it returns) and hands the write to a thread that talks to
+the other ranks over a process group of its own (gloo), so training goes on at once. The
+checkpoint is published by the same commit as a synchronous save (`checkpoint_commit`:
+staging directory, journal, rename, trackers), run on the main thread once every rank's
+write has finished: the loop asks every iteration (`poll`, one small all-reduce), and a save
+or the end of training waits for it (`finish`). At most one save is in flight; a kill at any
+moment leaves the newest committed checkpoint, as with synchronous saves.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.checkpointing import commit as checkpoint_commit
+from megatron.utils import print_rank_0
+
+
+@dataclass
+class _InFlight:
+    future: Future
+    final: str
+    iteration: int
+    started: float
+
+
+class AsyncSaves:
+    """The one torch_dist save this process has in flight, if any."""
+
+    def __init__(self) -> None:
+        self._in_flight: _InFlight | None = None
+        self._group = None
+
+    def group(self) -> object:
+        """The gloo group the writer threads coordinate over (made on the first save, a
+        collective): never the group training's collectives use."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def started(self, future: Future, final: str, iteration: int) -> None:
+        """Record the save just handed to the background (every rank, the same iteration)."""
+        self._in_flight = _InFlight(future, final, iteration, time.time())
+
+    def poll(self) -> None:
+        """Commit the save in flight if every rank's write has finished (a collective when one
+        is in flight; every rank has one or none, as saves start on all ranks together)."""
+        if self._in_flight is None:
+            return
+        done = torch.tensor([int(self._in_flight.future.done())])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item():
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for the save in flight and commit it (a collective); nothing if none."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        failure = None
+        try:
+            in_flight.future.result()
+        except (CheckpointException, OSError) as error:
+            failure = f"error: saving {in_flight.final} failed: {str(error).splitlines()[0]}"
+        trackers = checkpoint_commit.megatron_trackers(str(in_flight.iteration))
+        checkpoint_commit.commit(in_flight.final, trackers, failure)
+        print_rank_0(
+            f"  successfully saved checkpoint at iteration {in_flight.iteration:7d} "
+            f"(written in the background in {time.time() - in_flight.started:.1f}s)"
+        )
+
+
+ASYNC_SAVES = AsyncSaves()
+"""This process's background saves (one process, one run)."""
