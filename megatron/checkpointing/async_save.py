@@ -1,13 +1,14 @@
 """`--async-save`: torch_dist checkpoints written in the background, committed when durable.
 
 A save stages a CPU copy of every tensor this rank writes (torch.distributed.checkpoint's
-`async_save`, which copies before it returns) and hands the write to a thread that talks to
-the other ranks over a process group of its own (gloo), so training goes on at once. The
-checkpoint is published by the same commit as a synchronous save (`checkpoint_commit`:
-staging directory, journal, rename, trackers), run on the main thread once every rank's
-write has finished: the loop asks every iteration (`poll`, one small all-reduce), and a save
-or the end of training waits for it (`finish`). At most one save is in flight; a kill at any
-moment leaves the newest committed checkpoint, as with synchronous saves.
+`async_save` with a stager that keeps its buffers for the next save; the copy is made before
+training goes on) and hands the write to a thread that talks to the other ranks over a
+process group of its own (gloo). The checkpoint is published by the same commit as a
+synchronous save (`checkpoint_commit`: staging directory, journal, rename, trackers), run on
+the main thread once every rank's write has finished: the loop asks every iteration (`poll`,
+one small all-reduce), and a save or the end of training waits for it (`finish`). At most
+one save is in flight; a kill at any moment leaves the newest committed checkpoint, as with
+synchronous saves.
 """
 
 from __future__ import annotations
@@ -37,13 +38,22 @@ class AsyncSaves:
     def __init__(self) -> None:
         self._in_flight: _InFlight | None = None
         self._group = None
+        self._stager = None
 
-    def group(self) -> object:
-        """The gloo group the writer threads coordinate over (made on the first save, a
-        collective): never the group training's collectives use."""
+    def background(self) -> tuple:
+        """(process group, stager) for a background save.
+
+        The group: gloo, made on the first save (a collective), never the one training's
+        collectives use. The stager: one for the run, keeping its CPU staging buffers between
+        saves (allocating them anew each time costs more than the copy), pinned on a GPU;
+        the copy is made before training goes on."""
         if self._group is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
             self._group = dist.new_group(backend="gloo")
-        return self._group
+            pinned = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(pinned, False, False, False))
+        return self._group, self._stager
 
     def started(self, future: Future, final: str, iteration: int) -> None:
         """Record the save just handed to the background (every rank, the same iteration)."""

@@ -202,13 +202,14 @@ def save_dist_checkpoint(
     common: dict,
     args: argparse.Namespace,
     save_rng: bool = True,
-    background_group: object = None,
+    background: tuple | None = None,
 ) -> object:
     """Write this rank's part of a torch_dist checkpoint into `directory` (a collective on
     every rank); `optimizer` None saves the weights only. `common` (args, counters, scheduler
     and loss-scaler state) goes to `common.pt` from rank 0.
 
-    `background_group` (`--async-save`): stage a copy and write it from a thread that
+    `background` (`--async-save`: a process group and a DCP stager that keeps its staging
+    buffers): stage a copy into those buffers and write it from a thread that
     coordinates over that group; returns the write's Future (None when written already)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -251,11 +252,12 @@ def save_dist_checkpoint(
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, out)
             out.flush()
             os.fsync(out.fileno())
-    writer = dcp.FileSystemWriter(directory, sync_files=True)
-    if background_group is None:
-        dcp.save(tensors, storage_writer=writer)
+    if background is None:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory, sync_files=True))
         return None
-    return dcp.async_save(tensors, storage_writer=writer, process_group=background_group)
+    group, stager = background
+    writer = dcp.FileSystemWriter(directory, sync_files=True)
+    return dcp.async_save(tensors, storage_writer=writer, process_group=group, async_stager=stager)
 
 
 def read_common(directory: str) -> tuple[str, dict]:

@@ -257,9 +257,9 @@ def _save_dist_files(state, target: CheckpointTarget, args: argparse.Namespace) 
     from torch.distributed.checkpoint.api import CheckpointException
 
     ASYNC_SAVES.finish()  # at most one save in flight: the previous one is committed first
-    background = ASYNC_SAVES.group() if getattr(args, "async_save", False) else None
     final = checkpoint_directory(args.save, state.iteration)
     staging = checkpoint_commit.begin(final, previous_checkpoint(args.save))
+    background = ASYNC_SAVES.background() if getattr(args, "async_save", False) else None
     failure = None
     try:
         future = save_dist_checkpoint(
@@ -269,7 +269,7 @@ def _save_dist_files(state, target: CheckpointTarget, args: argparse.Namespace) 
             common,
             args,
             save_rng=not args.no_save_rng,
-            background_group=background,
+            background=background,
         )
         if future is not None:
             ASYNC_SAVES.started(future, final, state.iteration)

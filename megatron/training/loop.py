@@ -326,7 +326,15 @@ class TrainingLoop:
                 write_optimizer_state_stats(self.writer, stats, state)
 
     def _save(self, state: TrainState) -> None:
+        # As Megatron-LM: how long training stood still for the save (with --async-save, the
+        # staging only), logged as its timers are.
+        timer = self.timers("save-checkpoint", 0)
+        timer.start(barrier=True)
         self.engine.save(state)
+        timer.stop(barrier=True)
+        report = self.timers.log(["save-checkpoint"])
+        if report is not None:
+            print_rank_0(report)
 
     def _should_exit(self, state: TrainState) -> bool:
         args = self.args
