@@ -1,6 +1,8 @@
 """Checkpoints: save and load in Megatron's or DeepSpeed's layout, and the files' formats.
 
-- `save_load.py`: `save_checkpoint()` / `load_checkpoint()` / `find_checkpoint()`.
+- `save_load.py`: `save_checkpoint()` / `load_checkpoint()` / `find_checkpoint()`; `checks.py`:
+  whether a checkpoint fits the run; `dist_checkpoint.py`, `async_save.py`: the torch_dist
+  format (torch.distributed.checkpoint) and its background saves.
 - `commit.py`: how a checkpoint is published (staging directory, commit journal, trackers).
 - `disk.py`: free space before a save, one-line reasons when a write fails.
 - `deepspeed_engine.py`: the DeepSpeed engine's side of saving and loading.

@@ -32,6 +32,13 @@ import torch.distributed as dist
 from megatron.atomic_files import atomic_outputs
 from megatron.checkpointing import commit as checkpoint_commit
 from megatron.checkpointing.async_save import ASYNC_SAVES
+from megatron.checkpointing.checks import (
+    RESHARD_TOOL,
+    CheckpointError,
+    check_checkpoint_args,
+    check_expert_split,
+    check_zero_partitions,
+)
 from megatron.checkpointing.disk import describe_failure, save_torch_file, tensor_bytes, tree_bytes
 from megatron.checkpointing.dist_checkpoint import (
     DistCheckpointError,
@@ -65,29 +72,8 @@ from megatron.checkpointing.sharded_states import (
     optimizer_file,
 )
 from megatron.checkpointing.train_state import TrainState
-from megatron.config import experts_per_layer
 from megatron.core import parallel_state
-from megatron.deepspeed_facts import optimizer_state_partitioned, optimizer_wrapper
 from megatron.utils import print_rank_0
-
-RESHARD_TOOL = "tools/checkpoint/reshard.py"
-MODEL_SHAPE_FLAGS = {
-    "num_layers": "--num-layers",
-    "hidden_size": "--hidden-size",
-    "num_attention_heads": "--num-attention-heads",
-    "ffn_hidden_size": "--ffn-hidden-size",
-    "kv_channels": "--kv-channels",
-    "max_position_embeddings": "--max-position-embeddings",
-    "position_embedding_type": "--position-embedding-type",
-}
-PARALLEL_FLAGS = {
-    "tensor_model_parallel_size": "--tensor-model-parallel-size",
-    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
-}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint this run cannot load; the message says why and what to run instead."""
 
 
 def _this_rank_file(directory: str) -> str:
@@ -350,136 +336,6 @@ def _data_parallel_group():  # noqa: ANN202
     return parallel_state.get_sequence_data_parallel_group() if dist.is_initialized() else None
 
 
-def check_checkpoint_args(
-    saved: dict, args: argparse.Namespace, path: str, any_layout: bool = False
-) -> None:
-    """Refuse a checkpoint whose parallel split, model shape or vocabulary differ from ours.
-
-    `any_layout` (a torch_dist checkpoint): another split and vocabulary padding load."""
-    if any_layout:
-        _check_model_shape(saved, args, path)
-        theirs, ours = saved.get("padded_vocab_size"), getattr(args, "padded_vocab_size", None)
-        if theirs is not None and ours is not None and theirs != ours:
-            print_rank_0(
-                f"> {path}: vocabulary padded to {theirs} rows there, {ours} here; the common "
-                "rows load, padding rows are added as zeros or dropped"
-            )
-        return
-    for name, flag in PARALLEL_FLAGS.items():
-        theirs, ours = saved.get(name), getattr(args, name)
-        if theirs is not None and theirs != ours:
-            raise CheckpointError(
-                f"{path} was saved with {flag} {theirs}, this run has {flag} {ours}: convert "
-                f"it with {RESHARD_TOOL} --load {args.load} --save NEW_DIR "
-                f"--target-tensor-parallel-size {args.tensor_model_parallel_size} "
-                f"--target-pipeline-parallel-size {args.pipeline_model_parallel_size}"
-            )
-    theirs = saved.get("virtual_pipeline_model_parallel_size") or 1
-    ours = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    if theirs != ours:
-        raise CheckpointError(
-            f"{path} was saved with {theirs} virtual pipeline stage(s) per rank, this run has "
-            f"{ours}: convert it with {RESHARD_TOOL} --load {args.load} --save NEW_DIR "
-            f"--target-pipeline-parallel-size {args.pipeline_model_parallel_size} "
-            f"--target-virtual-pipeline-parallel-size {ours}"
-        )
-    _check_model_shape(saved, args, path)
-    theirs, ours = saved.get("padded_vocab_size"), getattr(args, "padded_vocab_size", None)
-    if theirs is not None and ours is not None and theirs != ours:
-        raise CheckpointError(
-            f"{path} has a vocabulary of {theirs} rows (padded), this run {ours}: use the "
-            "checkpoint's tokenizer files and --make-vocab-size-divisible-by "
-            f"{saved.get('make_vocab_size_divisible_by')}"
-        )
-
-
-def _check_model_shape(saved: dict, args: argparse.Namespace, path: str) -> None:
-    for name, flag in MODEL_SHAPE_FLAGS.items():
-        theirs, ours = saved.get(name), getattr(args, name, None)
-        if theirs is not None and ours is not None and theirs != ours:
-            raise CheckpointError(
-                f"{path} was saved with {flag} {theirs}, this run has {flag} {ours}: "
-                "pass the checkpoint's model flags"
-            )
-    theirs, ours = _experts(saved), _experts(vars(args))
-    if theirs != ours:
-        raise CheckpointError(
-            f"{path} was saved with {_describe_experts(saved)}, this run has "
-            f"{_describe_experts(vars(args))}: pass the checkpoint's MoE flags"
-        )
-
-
-def _experts(args: dict) -> tuple | None:
-    """(experts of each layer, --mlp-type) of a model's flags; None when it has no MoE layer."""
-    counts = list(args.get("num_experts") or [1])
-    if all(count == 1 for count in counts):
-        return None
-    per_layer = experts_per_layer(counts, args["num_layers"], args.get("expert_interval", 2))
-    return per_layer, args.get("mlp_type", "standard")
-
-
-def _describe_experts(args: dict) -> str:
-    if _experts(args) is None:
-        return "no MoE layers"
-    counts = " ".join(map(str, args["num_experts"]))
-    flags = f"--num-experts {counts} --expert-interval {args.get('expert_interval', 2)}"
-    return flags + (" --mlp-type residual" if args.get("mlp_type") == "residual" else "")
-
-
-def _check_expert_split(saved: dict, args: argparse.Namespace, path: str) -> None:
-    """Refuse DeepSpeed optimizer state split over another expert-parallel size (the weights
-    alone load at any size: DeepSpeed reads each expert's file by its global number)."""
-    theirs = saved.get("moe_expert_parallel_size") or 1
-    ours = getattr(args, "moe_expert_parallel_size", 1)
-    if getattr(args, "moe", False) and theirs != ours:
-        raise CheckpointError(
-            f"{path} was saved with --moe-expert-parallel-size {theirs}, this run has "
-            f"--moe-expert-parallel-size {ours}: its optimizer state is split by expert-parallel "
-            f"rank; add --no-load-optim to load the weights only, or convert it with "
-            f"{RESHARD_TOOL} --load {args.load} --save NEW_DIR"
-        )
-
-
-def _check_zero_partitions(
-    saved: dict,
-    args: argparse.Namespace,
-    found,  # noqa: ANN001
-    target: CheckpointTarget,
-) -> None:
-    """Refuse, in one line, DeepSpeed optimizer state partitioned over another number of ranks
-    (data x sequence split, Ulysses' or context-parallel; ZeRO 1-3, and bf16 ZeRO-0 on the
-    pipeline engine): DeepSpeed would stop with a traceback. The weights load at any size,
-    and a universal checkpoint takes the optimizer state to any."""
-    # Which wrapper DeepSpeed ran and whether it partitions: megatron.deepspeed_facts (bf16 at
-    # ZeRO-0 partitions under the pipeline engine only). A checkpoint that names neither its
-    # engine nor `pipeline_parallel` counts as the pipeline engine's (partitioned in bf16).
-    if "engine" in saved:
-        theirs_pipe = saved["engine"] == "deepspeed_pipe"
-    else:
-        theirs_pipe = saved.get("pipeline_parallel", True)
-    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    accumulation = ((args.deepspeed_config_dict or {}).get("data_types") or {}).get(
-        "grad_accum_dtype"
-    )
-    wrapper = optimizer_wrapper(
-        precision, args.zero_stage, target.pipe_module_names or theirs_pipe, accumulation
-    )
-    partitioned = optimizer_state_partitioned(wrapper)
-    theirs = (saved.get("data_parallel_size") or 1) * (saved.get("ds_sequence_parallel_size") or 1)
-    theirs *= saved.get("context_parallel_size") or 1
-    ours = args.layout.optimizer_sharded_ranks
-    if not partitioned or saved.get("data_parallel_size") is None or theirs == ours:
-        return
-    raise CheckpointError(
-        f"{found.directory} holds optimizer state partitioned over {theirs} data x sequence "
-        f"parallel (Ulysses or context) rank(s), this run has {ours}: add --no-load-optim to "
-        "load the weights only, "
-        "or convert it (python -m deepspeed.checkpoint.ds_to_universal --input_folder "
-        f"{found.directory} --output_folder {found.directory}_universal) and resume with "
-        "--universal-checkpoint"
-    )
-
-
 def _load_optimizer_state(module, optimizer, client: dict, path: str) -> bool:  # noqa: ANN001
     """Load the optimizer state of a Megatron file (or of `distrib_optim.pt` beside it, from
     a sharded run); either loads into a sharded or an unsharded run. False when it has none."""
@@ -642,9 +498,11 @@ def load_checkpoint(target: CheckpointTarget, args: argparse.Namespace) -> Train
         from megatron.checkpointing.deepspeed_engine import load_deepspeed
 
         if load_optimizer:
-            _check_expert_split(args_dict(client.get("args")), args, path)
+            check_expert_split(args_dict(client.get("args")), args, path)
             if not universal:
-                _check_zero_partitions(args_dict(client.get("args")), args, found, target)
+                check_zero_partitions(
+                    args_dict(client.get("args")), args, found, target.pipe_module_names
+                )
         _, client = load_deepspeed(model, args.load, found.tag, load_optimizer)
         optimizer_loaded = load_optimizer
     elif found.layout == "deepspeed":
