@@ -339,7 +339,10 @@ def load_dist_checkpoint(
     sharded = any(is_sharded(chunk) for chunk in chunks)
     if sharded:  # FSDP2: whole tensor-parallel-rank tensors, each rank keeps its shard after
         states = [
-            {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in chunk.state_dict().items()}
+            {
+                k: torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+                for k, v in chunk.state_dict().items()
+            }
             for chunk in chunks
         ]
     else:
@@ -365,9 +368,12 @@ def load_dist_checkpoint(
                     if _optimizer_key(name, key) in metadata]  # fmt: skip
             if not keys:
                 continue  # never stepped
-            shape = states[index][local].shape
+            like = states[index][local]
+            # Adam's step is a CPU scalar (torch's default), its moments sit with the weight.
             moments[module_name] = {
-                key: torch.zeros(() if key == "step" else shape, dtype=torch.float32)
+                key: torch.zeros((), dtype=torch.float32)
+                if key == "step"
+                else torch.zeros(like.shape, dtype=torch.float32, device=like.device)
                 for key in keys
             }
             for key, tensor in moments[module_name].items():
@@ -398,10 +404,8 @@ def load_dist_checkpoint(
     if rng_key in requests.tensors:
         restore_rng_state(_decoded(requests.tensors[rng_key]))
     elif load_rng:
-        print_rank_0(
-            f"> {directory}: saved at another layout ({common.get('layout')}); random "
-            "generators keep their seeds"
-        )
+        why = "saved without them" if same_layout else f"saved at {common.get('layout')}"
+        print_rank_0(f"> {directory}: {why}; random generators keep their seeds")
     return optimizer is not None and saved_groups is not None
 
 

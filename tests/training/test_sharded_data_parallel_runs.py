@@ -37,14 +37,20 @@ def ddp(stdlib_dataset: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def fsdp2(stdlib_dataset: str) -> list[dict]:
-    """`--use-torch-fsdp2` at DP=2, straight through."""
-    return run(stdlib_dataset, 2, **BATCH, **STRATEGIES["optim_grads_params"])
+def fsdp2(stdlib_dataset: str, tmp_path_factory) -> tuple[list[dict], str]:
+    """`--use-torch-fsdp2` at DP=2, straight through, saving at iterations 3 and 6: its logs
+    and its checkpoint directory, whose tracker is set back to 3."""
+    save = str(tmp_path_factory.mktemp("fsdp2") / "save")
+    logs = run(stdlib_dataset, 2, save=save, save_interval=3, **BATCH,
+               **STRATEGIES["optim_grads_params"])  # fmt: skip
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as tracker:
+        tracker.write("3")  # as a user rolls a run back
+    return logs, save
 
 
 @pytest.mark.slow
 def test_each_strategy_logs_ddps_losses(stdlib_dataset: str, ddp: list[dict], fsdp2) -> None:
-    assert_same(fsdp2, ddp)
+    assert_same(fsdp2[0], ddp)
     # Compiled: each FSDP2 unit's layer is one graph between its all-gather and reduce hooks.
     compiled = run(stdlib_dataset, 2, **BATCH, **STRATEGIES["optim_grads"], torch_compile=True)
     assert_same(compiled, ddp)
@@ -52,21 +58,10 @@ def test_each_strategy_logs_ddps_losses(stdlib_dataset: str, ddp: list[dict], fs
 
 @pytest.mark.slow
 def test_resumes_bit_exactly_and_at_another_data_parallel_size(
-    stdlib_dataset: str, ddp: list[dict], fsdp2: list[dict], tmp_path
+    stdlib_dataset: str, fsdp2: tuple[list[dict], str], tmp_path
 ) -> None:
-    save = str(tmp_path / "save")
-    first = run(
-        stdlib_dataset,
-        2,
-        use_torch_fsdp2=True,
-        save=save,
-        save_interval=100,
-        exit_interval=3,
-        **BATCH,
-    )
+    straight, save = fsdp2
     assert os.path.isfile(os.path.join(save, "iter_0000003", "mp_rank_00", "distrib_optim.pt"))
-    assert_same(first, ddp[:3])
-    straight = fsdp2
     resumed = run(stdlib_dataset, 2, use_torch_fsdp2=True, load=save, **BATCH)
     assert [(log["lm loss"], log["grad norm"]) for log in resumed] == [
         (log["lm loss"], log["grad norm"]) for log in straight[3:]
