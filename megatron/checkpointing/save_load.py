@@ -556,7 +556,7 @@ def load_checkpoint(target: CheckpointTarget, args: argparse.Namespace) -> Train
             )
             _restore_rng(client, *dp, path)
     print_rank_0(
-        f"> loaded {found.layout} checkpoint {found.directory} at iteration {found.iteration}"
-        + (" (weights only)" if fresh else "")
+        f"> loaded {'torch_dist' if any_layout else found.layout} checkpoint {found.directory} "
+        f"at iteration {found.iteration}" + (" (weights only)" if fresh else "")
     )
     return state

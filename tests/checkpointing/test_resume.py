@@ -46,14 +46,14 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 PP2_4_LAYERS = PP2 + "--num-layers 4 --seq-length 32 --max-position-embeddings 32".split()
 MOE_MEGATRON_PP2 = PP2 + "--num-experts 4 --expert-interval 1 --topk 2".split()
 CASES = {
-    # Megatron's layout: 2 tensor-parallel files, each with its RNG states; 2 pipeline stages
-    # under Megatron's 1F1B, and 2 x 2 virtual stages under its interleaved 1F1B (files with
-    # model0, model1; 4 micro-batches per step). DeepSpeed's: the pipeline engine (ZeRO-1,
-    # also at PP=1), the plain engine (ZeRO-2), TP and PP splits; DeepSpeed-MoE at EP=2 (ZeRO-0
-    # fp32 top-2; ZeRO-1 bf16 top-1 PR-MoE with DeepSpeed's expert parameter groups); and
-    # DeepSpeed-MoE without DeepSpeed's engine, on Megatron's 1F1B at PP=2 (EP=1, top-2).
+    # Megatron's layout: 2 tensor-parallel files, each with its RNG states; 2 x 2 virtual
+    # stages under Megatron's interleaved 1F1B (files with model0, model1; 4 micro-batches per
+    # step; its plain 1F1B resumes in the MoE case at PP=2 below). DeepSpeed's: the pipeline
+    # engine (ZeRO-1, also at PP=1), the plain engine (ZeRO-2), TP and PP splits; DeepSpeed-MoE
+    # at EP=2 (ZeRO-0 fp32 top-2; ZeRO-1 bf16 top-1 PR-MoE with DeepSpeed's expert parameter
+    # groups); and DeepSpeed-MoE without DeepSpeed's engine, on Megatron's 1F1B at PP=2 (EP=1,
+    # top-2).
     "megatron-tp2": (2, TP2),
-    "megatron-pp2": (2, PP2_4_LAYERS),
     "megatron-pp2-vpp2": (2, PP2_4_LAYERS + ["--virtual-pipeline-model-parallel-size", "2"]),
     "zero1-dp2": (2, _ds(1)),
     "zero2-dp2": (2, _ds(2)),

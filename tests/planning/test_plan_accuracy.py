@@ -1,8 +1,8 @@
 """The plan against real runs on this CPU: one configuration of benchmarks/planner_configs.py
 per engine and feature (`TESTED`: plain fp32, bf16 DDP with accumulation and dropout, TP=2
 with sequence parallelism and selective recompute, DeepSpeed ZeRO-3 in bf16, Megatron's
-interleaved schedule at PP=2, DeepSpeed-Ulysses and -MoE, a
-LLaMA-style shape under ZeRO-2 with TP=2, torch FSDP2's two strategies), each rank's
+interleaved schedule at PP=2, DeepSpeed-MoE, a LLaMA-style shape under ZeRO-2 with TP=2,
+torch FSDP2's two strategies), each rank's
 predicted peak within 10% of the measured one and its communication per iteration within 5%,
 by kind; benchmarks/planner_accuracy.py runs all of them.
 
@@ -47,6 +47,7 @@ TESTED = [
         "ds-zero1-fp16-dp4",
         "ds-pipe-pp2-fp16-zero1",
         "ds-pipe-pp2-bf16",
+        "ds-ulysses-sp2-bf16",
         "megatron-pp2",
         "llama-ddp-bf16",
         "fsdp2-optim-grads-bf16",
