@@ -23,6 +23,7 @@ import sys
 import pytest
 
 from megatron.training.monitor import parse_iteration_log, parse_validation_line
+from tests.checkpointing.compare import rolled_back
 from tests.compat.scripts import SCRIPTS_DIR, bf16_for_cpu, load_script, localized, with_values
 from tests.conftest import REPO_ROOT
 from tests.distributed import free_port
@@ -303,30 +304,29 @@ def _idle_experts(output: str) -> float:
 
 
 def _moe_runs_and_resume(name: str, sizes: dict, dataset: str, scratch: str) -> str:
-    """A straight 10-iteration run of an MoE script through the deepspeed launcher, then the
-    same flags stopped at iteration 5 (--exit-interval) and resumed to 10; the resumed
-    iterations log exactly what the straight run logged. Returns the straight run's output."""
-    output, straight, _ = _run(
-        name, "deepspeed", sizes, dataset, os.path.join(scratch, "straight"), True
-    )
+    """A straight 10-iteration run of an MoE script through the deepspeed launcher, saving at
+    iteration 5; a copy of that checkpoint (trackers set to it, as a user rolls back) resumed
+    by the same command line logs exactly what the straight run logged for 6-10. Returns the
+    straight run's output."""
+    sizes = {**sizes, "--save-interval": ["5"]}
+    straight_scratch = os.path.join(scratch, "straight")
+    output, straight, _ = _run(name, "deepspeed", sizes, dataset, straight_scratch, True)
     assert [log["iteration"] for log in straight] == list(range(1, 11))
     assert all(log["moe loss"] > 0 and math.isfinite(log["moe loss"]) for log in straight)
-    argv = _script_argv(name, sizes, dataset, os.path.join(scratch, "resumed"), True)
-    argv = with_values(argv, {"--load": [argv[argv.index("--save") + 1]]})  # one folder
-    first = _launch("deepspeed", with_values(argv, {"--exit-interval": ["5"]}))
-    assert first.returncode == 0, first.stdout[-4000:]
-    second = _launch("deepspeed", argv)
+    argv = _script_argv(name, sizes, dataset, straight_scratch, True)
+    at_5 = rolled_back(argv[argv.index("--save") + 1], 5, os.path.join(scratch, "at_5"))
+    second = _launch("deepspeed", with_values(argv, {"--save": [at_5], "--load": [at_5]}))
     assert second.returncode == 0, second.stdout[-4000:]
     assert "at iteration 5" in second.stdout, second.stdout[-4000:]
-    resumed = _iteration_lines(first.stdout) + _iteration_lines(second.stdout)
-    assert [log["iteration"] for log in resumed] == list(range(1, 11))
+    resumed = _iteration_lines(second.stdout)
+    assert [log["iteration"] for log in resumed] == list(range(6, 11))
     differ = [
         (log["iteration"], field, log.get(field), again.get(field))
-        for log, again in zip(straight, resumed)
+        for log, again in zip(straight[5:], resumed, strict=True)
         for field in RESUMED_FIELDS
         if log.get(field) != again.get(field)
     ]
-    assert not differ, differ  # (iteration, field, straight, stopped-and-resumed)
+    assert not differ, differ  # (iteration, field, straight, rolled back and resumed)
     assert _validation(second.stdout, 10) == _validation(output, 10)
     return output
 
