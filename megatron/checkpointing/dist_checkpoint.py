@@ -31,8 +31,13 @@ import torch
 from torch import nn
 
 from megatron.checkpointing.disk import save_torch_file
-from megatron.checkpointing.file_format import HEAD_KEY, SAFE_GLOBALS, load_file
-from megatron.checkpointing.pipeline_stages import chunk_layers, renumber_layers
+from megatron.checkpointing.file_format import SAFE_GLOBALS, load_file
+from megatron.checkpointing.pipeline_stages import (
+    HEAD_WEIGHT,
+    chunk_layers,
+    model_chunks,
+    renumber_layers,
+)
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
 from megatron.checkpointing.shapes import WORD_EMBEDDINGS
 from megatron.checkpointing.shards import VOCAB_PARALLEL, partition_dim, swiglu_tensors
@@ -42,7 +47,6 @@ from megatron.utils import print_rank_0
 COMMON_FILE = "common.pt"
 FORMAT_FILE = "metadata.json"  # Megatron-LM's name: which backend wrote the directory
 DCP_METADATA = ".metadata"
-HEAD_WEIGHT = HEAD_KEY + ".weight"
 
 
 class DistCheckpointError(ValueError):
@@ -52,10 +56,6 @@ class DistCheckpointError(ValueError):
 def is_dist_checkpoint(directory: str) -> bool:
     """Whether `directory` was written in the torch_dist format (its DCP metadata is there)."""
     return os.path.isfile(os.path.join(directory, DCP_METADATA))
-
-
-def _chunks(module: nn.Module) -> list[nn.Module]:
-    return list(module) if isinstance(module, nn.ModuleList) else [module]
 
 
 def _layout_key(layout) -> dict:  # noqa: ANN001 - megatron.layout.ParallelLayout
@@ -74,9 +74,8 @@ class _TensorParallelView:
     """Wraps this rank's tensor-parallel shards as slices of the global tensors (DTensors)."""
 
     def __init__(self, chunk_states: list[dict[str, torch.Tensor]]):
-        self.size = parallel_state.get_tensor_model_parallel_world_size()
         self.mesh = None
-        if self.size > 1:
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
             group = parallel_state.get_tensor_model_parallel_group()
@@ -102,7 +101,7 @@ class _TensorParallelView:
 def _model_entries(module: nn.Module, args: argparse.Namespace) -> list[tuple]:
     """(name in `module`, chunk index, name in the chunk, global name) of each saved tensor:
     every chunk's state dict entry (parameters and persistent buffers)."""
-    chunks = _chunks(module)
+    chunks = model_chunks(module)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     prefix = isinstance(module, nn.ModuleList)
     entries, seen = [], set()
@@ -217,11 +216,11 @@ def save_dist_checkpoint(
     from megatron.checkpointing.sharded_states import (
         full_model_state,
         full_optimizer_state,
-        is_sharded,
+        has_sharded_chunks,
     )
 
-    chunks = _chunks(module)
-    sharded = any(is_sharded(chunk) for chunk in chunks)
+    chunks = model_chunks(module)
+    sharded = has_sharded_chunks(module)
     # FSDP2: each tensor-parallel rank's whole tensors, gathered from the data-parallel shards.
     states = [full_model_state(chunk) if sharded else chunk.state_dict() for chunk in chunks]
     view = _TensorParallelView(states)
@@ -328,15 +327,15 @@ def load_dist_checkpoint(
     import torch.distributed as dist
 
     from megatron.checkpointing.sharded_states import (
-        is_sharded,
+        has_sharded_chunks,
         load_full_model_state,
         load_full_optimizer_state,
     )
 
     _, common = read_common(directory)
     metadata = _checked_metadata(directory).state_dict_metadata
-    chunks = _chunks(module)
-    sharded = any(is_sharded(chunk) for chunk in chunks)
+    chunks = model_chunks(module)
+    sharded = has_sharded_chunks(module)
     if sharded:  # FSDP2: whole tensor-parallel-rank tensors, each rank keeps its shard after
         states = [
             {

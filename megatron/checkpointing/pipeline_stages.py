@@ -29,6 +29,11 @@ HEAD_WEIGHT = HEAD_KEY + ".weight"
 _LAYER = re.compile(r"(language_model\.encoder\.layers\.)(\d+)(\..+)")
 
 
+def model_chunks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """This rank's model chunks: Megatron's schedules build a `ModuleList`, the rest one model."""
+    return list(module) if isinstance(module, torch.nn.ModuleList) else [module]
+
+
 def check_pipeline_split(num_layers: int, pp_size: int, virtual_size: int) -> None:
     """Raise unless PP x V stages split `num_layers` evenly (V > 1 only with PP > 1)."""
     if pp_size < 1 or virtual_size < 1:

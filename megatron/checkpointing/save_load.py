@@ -61,10 +61,12 @@ from megatron.checkpointing.file_format import (
     rank_file,
 )
 from megatron.checkpointing.layouts import LocatedCheckpoint, locate_checkpoint
+from megatron.checkpointing.pipeline_stages import model_chunks
 from megatron.checkpointing.rng_state import gather_rng_states, restore_rng_state
 from megatron.checkpointing.sharded_states import (
     full_model_state,
     full_optimizer_state,
+    has_sharded_chunks,
     is_sharded,
     load_full_model_state,
     load_full_optimizer_state,
@@ -166,25 +168,15 @@ def _unwrap(model) -> torch.nn.Module:  # noqa: ANN001 - PlainTrainer, engine or
     return getattr(module, "module", module)
 
 
-def _chunks(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """This rank's model chunks: Megatron's schedules build a `ModuleList`, the rest one model."""
-    return list(module) if isinstance(module, torch.nn.ModuleList) else [module]
-
-
-def _is_sharded(module: torch.nn.Module) -> bool:
-    """Whether this rank's model (or its pipeline chunks) is sharded by FSDP2."""
-    return any(is_sharded(chunk) for chunk in _chunks(module))
-
-
 def model_states(module: torch.nn.Module) -> dict:
     """Megatron's `model` entry, or `model0`, `model1`, ... for this rank's pipeline chunks
     with virtual stages (each chunk numbering its layers from 0, as Megatron-LM)."""
-    return model_entries([nest_model_state(chunk.state_dict()) for chunk in _chunks(module)])
+    return model_entries([nest_model_state(chunk.state_dict()) for chunk in model_chunks(module)])
 
 
 def load_model_states(module: torch.nn.Module, client: dict, path: str) -> None:
     """Load what `model_states` saved into `module`."""
-    chunks = _chunks(module)
+    chunks = model_chunks(module)
     keys = chunk_keys(len(chunks))
     missing = [key for key in keys if key not in client]
     if missing:
@@ -277,9 +269,9 @@ def _save_megatron_files(state, target: CheckpointTarget, args: argparse.Namespa
     iteration = state.iteration
     model = target.model
     module = _unwrap(model)
-    sharded = _is_sharded(module)
+    sharded = has_sharded_chunks(module)
     save_optimizer = not args.no_save_optim
-    weights = [full_model_state(chunk) for chunk in _chunks(module)] if sharded else None
+    weights = [full_model_state(chunk) for chunk in model_chunks(module)] if sharded else None
     optimizer_state = None
     if sharded and save_optimizer:
         optimizer_state = full_optimizer_state(module, target.optimizer)
@@ -345,7 +337,7 @@ def _load_optimizer_state(module, optimizer, client: dict, path: str) -> bool:  
         return True
     if "optimizer" not in client:
         return False
-    if _is_sharded(module):  # saved without sharding: each rank takes its shard of it
+    if has_sharded_chunks(module):  # saved without sharding: each rank takes its shard of it
         try:
             state = name_keyed_optimizer_state(module, optimizer, client["optimizer"], path)
         except ValueError as error:

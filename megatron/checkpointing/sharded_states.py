@@ -31,6 +31,13 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
+def has_sharded_chunks(module: nn.Module) -> bool:
+    """Whether this rank's model (or any of its pipeline chunks) is sharded by FSDP2."""
+    from megatron.checkpointing.pipeline_stages import model_chunks
+
+    return any(is_sharded(chunk) for chunk in model_chunks(module))
+
+
 def _full(**kwargs: bool) -> object:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
