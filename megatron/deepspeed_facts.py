@@ -15,6 +15,7 @@ tests/planning/test_deepspeed_facts.py.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 DEEPSPEED_VERSION_READ = "0.19.8"
 """The DeepSpeed release these facts were read from (deepspeed/git_version_info.py)."""
@@ -92,6 +93,20 @@ def optimizer_wrapper(
     # _configure_fp16_optimizer(), which runs FP16_Optimizer for a FusedAdam client
     # ("use_fused_optimizer = isinstance(optimizer, fused_opts)"), else FP16_UnfusedOptimizer.
     return OptimizerWrapper.FP16_FUSED if fused_client_optimizer else OptimizerWrapper.FP16_UNFUSED
+
+
+def deepspeed_optimizer_wrapper(args: Any) -> OptimizerWrapper:
+    """The optimizer wrapper DeepSpeed runs for a validated run's `args`: its settled layout
+    and its reconciled config's accumulation dtype and optimizer offload."""
+    config = args.deepspeed_config_dict or {}
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    return optimizer_wrapper(
+        args.layout.precision,
+        args.layout.zero_stage,
+        pipeline_engine=args.layout.engine.value == "deepspeed_pipe",
+        grad_accum_dtype=(config.get("data_types") or {}).get("grad_accum_dtype"),
+        offload_optimizer=offload.get("device", "none") not in (None, "none"),
+    )
 
 
 def optimizer_state_partitioned(wrapper: OptimizerWrapper) -> bool:

@@ -1,6 +1,7 @@
 """Megatron-LM's checkpoint-format flags: `--ckpt-format torch|torch_dist` and its companions.
 
-`torch` (the default here, as in Megatron-DeepSpeed) is Megatron's per-rank files;
+`torch` (the default here, as in Megatron-DeepSpeed) is Megatron's per-rank files (DeepSpeed's
+own layout on its engine);
 `torch_dist` (Megatron-LM's default) and its alias `torch_dcp` write one torch.distributed.
 checkpoint directory that loads at any parallel layout (`megatron.checkpointing.
 dist_checkpoint`). Loading always detects the format it finds, so `--auto-detect-ckpt-format`
@@ -12,8 +13,10 @@ spread over the ranks holding it, and each rank reads only its slices.
 from __future__ import annotations
 
 import argparse
+import os
 
 from megatron.arguments.errors import ArgumentError
+from megatron.layout import Engine
 
 FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
 STRICTNESS = (
@@ -32,8 +35,8 @@ def add_checkpoint_format_flags(parser: argparse.ArgumentParser) -> None:
         help="torch: Megatron's per-rank files (the default here); torch_dist (or torch_dcp): "
         "one torch.distributed.checkpoint directory, each tensor saved once with its global "
         "shape, loadable at any TP, PP, virtual-stage, DP, CP and FSDP2 layout with the "
-        "optimizer state; fsdp_dtensor is refused. Not with --deepspeed (DeepSpeed's engine "
-        "writes its own).",
+        "optimizer state, on either engine (DeepSpeed's: its fp32 master weights and Adam "
+        "state, at ZeRO 1-3 or fp32, without its pipeline engine); fsdp_dtensor is refused.",
     )
     group.add_argument(
         "--use-dist-ckpt",
@@ -67,6 +70,20 @@ def add_checkpoint_format_flags(parser: argparse.ArgumentParser) -> None:
         "training goes on; the checkpoint is committed (trackers) once every rank's write "
         "is done, polled each iteration; at most one in flight. Needs --ckpt-format "
         "torch_dist, as in Megatron-LM.",
+    )
+    group.add_argument(
+        "--ckpt-convert-format",
+        choices=("torch", "torch_dist"),
+        default=None,
+        help="Megatron-LM's conversion: load --load as usual (at this command's layout), "
+        "write it in this format to --ckpt-convert-save/FORMAT, optimizer state included, "
+        "and exit without training. With --deepspeed, torch means DeepSpeed's own layout.",
+    )
+    group.add_argument(
+        "--ckpt-convert-save",
+        default=None,
+        help="Where --ckpt-convert-format writes (into its FORMAT subdirectory, which must "
+        "not hold a checkpoint yet).",
     )
     for flag in (
         "--ckpt-fully-parallel-save",
@@ -108,18 +125,72 @@ def settle_checkpoint_format(args: argparse.Namespace) -> None:
             "--async-save needs --ckpt-format torch_dist (as in Megatron-LM): the per-rank "
             "torch files are written synchronously"
         )
-    if args.ckpt_format == "torch_dist" and args.deepspeed:
+
+
+def settle_checkpoint_conversion(args: argparse.Namespace) -> None:
+    """`--ckpt-convert-format` / `--ckpt-convert-save`, as Megatron-LM checks them, plus
+    what would lose data: an existing checkpoint in the destination is never overwritten."""
+    convert, destination = args.ckpt_convert_format, args.ckpt_convert_save
+    if convert is None:
+        if destination is not None:
+            raise ArgumentError("--ckpt-convert-save needs --ckpt-convert-format torch|torch_dist")
+        return
+    if destination is None:
+        raise ArgumentError(f"--ckpt-convert-format {convert} needs --ckpt-convert-save DIR")
+    if not args.load:
+        raise ArgumentError(f"--ckpt-convert-format {convert} needs --load (what to convert)")
+    if args.finetune or args.no_load_optim:
+        flag = "--finetune" if args.finetune else "--no-load-optim"
         raise ArgumentError(
-            "--ckpt-format torch_dist with --deepspeed: DeepSpeed's engine writes its own "
-            "checkpoints (resharded by its universal checkpoint); drop --ckpt-format, or drop "
-            "--deepspeed"
+            f"--ckpt-convert-format {convert} with {flag}: the conversion keeps the optimizer "
+            f"state and counters; drop {flag}"
+        )
+    if getattr(args, "dry_run", False):
+        return  # planning only: the directories are the real run's business
+    from megatron.checkpointing.layouts import holds_checkpoint
+
+    if not holds_checkpoint(args.load):
+        raise ArgumentError(
+            f"--ckpt-convert-format {convert}: --load {args.load} holds no checkpoint"
+        )
+    written = os.path.join(destination, convert)
+    if holds_checkpoint(written):
+        raise ArgumentError(
+            f"--ckpt-convert-save {destination}: {written} already holds a checkpoint; "
+            "choose another directory (nothing is overwritten)"
         )
 
 
-def refuse_dist_checkpoint_experts(args: argparse.Namespace, experts: str | None) -> None:
-    """torch_dist with MoE layers (`experts`: their flags, or None) is not built: one line."""
-    if experts is not None and args.ckpt_format == "torch_dist":
+def refuse_dist_checkpoint_engines(args: argparse.Namespace) -> None:
+    """torch_dist (written, or converted to) where DeepSpeed's engine keeps weights or state
+    outside DeepSpeed's per-parameter accessors: one line each. Needs `args.layout`."""
+    uses_dist = "torch_dist" in (args.ckpt_format, args.ckpt_convert_format)
+    layout = args.layout
+    if not uses_dist or not layout.engine.uses_deepspeed:
+        return
+    flag = (
+        "--ckpt-format torch_dist"
+        if args.ckpt_format == "torch_dist"
+        else "--ckpt-convert-format torch_dist"
+    )
+    if layout.engine is Engine.DEEPSPEED_PIPE:
         raise ArgumentError(
-            f"--ckpt-format torch_dist with {experts}: expert layers are not saved in "
-            "torch_dist yet; use --ckpt-format torch"
+            f"{flag} with DeepSpeed's pipeline engine: not built; add --no-pipeline-parallel "
+            "(PP = 1), or run the pipeline without --deepspeed (Megatron's schedules)"
+        )
+    from megatron.deepspeed_facts import (
+        OptimizerWrapper,
+        UnsupportedByDeepSpeed,
+        deepspeed_optimizer_wrapper,
+    )
+
+    try:
+        wrapper = deepspeed_optimizer_wrapper(args)
+    except UnsupportedByDeepSpeed:
+        return  # DeepSpeed refuses the run itself, in its own words
+    if wrapper in (OptimizerWrapper.FP16_UNFUSED, OptimizerWrapper.FP16_FUSED):
+        raise ArgumentError(
+            f"{flag} with --deepspeed {layout.precision} at ZeRO stage 0: DeepSpeed's "
+            f"{wrapper.value} keeps its fp32 copies where its per-parameter accessors do not "
+            "reach; use ZeRO stage 1-3 (or fp32)"
         )

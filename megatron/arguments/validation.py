@@ -13,7 +13,8 @@ import argparse
 import os
 
 from megatron.arguments.checkpoint_format_flags import (
-    refuse_dist_checkpoint_experts,
+    refuse_dist_checkpoint_engines,
+    settle_checkpoint_conversion,
     settle_checkpoint_format,
 )
 from megatron.arguments.compat_flags import refuse_unsupported_flags
@@ -504,18 +505,19 @@ def validate_args(
     _pipeline_and_checkpoints(args)
     settle_sharding(args)
     settle_checkpoint_format(args)
+    settle_checkpoint_conversion(args)
     # Settled once: everything past here (and past validation) reads the layout.
     args.layout = ParallelLayout.from_args(args)
     incompatible = refusal(args.layout, _experts_flag(args))
     if incompatible is not None:
         raise ArgumentError(incompatible)
     refuse_sharded_experts(args, _experts_flag(args))
-    refuse_dist_checkpoint_experts(args, _experts_flag(args))
     settle_moe(args)
     settle_ulysses(args)
     settle_context_parallel(args)
     if args.deepspeed:
         settle_gradient_accumulation_dtype(args, args.deepspeed_config_dict, config_source)
+    refuse_dist_checkpoint_engines(args)
     _schedule(args)
     if getattr(args, "dry_run", False):
         _dry_run(args)

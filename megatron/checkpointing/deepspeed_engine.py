@@ -252,6 +252,23 @@ def this_ranks_experts(module: torch.nn.Module, flat: dict) -> dict:
     return held
 
 
+def global_expert_names(module: torch.nn.Module) -> dict[str, str]:
+    """`module`'s state-dict names of DeepSpeed-MoE experts -> the same names with the
+    experts' global numbers (rank r of an expert-parallel group of P holds experts r*E/P ...)."""
+    renamed = {}
+    names = list(module.state_dict())
+    for layer_name, layer in module.named_modules():
+        if not isinstance(layer, MoE):
+            continue
+        prefix = f"{layer_name}.deepspeed_moe.experts.deepspeed_experts."
+        first = groups._get_expert_parallel_rank(layer.expert_group_name) * layer.num_local_experts
+        for name in names:
+            if name.startswith(prefix):
+                number, _, rest = name.removeprefix(prefix).partition(".")
+                renamed[name] = f"{prefix}{first + int(number)}.{rest}"
+    return renamed
+
+
 def refresh_master_weights(engine: Any) -> None:
     """After writing into `engine.module`, copy the weights into the optimizer's fp32 copy."""
     optimizer = getattr(engine, "optimizer", None)

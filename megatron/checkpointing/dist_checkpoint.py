@@ -18,6 +18,10 @@ padded to another size (`--make-vocab-size-divisible-by` x TP) load their common
 
 Each rank's random generators are saved under `rng_state.rank{R}` and restored when the
 layout is the one that saved them; otherwise they keep their seeds and a line says so.
+
+What is read from and written into a run goes through a holder of its whole tensors
+(`megatron.checkpointing.whole_tensors`): the plain engine's module and optimizer, FSDP2-
+sharded chunks, or DeepSpeed's engine (`megatron.checkpointing.deepspeed_tensors`).
 """
 
 from __future__ import annotations
@@ -32,15 +36,11 @@ from torch import nn
 
 from megatron.checkpointing.disk import save_torch_file
 from megatron.checkpointing.file_format import SAFE_GLOBALS, load_file
-from megatron.checkpointing.pipeline_stages import (
-    HEAD_WEIGHT,
-    chunk_layers,
-    model_chunks,
-    renumber_layers,
-)
+from megatron.checkpointing.pipeline_stages import HEAD_WEIGHT, chunk_layers, renumber_layers
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
 from megatron.checkpointing.shapes import WORD_EMBEDDINGS
 from megatron.checkpointing.shards import VOCAB_PARALLEL, partition_dim, swiglu_tensors
+from megatron.checkpointing.whole_tensors import WholeTensors
 from megatron.core import parallel_state
 from megatron.utils import print_rank_0
 
@@ -73,8 +73,9 @@ def _layout_key(layout) -> dict:  # noqa: ANN001 - megatron.layout.ParallelLayou
 class _TensorParallelView:
     """Wraps this rank's tensor-parallel shards as slices of the global tensors (DTensors)."""
 
-    def __init__(self, chunk_states: list[dict[str, torch.Tensor]]):
+    def __init__(self, chunk_states: list[dict[str, torch.Tensor]], args: argparse.Namespace):
         self.mesh = None
+        self.expert_tensor_parallel = getattr(args, "enable_expert_tensor_parallelism", False)
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
@@ -85,7 +86,7 @@ class _TensorParallelView:
 
     def global_view(self, local_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (this rank's shard of `local_name`) as a slice of the global tensor."""
-        dim = partition_dim(local_name)
+        dim = partition_dim(local_name, self.expert_tensor_parallel)
         if tensor.dim() == 0:  # Adam's step
             return tensor
         if local_name in self.swiglu:  # [gate_r; up_r] -> [2, F/TP, ...], sharded on dim 1
@@ -98,19 +99,20 @@ class _TensorParallelView:
         return DTensor.from_local(tensor, self.mesh, [Shard(dim)], run_check=False)
 
 
-def _model_entries(module: nn.Module, args: argparse.Namespace) -> list[tuple]:
+def _model_entries(holder: WholeTensors, args: argparse.Namespace) -> list[tuple]:
     """(name in `module`, chunk index, name in the chunk, global name) of each saved tensor:
     every chunk's state dict entry (parameters and persistent buffers)."""
-    chunks = model_chunks(module)
+    chunks = holder.chunks()
+    renamed = holder.global_names()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    prefix = isinstance(module, nn.ModuleList)
+    prefix = isinstance(holder.module, nn.ModuleList)
     entries, seen = [], set()
     for index, chunk in enumerate(chunks):
         layers = chunk_layers(
             args.num_layers, args.layout.pipeline_parallel, len(chunks), pp_rank, index
         )
         for local in chunk.state_dict():
-            name = WORD_EMBEDDINGS if local == HEAD_WEIGHT else local
+            name = WORD_EMBEDDINGS if local == HEAD_WEIGHT else renamed[index].get(local, local)
             (name,) = renumber_layers({name: None}, layers.start)
             if name in seen:
                 raise DistCheckpointError(f"two model chunks of this rank hold {name}")
@@ -151,6 +153,10 @@ class _SafeReader:
             "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
         },
         "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        # megatron-core keeps its ranks' save plans in the metadata.
+        "torch.distributed.checkpoint.planner": {
+            "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+        },
         "torch.serialization": {"_get_layout"},
         "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
         "collections": {"OrderedDict"},
@@ -190,22 +196,18 @@ class _SafeReader:
         return Reader(directory)
 
 
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-
-
 def save_dist_checkpoint(
     directory: str,
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    holder: WholeTensors,
     common: dict,
     args: argparse.Namespace,
+    save_optimizer: bool = True,
     save_rng: bool = True,
     background: tuple | None = None,
 ) -> object:
     """Write this rank's part of a torch_dist checkpoint into `directory` (a collective on
-    every rank); `optimizer` None saves the weights only. `common` (args, counters, scheduler
-    and loss-scaler state) goes to `common.pt` from rank 0.
+    every rank): `holder`'s weights, and its optimizer state with `save_optimizer`. `common`
+    (args, counters, scheduler and loss-scaler state) goes to `common.pt` from rank 0.
 
     `background` (`--async-save`: a process group and a DCP stager that keeps its staging
     buffers): stage a copy into those buffers and write it from a thread that
@@ -213,28 +215,11 @@ def save_dist_checkpoint(
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from megatron.checkpointing.sharded_states import (
-        full_model_state,
-        full_optimizer_state,
-        has_sharded_chunks,
-    )
-
-    chunks = model_chunks(module)
-    sharded = has_sharded_chunks(module)
-    # FSDP2: each tensor-parallel rank's whole tensors, gathered from the data-parallel shards.
-    states = [full_model_state(chunk) if sharded else chunk.state_dict() for chunk in chunks]
-    view = _TensorParallelView(states)
+    states = holder.model_states()
+    view = _TensorParallelView(states, args)
     tensors: dict[str, object] = {}
-    optimizer_states = {}
-    if optimizer is not None:
-        if sharded:
-            optimizer_states = full_optimizer_state(module, optimizer)["state"]
-        else:
-            by_param = {id(p): optimizer.state.get(p, {}) for p in module.parameters()}
-            optimizer_states = {
-                name: by_param[id(param)] for name, param in module.named_parameters()
-            }
-    for module_name, index, local, name in _model_entries(module, args):
+    optimizer_states = holder.optimizer_states() if save_optimizer else {}
+    for module_name, index, local, name in _model_entries(holder, args):
         tensors[name] = view.global_view(local, states[index][local])
         for key, value in optimizer_states.get(module_name, {}).items():
             if torch.is_tensor(value) and value.dim() > 0:  # Adam's moments: the weight's slice
@@ -244,8 +229,8 @@ def save_dist_checkpoint(
         tensors[_rng_key(dist.get_rank())] = _encoded(capture_rng_state())
     if dist.get_rank() == 0:  # small: written now, before the tensors
         common = dict(common, layout=_layout_key(args.layout))
-        if optimizer is not None:
-            common["optimizer_param_groups"] = _hyperparameters(optimizer)
+        if save_optimizer:
+            common["optimizer_param_groups"] = holder.parameter_groups()
         save_torch_file(common, os.path.join(directory, COMMON_FILE))
         with open(os.path.join(directory, FORMAT_FILE), "w") as out:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, out)
@@ -317,49 +302,42 @@ class _Requests:
 
 def load_dist_checkpoint(
     directory: str,
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    holder: WholeTensors,
     args: argparse.Namespace,
+    load_optimizer: bool = True,
     load_rng: bool = True,
 ) -> bool:
-    """Load a torch_dist checkpoint into this rank's model (and `optimizer`, unless None);
-    a collective on every rank. Returns whether optimizer state was loaded."""
+    """Load a torch_dist checkpoint into `holder`'s model (and optimizer with
+    `load_optimizer`); a collective on every rank. Returns whether optimizer state was loaded."""
     import torch.distributed as dist
-
-    from megatron.checkpointing.sharded_states import (
-        has_sharded_chunks,
-        load_full_model_state,
-        load_full_optimizer_state,
-    )
 
     _, common = read_common(directory)
     metadata = _checked_metadata(directory).state_dict_metadata
-    chunks = model_chunks(module)
-    sharded = has_sharded_chunks(module)
-    if sharded:  # FSDP2: whole tensor-parallel-rank tensors, each rank keeps its shard after
-        states = [
-            {
-                k: torch.zeros(v.shape, dtype=v.dtype, device=v.device)
-                for k, v in chunk.state_dict().items()
-            }
-            for chunk in chunks
-        ]
-    else:
-        states = [chunk.state_dict() for chunk in chunks]
-    requests = _Requests(directory, metadata, _TensorParallelView(states))
-    entries = _model_entries(module, args)
+    if any(key.startswith("decoder.layers.") for key in metadata):
+        raise DistCheckpointError(
+            f"{directory} is Megatron-LM's (megatron-core's) torch_dist checkpoint: write it in "
+            "this run's layout with tools/checkpoint/reshard.py --load ROOT --save NEW_DIR "
+            "--target-tensor-parallel-size TP (weights; --true-vocab-size if asked), then "
+            "--load NEW_DIR"
+        )
+    states = holder.load_targets()
+    requests = _Requests(directory, metadata, _TensorParallelView(states, args))
+    entries = _model_entries(holder, args)
     for _, index, local, name in entries:
         requests.add(name, local, states[index][local])
 
-    params = dict(module.named_parameters())
-    moments: dict[str, dict[str, torch.Tensor]] = {}
+    params = dict(holder.module.named_parameters())
+    moments: dict[str, dict[str, torch.Tensor]] | None = None
     saved_groups = common.get("optimizer_param_groups")
-    if optimizer is not None and saved_groups is not None:
-        if len(saved_groups) != len(optimizer.param_groups):
+    load_optimizer = load_optimizer and saved_groups is not None
+    if load_optimizer:
+        here = len(holder.parameter_groups())
+        if len(saved_groups) != here:
             raise DistCheckpointError(
                 f"{directory}/{COMMON_FILE}: {len(saved_groups)} optimizer parameter groups "
-                f"there, {len(optimizer.param_groups)} here; add --no-load-optim"
+                f"there, {here} here; add --no-load-optim"
             )
+        moments = {}
         for module_name, index, local, name in entries:
             if module_name not in params:
                 continue  # a buffer
@@ -383,29 +361,13 @@ def load_dist_checkpoint(
     if load_rng and same_layout and rng_key in metadata:
         requests.tensors[rng_key] = torch.empty(tuple(metadata[rng_key].size), dtype=torch.uint8)
     requests.load()
-
-    if sharded:
-        for chunk, state in zip(chunks, states, strict=True):
-            load_full_model_state(chunk, state)
-    if optimizer is not None and saved_groups is not None:
-        for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
-            group.update(saved)
-        if sharded:
-            names = {id(param): name for name, param in params.items()}
-            groups = [
-                dict(saved, params=[names[id(p)] for p in group["params"]])
-                for group, saved in zip(optimizer.param_groups, saved_groups, strict=True)
-            ]
-            load_full_optimizer_state(module, optimizer, {"state": moments, "param_groups": groups})
-        else:
-            for module_name, state in moments.items():
-                optimizer.state[params[module_name]] = state
+    holder.put(states, moments, saved_groups if load_optimizer else None)
     if rng_key in requests.tensors:
         restore_rng_state(_decoded(requests.tensors[rng_key]))
     elif load_rng:
         why = "saved without them" if same_layout else f"saved at {common.get('layout')}"
         print_rank_0(f"> {directory}: {why}; random generators keep their seeds")
-    return optimizer is not None and saved_groups is not None
+    return load_optimizer
 
 
 def _checked_metadata(directory: str):  # noqa: ANN202 - DCP's Metadata

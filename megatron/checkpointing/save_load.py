@@ -74,6 +74,7 @@ from megatron.checkpointing.sharded_states import (
     optimizer_file,
 )
 from megatron.checkpointing.train_state import TrainState
+from megatron.checkpointing.whole_tensors import WholeTensors, whole_tensors
 from megatron.core import parallel_state
 from megatron.utils import print_rank_0
 
@@ -196,7 +197,13 @@ def save_checkpoint(state, target: CheckpointTarget, args: argparse.Namespace) -
     """Save `state.iteration` to `--save` in the target's layout (a collective on all ranks)."""
     iteration = state.iteration
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
-    if target.deepspeed_files:
+    if getattr(args, "ckpt_format", "torch") != "torch":
+        if not _save_dist_files(state, target, args):
+            print_rank_0(
+                f"  checkpoint at iteration {iteration:7d} staged, written in the background"
+            )
+            return
+    elif target.deepspeed_files:
         from megatron.checkpointing.deepspeed_engine import save_deepspeed
 
         rng = None if args.no_save_rng else gather_rng_states()
@@ -210,12 +217,6 @@ def save_checkpoint(state, target: CheckpointTarget, args: argparse.Namespace) -
             target.pipe_module_names,
             previous_checkpoint(args.save),
         )
-    elif getattr(args, "ckpt_format", "torch") != "torch":
-        if not _save_dist_files(state, target, args):
-            print_rank_0(
-                f"  checkpoint at iteration {iteration:7d} staged, written in the background"
-            )
-            return
     else:
         _save_megatron_files(state, target, args)
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
@@ -225,13 +226,14 @@ def _save_dist_files(state, target: CheckpointTarget, args: argparse.Namespace) 
     """`--ckpt-format torch_dist`: every rank writes its slices through torch.distributed.
     checkpoint into the staging directory, published by the same commit as Megatron's files.
     False when the write went to the background (`--async-save`), committed later."""
-    model = target.model
     save_optimizer = not args.no_save_optim
+    holder = _whole_tensors(target)
     common = _client_state(state, args, None, target)
     if save_optimizer:
         common["opt_param_scheduler"] = target.scheduler.state_dict()
-        if getattr(model, "loss_scaler", None) is not None:
-            common["loss_scaler"] = model.loss_scaler.state_dict()
+        scaler = _loss_scaler_state(target, holder)
+        if scaler is not None:
+            common["loss_scaler"] = scaler
     from torch.distributed.checkpoint.api import CheckpointException
 
     ASYNC_SAVES.finish()  # at most one save in flight: the previous one is committed first
@@ -242,10 +244,10 @@ def _save_dist_files(state, target: CheckpointTarget, args: argparse.Namespace) 
     try:
         future = save_dist_checkpoint(
             staging,
-            _unwrap(model),
-            target.optimizer if save_optimizer else None,
+            holder,
             common,
             args,
+            save_optimizer=save_optimizer,
             save_rng=not args.no_save_rng,
             background=background,
         )
@@ -259,6 +261,29 @@ def _save_dist_files(state, target: CheckpointTarget, args: argparse.Namespace) 
     trackers = checkpoint_commit.megatron_trackers(str(state.iteration))
     checkpoint_commit.commit(final, trackers, failure)
     return True
+
+
+def _whole_tensors(target: CheckpointTarget) -> WholeTensors:
+    """What a torch_dist save reads and a load fills: the engine's whole tensors."""
+    if target.deepspeed_files:
+        from megatron.checkpointing.deepspeed_tensors import DeepSpeedWholeTensors
+
+        return DeepSpeedWholeTensors(target.model)
+    return whole_tensors(_unwrap(target.model), target.optimizer)
+
+
+def _loss_scaler_state(target: CheckpointTarget, holder: WholeTensors) -> dict | None:
+    if target.deepspeed_files:
+        return holder.loss_scaler_state()
+    scaler = getattr(target.model, "loss_scaler", None)
+    return None if scaler is None else scaler.state_dict()
+
+
+def _load_loss_scaler_state(target: CheckpointTarget, holder: WholeTensors, saved: dict) -> None:
+    if target.deepspeed_files:
+        holder.load_loss_scaler_state(saved)
+    elif getattr(target.model, "loss_scaler", None) is not None:
+        target.model.loss_scaler.load_state_dict(saved)
 
 
 def _save_megatron_files(state, target: CheckpointTarget, args: argparse.Namespace) -> None:  # noqa: ANN001
@@ -400,9 +425,13 @@ def _metadata(found: LocatedCheckpoint) -> tuple[str, dict]:
         return path, load_file(path)
     from megatron.checkpointing.deepspeed_engine import DEEPSPEED_SAFE_GLOBALS
 
-    # Every model-parallel rank's file carries the same metadata; this one always exists.
+    # Every model-parallel rank's file carries the same metadata; this one always exists
+    # (named per data-parallel rank too at ZeRO-3, where rank 0's has it).
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     path = os.path.join(found.directory, f"mp_rank_{tp_rank:02d}_model_states.pt")
+    zero3 = os.path.join(found.directory, f"zero_pp_rank_0_mp_rank_{tp_rank:02d}_model_states.pt")
+    if not os.path.isfile(path) and os.path.isfile(zero3):
+        path = zero3
     return path, load_file(path, mmap=True, extra_globals=DEEPSPEED_SAFE_GLOBALS)
 
 
@@ -485,6 +514,7 @@ def load_checkpoint(target: CheckpointTarget, args: argparse.Namespace) -> Train
     fresh = args.finetune or found.release
     load_optimizer = not (args.no_load_optim or fresh)
     optimizer_loaded = rng_restored = False
+    deepspeed_holder = None  # a DeepSpeed engine that loaded a torch_dist checkpoint
     model, optimizer, scheduler = target.model, target.optimizer, target.scheduler
     if target.deepspeed_files and found.layout == "deepspeed":
         from megatron.checkpointing.deepspeed_engine import load_deepspeed
@@ -505,26 +535,24 @@ def load_checkpoint(target: CheckpointTarget, args: argparse.Namespace) -> Train
             )
         _load_weights(target, dict(client["module"]), args, path)
     elif is_dist_checkpoint(found.directory):
-        if target.deepspeed_files:
-            raise CheckpointError(
-                f"{found.directory} is a torch_dist checkpoint; DeepSpeed's engine loads its "
-                "own checkpoints: resume it without --deepspeed"
-            )
         rng_restored = not (fresh or args.no_load_rng)
+        holder = _whole_tensors(target)
         try:
             optimizer_loaded = load_dist_checkpoint(
                 found.directory,
-                _unwrap(model),
-                optimizer if load_optimizer else None,
+                holder,
                 args,
+                load_optimizer=load_optimizer,
                 load_rng=rng_restored,
             )
         except DistCheckpointError as error:
             raise CheckpointError(str(error)) from None
         if optimizer_loaded:
             scheduler.load_state_dict(client["opt_param_scheduler"])
-            if "loss_scaler" in client and getattr(model, "loss_scaler", None) is not None:
-                model.loss_scaler.load_state_dict(client["loss_scaler"])
+            if "loss_scaler" in client:
+                _load_loss_scaler_state(target, holder, client["loss_scaler"])
+        if target.deepspeed_files:
+            deepspeed_holder = holder
     elif target.deepspeed_files:
         _load_weights(target, flatten_model_state(client["model"]), args, path)
     else:
@@ -536,6 +564,8 @@ def load_checkpoint(target: CheckpointTarget, args: argparse.Namespace) -> Train
                 model.loss_scaler.load_state_dict(client["loss_scaler"])
             optimizer_loaded = True
     state = TrainState() if fresh else _train_state(client, found.iteration)
+    if deepspeed_holder is not None:
+        deepspeed_holder.restore_counters(state.iteration, state.consumed_train_samples)
     if not fresh and not optimizer_loaded:
         _continue_schedule(scheduler, state)
     if not (fresh or args.no_load_rng or rng_restored):

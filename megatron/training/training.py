@@ -13,6 +13,7 @@ Providers (all receive the validated `args`):
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -176,6 +177,23 @@ def pretrain(
         )
 
 
+def convert_loaded_checkpoint(
+    engine: TrainingEngine, state: TrainState, args: argparse.Namespace
+) -> None:
+    """Megatron-LM's `--ckpt-convert-format`: write what `--load` just gave (weights,
+    optimizer state, scheduler, counters, random generators) in that format to
+    `--ckpt-convert-save/FORMAT`, synchronously, then stop. Into torch_dist the layout is the
+    saved one; out of torch_dist any layout the command line asks for."""
+    args.ckpt_format = args.ckpt_convert_format
+    args.save = os.path.join(args.ckpt_convert_save, args.ckpt_convert_format)
+    args.async_save = False
+    engine.save(state)
+    print_rank_0(
+        f"> converted checkpoint: {args.load} -> {args.ckpt_format} in {args.save} "
+        f"(iteration {state.iteration}, optimizer state included)"
+    )
+
+
 def _set_up_and_train(
     train_valid_test_datasets_provider: Callable,
     model_provider: Callable,
@@ -197,6 +215,9 @@ def _set_up_and_train(
     engine = build_engine(model_provider, args, forward_step_func, pipeline_batch)
     state = engine.load()
     print_rank_0(f"> model, optimizer and scheduler ready in {time.time() - start:.1f}s")
+    if args.ckpt_convert_format is not None:
+        convert_loaded_checkpoint(engine, state, args)
+        return state
     train_iter, valid_iter, test_iter = build_data_iterators(
         train_valid_test_datasets_provider, args, state
     )

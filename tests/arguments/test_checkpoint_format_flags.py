@@ -34,6 +34,10 @@ def validated(extra: str, world_size: int = 2):
         ("--ckpt-format torch_dist --use-torch-fsdp2 --pipeline-model-parallel-size 2",
          "torch_dist"),
         ("--ckpt-format torch_dist --async-save", "torch_dist"),
+        ("--ckpt-format torch_dist --deepspeed --no-pipeline-parallel --zero-stage 3 --bf16",
+         "torch_dist"),
+        ("--ckpt-format torch_dist --deepspeed --no-pipeline-parallel --zero-stage 0 --num-experts "
+         "2", "torch_dist"),
     ],
 )  # fmt: skip
 def test_each_spelling_means_one_format(flags: str, chosen: str) -> None:
@@ -48,12 +52,55 @@ def test_each_spelling_means_one_format(flags: str, chosen: str) -> None:
         ("--dist-ckpt-format zarr", "--dist-ckpt-format zarr"),
         ("--dist-ckpt-strictness raise_all", "--dist-ckpt-strictness raise_all"),
         ("--ckpt-format torch_dist --deepspeed --zero-stage 1", "--ckpt-format torch_dist with "
-         "--deepspeed"),
-        ("--ckpt-format torch_dist --num-experts 2", "--ckpt-format torch_dist with "
-         "--num-experts 2"),
+         "DeepSpeed's pipeline engine"),
+        ("--ckpt-format torch_dist --deepspeed --zero-stage 0 --no-pipeline-parallel --bf16",
+         "--ckpt-format torch_dist with --deepspeed bf16 at ZeRO stage 0"),
+        ("--ckpt-format torch_dist --deepspeed --zero-stage 0 --no-pipeline-parallel --fp16",
+         "FP16_UnfusedOptimizer"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_flag(flags: str, words: str) -> None:
     with pytest.raises(ArgumentError) as refused:
         validated(flags)
     assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+def _checkpoint(root) -> str:  # noqa: ANN001 - a pytest tmp_path
+    """A directory that holds a checkpoint as far as the flags' checks look (its tracker)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("3")
+    return str(root)
+
+
+def test_conversion_flags_are_megatron_lms(tmp_path) -> None:
+    loaded = _checkpoint(tmp_path / "run")
+    args = validated(f"--load {loaded} --ckpt-convert-format torch_dist "
+                     f"--ckpt-convert-save {tmp_path / 'out'}")  # fmt: skip
+    assert args.ckpt_convert_format == "torch_dist"
+    assert args.ckpt_convert_save == str(tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        ("--ckpt-convert-format torch", "--ckpt-convert-format torch needs --ckpt-convert-save"),
+        ("--ckpt-convert-save {out}", "--ckpt-convert-save needs --ckpt-convert-format"),
+        ("--ckpt-convert-format torch --ckpt-convert-save {out}", "needs --load"),
+        ("--load {empty} --ckpt-convert-format torch --ckpt-convert-save {out}",
+         "--load {empty} holds no checkpoint"),
+        ("--load {run} --ckpt-convert-format torch_dist --ckpt-convert-save {done}",
+         "{done}/torch_dist already holds a checkpoint"),
+        ("--load {run} --ckpt-convert-format torch --ckpt-convert-save {out} --no-load-optim",
+         "with --no-load-optim"),
+        ("--load {run} --ckpt-convert-format torch_dist --ckpt-convert-save {out} --deepspeed "
+         "--zero-stage 1", "--ckpt-convert-format torch_dist with DeepSpeed's pipeline engine"),
+    ],
+)  # fmt: skip
+def test_conversion_refusals_name_the_flag(flags: str, words: str, tmp_path) -> None:
+    places = dict(run=_checkpoint(tmp_path / "run"), out=str(tmp_path / "out"),
+                  empty=str(tmp_path / "empty"), done=str(tmp_path / "done"))  # fmt: skip
+    (tmp_path / "empty").mkdir()
+    _checkpoint(tmp_path / "done" / "torch_dist")
+    with pytest.raises(ArgumentError) as refused:
+        validated(flags.format(**places))
+    assert words.format(**places) in str(refused.value) and "\n" not in str(refused.value)

@@ -13,6 +13,9 @@ saves at iterations 3 and 6 in the background (`--async-save`) and is killed com
   4 is, and its own torch_dist checkpoint resumes with the distributed optimizer at DP=2 for
   iterations 5-6;
 - with `--no-load-optim` the losses after the first update differ: Adam's state mattered;
+- `--ckpt-convert-format torch` at TP=1 (one process) writes Megatron's per-rank files, and
+  `--ckpt-convert-format torch_dist` from those gives back the saved tensors bit for bit
+  (weights, Adam's moments and step): both conversions keep the optimizer state;
 - a torn shard file (cut short) ends a resume in one line naming it, before anything loads.
 """
 
@@ -22,6 +25,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from megatron.checkpointing.commit import FAULT_ENV
 from tests.compat.test_script_runs import _iteration_lines, _launch
@@ -74,6 +78,8 @@ def test_a_tp2_checkpoint_resumes_at_other_layouts_with_its_optimizer(
     assert_same(fresh[:1], straight[3:4])  # the same weights
     assert abs(fresh[1]["lm loss"] - straight[4]["lm loss"]) > 1e-3  # another update
 
+    _assert_conversions_round_trip(stdlib_dataset, saved, tmp_path)
+
     torn = str(tmp_path / "torn")
     shutil.copytree(saved, torn)
     shard = os.path.join(torn, "iter_0000003", "__1_0.distcp")
@@ -81,6 +87,39 @@ def test_a_tp2_checkpoint_resumes_at_other_layouts_with_its_optimizer(
         handle.truncate(os.path.getsize(shard) // 2)
     failed = launch(1, argv(stdlib_dataset, load=torn, **FLAGS))
     assert_one_line_error(failed.returncode, failed.stdout, shard, "torn write")
+
+
+def _dcp_tensors(directory: str) -> dict:
+    """Every tensor of a torch_dist checkpoint directory but the per-rank random generators."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = os.path.join(directory, "whole.pt")
+    dcp_to_torch_save(directory, whole)
+    tensors = torch.load(whole, weights_only=True)
+    os.remove(whole)
+    return {key: value for key, value in tensors.items() if not key.startswith("rng_state")}
+
+
+def _assert_conversions_round_trip(dataset: str, saved: str, tmp_path) -> None:
+    """torch_dist (TP=2) -> torch (TP=1) -> torch_dist: the same tensors, bit for bit."""
+    torch_files = str(tmp_path / "as_torch")
+    back = str(tmp_path / "back")
+    steps = ((saved, "torch", torch_files),
+             (os.path.join(torch_files, "torch"), "torch_dist", back))  # fmt: skip
+    for source, format_, destination in steps:
+        converted = launch(1, argv(dataset, load=source, ckpt_convert_format=format_,
+                                   ckpt_convert_save=destination, **FLAGS))  # fmt: skip
+        assert converted.returncode == 0, converted.stdout[-3000:]
+        assert f"-> {format_} in {destination}/{format_} (iteration 3" in converted.stdout
+        assert "lm loss" not in converted.stdout  # no training step
+    assert os.path.isfile(os.path.join(torch_files, "torch", "iter_0000003", "mp_rank_00",
+                                       "model_optim_rng.pt"))  # fmt: skip
+    original = _dcp_tensors(os.path.join(saved, "iter_0000003"))
+    round_trip = _dcp_tensors(os.path.join(back, "torch_dist", "iter_0000003"))
+    assert sorted(round_trip) == sorted(original)
+    assert any(".exp_avg_sq" in key for key in original)
+    for key, tensor in original.items():
+        assert torch.equal(round_trip[key], tensor), key
 
 
 class _Payload:

@@ -16,10 +16,9 @@ from megatron.checkpointing.save_load import CheckpointTarget
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.deepspeed_facts import (
-    OptimizerWrapper,
+    deepspeed_optimizer_wrapper,
     guards_steps,
     optimizer_state_partitioned,
-    optimizer_wrapper,
 )
 from megatron.layout import Engine, ParallelLayout
 from megatron.model import GPTModel
@@ -33,20 +32,6 @@ from megatron.training.step import (
     train_step_deepspeed,
     train_step_deepspeed_pipe,
 )
-
-
-def deepspeed_optimizer_wrapper(args: argparse.Namespace) -> OptimizerWrapper:
-    """The optimizer wrapper DeepSpeed runs for this run (`megatron.deepspeed_facts`), from the
-    settled layout and the reconciled config's accumulation dtype and optimizer offload."""
-    config = args.deepspeed_config_dict or {}
-    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
-    return optimizer_wrapper(
-        args.layout.precision,
-        args.layout.zero_stage,
-        pipeline_engine=args.layout.engine is Engine.DEEPSPEED_PIPE,
-        grad_accum_dtype=(config.get("data_types") or {}).get("grad_accum_dtype"),
-        offload_optimizer=offload.get("device", "none") not in (None, "none"),
-    )
 
 
 class DeepSpeedEngine(TrainingEngine):

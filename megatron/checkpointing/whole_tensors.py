@@ -1,0 +1,136 @@
+"""A run's weights and Adam state as whole tensors per tensor-parallel rank: what a torch_dist
+checkpoint (`megatron.checkpointing.dist_checkpoint`) saves of it, and how loaded ones are put
+back, for the plain engine's module and optimizer (read and filled in place) and for FSDP2-
+sharded chunks (gathered from, and re-sharded over, the data-parallel ranks). DeepSpeed's
+engine has its own holder (`megatron.checkpointing.deepspeed_tensors`). DeepSpeed-MoE experts
+are named by their global numbers, so that expert parallelism can change.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.checkpointing.pipeline_stages import model_chunks
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The optimizer's parameter groups without their parameters."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+class WholeTensors:
+    """This rank's weights and Adam state as whole tensors per tensor-parallel rank (what a
+    torch_dist checkpoint holds of it), and how loaded ones are put back. This one: a plain
+    module (or pipeline chunks) and torch optimizer, read and loaded in place."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None):
+        self.module, self.optimizer = module, optimizer
+
+    def chunks(self) -> list[nn.Module]:
+        """This rank's model chunks (one, or one per virtual pipeline stage)."""
+        return model_chunks(self.module)
+
+    def global_names(self) -> list[dict[str, str]]:
+        """Per chunk, its local names that mean another tensor globally: DeepSpeed-MoE's
+        experts, by their global numbers, so that expert parallelism can change."""
+        chunks = self.chunks()
+        if not any(type(m).__module__.startswith("deepspeed.moe") for m in self.module.modules()):
+            return [{} for _ in chunks]
+        from megatron.checkpointing.deepspeed_engine import global_expert_names
+
+        return [global_expert_names(chunk) for chunk in chunks]
+
+    def model_states(self) -> list[dict[str, torch.Tensor]]:
+        """Each chunk's state dict to save (a collective where tensors are gathered)."""
+        return [chunk.state_dict() for chunk in self.chunks()]
+
+    def load_targets(self) -> list[dict[str, torch.Tensor]]:
+        """Tensors to read each chunk's saved ones into (here the chunk's own, in place)."""
+        return self.model_states()
+
+    def optimizer_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Adam's state by parameter name in `self.module` (a collective where gathered)."""
+        by_param = {id(p): self.optimizer.state.get(p, {}) for p in self.module.parameters()}
+        return {name: by_param[id(param)] for name, param in self.module.named_parameters()}
+
+    def put(
+        self,
+        states: list[dict[str, torch.Tensor]],
+        moments: dict[str, dict[str, torch.Tensor]] | None,
+        groups: list[dict] | None,
+    ) -> None:
+        """Install what was read: `states` (`load_targets`' tensors, filled), and, unless
+        None, the optimizer's `moments` by parameter name and its groups' hyperparameters."""
+        if moments is None:
+            return
+        for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
+            group.update(saved)
+        params = dict(self.module.named_parameters())
+        for name, state in moments.items():
+            self.optimizer.state[params[name]] = state
+
+    def parameter_groups(self) -> list[dict]:
+        """The optimizer's parameter groups' hyperparameters (saved in `common.pt`)."""
+        return hyperparameters(self.optimizer)
+
+
+class ShardedWholeTensors(WholeTensors):
+    """FSDP2-sharded chunks: whole tensors gathered from the data-parallel shards on saving,
+    each rank keeping its shard of what it loads."""
+
+    def model_states(self) -> list[dict[str, torch.Tensor]]:
+        """Each chunk's whole weights (a collective)."""
+        from megatron.checkpointing.sharded_states import full_model_state
+
+        return [full_model_state(chunk) for chunk in self.chunks()]
+
+    def load_targets(self) -> list[dict[str, torch.Tensor]]:
+        """Zeros of each chunk's whole shapes."""
+        return [
+            {k: torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+             for k, v in chunk.state_dict().items()}
+            for chunk in self.chunks()
+        ]  # fmt: skip
+
+    def optimizer_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The whole Adam state by parameter name (a collective)."""
+        from megatron.checkpointing.sharded_states import full_optimizer_state
+
+        return full_optimizer_state(self.module, self.optimizer)["state"]
+
+    def put(
+        self,
+        states: list[dict[str, torch.Tensor]],
+        moments: dict[str, dict[str, torch.Tensor]] | None,
+        groups: list[dict] | None,
+    ) -> None:
+        """Shard the loaded weights (and Adam state) back over the data-parallel ranks."""
+        from megatron.checkpointing.sharded_states import (
+            load_full_model_state,
+            load_full_optimizer_state,
+        )
+
+        for chunk, state in zip(self.chunks(), states, strict=True):
+            load_full_model_state(chunk, state)
+        if moments is None:
+            return
+        for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
+            group.update(saved)
+        names = {id(param): name for name, param in self.module.named_parameters()}
+        named_groups = [
+            dict(saved, params=[names[id(p)] for p in group["params"]])
+            for group, saved in zip(self.optimizer.param_groups, groups, strict=True)
+        ]
+        load_full_optimizer_state(
+            self.module, self.optimizer, {"state": moments, "param_groups": named_groups}
+        )
+
+
+def whole_tensors(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> WholeTensors:
+    """The holder of a plain-engine run's tensors: FSDP2-sharded or not."""
+    from megatron.checkpointing.sharded_states import has_sharded_chunks
+
+    if has_sharded_chunks(module):
+        return ShardedWholeTensors(module, optimizer)
+    return WholeTensors(module, optimizer)
