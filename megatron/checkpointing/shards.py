@@ -298,13 +298,29 @@ def _train_state(metadata: dict[str, Any], args: dict[str, Any]) -> dict[str, An
 def load_dense_checkpoint(
     load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None
 ) -> DenseCheckpoint:
-    """Read every shard of the checkpoint in `load_dir` (either layout) into one model.
+    """Read every shard of the checkpoint in `load_dir` (either layout, or torch_dist: ours or
+    megatron-core's, `megatron.checkpointing.megatron_core`) into one model.
 
     `iteration` picks a checkpoint other than the one the trackers name; `true_vocab_size`
     overrides the tokenizer size for files that do not record it.
     """
+    from megatron.checkpointing.dist_checkpoint import (
+        DistCheckpointError,
+        is_dist_checkpoint,
+        read_common,
+    )
+    from megatron.checkpointing.megatron_core import read_dist_dense
+
     located = locate_checkpoint(load_dir, iteration)
-    if located.layout == "megatron":
+    dist = located.layout == "megatron" and is_dist_checkpoint(located.directory)
+    if dist:
+        # torch_dist, ours or megatron-core's: whole tensors already, read in this process.
+        try:
+            args, merged = read_dist_dense(located.directory)
+            metadata = dict(read_common(located.directory)[1], args=args)
+        except DistCheckpointError as error:
+            raise CheckpointConversionError(str(error)) from None
+    elif located.layout == "megatron":
         metadata, models = read_megatron_files(located.directory)
         args = args_dict(metadata.get("args"))
         num_layers = model_dims(args)["num_layers"]
@@ -312,7 +328,8 @@ def load_dense_checkpoint(
     else:
         metadata, shards = read_deepspeed_files(load_dir, located)
         args = args_dict(metadata.get("args"))
-    merged = merge_tp_shards(shards, expert_tensor_parallel(args))
+    if not dist:
+        merged = merge_tp_shards(shards, expert_tensor_parallel(args))
     check_shapes(merged, args, located.directory)
     padded = args.get("padded_vocab_size")
     rows = merged[WORD_EMBEDDINGS].size(0)

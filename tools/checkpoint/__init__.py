@@ -1,4 +1,5 @@
-"""Checkpoint conversion tools: reshard, and to/from Hugging Face GPT-2, LLaMA and Mixtral."""
+"""Checkpoint conversion tools: reshard, to/from Hugging Face GPT-2, LLaMA and Mixtral, and to
+Megatron-LM's (megatron-core's) torch_dist layout."""
 
 from __future__ import annotations
 
