@@ -4,7 +4,10 @@ The deterministic test kills rank 0 at each named point of `megatron.checkpointi
 (`MEGATRON_CHECKPOINT_FAULT`), one launch after another on the same directory: after each kill
 every directory under a final name loads completely, our readers and the repaired files agree
 on the newest one, and the next launch resumes from exactly that one; the run then finishes
-with the same bytes as one never interrupted. (Kills at random moments were tested too until
+with the same bytes as one never interrupted. The chain runs twice: DeepSpeed's ZeRO-2 files,
+and torch_dist written in the background (`--async-save`, committed on the main thread when a
+later iteration finds the writes done), whose final checkpoint holds the uninterrupted run's
+tensors. (Kills at random moments were tested too until
 issue 16: they cost one to three minutes of the CI budget and covered no point the named
 faults miss, and their timing was chance.) A Mixture-of-Experts run killed before its second
 checkpoint is renamed into place leaves the first, DeepSpeed's expert files of both
@@ -25,6 +28,7 @@ import torch
 
 from megatron.checkpointing import commit as checkpoint_commit
 from megatron.checkpointing.commit import STAGING_SUFFIX, read_deepspeed_tag, read_tracker
+from megatron.checkpointing.dist_checkpoint import _checked_metadata
 from megatron.checkpointing.shards import load_dense_checkpoint
 from tests.checkpointing.compare import differences, load_any, raw_trackers
 from tests.conftest import REPO_ROOT
@@ -40,38 +44,64 @@ EXPECTED_FILES = {
 }
 
 
-def _flags(dataset: str, save: str, train_iters: int = TRAIN_ITERS) -> list[str]:
-    return tiny_gpt_flags(dataset) + DS_ZERO2 + [
+ASYNC_TORCH_DIST = ["--ckpt-format", "torch_dist", "--async-save"]
+"""The plain engine writing torch_dist in the background: commits happen on the main thread
+when a later iteration (or the next save, or the end) finds every rank's write done."""
+
+
+def _flags(dataset: str, save: str, train_iters: int = TRAIN_ITERS, engine: list = DS_ZERO2):
+    return tiny_gpt_flags(dataset) + engine + [
         "--global-batch-size", "4", "--train-iters", str(train_iters),
         "--save", save, "--load", save, "--save-interval", "1",
     ]  # fmt: skip
 
 
-def _complete_checkpoints(save: str) -> list[int]:
+def _name(iteration: int, deepspeed: bool) -> str:
+    return f"global_step{iteration}" if deepspeed else f"iter_{iteration:07d}"
+
+
+def _complete_checkpoints(save: str, deepspeed: bool = True) -> list[int]:
     """Iterations of every directory under a final name; each must load in full."""
     found = []
+    prefix = "global_step" if deepspeed else "iter_"
     for name in sorted(os.listdir(save)):
-        match = re.fullmatch(r"global_step(\d+)", name)
+        match = re.fullmatch(rf"{prefix}(\d+)", name)
         if match is None:
-            assert name.endswith(STAGING_SUFFIX) or not name.startswith("global_step"), name
+            assert name.endswith(STAGING_SUFFIX) or not name.startswith(prefix), name
             continue
         directory = os.path.join(save, name)
-        assert set(os.listdir(directory)) >= EXPECTED_FILES, f"{name} is incomplete"
-        for file in EXPECTED_FILES:
-            load_any(os.path.join(directory, file))  # raises on a truncated file
+        if deepspeed:
+            assert set(os.listdir(directory)) >= EXPECTED_FILES, f"{name} is incomplete"
+            for file in EXPECTED_FILES:
+                load_any(os.path.join(directory, file))  # raises on a truncated file
+        else:
+            load_any(os.path.join(directory, "common.pt"))
+            _checked_metadata(directory)  # every shard file there and long enough
         found.append(int(match.group(1)))
     return sorted(found)
 
 
-def _tracked(save: str) -> int | None:
-    """The iteration both trackers name, as every reader of ours sees them."""
+def _tracked(save: str, deepspeed: bool = True) -> int | None:
+    """The iteration both trackers name (Megatron's alone for torch_dist), as every reader of
+    ours sees them."""
     tag = read_deepspeed_tag(save)
     tracker = read_tracker(save)
+    if not deepspeed:
+        assert tag is None
+        return None if tracker is None else tracker[0]
     if tag is None:
         assert tracker is None
         return None
     assert tracker == (int(tag.removeprefix("global_step")), False)
     return tracker[0]
+
+
+def _dcp_tensors(directory: str) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = directory + ".whole.pt"
+    dcp_to_torch_save(directory, whole)
+    return torch.load(whole, weights_only=True)
 
 
 def _wait_for(log_path: str, pattern: str, count: int, process, timeout: float = 120) -> bool:
@@ -109,11 +139,14 @@ CHAIN_ITERS = 5
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("engine", ["deepspeed-zero2", "torch_dist-async"])
 def test_sigkill_at_each_commit_step_resumes_from_newest_complete(
-    stdlib_dataset: str, tmp_path
+    stdlib_dataset: str, tmp_path, engine: str
 ) -> None:
+    deepspeed = engine.startswith("deepspeed")
+    flags = DS_ZERO2 if deepspeed else ASYNC_TORCH_DIST
     straight_dir = str(tmp_path / "straight")
-    straight = launch(2, _flags(stdlib_dataset, straight_dir, CHAIN_ITERS))
+    straight = launch(2, _flags(stdlib_dataset, straight_dir, CHAIN_ITERS, flags))
     assert straight.returncode == 0, straight.stdout[-3000:]
 
     save = str(tmp_path / "killed")
@@ -121,29 +154,38 @@ def test_sigkill_at_each_commit_step_resumes_from_newest_complete(
     for point, strike, newest, next_start_says in FAULT_CHAIN:
         run = launch(
             2,
-            _flags(stdlib_dataset, save, CHAIN_ITERS),
+            _flags(stdlib_dataset, save, CHAIN_ITERS, flags),
             env={checkpoint_commit.FAULT_ENV: f"{point}:{strike}"},
         )
         assert run.returncode != 0, run.stdout[-3000:]  # rank 0 was killed inside the commit
         if previous is not None:
             assert f"> {said}" in run.stdout, run.stdout[-3000:]
+            loaded = "deepspeed" if deepspeed else "torch_dist"
             assert (
-                f"loaded deepspeed checkpoint {save}/global_step{previous} at iteration "
+                f"loaded {loaded} checkpoint {save}/{_name(previous, deepspeed)} at iteration "
                 f"{previous}" in run.stdout
             )
-        assert _complete_checkpoints(save)[-1] == newest, point
-        assert _tracked(save) == newest, point
-        assert _repaired(save, str(tmp_path / "repaired")) == (f"global_step{newest}", str(newest))
+        assert _complete_checkpoints(save, deepspeed)[-1] == newest, point
+        assert _tracked(save, deepspeed) == newest, point
+        repaired = _repaired(save, str(tmp_path / "repaired"))
+        assert repaired == ((f"global_step{newest}" if deepspeed else None), str(newest))
         previous, said = newest, next_start_says
 
-    final = launch(2, _flags(stdlib_dataset, save, CHAIN_ITERS))
+    final = launch(2, _flags(stdlib_dataset, save, CHAIN_ITERS, flags))
     assert final.returncode == 0, final.stdout[-3000:]
     assert f"> {said}" in final.stdout
     assert f"at iteration {previous}" in final.stdout
-    assert read_deepspeed_tag(save) == f"global_step{CHAIN_ITERS}"
     assert read_tracker(save) == (CHAIN_ITERS, False)
-    last = f"global_step{CHAIN_ITERS}"
-    assert differences(os.path.join(straight_dir, last), os.path.join(save, last)) == []
+    last = _name(CHAIN_ITERS, deepspeed)
+    if deepspeed:
+        assert read_deepspeed_tag(save) == last
+        assert differences(os.path.join(straight_dir, last), os.path.join(save, last)) == []
+        return
+    ours = _dcp_tensors(os.path.join(save, last))
+    theirs = _dcp_tensors(os.path.join(straight_dir, last))
+    assert sorted(ours) == sorted(theirs)
+    for key, tensor in theirs.items():
+        assert torch.equal(ours[key], tensor), key
 
 
 MOE_EP2 = [
