@@ -257,8 +257,9 @@ def test_moe_checkpoint_changes_expert_and_tensor_parallel_sizes(
             assert ranks[0][name].shape == (256, 64)
             assert torch.equal(ranks[0][name], ranks[1][name])
     _reshard(tp2, tp1, 1, 1)
-    for ep in (1, 2):
-        _assert_same_moe_losses(_moe_losses(run(ep, "--load", tp1), 3), reference, f"EP={ep}")
+    # Back at TP=1 and the saved EP=2 (EP=1 from the weights alone is shown above; with the
+    # optimizer state, tests/checkpointing/test_dist_checkpoint_engines.py).
+    _assert_same_moe_losses(_moe_losses(run(2, "--load", tp1), 3), reference, "EP=2")
 
     sampled = _tool(
         "generate_samples_gpt.py", "--load", original, "--prompt", "def", "--greedy",
