@@ -39,7 +39,11 @@ from megatron.checkpointing.file_format import SAFE_GLOBALS, load_file
 from megatron.checkpointing.pipeline_stages import HEAD_WEIGHT, chunk_layers, renumber_layers
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
 from megatron.checkpointing.shapes import WORD_EMBEDDINGS
-from megatron.checkpointing.shards import VOCAB_PARALLEL, partition_dim, swiglu_tensors
+from megatron.checkpointing.tensor_parallel_rules import (
+    VOCAB_PARALLEL,
+    partition_dim,
+    swiglu_tensors,
+)
 from megatron.checkpointing.whole_tensors import WholeTensors
 from megatron.core import parallel_state
 from megatron.utils import print_rank_0

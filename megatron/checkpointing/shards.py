@@ -60,44 +60,30 @@ from megatron.checkpointing.layouts import (
     write_megatron_directory,
 )
 from megatron.checkpointing.pipeline_stages import (
-    HEAD_WEIGHT,
     check_pipeline_split,
     chunk_state_dict,
     join_chunks,
 )
 from megatron.checkpointing.shapes import (
     OUTPUT_LAYER,
-    POSITION_EMBEDDINGS,
     WORD_EMBEDDINGS,
     check_shapes,
     model_config,
     model_dims,
     resolve_true_vocab_size,
 )
+from megatron.checkpointing.tensor_parallel_rules import (  # noqa: F401 - importers use these here
+    COLUMN_PARALLEL,
+    EXPERT_MLPS,
+    REPLICATED,
+    ROW_PARALLEL,
+    VOCAB_PARALLEL,
+    partition_dim,
+    swiglu_tensors,
+)
 from megatron.config import ModelConfig
 from megatron.tokenizer.tokenizer import vocab_size_with_padding
 
-VOCAB_PARALLEL = (WORD_EMBEDDINGS, HEAD_WEIGHT, OUTPUT_LAYER)
-COLUMN_PARALLEL = (
-    ".self_attention.query_key_value.weight",
-    ".self_attention.query_key_value.bias",
-    ".dense_h_to_4h.weight",
-    ".dense_h_to_4h.bias",
-)
-ROW_PARALLEL = (".self_attention.dense.weight", ".dense_4h_to_h.weight")
-REPLICATED = (
-    "layernorm.weight",
-    "layernorm.bias",
-    POSITION_EMBEDDINGS,
-    ".self_attention.dense.bias",
-    ".dense_4h_to_h.bias",
-    ".mlp.deepspeed_moe.gate.wg.weight",
-    ".mlp.coefficient.weight",
-    ".mlp.coefficient.bias",
-)
-EXPERT_MLPS = (".mlp.deepspeed_moe.experts.deepspeed_experts.", ".mlp.mlp.")
-"""The MLPs of an MoE layer (its experts; PR-MoE's dense MLP), split over tensor-parallel
-ranks only with `--enable-expert-tensor-parallelism`."""
 PROGRESS_KEYS = (
     "iteration",
     "consumed_train_samples",
@@ -143,22 +129,6 @@ def expert_tensor_parallel(args: dict[str, Any]) -> bool:
     return bool(args.get("enable_expert_tensor_parallelism"))
 
 
-def partition_dim(name: str, expert_tensor_parallel: bool = False) -> int | None:
-    """The dimension tensor parallelism splits parameter `name` along; None if replicated.
-
-    `expert_tensor_parallel`: the model splits its MoE experts too (`EXPERT_MLPS`).
-    """
-    if not expert_tensor_parallel and any(part in name for part in EXPERT_MLPS):
-        return None
-    if name in VOCAB_PARALLEL or name.endswith(COLUMN_PARALLEL):
-        return 0
-    if name.endswith(ROW_PARALLEL):
-        return 1
-    if name.endswith(REPLICATED):
-        return None
-    raise CheckpointConversionError(f"no tensor-parallel rule for parameter {name!r}")
-
-
 def check_tp_divides(config: ModelConfig, tp_size: int) -> None:
     """Raise unless `tp_size` splits the model's heads, key/value heads and MLP evenly."""
     for name, size in (
@@ -170,22 +140,6 @@ def check_tp_divides(config: ModelConfig, tp_size: int) -> None:
             raise CheckpointConversionError(
                 f"tensor-parallel size {tp_size} does not divide {name} {size}"
             )
-
-
-def swiglu_tensors(state: dict[str, torch.Tensor]) -> set[str]:
-    """The `dense_h_to_4h` weights and biases of `state` (whole or one rank's) that are SwiGLU's.
-
-    SwiGLU's `dense_h_to_4h` has twice as many rows as `dense_4h_to_h` has columns (gate and
-    up); a GeLU MLP's are equal. MoE experts are MLPs too.
-    """
-    found = set()
-    for name, tensor in state.items():
-        if name.endswith(".dense_h_to_4h.weight"):
-            prefix = name.removesuffix("dense_h_to_4h.weight")
-            down = state.get(prefix + "dense_4h_to_h.weight")
-            if down is not None and tensor.size(0) == 2 * down.size(1):
-                found.update((name, prefix + "dense_h_to_4h.bias"))
-    return found
 
 
 def _chunk(name: str, tensor: torch.Tensor, tp: int, swiglu: bool, expert_tp: bool) -> list:
