@@ -8,7 +8,8 @@ saves at iterations 3 and 6 in the background (`--async-save`) and is killed com
 
 - at the same layout, iterations 4-6 are the run's bit for bit (weights, Adam's moments and
   step, scheduler, random generators, data position);
-- at PP=2 (each stage one layer) they are the same up to fp32 sums in other orders;
+- at PP=2 (each stage one layer) and at TP=1 x DP=2 they are the same up to fp32 sums in
+  other orders;
 - at DP=4 sharded by FSDP2 (its shards gathered per tensor-parallel rank on saving) iteration
   4 is, and its own torch_dist checkpoint resumes with the distributed optimizer at DP=2 for
   iterations 5-6;
@@ -66,6 +67,7 @@ def test_a_tp2_checkpoint_resumes_at_other_layouts_with_its_optimizer(
 
     assert_same(run(stdlib_dataset, 2, load=saved, pipeline_model_parallel_size=2, **FLAGS),
                 straight[3:])  # fmt: skip
+    assert_same(run(stdlib_dataset, 2, load=saved, **FLAGS), straight[3:])  # TP=1 x DP=2
 
     fsdp = str(tmp_path / "fsdp_dp4")
     first = run(stdlib_dataset, 4, load=saved, save=fsdp, save_interval=100, exit_interval=4,
