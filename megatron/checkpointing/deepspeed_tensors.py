@@ -103,8 +103,7 @@ class DeepSpeedWholeTensors(WholeTensors):
                 buffer.copy_(state[name])
         if moments is None:
             return
-        for group, saved in zip(self.base.param_groups, groups, strict=True):
-            group.update(saved)
+        self.restore_hyperparameters(groups)
         steps = {float(m["step"]) for m in moments.values() if "step" in m}
         if len(steps) > 1:
             raise ValueError(f"Adam's step differs between parameters: {sorted(steps)}")

@@ -64,11 +64,15 @@ class WholeTensors:
         None, the optimizer's `moments` by parameter name and its groups' hyperparameters."""
         if moments is None:
             return
-        for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
-            group.update(saved)
+        self.restore_hyperparameters(groups)
         params = dict(self.module.named_parameters())
         for name, state in moments.items():
             self.optimizer.state[params[name]] = state
+
+    def restore_hyperparameters(self, groups: list[dict]) -> None:
+        """Each optimizer parameter group's saved hyperparameters (as `parameter_groups`)."""
+        for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
+            group.update(saved)
 
     def parameter_groups(self) -> list[dict]:
         """The optimizer's parameter groups' hyperparameters (saved in `common.pt`)."""
@@ -115,8 +119,7 @@ class ShardedWholeTensors(WholeTensors):
             load_full_model_state(chunk, state)
         if moments is None:
             return
-        for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
-            group.update(saved)
+        self.restore_hyperparameters(groups)
         names = {id(param): name for name, param in self.module.named_parameters()}
         named_groups = [
             dict(saved, params=[names[id(p)] for p in group["params"]])
