@@ -81,6 +81,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", default=["eager", "compile"])
     parser.add_argument("--engines", nargs="+", default=["pipe"], help="pipe, nopipe, plain")
     parser.add_argument("--no-baseline", action="store_true", help="skip the nanoGPT baseline")
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="also plan each run with pretrain_gpt.py --dry-run: predicted vs measured peak",
+    )
     parser.add_argument("--seq-length", type=int, default=1024)
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--global-batch-size", type=int, default=64, help="per iteration")
@@ -181,7 +186,12 @@ def attention_kernel(step, device: str) -> str:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         synchronize(device)
-    names = [event.key.lower() for event in prof.key_averages()]
+    averages = prof.key_averages()
+    if os.environ.get("BENCH_PROFILE_FILE"):  # where the profiled iteration's kernels go
+        with open(os.environ["BENCH_PROFILE_FILE"], "a") as file:
+            file.write(f"\n### {' '.join(sys.argv[-3:])}\n")
+            file.write(averages.table(sort_by="self_device_time_total", row_limit=25) + "\n")
+    names = [event.key.lower() for event in averages]
     # Each kind: kernel-name fragments that must all appear in one kernel's name.
     kinds = {
         "flash": [("flash",)],
@@ -321,6 +331,37 @@ def measure(size: str, engine: str, mode: str, args: argparse.Namespace) -> dict
     return None
 
 
+def planned(size: str, engine: str, mode: str, args: argparse.Namespace) -> dict | None:
+    """`pretrain_gpt.py FLAGS --dry-run` of the same run: its predicted peak bytes and step."""
+    with tempfile.TemporaryDirectory() as work:
+        config, plan = os.path.join(work, "ds.json"), os.path.join(work, "plan.json")
+        with open(config, "w") as file:
+            json.dump({"zero_optimization": {"stage": 1}}, file)
+        flags = megatron_flags(size, engine, mode, args, config)
+        flags += ["--dry-run", "--dry-run-world-size", "1", "--dry-run-json", plan]
+        command = [sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"), *flags]
+        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+        if done.returncode != 0 or not os.path.exists(plan):
+            print(f"  plan {engine} {mode}: FAILED (exit {done.returncode})")
+            print("    " + "\n    ".join((done.stdout + done.stderr).splitlines()[-10:]))
+            return None
+        with open(plan) as file:
+            return json.load(file)
+
+
+def report_plan(label: str, plan: dict, result: dict) -> None:
+    """The planner's peak memory beside torch.cuda.max_memory_allocated of the run."""
+    predicted = plan["peak_bytes"] / 2**30
+    measured = result["peak_gib"]
+    ratio = f"{predicted / measured:.3f}" if measured else "n/a"
+    moment = plan["ranks"][0]["memory"]["peak_at"]
+    print(
+        f"    planner ({label}): predicted peak {predicted:.2f} GiB at {moment}, measured "
+        f"max_memory_allocated {measured if measured is not None else float('nan'):.2f} GiB, "
+        f"ratio {ratio}"
+    )
+
+
 def report(label: str, result: dict, tokens: int, flops: float, peak, gemm: float) -> float:
     """Print one result line; return its MFU (or the fraction of the GEMM ceiling on a CPU)."""
     seconds = result["seconds"]
@@ -374,6 +415,9 @@ def main() -> None:
                 if result:
                     label = f"ours {mode} ({engine})"
                     mfus[label] = report(label, result, tokens, flops, peak, gemm)
+                    plan = planned(size, engine, mode, args) if args.plan else None
+                    if plan:
+                        report_plan(label, plan, result)
         if not args.no_baseline:
             result = measure(size, "baseline", "compile", args)
             if result:
