@@ -119,6 +119,57 @@ class MoEConfig:
     """Weight of each layer's load-balancing loss in the training loss (`--moe-loss-coeff`)."""
 
 
+@dataclass(frozen=True)
+class RoutedMoEConfig:
+    """Megatron-LM's MoE in place of some layers' MLP: token-choice top-k routing, dropless
+    unless a capacity factor is given (Megatron-LM's `--num-experts` and `--moe-*` flags)."""
+
+    num_experts: int
+    """Routed experts of every MoE layer (`--num-experts`)."""
+    moe_layers: tuple[bool, ...]
+    """Whether each layer, from layer 1, is an MoE layer (`--moe-layer-freq`)."""
+    top_k: int = 2
+    """Experts per token (`--moe-router-topk`)."""
+    ffn_hidden_size: int | None = None
+    """Each routed expert's hidden size (`--moe-ffn-hidden-size`; the model's by default)."""
+    shared_expert_ffn_hidden_size: int | None = None
+    """A dense MLP every token also goes through (`--moe-shared-expert-intermediate-size`)."""
+    score_function: str = "softmax"
+    """softmax or sigmoid (DeepSeek-V3) of the router logits (`--moe-router-score-function`)."""
+    pre_softmax: bool = False
+    """Softmax over all experts before the top-k, not over the chosen k after it."""
+    topk_scaling_factor: float | None = None
+    """Multiply the routing weights by this (`--moe-router-topk-scaling-factor`)."""
+    load_balancing: str = "aux_loss"
+    """aux_loss (over the micro-batch), seq_aux_loss (per sequence) or none."""
+    aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (`--moe-aux-loss-coeff`)."""
+    z_loss_coeff: float | None = None
+    """Weight of the router z-loss (`--moe-z-loss-coeff`)."""
+    expert_bias: bool = False
+    """Aux-loss-free balancing (`--moe-router-enable-expert-bias`): a per-expert bias added to
+    the scores for choosing experts only, moved after each step toward even loads."""
+    bias_update_rate: float = 1e-3
+    """How far each step moves the expert biases (`--moe-router-bias-update-rate`)."""
+    router_dtype: str | None = None
+    """fp32 or fp64: the router's logits and softmax in that precision (`--moe-router-dtype`)."""
+    dispatcher: str = "allgather"
+    """How tokens reach other ranks' experts: alltoall or allgather."""
+    capacity_factor: float | None = None
+    """Drop tokens over factor x tokens x k / experts per expert (`--moe-expert-capacity-factor`);
+    None: dropless."""
+    pad_to_capacity: bool = False
+    """With a capacity factor, pad every expert's input to the capacity."""
+    drop_policy: str = "probs"
+    """With a capacity factor, drop the lowest-probability (probs) or latest (position) tokens."""
+    grouped_gemm: bool = False
+    """One grouped matmul for all local experts (`--moe-grouped-gemm`) instead of a loop."""
+    expert_parallel_size: int = 1
+    """Data-parallel ranks each MoE layer's experts are split over (`--expert-model-parallel-size`)."""
+    per_layer_logging: bool = False
+    """Log each MoE layer's losses, not only their mean (`--moe-per-layer-logging`)."""
+
+
 @dataclass
 class ModelConfig:
     """Shape and numerics of the GPT model, plus how its layers are split and recomputed.
@@ -210,7 +261,9 @@ class ModelConfig:
     gather each module's parameters as the module runs, and the tied output layer uses the
     embedding's weight outside that module, which a whole-model graph does not replay."""
     moe: MoEConfig | None = None
-    """Mixture-of-Experts layers (`--num-experts` above 1), or None for a dense model."""
+    """DeepSpeed-MoE layers (Megatron-DeepSpeed's `--num-experts` above 1), or None."""
+    routed_moe: RoutedMoEConfig | None = None
+    """Megatron-LM's MoE layers (`--num-experts` with its `--moe-*` flags), or None."""
 
     def __post_init__(self) -> None:
         """Fill the derived defaults and reject impossible shapes."""

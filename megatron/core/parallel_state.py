@@ -56,6 +56,12 @@ class ParallelState:
     sequence_data_group: dist.ProcessGroup | None = None
     sequence_ranks: list[int] = field(default_factory=list)
     sequence_data_ranks: list[int] = field(default_factory=list)
+    expert_parallel_size: int = 1
+    expert_group: dist.ProcessGroup | None = None
+    expert_data_group: dist.ProcessGroup | None = None
+    expert_ranks: list[int] = field(default_factory=list)
+    expert_data_ranks: list[int] = field(default_factory=list)
+    stage_group: dist.ProcessGroup | None = None
 
 
 _STATE: ParallelState | None = None
@@ -67,6 +73,7 @@ def generate_rank_groups(
     pipeline_model_parallel_size: int,
     sequence_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
 ) -> dict[str, list[list[int]]]:
     """All groups of each kind for a world, in Megatron-LM's order (pure: no communication).
 
@@ -76,6 +83,12 @@ def generate_rank_groups(
     sample) and `sequence_data` groups (those and their data-parallel peers: where gradients
     are summed and ZeRO state partitioned; Megatron-LM's data-parallel group "with context
     parallel").
+
+    With expert parallelism (Megatron-LM's MoE, `--expert-model-parallel-size` EP above 1)
+    there are also `expert` groups, EP consecutive data-parallel ranks that split each MoE
+    layer's experts between them, and `expert_data` groups, the ranks that hold the same
+    experts (the same position in their expert group, over the data-parallel and sequence
+    ranks): where expert gradients are averaged.
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     sp, cp = sequence_parallel_size, context_parallel_size
@@ -125,6 +138,25 @@ def generate_rank_groups(
         groups["sequence_data"] = [
             sorted(rank(t, c, d, p) for c in C for d in D) for p in P for t in T
         ]
+    if pp > 1:  # every rank of one pipeline stage (with PP = 1: the world)
+        groups["stage"] = [sorted(rank(t, c, d, p) for t in T for c in C for d in D) for p in P]
+    ep = expert_parallel_size
+    if ep > 1:
+        if dp % ep != 0:
+            raise ParallelConfigError(
+                f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp}): "
+                "the experts are split over data-parallel ranks"
+            )
+        blocks, E = range(dp // ep), range(ep)  # noqa: N806
+        groups["expert"] = [
+            [rank(t, c, b * ep + e, p) for e in E] for p in P for c in C for t in T for b in blocks
+        ]
+        groups["expert_data"] = [
+            sorted(rank(t, c, b * ep + e, p) for c in C for b in blocks)
+            for p in P
+            for t in T
+            for e in E
+        ]
     return groups
 
 
@@ -133,9 +165,10 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     sequence_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
 ) -> ParallelState:
-    """Create the TP, PP, DP, model, embedding and sequence-split (context-parallel or
-    Ulysses) groups; every rank must call it."""
+    """Create the TP, PP, DP, model, embedding, sequence-split (context-parallel or Ulysses)
+    and expert-parallel groups; every rank must call it."""
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed initialized first")
@@ -146,6 +179,7 @@ def initialize_model_parallel(
         pipeline_model_parallel_size,
         sequence_parallel_size,
         context_parallel_size,
+        expert_parallel_size,
     )
     mine: dict[str, tuple[dist.ProcessGroup | None, list[int]]] = {}
     made: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -182,6 +216,14 @@ def initialize_model_parallel(
         sequence_data_group=mine.get("sequence_data", mine["data"])[0],
         sequence_ranks=mine.get("sequence", (None, [rank]))[1],
         sequence_data_ranks=mine.get("sequence_data", mine["data"])[1],
+        # Without expert parallelism every rank holds every expert: their gradients are
+        # averaged with the dense ones.
+        expert_parallel_size=expert_parallel_size,
+        expert_group=mine.get("expert", (None,))[0],
+        expert_data_group=mine.get("expert_data", mine.get("sequence_data", mine["data"]))[0],
+        expert_ranks=mine.get("expert", (None, [rank]))[1],
+        expert_data_ranks=mine.get("expert_data", mine.get("sequence_data", mine["data"]))[1],
+        stage_group=mine.get("stage", (None,))[0],
     )
     return _STATE
 
@@ -371,6 +413,36 @@ def get_sequence_data_parallel_world_size() -> int:
 def get_sequence_data_parallel_rank() -> int:
     """This rank's index in the sequence-data-parallel group."""
     return 0 if _STATE is None else _rank_in("sequence_data_ranks")
+
+
+def get_stage_group() -> dist.ProcessGroup | None:
+    """Every rank of this rank's pipeline stage (None, the whole world, at PP = 1)."""
+    return _STATE.stage_group if _STATE is not None else None
+
+
+def get_expert_model_parallel_group() -> dist.ProcessGroup | None:
+    """The ranks splitting each MoE layer's experts (None without expert parallelism)."""
+    return _STATE.expert_group if _STATE is not None else None
+
+
+def get_expert_model_parallel_world_size() -> int:
+    """Expert-parallel size (EP, `--expert-model-parallel-size`; 1 without)."""
+    return _STATE.expert_parallel_size if _STATE is not None else 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    """This rank's position in its expert-parallel group: which experts it holds."""
+    return _rank_in("expert_ranks")
+
+
+def get_expert_data_parallel_group() -> dist.ProcessGroup | None:
+    """The ranks holding the same experts as this one, where expert gradients are averaged."""
+    return _STATE.expert_data_group if _STATE is not None else None
+
+
+def get_expert_data_parallel_world_size() -> int:
+    """How many ranks hold this rank's experts."""
+    return len(_STATE.expert_data_ranks) if _STATE is not None else 1
 
 
 # What DeepSpeed calls on `mpu`. The sequence-parallel queries are added only under Ulysses

@@ -1,0 +1,134 @@
+"""The collectives of Megatron-LM's MoE layers, over the expert-parallel group, as autograd
+functions (the companion of `mappings.py`, which holds the tensor-parallel and sequence ones).
+
+Each forward collective has its transpose as the backward: the tokens' all-to-all goes back
+with the splits swapped, an all-gather's backward is a reduce-scatter and the other way round.
+With one expert-parallel rank every function is the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _ep_size() -> int:
+    return parallel_state.get_expert_model_parallel_world_size()
+
+
+def _all_to_all(
+    tensor: torch.Tensor, output_splits: list[int], input_splits: list[int]
+) -> torch.Tensor:
+    tensor = tensor.contiguous()
+    output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
+    dist.all_to_all_single(
+        output,
+        tensor,
+        output_split_sizes=output_splits,
+        input_split_sizes=input_splits,
+        group=parallel_state.get_expert_model_parallel_group(),
+    )
+    return output
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, output_splits, input_splits):  # noqa: ANN001, ANN205
+        ctx.splits = (output_splits, input_splits)
+        return _all_to_all(tensor, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits), None, None
+
+
+def all_to_all_over_expert_parallel(
+    tensor: torch.Tensor, output_splits: list[int], input_splits: list[int]
+) -> torch.Tensor:
+    """Send `input_splits[r]` rows of `tensor` (in order) to expert-parallel rank r; receive
+    `output_splits[r]` rows from each: [sum(input_splits), ...] -> [sum(output_splits), ...]."""
+    if _ep_size() == 1:
+        return tensor
+    return _AllToAll.apply(tensor, output_splits, input_splits)
+
+
+def exchange_counts_over_expert_parallel(counts: torch.Tensor) -> torch.Tensor:
+    """[EP, n] counts, row r for rank r -> [EP, n], row r from rank r (no gradient)."""
+    if _ep_size() == 1:
+        return counts
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(
+        received, counts.contiguous(), group=parallel_state.get_expert_model_parallel_group()
+    )
+    return received
+
+
+def _gather(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.contiguous()
+    output = tensor.new_empty((tensor.size(0) * _ep_size(), *tensor.shape[1:]))
+    _all_gather_single(output, tensor, group=parallel_state.get_expert_model_parallel_group())
+    return output
+
+
+def _reduce_scatter(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.contiguous()
+    output = tensor.new_empty((tensor.size(0) // _ep_size(), *tensor.shape[1:]))
+    _reduce_scatter_single(output, tensor, group=parallel_state.get_expert_model_parallel_group())
+    return output
+
+
+class _GatherFromExpertParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):  # noqa: ANN001, ANN205
+        return _gather(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return _reduce_scatter(grad)
+
+
+class _ReduceScatterToExpertParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):  # noqa: ANN001, ANN205
+        return _reduce_scatter(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return _gather(grad)
+
+
+def gather_from_expert_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+    """Every expert-parallel rank's rows, in rank order: [n, ...] -> [EP x n, ...]."""
+    if _ep_size() == 1:
+        return tensor
+    return _GatherFromExpertParallel.apply(tensor)
+
+
+def reduce_scatter_to_expert_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over the expert-parallel ranks, each keeping its block: [EP x n, ...] -> [n, ...]."""
+    if _ep_size() == 1:
+        return tensor
+    return _ReduceScatterToExpertParallel.apply(tensor)
+
+
+def gather_indices_from_expert_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+    """`gather_from_expert_parallel_region` for tensors without gradients (routing choices)."""
+    if _ep_size() == 1:
+        return tensor
+    return _gather(tensor)
+
+
+def reduce_expert_gradient(grad: torch.Tensor) -> None:
+    """An expert's gradient in place: summed over the ranks holding the same expert and divided
+    by the data-parallel size (with the sequence split), as Megatron-LM scales expert
+    gradients, so that it equals the data-parallel average that dense weights get: every
+    data-parallel rank's tokens reached the expert through the dispatcher."""
+    grad.div_(parallel_state.get_sequence_data_parallel_world_size())
+    if parallel_state.get_expert_data_parallel_world_size() > 1:
+        dist.all_reduce(grad, group=parallel_state.get_expert_data_parallel_group())

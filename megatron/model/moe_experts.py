@@ -1,0 +1,103 @@
+"""The routed experts of one MoE layer on this rank: their MLP weights stacked, run over
+tokens grouped by expert, with one grouped matmul (`--moe-grouped-gemm`: torch's
+`grouped_mm`) or a loop over the experts.
+
+`weight1` is [local experts, h, ffn] ([.., 2 x ffn] with SwiGLU: [gate | up]), `weight2`
+[local experts, ffn, h], and `bias1` / `bias2` beside them unless `--disable-bias-linear`.
+Every rank draws all E experts' initial weights in expert order and keeps its own, so an
+expert starts the same whatever the expert-parallel size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.fused_ops import bias_swiglu
+from megatron.model.utils import init_method_normal, scaled_init_method_normal
+
+
+class GroupedExperts(nn.Module):
+    """tokens [N, h] grouped by local expert, counts [local experts] -> [N, h]."""
+
+    def __init__(self, config: ModelConfig, num_local_experts: int, first_expert: int) -> None:
+        super().__init__()
+        moe = config.routed_moe
+        assert moe is not None
+        ffn = moe.ffn_hidden_size or config.ffn_hidden_size
+        self.swiglu = config.activation == "swiglu"
+        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
+        self.grouped_gemm = moe.grouped_gemm
+        width = ffn * (2 if self.swiglu else 1)
+        hidden, dtype = config.hidden_size, config.torch_dtype
+        self.weight1 = nn.Parameter(torch.empty(num_local_experts, hidden, width, dtype=dtype))
+        self.weight2 = nn.Parameter(torch.empty(num_local_experts, ffn, hidden, dtype=dtype))
+        init_in = init_method_normal(config.init_method_std)
+        init_out = scaled_init_method_normal(config.init_method_std, config.num_layers)
+        with torch.no_grad():
+            for expert in range(moe.num_experts):  # everyone draws all, in order
+                w1, w2 = init_in(torch.empty(width, hidden)), init_out(torch.empty(hidden, ffn))
+                local = expert - first_expert
+                if 0 <= local < num_local_experts:
+                    self.weight1[local].copy_(w1.t())
+                    self.weight2[local].copy_(w2.t())
+        if config.add_bias_linear:
+            self.bias1 = nn.Parameter(torch.zeros(num_local_experts, width, dtype=dtype))
+            self.bias2 = nn.Parameter(torch.zeros(num_local_experts, hidden, dtype=dtype))
+        else:
+            self.bias1 = self.bias2 = None
+
+    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """[N, h] tokens, `counts[e]` of them for local expert e in turn -> [N, h]."""
+        dtype = _compute_dtype(tokens)
+        tokens = tokens.to(dtype)
+        intermediate = self._matmul(tokens, self.weight1.to(dtype), counts)  # [N, (2 x) ffn]
+        intermediate = _add_bias(intermediate, self.bias1, counts)
+        if self.swiglu:
+            activated = bias_swiglu(intermediate, None)
+        else:
+            activated = F.gelu(intermediate, approximate=self.approximate)
+        output = self._matmul(activated, self.weight2.to(dtype), counts)  # [N, h]
+        return _add_bias(output, self.bias2, counts)
+
+    def _matmul(self, tokens: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each expert's rows times its [in, out] weight."""
+        if self.grouped_gemm and _grouped_mm_fits(tokens, weight):
+            offsets = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+            return F.grouped_mm(tokens, weight, offs=offsets)
+        parts = tokens.split(counts)
+        return torch.cat([part @ weight[e] for e, part in enumerate(parts)])
+
+
+def _compute_dtype(tokens: torch.Tensor) -> torch.dtype:
+    """Autocast's half precision where it is on (grouped_mm is not on its lists), else the
+    tokens' own."""
+    device = tokens.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return tokens.dtype
+
+
+def _grouped_mm_fits(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch's grouped matmul needs rows of 16-byte multiples (and on GPUs bf16 on Hopper or
+    later); otherwise the loop runs."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if tokens.is_cuda and not (
+        tokens.dtype == torch.bfloat16 and torch.cuda.get_device_capability(tokens.device)[0] >= 9
+    ):
+        return False
+    size = tokens.element_size()
+    return all(dim * size % 16 == 0 for dim in (tokens.shape[-1], weight.shape[-1]))
+
+
+def _add_bias(tensor: torch.Tensor, bias: torch.Tensor | None, counts: list[int]) -> torch.Tensor:
+    """Each row plus its expert's bias."""
+    if bias is None:
+        return tensor
+    per_row = bias.to(tensor.dtype).repeat_interleave(
+        torch.tensor(counts, device=tensor.device), dim=0, output_size=tensor.shape[0]
+    )
+    return tensor + per_row

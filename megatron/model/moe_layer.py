@@ -1,0 +1,172 @@
+"""Megatron-LM's MoE layer in place of a transformer layer's MLP: the router picks top-k
+experts per token, a token dispatcher brings each token to the rank holding its experts, the
+experts run, and the weighted outputs come back to their tokens (Megatron core's `MoELayer`).
+
+Dispatchers (`--moe-token-dispatcher-type`), over the expert-parallel group (EP ranks, each
+holding E / EP experts):
+- `alltoall`: each rank sends every (token, expert) pair to the expert's rank and gets the
+  results back with the reverse all-to-all; only routed copies travel.
+- `allgather`: every rank gathers all EP ranks' tokens, runs its own experts on the ones routed
+  to them, and a reduce-scatter sums the results back to the tokens' ranks.
+At EP = 1 both run the local experts only. Dropless by default: an expert takes every token
+routed to it (`--moe-expert-capacity-factor` bounds it).
+
+Parameter names: `mlp.router.weight` ([E, h]), `mlp.experts.weight1/weight2` (and biases;
+stacked over this rank's experts, `moe_experts.py`), `mlp.shared_experts.*` (Megatron-LM's
+shared expert, our MLP with `--moe-shared-expert-intermediate-size`). Expert parameters carry
+`allreduce = False`: their gradients are averaged over the ranks holding the same experts
+(`reduce_expert_gradients`), not over all data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.expert_mappings import (
+    all_to_all_over_expert_parallel,
+    exchange_counts_over_expert_parallel,
+    gather_from_expert_parallel_region,
+    gather_indices_from_expert_parallel_region,
+    reduce_expert_gradient,
+    reduce_scatter_to_expert_parallel_region,
+)
+from megatron.model.mlp import ParallelMLP
+from megatron.model.moe_experts import GroupedExperts
+from megatron.model.moe_router import TopKRouter
+
+EXPERT_GROUP_NAME = "expert_model_parallel"
+"""`group_name` of the routed experts' parameters (DeepSpeed-MoE's are named by their EP)."""
+
+
+class RoutedMoE(nn.Module):
+    """[s, b, h] -> ([s, b, h], None): routed experts (plus the shared expert, if any)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe = config.routed_moe
+        assert moe is not None
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        if moe.num_experts % ep != 0:
+            raise ValueError(
+                f"--num-experts {moe.num_experts} is not divisible by "
+                f"--expert-model-parallel-size {ep}"
+            )
+        self.num_local_experts = moe.num_experts // ep
+        self.first_expert = parallel_state.get_expert_model_parallel_rank() * self.num_local_experts
+        self.dispatcher = moe.dispatcher
+        self.router = TopKRouter(config)
+        self.experts = GroupedExperts(config, self.num_local_experts, self.first_expert)
+        for param in self.experts.parameters():
+            param.allreduce = False  # DeepSpeed's mark, which the optimizer's norm reads
+            param.group_name = EXPERT_GROUP_NAME
+        if moe.shared_expert_ffn_hidden_size:
+            shared = dataclasses.replace(config, ffn_hidden_size=moe.shared_expert_ffn_hidden_size)
+            self.shared_experts = ParallelMLP(shared)
+        else:
+            self.shared_experts = None
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """[s, b, h] -> ([s, b, h], no separate bias)."""
+        seq_length, batch, width = hidden.shape
+        tokens = hidden.reshape(-1, width)  # [T, h], T = s x b
+        probs, routing_map = self.router(tokens, seq_length)  # [T, E] each
+        if self.dispatcher == "alltoall":
+            output = self._all_to_all(tokens, probs, routing_map)
+        else:
+            output = self._all_gather(tokens, probs, routing_map)
+        output = output.view(seq_length, batch, width)
+        if self.shared_experts is not None:
+            shared, bias = self.shared_experts(hidden)
+            output = output + (shared if bias is None else shared + bias)
+        return output, None
+
+    def _all_to_all(
+        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    ) -> torch.Tensor:
+        # (expert, token) pairs in expert order: the row order of every expert's input.
+        expert_ids, token_ids = routing_map.t().nonzero(as_tuple=True)  # [N] each
+        weights = probs.t()[expert_ids, token_ids]  # [N]
+        permuted = tokens[token_ids]  # [N, h]
+        ep, local = parallel_state.get_expert_model_parallel_world_size(), self.num_local_experts
+        counts = routing_map.sum(dim=0).view(ep, local)  # [EP, local]: to each rank's experts
+        received_counts = exchange_counts_over_expert_parallel(counts)  # [EP, local]: from each
+        sent, received = counts.sum(dim=1).tolist(), received_counts.sum(dim=1).tolist()
+        arrived = all_to_all_over_expert_parallel(permuted, received, sent)  # by (source, expert)
+        order = _by_expert_then_source(received_counts)
+        outputs = self.experts(arrived[order], received_counts.sum(dim=0).tolist())
+        returned = all_to_all_over_expert_parallel(outputs[_inverse(order)], sent, received)
+        return _combine(returned, weights, token_ids, tokens.shape[0])
+
+    def _all_gather(
+        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    ) -> torch.Tensor:
+        everyone = gather_from_expert_parallel_region(tokens)  # [EP x T, h]
+        all_probs = gather_from_expert_parallel_region(probs)  # [EP x T, E]
+        all_map = gather_indices_from_expert_parallel_region(routing_map.to(torch.uint8)).bool()
+        mine = slice(self.first_expert, self.first_expert + self.num_local_experts)
+        expert_ids, token_ids = all_map[:, mine].t().nonzero(as_tuple=True)
+        weights = all_probs[:, mine].t()[expert_ids, token_ids]
+        outputs = self.experts(everyone[token_ids], all_map[:, mine].sum(dim=0).tolist())
+        combined = _combine(outputs, weights, token_ids, everyone.shape[0])  # [EP x T, h]
+        return reduce_scatter_to_expert_parallel_region(combined)
+
+
+def _by_expert_then_source(counts: torch.Tensor) -> torch.Tensor:
+    """Row order regrouping chunks laid out (source rank, expert) into (expert, source rank);
+    `counts` [EP, local] are the chunk sizes."""
+    sizes = counts.flatten().tolist()
+    starts = [0]
+    for size in sizes[:-1]:
+        starts.append(starts[-1] + size)
+    ep, local = counts.shape
+    pieces = [
+        torch.arange(starts[r * local + e], starts[r * local + e] + sizes[r * local + e])
+        for e in range(local)
+        for r in range(ep)
+    ]
+    return torch.cat(pieces).to(counts.device)
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
+def _combine(
+    outputs: torch.Tensor, weights: torch.Tensor, token_ids: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Sum each token's expert outputs times their routing weights: [N, h] -> [T, h]."""
+    weighted = outputs * weights.to(outputs.dtype).unsqueeze(-1)
+    combined = outputs.new_zeros((num_tokens, outputs.shape[-1]))
+    return combined.index_add(0, token_ids, weighted)
+
+
+def routed_moe_layers(model: nn.Module) -> list[RoutedMoE]:
+    """The model's Megatron-LM MoE layers."""
+    return [module for module in model.modules() if isinstance(module, RoutedMoE)]
+
+
+def reduce_expert_gradients(model: nn.Module) -> None:
+    """With expert parallelism, the routed experts' gradients (left out of the data-parallel
+    reduction): see `reduce_expert_gradient`. Without it, they are averaged with the rest."""
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return
+    for layer in routed_moe_layers(model):
+        for param in layer.experts.parameters():
+            if param.grad is not None:
+                reduce_expert_gradient(param.grad)
+
+
+def update_expert_biases(model: nn.Module) -> None:
+    """After a step's backward: move the aux-loss-free routers' expert biases toward even
+    loads, counted over every rank of this pipeline stage (Megatron-LM's TP x DP x CP)."""
+    group = parallel_state.get_stage_group()
+    for layer in routed_moe_layers(model):
+        if layer.router.expert_bias is not None:
+            layer.router.update_expert_bias(group)

@@ -1,0 +1,159 @@
+"""Megatron-LM's top-k router: which experts each token goes to, with what weight, and the
+load-balancing losses (Megatron core's `TopKRouter`, same flags and arithmetic).
+
+Scores: softmax of the logits over the chosen k (or over all experts first, with
+`--moe-router-pre-softmax`), or sigmoid normalized over the chosen k (DeepSeek-V3). With
+`--moe-router-enable-expert-bias` a per-expert bias is added to the scores when choosing the
+experts only (the weights stay unbiased) and moved after every step toward even loads
+(`update_expert_biases`; aux-loss-free balancing, arXiv 2408.15664). The losses reach the
+backward through autograd (`megatron.model.moe_aux_loss`): the z-loss through the logits,
+the load-balancing loss through the routing weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig, RoutedMoEConfig
+from megatron.model.moe_aux_loss import attach_aux_loss
+from megatron.model.utils import init_method_normal
+
+ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+
+
+class TopKRouter(nn.Module):
+    """hidden [T, h] -> (routing weights [T, E], routing map [T, E] bool), E = all experts."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe = config.routed_moe
+        assert moe is not None
+        self.moe: RoutedMoEConfig = moe
+        self.weight = nn.Parameter(
+            torch.empty(moe.num_experts, config.hidden_size, dtype=config.torch_dtype)
+        )
+        init_method_normal(config.init_method_std)(self.weight)
+        if moe.expert_bias:
+            # fp32 buffers: saved with the model, identical on every rank of a stage.
+            self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(moe.num_experts))
+        else:
+            self.expert_bias = None
+
+    def forward(self, hidden: torch.Tensor, seq_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, h] tokens ([s, b] flattened, `seq_length` = s) -> weights and map, [T, E]."""
+        logits = self._logits(hidden)  # [T, E]
+        training = self.training and torch.is_grad_enabled()
+        if training and self.moe.z_loss_coeff:
+            z_loss = torch.logsumexp(logits.float(), dim=-1).square().mean()
+            logits = attach_aux_loss(logits, z_loss * self.moe.z_loss_coeff, 1.0)
+        probs, routing_map = topk_routing(logits, self.moe, self.expert_bias)
+        if self.moe.capacity_factor is not None:
+            probs, routing_map = drop_over_capacity(probs, routing_map, self.moe)
+        if training and self.moe.load_balancing != "none" and self.moe.aux_loss_coeff > 0:
+            loss = load_balancing_loss(logits, self.moe, seq_length)
+            probs = attach_aux_loss(probs, loss * self.moe.aux_loss_coeff, 1.0)
+        if training and self.expert_bias is not None:
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
+        return probs, routing_map
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = ROUTER_DTYPES[self.moe.router_dtype]
+        if dtype is None:
+            return F.linear(hidden, self.weight)
+        # Outside autocast, which would compute the product in half precision.
+        with torch.autocast(hidden.device.type, enabled=False):
+            return F.linear(hidden.to(dtype), self.weight.to(dtype))
+
+    @torch.no_grad()
+    def update_expert_bias(self, group: dist.ProcessGroup | None) -> None:
+        """Move each expert's bias by the update rate toward the mean load (sign of the gap)
+        of the loads counted since the last update, summed over `group`; reset the counts."""
+        counts = self.local_tokens_per_expert
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(counts, group=group)
+        gap = counts.mean() - counts
+        self.expert_bias += torch.sign(gap) * self.moe.bias_update_rate
+        counts.zero_()
+
+
+def topk_routing(
+    logits: torch.Tensor, moe: RoutedMoEConfig, expert_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron-LM's `topk_routing_with_score_function`: weights [T, E] (zero off the chosen
+    experts) and the boolean routing map [T, E]."""
+    k = moe.top_k
+    if moe.score_function == "softmax":
+        if moe.pre_softmax:
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            chosen = _choose(scores, k, expert_bias)
+            probs = scores.gather(1, chosen)
+        else:
+            chosen = _choose(logits.float(), k, expert_bias)
+            probs = torch.softmax(logits.gather(1, chosen), dim=-1, dtype=torch.float32)
+    else:  # sigmoid
+        scores = torch.sigmoid(logits.float())
+        chosen = _choose(scores, k, expert_bias)
+        probs = scores.gather(1, chosen)
+        if k > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    if moe.topk_scaling_factor:
+        probs = probs * moe.topk_scaling_factor
+    probs = probs.type_as(logits)
+    dense = torch.zeros_like(logits).scatter(1, chosen, probs)  # [T, E]
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True)
+    return dense, routing_map
+
+
+def _choose(scores: torch.Tensor, k: int, expert_bias: torch.Tensor | None) -> torch.Tensor:
+    """The k experts of highest score (plus the expert bias, when there is one): [T, k]."""
+    if expert_bias is not None:
+        scores = scores + expert_bias.float()
+    return torch.topk(scores, k=k, dim=1).indices
+
+
+def drop_over_capacity(
+    probs: torch.Tensor, routing_map: torch.Tensor, moe: RoutedMoEConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep at most ceil(T x k / E x factor) tokens per expert: those of highest weight
+    (`--moe-token-drop-policy probs`) or the first ones (`position`)."""
+    tokens, experts = routing_map.shape
+    capacity = math.ceil(tokens * moe.top_k / experts * moe.capacity_factor)
+    if capacity >= tokens:
+        return probs, routing_map
+    if moe.drop_policy == "probs":
+        rank_by = probs.detach().float().masked_fill(~routing_map, -1.0)
+    else:  # position: the earliest tokens first
+        order = torch.arange(tokens, 0, -1, device=probs.device, dtype=torch.float32)
+        rank_by = order[:, None].expand(tokens, experts).masked_fill(~routing_map, -1.0)
+    kept = torch.topk(rank_by, k=capacity, dim=0).indices  # [capacity, E]
+    keep = torch.zeros_like(routing_map).scatter(0, kept, True) & routing_map
+    return probs * keep, keep
+
+
+def load_balancing_loss(logits: torch.Tensor, moe: RoutedMoEConfig, seq_length: int) -> torch.Tensor:
+    """The Switch-Transformer loss E x sum_i f_i x P_i over the micro-batch (aux_loss), or per
+    sequence and averaged over the sequences (seq_aux_loss), from scores over all experts."""
+    experts, k = moe.num_experts, moe.top_k
+    if moe.score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = torch.sigmoid(logits.float())
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    chosen = torch.topk(scores, k=k, dim=1).indices
+    routed = torch.zeros_like(scores).scatter(1, chosen, 1.0)  # [T, E]
+    if moe.load_balancing == "seq_aux_loss":
+        # [s, b x E]: each sequence's experts side by side; the sum is over the sequences.
+        batch = scores.shape[0] // seq_length
+        scores = scores.reshape(seq_length, batch * experts)
+        routed = routed.reshape(seq_length, batch * experts)
+        tokens = seq_length
+    else:
+        batch, tokens = 1, scores.shape[0]
+    loss = (scores.sum(dim=0) * routed.sum(dim=0)).sum() * experts / (k * tokens * tokens)
+    return loss / batch
