@@ -175,6 +175,34 @@ FEATURES: tuple[Feature, ...] = (
         },
     ),
     Feature(
+        name="Mixture-of-Experts (Megatron-LM's MoE layers)",
+        flag="--num-experts",
+        used=lambda layout, moe: layout.moe == "megatron",
+        engines=frozenset({Engine.PLAIN, Engine.DEEPSPEED, Engine.MEGATRON_SCHEDULES}),
+        refusals={
+            Engine.DEEPSPEED_PIPE: (
+                "{flag} with Megatron-LM's MoE flags needs --no-pipeline-parallel (DeepSpeed's "
+                "engine), or no --deepspeed (plain torch; Megatron's pipeline schedules at PP "
+                "above 1): DeepSpeed's pipeline engine neither scales nor reports the MoE "
+                "losses of its stages"
+            ),
+        },
+    ),
+    Feature(
+        name="Megatron-LM expert parallelism (EP > 1)",
+        flag="--expert-model-parallel-size",
+        used=lambda layout, moe: layout.moe == "megatron" and layout.expert_parallel > 1,
+        engines=frozenset({Engine.PLAIN, Engine.MEGATRON_SCHEDULES}),
+        refusals={
+            engine: (
+                "{flag} needs no --deepspeed (plain torch, or Megatron's schedules at PP above "
+                "1): DeepSpeed's engine averages every gradient over all data-parallel ranks, "
+                "expert ones too"
+            )
+            for engine in _DEEPSPEED
+        },
+    ),
+    Feature(
         name="sharded data parallelism (torch FSDP2)",
         flag="--use-distributed-optimizer",
         used=lambda layout, moe: layout.sharding != "none",
@@ -219,6 +247,9 @@ _FLAG_VALUES: dict[str, Callable[[ParallelLayout, str | None], str]] = {
     "--num-experts": lambda layout, moe: moe or "--num-experts",
     "--moe-expert-parallel-size": lambda layout, moe: (
         f"--moe-expert-parallel-size {layout.expert_parallel}"
+    ),
+    "--expert-model-parallel-size": lambda layout, moe: (
+        f"--expert-model-parallel-size {layout.expert_parallel}"
     ),
     "--tensor-model-parallel-size": lambda layout, moe: (
         f"--tensor-model-parallel-size {layout.tensor_parallel}"

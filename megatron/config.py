@@ -165,7 +165,8 @@ class RoutedMoEConfig:
     grouped_gemm: bool = False
     """One grouped matmul for all local experts (`--moe-grouped-gemm`) instead of a loop."""
     expert_parallel_size: int = 1
-    """Data-parallel ranks each MoE layer's experts are split over (`--expert-model-parallel-size`)."""
+    """Data-parallel ranks each MoE layer's experts are split over (EP,
+    `--expert-model-parallel-size`)."""
     per_layer_logging: bool = False
     """Log each MoE layer's losses, not only their mean (`--moe-per-layer-logging`)."""
 
@@ -334,6 +335,7 @@ class ModelConfig:
         if get("checkpoint_activations") and granularity is None:
             granularity = "full"
         moe = moe_config_from_args(args)
+        routed_moe = routed_moe_config_from_args(args)
         return cls(
             num_layers=args.num_layers,
             hidden_size=args.hidden_size,
@@ -375,10 +377,56 @@ class ModelConfig:
             # (outside any graph): the layers are compiled one by one around them.
             compile_whole_model=(get("zero_stage") or 0) < 3
             and moe is None
+            and routed_moe is None
             and (get("ds_sequence_parallel_size") or 1) == 1
             and (get("context_parallel_size") or 1) == 1,
             moe=moe,
+            routed_moe=routed_moe,
         )
+
+
+def moe_layer_flags(pattern: int | list[int], num_layers: int) -> tuple[bool, ...]:
+    """Which layers are MoE layers, from `--moe-layer-freq` (Megatron-LM's rule: with N,
+    layers 1, N + 1, 2N + 1, ...; or a 0/1 list, one entry per layer)."""
+    if isinstance(pattern, int):
+        if pattern < 1:
+            raise ValueError(f"--moe-layer-freq {pattern}: must be at least 1")
+        return tuple(index % pattern == 0 for index in range(num_layers))
+    if len(pattern) != num_layers or any(value not in (0, 1) for value in pattern):
+        raise ValueError(
+            f"--moe-layer-freq: the pattern has {len(pattern)} entries, --num-layers is "
+            f"{num_layers}; each entry 0 (dense) or 1 (MoE)"
+        )
+    return tuple(bool(value) for value in pattern)
+
+
+def routed_moe_config_from_args(args: Namespace) -> RoutedMoEConfig | None:
+    """Megatron-LM's MoE settings of validated flags; None without them."""
+    if not getattr(args, "routed_moe", False):
+        return None
+    return RoutedMoEConfig(
+        num_experts=args.num_experts[0],
+        moe_layers=moe_layer_flags(args.moe_layer_freq, args.num_layers),
+        top_k=args.moe_router_topk,
+        ffn_hidden_size=args.moe_ffn_hidden_size,
+        shared_expert_ffn_hidden_size=args.moe_shared_expert_intermediate_size,
+        score_function=args.moe_router_score_function,
+        pre_softmax=args.moe_router_pre_softmax,
+        topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        load_balancing=args.moe_router_load_balancing_type[0],
+        aux_loss_coeff=args.moe_aux_loss_coeff[0],
+        z_loss_coeff=args.moe_z_loss_coeff,
+        expert_bias=args.moe_router_enable_expert_bias,
+        bias_update_rate=args.moe_router_bias_update_rate,
+        router_dtype=args.moe_router_dtype,
+        dispatcher=args.moe_token_dispatcher_type,
+        capacity_factor=args.moe_expert_capacity_factor,
+        pad_to_capacity=args.moe_pad_expert_input_to_capacity,
+        drop_policy=args.moe_token_drop_policy,
+        grouped_gemm=args.moe_grouped_gemm,
+        expert_parallel_size=args.expert_model_parallel_size,
+        per_layer_logging=args.moe_per_layer_logging,
+    )
 
 
 def _cp_comm_types(args: Namespace) -> tuple[str, ...]:
@@ -404,7 +452,7 @@ def _position_embedding_type(args: Namespace) -> str:
 def moe_config_from_args(args: Namespace) -> MoEConfig | None:
     """The MoE settings of validated flags; None when every layer keeps one expert."""
     num_experts = list(getattr(args, "num_experts", None) or [1])
-    if all(count == 1 for count in num_experts):
+    if all(count == 1 for count in num_experts) or getattr(args, "routed_moe", False):
         return None
     return MoEConfig(
         experts_per_layer=experts_per_layer(num_experts, args.num_layers, args.expert_interval),

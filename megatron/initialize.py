@@ -233,7 +233,12 @@ def initialize_megatron(
     args.rank = dist.get_rank()
     layout = args.layout  # the groups come from the settled layout
     parallel_state.initialize_model_parallel(
-        layout.tensor_parallel, layout.pipeline_parallel, layout.ulysses, layout.context_parallel
+        layout.tensor_parallel,
+        layout.pipeline_parallel,
+        layout.ulysses,
+        layout.context_parallel,
+        # DeepSpeed-MoE's expert groups are DeepSpeed's own; Megatron-LM's MoE uses ours.
+        layout.expert_parallel if layout.moe == "megatron" else 1,
     )
     if args.deepspeed_activation_checkpointing:
         use_deepspeed_activation_checkpointing(args)

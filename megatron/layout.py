@@ -81,6 +81,13 @@ def engine_of(args: argparse.Namespace) -> Engine:
     )
 
 
+def _moe_kind(args: argparse.Namespace) -> str:
+    if getattr(args, "routed_moe", False):
+        return "megatron"
+    counts = getattr(args, "num_experts", None) or [1]
+    return "deepspeed" if any(count > 1 for count in counts) else "none"
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """Sizes, sharding, precision and engine of one run; frozen once validated.
@@ -107,6 +114,9 @@ class ParallelLayout:
     context_parallel: int = 1
     """Context-parallel size (`--context-parallel-size`: ring attention and its kin); 1 when
     off."""
+    moe: str = "none"
+    """Which Mixture-of-Experts: "none", "deepspeed" (DeepSpeed-MoE, Megatron-DeepSpeed's
+    flags) or "megatron" (Megatron-LM's MoE, `megatron.model.moe_layer`)."""
     sharding: str = "none"
     """Sharded data parallelism without DeepSpeed (torch FSDP2): "none" (DDP), "optim_grads"
     (ZeRO-2 pattern: `--use-distributed-optimizer`) or "optim_grads_params" (ZeRO-3 pattern:
@@ -138,7 +148,12 @@ class ParallelLayout:
             pipeline_parallel=args.pipeline_model_parallel_size,
             virtual_pipeline=args.virtual_pipeline_model_parallel_size or 1,
             data_parallel=args.data_parallel_size,
-            expert_parallel=getattr(args, "moe_expert_parallel_size", 1) or 1,
+            expert_parallel=(
+                args.expert_model_parallel_size
+                if getattr(args, "routed_moe", False)
+                else getattr(args, "moe_expert_parallel_size", 1) or 1
+            ),
+            moe=_moe_kind(args),
             ulysses=getattr(args, "ds_sequence_parallel_size", 1) or 1,
             context_parallel=getattr(args, "context_parallel_size", 1) or 1,
             sharding=getattr(args, "data_parallel_sharding", "none"),

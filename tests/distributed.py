@@ -188,8 +188,12 @@ class World:
         time.sleep(STACK_DUMP_WAIT_S)
         reports = []
         for rank in range(len(context.processes)):
-            with open(os.path.join(stack_dir, f"rank{rank}.txt"), encoding="utf-8") as stream:
-                stacks = stream.read().strip() or "(no stack written: the rank had exited)"
+            path = os.path.join(stack_dir, f"rank{rank}.txt")
+            if not os.path.exists(path):  # a loaded machine: the rank had not started yet
+                stacks = "(no stack written: the rank had not started)"
+            else:
+                with open(path, encoding="utf-8") as stream:
+                    stacks = stream.read().strip() or "(no stack written: the rank had exited)"
             reports.append(f"--- rank {rank}, doing: {self._doing(rank)}\n{stacks}")
         _kill(context)
         return "\n".join(reports)

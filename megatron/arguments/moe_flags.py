@@ -107,7 +107,8 @@ def settle_moe(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--num-experts {' '.join(map(str, counts))}: must be at least 1")
     if args.expert_interval < 1:
         raise ArgumentError(f"--expert-interval {args.expert_interval}: must be at least 1")
-    args.moe = any(count > 1 for count in counts)
+    # `args.moe` is DeepSpeed-MoE; Megatron-LM's MoE is `args.routed_moe` (routed_moe_flags).
+    args.moe = any(count > 1 for count in counts) and not getattr(args, "routed_moe", False)
     if not args.moe:
         return
     try:

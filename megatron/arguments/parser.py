@@ -22,6 +22,7 @@ from megatron.arguments import (
     model_flags,
     moe_flags,
     parallel_flags,
+    routed_moe_flags,
     run_flags,
     sharding_flags,
     v1_flags,
@@ -48,6 +49,7 @@ FLAG_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     parallel_flags.add_deepspeed_flags,
     sharding_flags.add_sharding_flags,
     moe_flags.add_moe_flags,
+    routed_moe_flags.add_routed_moe_flags,
     v1_flags.add_v1_flags,
     compat_flags.add_compat_flags,
 )

@@ -30,6 +30,7 @@ from megatron.arguments.moe_flags import settle_moe
 from megatron.arguments.parallel_flags import job_backend
 from megatron.arguments.pipeline_checks import settle_pipeline
 from megatron.arguments.precision import check_flash_attention_precision
+from megatron.arguments.routed_moe_flags import choose_moe_family, settle_routed_moe
 from megatron.arguments.sharding_flags import refuse_sharded_experts, settle_sharding
 from megatron.arguments.ulysses_checks import settle_ulysses
 from megatron.arguments.v1_flags import train_data_corpus, translate_v1_flags
@@ -320,8 +321,10 @@ def _recompute(args: argparse.Namespace) -> None:
 
 
 def _experts_flag(args: argparse.Namespace) -> str | None:
-    """`--num-experts ...` as typed when some layer has experts, else None."""
+    """`--num-experts ...` as typed when some layer has DeepSpeed-MoE experts, else None."""
     counts = getattr(args, "num_experts", None) or [1]
+    if getattr(args, "routed_moe", False):
+        return None
     if not any(count > 1 for count in counts):
         return None
     return "--num-experts " + " ".join(map(str, counts))
@@ -494,6 +497,7 @@ def validate_args(
     args.compat_notes = []  # start-up lines about spellings and defaults of other versions
     translate_v1_flags(args, explicit_flags, world_size)  # v1 spellings -> today's settings
     _their_spellings(args, explicit_flags)
+    choose_moe_family(args, explicit_flags)  # Megatron-LM's MoE or DeepSpeed-MoE
     _parallel_sizes(args, world_size)
     _model_shape(args)
     if args.deepspeed:
@@ -511,8 +515,9 @@ def validate_args(
     incompatible = refusal(args.layout, _experts_flag(args))
     if incompatible is not None:
         raise ArgumentError(incompatible)
-    refuse_sharded_experts(args, _experts_flag(args))
+    refuse_sharded_experts(args, _experts_flag(args))  # DeepSpeed-MoE's
     settle_moe(args)
+    settle_routed_moe(args)
     settle_ulysses(args)
     settle_context_parallel(args)
     if args.deepspeed:

@@ -56,6 +56,15 @@ def check_checkpoint_args(
                 f"--target-tensor-parallel-size {args.tensor_model_parallel_size} "
                 f"--target-pipeline-parallel-size {args.pipeline_model_parallel_size}"
             )
+    theirs = saved.get("expert_model_parallel_size") or 1
+    ours = getattr(args, "expert_model_parallel_size", 1) or 1
+    if theirs != ours:
+        raise CheckpointError(
+            f"{path} was saved with --expert-model-parallel-size {theirs}, this run has "
+            f"--expert-model-parallel-size {ours}: a torch-format checkpoint of Megatron-LM's "
+            f"MoE loads at its own expert-parallel size; save with --ckpt-format torch_dist to "
+            "change it"
+        )
     theirs = saved.get("virtual_pipeline_model_parallel_size") or 1
     ours = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     if theirs != ours:
@@ -92,8 +101,11 @@ def _check_model_shape(saved: dict, args: argparse.Namespace, path: str) -> None
 
 
 def _experts(args: dict) -> tuple | None:
-    """(experts of each layer, --mlp-type) of a model's flags; None when it has no MoE layer."""
+    """(experts of each layer, --mlp-type) of a model's flags; None when it has no MoE layer.
+    Megatron-LM's MoE: ("megatron", experts, --moe-layer-freq)."""
     counts = list(args.get("num_experts") or [1])
+    if args.get("routed_moe"):
+        return "megatron", counts[0], str(args.get("moe_layer_freq", 1))
     if all(count == 1 for count in counts):
         return None
     per_layer = experts_per_layer(counts, args["num_layers"], args.get("expert_interval", 2))
@@ -103,6 +115,8 @@ def _experts(args: dict) -> tuple | None:
 def _describe_experts(args: dict) -> str:
     if _experts(args) is None:
         return "no MoE layers"
+    if args.get("routed_moe"):
+        return f"--num-experts {args['num_experts'][0]} --moe-layer-freq {args['moe_layer_freq']}"
     counts = " ".join(map(str, args["num_experts"]))
     flags = f"--num-experts {counts} --expert-interval {args.get('expert_interval', 2)}"
     return flags + (" --mlp-type residual" if args.get("mlp_type") == "residual" else "")

@@ -64,9 +64,15 @@ def checkpoint_directory(root: str, iteration: int, release: bool = False) -> st
     return os.path.join(root, "release" if release else f"iter_{iteration:07d}")
 
 
-def rank_file(directory: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """`{directory}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt` of one model-parallel rank."""
+def rank_file(
+    directory: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int | None = None
+) -> str:
+    """`{directory}/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt` of one
+    model-parallel rank; `ep_rank` with Megatron-LM's expert parallelism above 1 (its naming:
+    each expert-parallel rank holds other experts)."""
     name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+    if ep_rank is not None:
+        name += f"_{ep_rank:03d}"
     return os.path.join(directory, name, MEGATRON_FILENAME)
 
 

@@ -50,6 +50,7 @@ from megatron.checkpointing.dist_checkpoint import (
 from megatron.checkpointing.file_format import (
     CHECKPOINT_VERSION,
     HEAD_KEY,
+    MEGATRON_FILENAME,
     args_dict,
     checkpoint_directory,
     chunk_keys,
@@ -80,12 +81,22 @@ from megatron.utils import print_rank_0
 
 
 def _this_rank_file(directory: str) -> str:
+    expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
     return rank_file(
         directory,
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_rank() if expert_parallel else None,
     )
+
+
+def _writes_megatron_file() -> bool:
+    """The first of the ranks holding the same weights: data (and context) rank 0, or with
+    Megatron-LM's expert parallelism the first rank holding the same experts."""
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        return parallel_state.get_parallel_state().expert_data_ranks[0] == dist.get_rank()
+    return parallel_state.get_sequence_data_parallel_rank() == 0
 
 
 def find_checkpoint(root: str, universal: bool = False) -> LocatedCheckpoint | None:
@@ -304,7 +315,7 @@ def _save_megatron_files(state, target: CheckpointTarget, args: argparse.Namespa
     final = checkpoint_directory(args.save, iteration)
     staging = checkpoint_commit.begin(final, previous_checkpoint(args.save))
     failure = None
-    if parallel_state.get_sequence_data_parallel_rank() == 0:
+    if _writes_megatron_file():
         checkpoint = _client_state(state, args, rng, target)
         checkpoint.update(
             model_entries([nest_model_state(chunk) for chunk in weights])
@@ -422,6 +433,8 @@ def _metadata(found: LocatedCheckpoint) -> tuple[str, dict]:
             raise CheckpointError(str(error)) from None
     if found.layout == "megatron":
         path = _this_rank_file(found.directory)
+        if not os.path.isfile(path):
+            _refuse_missing_rank_file(found.directory, path)
         return path, load_file(path)
     from megatron.checkpointing.deepspeed_engine import DEEPSPEED_SAFE_GLOBALS
 
@@ -433,6 +446,31 @@ def _metadata(found: LocatedCheckpoint) -> tuple[str, dict]:
     if not os.path.isfile(path) and os.path.isfile(zero3):
         path = zero3
     return path, load_file(path, mmap=True, extra_globals=DEEPSPEED_SAFE_GLOBALS)
+
+
+def _refuse_missing_rank_file(directory: str, path: str) -> None:
+    """No file for this rank: say which layout the checkpoint was saved at, read off the
+    arguments in one of its files."""
+    names = sorted(n for n in os.listdir(directory) if n.startswith("mp_rank_"))
+    saved = ""
+    if names:
+        other = args_dict(
+            load_file(os.path.join(directory, names[0], MEGATRON_FILENAME), mmap=True).get("args")
+        )
+        sizes = [
+            f"{flag} {saved_size}"
+            for flag, saved_size in (
+                ("--tensor-model-parallel-size", other.get("tensor_model_parallel_size")),
+                ("--pipeline-model-parallel-size", other.get("pipeline_model_parallel_size")),
+                ("--expert-model-parallel-size", other.get("expert_model_parallel_size")),
+            )
+            if saved_size is not None
+        ]
+        saved = f"; it was saved with {', '.join(sizes)} ({len(names)} rank files)"
+    raise CheckpointError(
+        f"{path} does not exist{saved}: load it at that layout (a torch_dist checkpoint loads "
+        f"at any), or convert a dense model's with {RESHARD_TOOL}"
+    )
 
 
 def _pipeline_weights(flat: dict, args: argparse.Namespace) -> dict:

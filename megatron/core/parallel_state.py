@@ -148,14 +148,15 @@ def generate_rank_groups(
                 "the experts are split over data-parallel ranks"
             )
         blocks, E = range(dp // ep), range(ep)  # noqa: N806
+        # In megatron-core's order of its expert rank generator ("tp-ep-dp-pp").
         groups["expert"] = [
-            [rank(t, c, b * ep + e, p) for e in E] for p in P for c in C for t in T for b in blocks
+            [rank(t, c, b * ep + e, p) for e in E] for p in P for c in C for b in blocks for t in T
         ]
         groups["expert_data"] = [
             sorted(rank(t, c, b * ep + e, p) for c in C for b in blocks)
             for p in P
-            for t in T
             for e in E
+            for t in T
         ]
     return groups
 

@@ -62,7 +62,9 @@ class GroupedExperts(nn.Module):
         output = self._matmul(activated, self.weight2.to(dtype), counts)  # [N, h]
         return _add_bias(output, self.bias2, counts)
 
-    def _matmul(self, tokens: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _matmul(
+        self, tokens: torch.Tensor, weight: torch.Tensor, counts: list[int]
+    ) -> torch.Tensor:
         """Each expert's rows times its [in, out] weight."""
         if self.grouped_gemm and _grouped_mm_fits(tokens, weight):
             offsets = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)

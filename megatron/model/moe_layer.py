@@ -13,9 +13,9 @@ routed to it (`--moe-expert-capacity-factor` bounds it).
 
 Parameter names: `mlp.router.weight` ([E, h]), `mlp.experts.weight1/weight2` (and biases;
 stacked over this rank's experts, `moe_experts.py`), `mlp.shared_experts.*` (Megatron-LM's
-shared expert, our MLP with `--moe-shared-expert-intermediate-size`). Expert parameters carry
-`allreduce = False`: their gradients are averaged over the ranks holding the same experts
-(`reduce_expert_gradients`), not over all data-parallel ranks.
+shared expert, our MLP with `--moe-shared-expert-intermediate-size`). With expert parallelism
+the expert parameters carry `allreduce = False`: their gradients are reduced over the ranks
+holding the same experts (`reduce_expert_gradients`), not over all data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -61,9 +61,10 @@ class RoutedMoE(nn.Module):
         self.dispatcher = moe.dispatcher
         self.router = TopKRouter(config)
         self.experts = GroupedExperts(config, self.num_local_experts, self.first_expert)
-        for param in self.experts.parameters():
-            param.allreduce = False  # DeepSpeed's mark, which the optimizer's norm reads
-            param.group_name = EXPERT_GROUP_NAME
+        if ep > 1:  # each rank holds other experts: DeepSpeed's mark, read by the grad norm
+            for param in self.experts.parameters():
+                param.allreduce = False
+                param.group_name = EXPERT_GROUP_NAME
         if moe.shared_expert_ffn_hidden_size:
             shared = dataclasses.replace(config, ffn_hidden_size=moe.shared_expert_ffn_hidden_size)
             self.shared_experts = ParallelMLP(shared)
@@ -159,7 +160,8 @@ def reduce_expert_gradients(model: nn.Module) -> None:
         return
     for layer in routed_moe_layers(model):
         for param in layer.experts.parameters():
-            if param.grad is not None:
+            # FSDP2 (DTensor gradients) reduce-scattered them already (engines/fsdp.py).
+            if param.grad is not None and not hasattr(param.grad, "to_local"):
                 reduce_expert_gradient(param.grad)
 
 
@@ -170,3 +172,24 @@ def update_expert_biases(model: nn.Module) -> None:
     for layer in routed_moe_layers(model):
         if layer.router.expert_bias is not None:
             layer.router.update_expert_bias(group)
+
+
+def finish_moe_backward(model: nn.Module) -> None:
+    """What a step does between the backward and the optimizer for Megatron-LM's MoE layers:
+    reduce the expert gradients, update the expert biases."""
+    reduce_expert_gradients(model)
+    update_expert_biases(model)
+
+
+def names_outside_data_parallel(model: nn.Module) -> list[str]:
+    """Parameters and buffers DDP must leave alone: experts under expert parallelism (reduced
+    apart) and the routers' load counts (each rank's own until the step sums them)."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, RoutedMoE):
+            names += [f"{name}.router.{buffer}" for buffer, _ in module.router.named_buffers()]
+            if parallel_state.get_expert_model_parallel_world_size() > 1:
+                names += [
+                    f"{name}.experts.{param}" for param, _ in module.experts.named_parameters()
+                ]
+    return names

@@ -136,7 +136,9 @@ def drop_over_capacity(
     return probs * keep, keep
 
 
-def load_balancing_loss(logits: torch.Tensor, moe: RoutedMoEConfig, seq_length: int) -> torch.Tensor:
+def load_balancing_loss(
+    logits: torch.Tensor, moe: RoutedMoEConfig, seq_length: int
+) -> torch.Tensor:
     """The Switch-Transformer loss E x sum_i f_i x P_i over the micro-batch (aux_loss), or per
     sequence and averaged over the sequences (seq_aux_loss), from scores over all experts."""
     experts, k = moe.num_experts, moe.top_k

@@ -46,6 +46,7 @@ from megatron.model.inference_params import InferenceParams
 from megatron.model.mlp import ParallelMLP, linear_kwargs
 from megatron.model.moe import build_moe_mlp
 from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, attach_aux_loss
+from megatron.model.moe_layer import RoutedMoE
 from megatron.model.utils import (
     build_norm,
     init_method_normal,
@@ -209,9 +210,17 @@ class ParallelTransformerLayer(nn.Module):
         self.self_attention = ParallelAttention(config, layer_number)
         self.post_attention_layernorm = build_norm(config)
         experts = config.moe.experts_per_layer[layer_number - 1] if config.moe else 1
-        self.is_moe = experts > 1
-        # DeepSpeed's MoE layer (`.mlp.deepspeed_moe...`, Megatron-DeepSpeed's names) or ours.
-        self.mlp = build_moe_mlp(config, experts) if self.is_moe else ParallelMLP(config)
+        self.is_moe = experts > 1  # DeepSpeed-MoE
+        routed = config.routed_moe
+        self.is_routed_moe = routed is not None and routed.moe_layers[layer_number - 1]
+        # DeepSpeed's MoE layer (`.mlp.deepspeed_moe...`, Megatron-DeepSpeed's names),
+        # Megatron-LM's (`.mlp.router`, `.mlp.experts`) or the dense MLP.
+        if self.is_moe:
+            self.mlp = build_moe_mlp(config, experts)
+        elif self.is_routed_moe:
+            self.mlp = RoutedMoE(config)
+        else:
+            self.mlp = ParallelMLP(config)
         self.moe_loss_coeff = config.moe.loss_coeff if self.is_moe else 0.0
 
     def forward(
@@ -231,8 +240,8 @@ class ParallelTransformerLayer(nn.Module):
         )
         with rng:
             # Inside the whole-model graph (TP=1) the layer is traced as part of it. An MoE
-            # layer stays eager: DeepSpeed's gating and all-to-all are not compiled.
-            compile_me = self.torch_compile and not self.is_moe
+            # layer stays eager: its routing sizes the all-to-all from the data.
+            compile_me = self.torch_compile and not (self.is_moe or self.is_routed_moe)
             if compile_me and inference_params is None and not is_compiling():
                 return compiled_layer_forward()(self, hidden, attention_mask)
             return self.layer_forward(hidden, attention_mask, inference_params)
@@ -287,7 +296,9 @@ class ParallelTransformer(nn.Module):
         self.layers = nn.ModuleList(ParallelTransformerLayer(config, n) for n in numbers)
         if post_layer_norm:
             self.final_layernorm = build_norm(config)
-        self.has_moe = any(layer.is_moe for layer in self.layers)
+        self.has_moe = any(layer.is_moe or layer.is_routed_moe for layer in self.layers)
+        # DeepSpeed-MoE layers record their raw losses, Megatron-LM's their weighted ones.
+        self.moe_loss_coeff = config.moe.loss_coeff if config.moe else 1.0
 
     def _recomputed_layers(self, hidden, attention_mask):
         # uniform: recompute every group of N layers as one chunk; block: recompute each of
@@ -320,7 +331,7 @@ class ParallelTransformer(nn.Module):
         """
         # The MoE layers' losses of this forward join the step's 'moe loss' (not those of a
         # recomputation in the backward, which runs outside this scope).
-        scope = MOE_AUX_LOSSES.forward(self.config.moe.loss_coeff) if self.has_moe else None
+        scope = MOE_AUX_LOSSES.forward(self.moe_loss_coeff) if self.has_moe else None
         with scope or contextlib.nullcontext():
             if self.config.recompute_granularity == "full" and self.training:
                 hidden = self._recomputed_layers(hidden, attention_mask)

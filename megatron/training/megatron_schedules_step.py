@@ -30,6 +30,7 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron.core.tensor_parallel.mappings import all_reduce_sum_over_pipeline
 from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, MOE_LOSS, MoEAuxLossAutoScaler
 from megatron.training.monitor import Timers
+from megatron.training.optimizer import is_expert_param
 from megatron.training.step import (
     PlainTrainer,
     StepResult,
@@ -93,7 +94,7 @@ def _moe_loss_over_stages(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
     """This step's 'moe loss' of every stage's MoE layers, summed over the stages; {} for a
     dense model. A collective of the pipeline group."""
     stage = MOE_AUX_LOSSES.pop()
-    if trainer.model[0].config.moe is None:
+    if trainer.model[0].config.moe is None and trainer.model[0].config.routed_moe is None:
         return {}
     # A stage may hold no MoE layer (--expert-interval): it adds nothing.
     total = stage.get(MOE_LOSS, torch.zeros((), device=current_device()))
@@ -142,7 +143,11 @@ def train_step_megatron_schedules(
     # Over data x context ranks (each context rank's part is scaled so the average sums them);
     # FSDP2 chunks were reduce-scattered by torch's stages already.
     if not any(is_sharded(chunk) for chunk in trainer.model):
+        # With expert parallelism the experts' gradients are reduced apart (moe_layer.py).
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            params = [param for param in params if not is_expert_param(param)]
         average_gradients(params, parallel_state.get_sequence_data_parallel_group())
+        params = [param for group in trainer.optimizer.param_groups for param in group["params"]]
     # Clips with the norm over every stage and tensor-parallel rank; skips a non-finite step.
     skipped = optimizer_step_tail(
         trainer, params, scale, global_batch_size or args.global_batch_size

@@ -275,9 +275,13 @@ def clip_grad_norm(
     tp_rank_0 = parallel_state.get_tensor_model_parallel_rank() == 0
     counted = [param for param in params if counted_once(param, tp_rank_0)]
     device = _reduction_device(grads)
-    dense = [p.grad.detach() for p in counted if not is_expert_param(p)]
+    # Under FSDP2 every gradient is a shard, experts' too (over the ranks holding the same
+    # experts, whose expert-parallel peers hold the others): one sum over the data-parallel
+    # ranks counts every piece once.
+    sharded = shard_group is not None
+    dense = [p.grad.detach() for p in counted if sharded or not is_expert_param(p)]
     sum_of_squares = _sum_of_squares(dense, device)
-    expert_groups = sorted({p.group_name for p in counted if is_expert_param(p)})
+    expert_groups = [] if sharded else sorted({p.group_name for p in counted if is_expert_param(p)})
     if expert_groups and expert_parallel_group is None:
         raise ValueError("expert parameters need expert_parallel_group to count them once")
     for name in expert_groups:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import sum_sharded_sequence_parallel_grads
 from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, scale_aux_losses_like
+from megatron.model.moe_layer import finish_moe_backward
 from megatron.training.monitor import Timers
 from megatron.utils import current_device
 
@@ -243,6 +244,8 @@ def optimizer_step_tail(
     update the loss scale, advance the LR schedule by `increment` samples unless skipped, and
     clear the gradients. Returns whether the update was skipped."""
     sum_sharded_sequence_parallel_grads(params)  # FSDP2 with Megatron's sequence parallelism
+    # Megatron-LM's MoE: expert gradients over their own ranks, the routers' expert biases.
+    finish_moe_backward(trainer.model)
     if scale != 1.0:
         for param in params:
             if param.grad is not None:

@@ -88,10 +88,11 @@ def test_generate_rank_groups_equals_megatron_core(tmp_path):
     for world, tp, pp in cases:
         ours = generate_rank_groups(world, tp, pp)
         theirs = expected[f"{world},{tp},{pp}"]
-        assert sorted(ours) == sorted(KINDS)
+        kinds = KINDS + (["stage"] if pp > 1 else [])
+        assert sorted(ours) == sorted(kinds)
         mismatches += [
             f"world {world} tp {tp} pp {pp} {kind}: ours {ours[kind]} megatron {theirs[kind]}"
-            for kind in KINDS
+            for kind in kinds
             if ours[kind] != theirs[kind]
         ]
     assert not mismatches, "\n".join(mismatches[:20])
@@ -115,9 +116,32 @@ def test_context_parallel_groups_equal_megatron_core(tmp_path):
     for world, tp, pp, cp in cases:
         ours = generate_rank_groups(world, tp, pp, context_parallel_size=cp)
         theirs = expected[f"{world},{tp},{pp},{cp}"]
-        assert sorted(ours) == sorted(KINDS + ["sequence", "sequence_data"])
+        stage = ["stage"] if pp > 1 else []
+        assert sorted(ours) == sorted(KINDS + ["sequence", "sequence_data"] + stage)
         for kind in theirs:
             assert ours[kind] == theirs[kind], (world, tp, pp, cp, kind)
+
+
+def test_expert_parallel_groups_equal_megatron_core(tmp_path):
+    """With --expert-model-parallel-size (expert TP = TP, no context parallelism): our expert
+    and expert-data groups are megatron-core's expert "ep" and "dp" groups."""
+    cases = [
+        [world, tp, pp, 1, ep]
+        for world in (4, 8, 16)
+        for tp in (1, 2)
+        for pp in (1, 2)
+        for ep in (2, 4)
+        if world % (tp * pp * ep) == 0
+    ]
+    cases_file, out_file = tmp_path / "cases.json", tmp_path / "groups.json"
+    cases_file.write_text(json.dumps(cases))
+    run_oracle(ORACLE_SCRIPT, str(cases_file), str(out_file))
+    expected = json.loads(out_file.read_text())
+    for world, tp, pp, _, ep in cases:
+        ours = generate_rank_groups(world, tp, pp, expert_parallel_size=ep)
+        theirs = expected[f"{world},{tp},{pp},1,{ep}"]
+        for kind in ("expert", "expert_data", *KINDS):
+            assert ours[kind] == theirs[kind], (world, tp, pp, ep, kind)
 
 
 @pytest.mark.parametrize("world, tp, pp", [(8, 2, 2), (12, 3, 2), (16, 1, 4), (6, 6, 1)])

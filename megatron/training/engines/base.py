@@ -135,7 +135,7 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace, guard: boo
         clip_grad=args.clip_grad,
         guard=True,
         model_parallel_group=parallel_state.get_model_parallel_group(),
-        expert_parallel_group=_expert_parallel_group if getattr(args, "moe", False) else None,
+        expert_parallel_group=_expert_group_of(args),
         # FSDP2 (sharded data parallelism): each rank holds a shard of every gradient.
         shard_group=(
             parallel_state.get_sequence_data_parallel_group()
@@ -155,6 +155,16 @@ def _param_groups(model: torch.nn.Module, args: argparse.Namespace) -> list[dict
 
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
     return groups
+
+
+def _expert_group_of(args: argparse.Namespace) -> Callable[[str], object] | None:
+    """How the gradient norm finds the group spreading an expert parameter: DeepSpeed's
+    groups by name (DeepSpeed-MoE), ours (Megatron-LM's MoE with EP above 1), or None."""
+    if getattr(args, "moe", False):
+        return _expert_parallel_group
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        return lambda name: parallel_state.get_expert_model_parallel_group()
+    return None
 
 
 def _expert_parallel_group(name: str):  # noqa: ANN202 - a torch process group

@@ -5,17 +5,22 @@ ranks (with the context-parallel ones under context parallelism: the gradient gr
 would use), so every rank keeps 1/DP of each parameter, of its fp32 master copy and of Adam's
 moments; parameters are all-gathered for the forward (and again for the backward under the
 ZeRO-3 pattern), gradients reduce-scattered and averaged. Tensor parallelism stays ours: FSDP2
-shards each rank's tensor-parallel shard. Which flags choose which strategy:
-`megatron.arguments.sharding_flags`.
+shards each rank's tensor-parallel shard. With Megatron-LM's expert parallelism each MoE
+layer's experts are their own unit over the ranks holding the same experts (the expert-data
+group, as torchtitan shards them), their gradients divided by the whole data-parallel size
+(Megatron-LM's scaling: every data-parallel rank's tokens reached them). Which flags choose
+which strategy: `megatron.arguments.sharding_flags`.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron.core import parallel_state
 from megatron.layout import ParallelLayout
+from megatron.model.moe_layer import RoutedMoE, names_outside_data_parallel
 from megatron.utils import current_device
 
 # What our layers and the optimizer read from a parameter; FSDP2 makes new ones (DTensors).
@@ -51,6 +56,10 @@ def shard_model(
     group = parallel_state.get_sequence_data_parallel_group()
     _broadcast_initial_states(model, group)
     mesh = DeviceMesh.from_group(group, current_device().type)
+    expert_mesh = None
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        expert_group = parallel_state.get_expert_data_parallel_group()
+        expert_mesh = DeviceMesh.from_group(expert_group, current_device().type)
     attributes = {
         name: {key: getattr(param, key) for key in _PARAMETER_ATTRIBUTES if hasattr(param, key)}
         for name, param in model.named_parameters()
@@ -66,6 +75,12 @@ def shard_model(
     for root in roots:
         layers = list(root.language_model.encoder.layers)
         for layer in layers:
+            if expert_mesh is not None and isinstance(layer.mlp, RoutedMoE):
+                experts = layer.mlp.experts
+                fully_shard(
+                    experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy
+                )
+                experts.set_gradient_divide_factor(float(dist.get_world_size(group)))
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         fully_shard(root, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         if overlap_param_gather:
@@ -80,12 +95,22 @@ def shard_model(
 def _broadcast_initial_states(model: nn.Module, group: object) -> None:
     """Every rank of `group` starts from its first rank's weights, as DDP does on wrapping:
     context-parallel ranks draw tensor-parallel weights from their own model-parallel RNG
-    streams (they drop out apart), and FSDP2 would otherwise shard a mixture of them."""
-    import torch.distributed as dist
-
-    if dist.get_world_size(group) == 1:
-        return
-    source = dist.get_global_rank(group, 0)
+    streams (they drop out apart), and FSDP2 would otherwise shard a mixture of them. Experts
+    under expert parallelism come from the first rank holding the same experts."""
+    apart = set(names_outside_data_parallel(model))
+    tensors = [t for name, t in _named_states(model) if name not in apart]
+    experts = [t for name, t in _named_states(model) if name in apart and ".experts." in name]
     with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(tensor.data, source, group=group)
+        for tensors_of, broadcast_group in (
+            (tensors, group),
+            (experts, parallel_state.get_expert_data_parallel_group()),
+        ):
+            if not tensors_of or dist.get_world_size(broadcast_group) == 1:
+                continue
+            source = dist.get_global_rank(broadcast_group, 0)
+            for tensor in tensors_of:
+                dist.broadcast(tensor.data, source, group=broadcast_group)
+
+
+def _named_states(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(model.named_parameters()) + list(model.named_buffers())

@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron.layout import Engine, ParallelLayout
 from megatron.model import GPTModel
 from megatron.model.moe import set_up_expert_groups
+from megatron.model.moe_layer import names_outside_data_parallel
 from megatron.training.engines.base import (
     PipelineBatch,
     TrainingEngine,
@@ -72,6 +73,9 @@ class PlainEngine(TrainingEngine):
         if args.layout.sharding == "none" and (
             parallel_state.get_sequence_data_parallel_world_size() > 1
         ):
+            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                model, names_outside_data_parallel(model)
+            )
             model = torch.nn.parallel.DistributedDataParallel(
                 model,
                 device_ids=[torch.cuda.current_device()] if torch.cuda.is_available() else None,

@@ -1,0 +1,361 @@
+"""Megatron-LM's MoE flags (`--num-experts N` with `--moe-router-topk`,
+`--expert-model-parallel-size`, `--moe-token-dispatcher-type`, ...) and their checks.
+
+`--num-experts` is also Megatron-DeepSpeed's flag (DeepSpeed-MoE, `moe_flags.py`). Which MoE
+a command line asks for is read off the other flags typed with it (`choose_moe_family`): any
+of Megatron-LM's `--moe-*` / `--expert-*` flags below picks Megatron-LM's MoE
+(`megatron.model.moe_layer`), any of Megatron-DeepSpeed's (`--topk`, `--expert-interval`,
+`--moe-expert-parallel-size`, ...) or `--num-experts` alone picks DeepSpeed-MoE, and both
+families together are refused in one line. Defaults are Megatron-LM's: top-2, aux_loss
+balancing at coefficient 0 (off), the all-gather dispatcher, every layer an MoE layer,
+dropless routing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+
+from megatron.arguments.errors import ArgumentError
+from megatron.config import moe_layer_flags
+
+# Megatron-DeepSpeed's MoE flags (dest names) that Megatron-LM does not have.
+DEEPSPEED_MOE_DESTS = (
+    "topk",
+    "expert_interval",
+    "moe_expert_parallel_size",
+    "moe_train_capacity_factor",
+    "moe_eval_capacity_factor",
+    "moe_min_capacity",
+    "moe_token_dropping",
+    "moe_top2_2nd_expert_sampling",
+    "moe_loss_coeff",
+    "create_moe_param_group",
+    "mlp_type",
+    "enable_expert_tensor_parallelism",
+)
+# Accepted with no effect here: they choose a kernel or an overlap, not a result.
+INERT = {
+    "moe_permute_fusion": "--moe-permute-fusion",
+    "moe_router_fusion": "--moe-router-fusion",
+    "moe_shared_expert_overlap": "--moe-shared-expert-overlap",
+}
+
+
+def moe_layer_pattern(text: str) -> int | list[int]:
+    """`--moe-layer-freq`: N (every N-th layer) or a Python list expression such as
+    "([0]+[1]*23)" (1 = MoE layer), as Megatron-LM reads it."""
+    if "[" not in text:
+        return int(text)
+    # Megatron-LM evaluates the expression; here only list literals of integers with + and *.
+    allowed = (ast.Expression, ast.List, ast.Constant, ast.BinOp, ast.Add, ast.Mult, ast.Load)
+    try:
+        tree = ast.parse(text, mode="eval")
+        if not all(isinstance(node, allowed) for node in ast.walk(tree)):
+            raise ValueError
+        pattern = eval(compile(tree, "<--moe-layer-freq>", "eval"), {"__builtins__": {}})  # noqa: S307
+    except (ValueError, SyntaxError, TypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or a list pattern") from None
+    return list(pattern)
+
+
+def add_routed_moe_flags(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's MoE flags with its defaults (`--num-experts` is `moe_flags`' own)."""
+    group = parser.add_argument_group("Mixture-of-Experts (Megatron-LM)")
+    add = group.add_argument
+    add(
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="Data-parallel ranks each MoE layer's experts are split over (EP).",
+    )
+    add(
+        "--expert-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="Tensor-parallel ranks each expert is split over (1 is built here).",
+    )
+    add(
+        "--moe-layer-freq",
+        type=moe_layer_pattern,
+        default=1,
+        help='Every N-th layer is an MoE layer, or a pattern such as "([0]+[1]*23)".',
+    )
+    add(
+        "--moe-ffn-hidden-size",
+        type=int,
+        default=None,
+        help="Each routed expert's hidden size (default: --ffn-hidden-size).",
+    )
+    add(
+        "--moe-shared-expert-intermediate-size",
+        type=int,
+        default=None,
+        help="Hidden size of the shared expert every token also goes through (none: no shared "
+        "expert).",
+    )
+    add("--moe-router-topk", type=int, default=2, help="Experts per token.")
+    add(
+        "--moe-router-load-balancing-type",
+        nargs="+",
+        default=["aux_loss"],
+        choices=[
+            "aux_loss",
+            "seq_aux_loss",
+            "global_aux_loss",
+            "sinkhorn",
+            "quantile_balancing",
+            "none",
+        ],
+        help="aux_loss (micro-batch), seq_aux_loss (per sequence) or none.",
+    )
+    add(
+        "--moe-aux-loss-coeff",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="Weight of the load-balancing loss (1e-2 is the usual start).",
+    )
+    add("--moe-z-loss-coeff", type=float, default=None, help="Weight of the router z-loss.")
+    add(
+        "--moe-router-score-function",
+        choices=["softmax", "sigmoid", "sqrtsoftplus"],
+        default="softmax",
+        help="Router scores: softmax, or sigmoid (DeepSeek-V3).",
+    )
+    add(
+        "--moe-router-pre-softmax",
+        action="store_true",
+        help="Softmax over all experts before the top-k (not over the chosen k).",
+    )
+    add(
+        "--moe-router-topk-scaling-factor",
+        type=float,
+        default=None,
+        help="Multiply the routing weights by this.",
+    )
+    add(
+        "--moe-router-enable-expert-bias",
+        action="store_true",
+        help="Aux-loss-free balancing: per-expert biases for choosing experts, moved toward "
+        "even loads after each step.",
+    )
+    add(
+        "--moe-router-bias-update-rate",
+        type=float,
+        default=1e-3,
+        help="Step of the expert-bias update.",
+    )
+    add(
+        "--moe-router-dtype",
+        choices=["fp32", "fp64"],
+        default=None,
+        help="Precision of the router's logits and scores.",
+    )
+    add(
+        "--moe-router-num-groups",
+        type=int,
+        default=None,
+        help="Device-limited routing groups (not built here).",
+    )
+    add(
+        "--moe-router-group-topk",
+        type=int,
+        default=None,
+        help="Groups each token may use (not built here).",
+    )
+    add(
+        "--moe-token-dispatcher-type",
+        choices=["allgather", "alltoall", "flex"],
+        default="allgather",
+        help="How tokens reach other ranks' experts.",
+    )
+    add(
+        "--moe-expert-capacity-factor",
+        type=float,
+        default=None,
+        help="Bound each expert's tokens to factor x tokens x k / experts (default: dropless).",
+    )
+    add(
+        "--moe-pad-expert-input-to-capacity",
+        action="store_true",
+        help="Pad each expert's input to its capacity (shapes only: results are the same).",
+    )
+    add(
+        "--moe-token-drop-policy",
+        choices=["probs", "position"],
+        default="probs",
+        help="Which tokens over capacity are dropped: lowest weight, or latest.",
+    )
+    add(
+        "--moe-grouped-gemm",
+        action="store_true",
+        help="One grouped matmul for the local experts (torch's grouped_mm).",
+    )
+    add("--moe-per-layer-logging", action="store_true", help="Log each MoE layer's losses.")
+    for flag in INERT.values():
+        add(flag, action="store_true", help="Accepted; chooses a kernel or an overlap only.")
+
+
+def _given(args: argparse.Namespace, explicit: set[str] | None, dest: str, default) -> bool:
+    if explicit is not None:
+        return dest in explicit
+    return getattr(args, dest, default) != default
+
+
+ROUTED_DEFAULTS = {
+    "expert_model_parallel_size": 1,
+    "expert_tensor_parallel_size": None,
+    "moe_layer_freq": 1,
+    "moe_ffn_hidden_size": None,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_router_topk": 2,
+    "moe_router_load_balancing_type": ["aux_loss"],
+    "moe_aux_loss_coeff": [0.0],
+    "moe_z_loss_coeff": None,
+    "moe_router_score_function": "softmax",
+    "moe_router_pre_softmax": False,
+    "moe_router_topk_scaling_factor": None,
+    "moe_router_enable_expert_bias": False,
+    "moe_router_bias_update_rate": 1e-3,
+    "moe_router_dtype": None,
+    "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
+    "moe_token_dispatcher_type": "allgather",
+    "moe_expert_capacity_factor": None,
+    "moe_pad_expert_input_to_capacity": False,
+    "moe_token_drop_policy": "probs",
+    "moe_grouped_gemm": False,
+    "moe_per_layer_logging": False,
+    **{dest: False for dest in INERT},
+}
+_DEEPSPEED_DEFAULTS = {
+    "topk": 1,
+    "expert_interval": 2,
+    "moe_expert_parallel_size": 1,
+    "moe_train_capacity_factor": 1.0,
+    "moe_eval_capacity_factor": 1.0,
+    "moe_min_capacity": 4,
+    "moe_token_dropping": True,
+    "moe_top2_2nd_expert_sampling": True,
+    "moe_loss_coeff": 0.1,
+    "create_moe_param_group": False,
+    "mlp_type": "standard",
+    "enable_expert_tensor_parallelism": False,
+}
+
+
+def choose_moe_family(args: argparse.Namespace, explicit: set[str] | None) -> None:
+    """Set `args.routed_moe` (Megatron-LM's MoE) from the flags typed; refuse both families."""
+    counts = list(getattr(args, "num_experts", None) or [1])
+    ours = [d for d in ROUTED_DEFAULTS if _given(args, explicit, d, ROUTED_DEFAULTS[d])]
+    theirs = [d for d in DEEPSPEED_MOE_DESTS if _given(args, explicit, d, _DEEPSPEED_DEFAULTS[d])]
+    if ours and theirs:
+        raise ArgumentError(
+            f"--{ours[0].replace('_', '-')} (Megatron-LM's MoE) with "
+            f"--{theirs[0].replace('_', '-')} (Megatron-DeepSpeed's DeepSpeed-MoE): use the "
+            "flags of one"
+        )
+    args.routed_moe = bool(ours) and any(count > 1 for count in counts)
+    if ours and not args.routed_moe:
+        raise ArgumentError(
+            f"--{ours[0].replace('_', '-')}: Megatron-LM's MoE flag without --num-experts above 1"
+        )
+    if ours and len(counts) > 1:
+        raise ArgumentError(
+            f"--num-experts {' '.join(map(str, counts))}: Megatron-LM's MoE takes one expert "
+            "count for every MoE layer"
+        )
+    if not args.routed_moe:
+        args.expert_model_parallel_size = 1
+
+
+def settle_routed_moe(args: argparse.Namespace) -> None:
+    """Check Megatron-LM's MoE flags against the model and the layout (after the layout)."""
+    if not args.routed_moe:
+        return
+    experts, ep = args.num_experts[0], args.expert_model_parallel_size
+    flag = f"--num-experts {experts}"
+    _not_built(args)
+    if not 1 <= args.moe_router_topk <= experts:
+        raise ArgumentError(f"--moe-router-topk {args.moe_router_topk}: must be 1 to {experts}")
+    if ep < 1 or experts % ep != 0:
+        raise ArgumentError(
+            f"--expert-model-parallel-size {ep}: must divide {flag} (each rank holds "
+            "num_experts / EP experts)"
+        )
+    if args.data_parallel_size % ep != 0:
+        raise ArgumentError(
+            f"--expert-model-parallel-size {ep} must divide the data-parallel size "
+            f"{args.data_parallel_size} (the experts are split over data-parallel ranks)"
+        )
+    if len(args.moe_aux_loss_coeff) != 1 or args.moe_aux_loss_coeff[0] < 0:
+        raise ArgumentError(
+            f"--moe-aux-loss-coeff {' '.join(map(str, args.moe_aux_loss_coeff))}: one value, "
+            "0 or more"
+        )
+    if args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor <= 0:
+        raise ArgumentError(
+            f"--moe-expert-capacity-factor {args.moe_expert_capacity_factor}: must be above 0"
+        )
+    moe_layers(args)  # checks the pattern's length
+    for dest, typed in INERT.items():
+        if getattr(args, dest):
+            args.compat_notes.append(f" > {typed}: accepted; no effect here (a kernel choice)")
+
+
+def _not_built(args: argparse.Namespace) -> None:
+    """The parts of Megatron-LM's MoE not built here, refused in one line each."""
+    balancing = args.moe_router_load_balancing_type
+    refusals = [
+        (
+            len(balancing) > 1,
+            f"--moe-router-load-balancing-type {' '.join(balancing)}: "
+            "one type at a time is built here",
+        ),
+        (
+            balancing[0] in ("sinkhorn", "global_aux_loss", "quantile_balancing"),
+            f"--moe-router-load-balancing-type {balancing[0]}: not built here (aux_loss, "
+            "seq_aux_loss and none are)",
+        ),
+        (
+            args.moe_router_score_function == "sqrtsoftplus",
+            "--moe-router-score-function sqrtsoftplus: not built here (softmax and sigmoid are)",
+        ),
+        (
+            args.moe_router_num_groups is not None or args.moe_router_group_topk is not None,
+            "--moe-router-num-groups / --moe-router-group-topk: device-limited routing is not "
+            "built here",
+        ),
+        (
+            args.moe_token_dispatcher_type == "flex",
+            "--moe-token-dispatcher-type flex: DeepEP's dispatcher is not built here (alltoall "
+            "and allgather are)",
+        ),
+        (
+            (args.expert_tensor_parallel_size or 1) > 1,
+            f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: experts split over "
+            "tensor-parallel ranks are not built here; use 1",
+        ),
+        (
+            args.tensor_model_parallel_size > 1,
+            f"--num-experts with --tensor-model-parallel-size {args.tensor_model_parallel_size}: "
+            "Megatron-LM's MoE runs at TP 1 here (expert tensor parallelism is not built)",
+        ),
+        (
+            args.layout.sequence_split > 1,
+            "--num-experts with a split sequence (--context-parallel-size or "
+            "--ds-sequence-parallel-size above 1): not built here for Megatron-LM's MoE",
+        ),
+    ]
+    for refused, line in refusals:
+        if refused:
+            raise ArgumentError(line)
+
+
+def moe_layers(args: argparse.Namespace) -> tuple[bool, ...]:
+    """Which layers are MoE layers (`--moe-layer-freq`), or the one-line refusal."""
+    try:
+        return moe_layer_flags(args.moe_layer_freq, args.num_layers)
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
