@@ -11,6 +11,8 @@ dense MLP and mixing coefficient), and `num_parameters(active=True)` counts thos
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.config import ModelConfig
 from megatron.model.parameter_inventory import (
     OUTPUT_LAYER,
@@ -36,10 +38,29 @@ def _mlp_flops(config: ModelConfig) -> int:
     return 2 * h * mlp_in + 2 * ffn * h  # dense_h_to_4h, dense_4h_to_h
 
 
+def _routed_expert(config: ModelConfig) -> tuple[int, int]:
+    """(parameters, forward FLOPs per token) of one Megatron-LM routed expert."""
+    moe = config.routed_moe
+    expert = dataclasses.replace(
+        config, ffn_hidden_size=moe.ffn_hidden_size or config.ffn_hidden_size
+    )
+    return _mlp_parameters(expert), _mlp_flops(expert)
+
+
 def _moe_layer(config: ModelConfig, experts: int, active: bool) -> tuple[int, int]:
     """(parameters, forward FLOPs per token) of one layer's MLP with `experts` experts."""
     if experts == 1:
         return _mlp_parameters(config), _mlp_flops(config)
+    if config.routed_moe is not None:  # router, the top-k experts, the shared expert
+        moe, h = config.routed_moe, config.hidden_size
+        expert_params, expert_flops = _routed_expert(config)
+        params = (moe.top_k if active else experts) * expert_params + h * experts
+        flops = moe.top_k * expert_flops + 2 * h * experts
+        if moe.shared_expert_ffn_hidden_size:
+            shared = dataclasses.replace(config, ffn_hidden_size=moe.shared_expert_ffn_hidden_size)
+            params += _mlp_parameters(shared)
+            flops += _mlp_flops(shared)
+        return params, flops
     h, moe = config.hidden_size, config.moe
     used = min(moe.top_k, experts) if active else experts
     params = used * _mlp_parameters(config) + h * experts  # experts, gate
@@ -63,12 +84,17 @@ def num_parameters(
     """Parameters of the (unsplit) model; a tied output layer counts once. `active`: with
     MoE, only the top-k experts a token passes (the parameters one token's compute sees)."""
     top_k = config.moe.top_k if config.moe else 0
-    return sum(
+    total = sum(
         spec.numel
         for spec in parameter_inventory(config)
         if (include_embeddings or spec.name not in _EMBEDDINGS)
         and not (active and spec.expert is not None and spec.expert >= top_k)
     )
+    if active and config.routed_moe is not None:  # the stacked experts a token does not use
+        moe = config.routed_moe
+        unused = (moe.num_experts - moe.top_k) * _routed_expert(config)[0]
+        total -= unused * sum(moe.moe_layers)
+    return total
 
 
 def flops_per_token(config: ModelConfig, seq_length: int) -> int:
@@ -90,7 +116,7 @@ def model_size_report(config: ModelConfig, seq_length: int) -> str:
     without_embeddings = num_parameters(config, include_embeddings=False)
     flops = flops_per_token(config, seq_length)
     active = ""
-    if config.moe is not None:
+    if config.moe is not None or config.routed_moe is not None:
         active = f", {num_parameters(config, active=True):,} active per token"
     return (
         f" > model: {total:,} parameters ({without_embeddings:,} without embeddings{active}), "
@@ -114,7 +140,9 @@ def _rank_sizes(specs: list[ParameterSpec], config: ModelConfig, tp: int, ep: in
     expert_tp = tp if config.moe is not None and config.moe.expert_tensor_parallel else 1
     sizes, expert_sizes = [], []
     for spec in specs:
-        if spec.expert is None:
+        if spec.expert_split is not None:  # Megatron-LM's stacked experts: E / EP of them
+            expert_sizes.append(spec.numel // ep)
+        elif spec.expert is None:
             sizes.append(spec.numel_per_rank(tp))
         elif spec.expert < held:
             expert_sizes.append(spec.numel_per_rank(expert_tp))

@@ -12,6 +12,7 @@ row-parallel biases, the MoE gate).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron.config import ModelConfig
@@ -33,6 +34,9 @@ class ParameterSpec:
     tensor_split: int | None
     expert: int | None = None
     """The global expert number of an MoE expert's tensor (spread over expert-parallel ranks)."""
+    expert_split: int | None = None
+    """The dimension split over expert-parallel ranks: Megatron-LM's MoE stacks a layer's
+    experts in one tensor (dimension 0, the global expert number)."""
 
     @property
     def numel(self) -> int:
@@ -96,6 +100,8 @@ def layer_parameters(config: ModelConfig, experts: int = 1) -> list[ParameterSpe
     specs += _norm("post_attention_layernorm", config)
     if experts == 1:
         return specs + mlp_parameters(config)
+    if config.routed_moe is not None:
+        return specs + routed_moe_parameters(config)
     specs.append(ParameterSpec("mlp.deepspeed_moe.gate.wg.weight", (experts, h), None))
     for number in range(experts):
         prefix = f"mlp.deepspeed_moe.experts.deepspeed_experts.{number}."
@@ -107,8 +113,32 @@ def layer_parameters(config: ModelConfig, experts: int = 1) -> list[ParameterSpe
     return specs
 
 
+def routed_moe_parameters(config: ModelConfig) -> list[ParameterSpec]:
+    """A Megatron-LM MoE layer's MLP (`megatron.model.moe_layer`): the router, the stacked
+    experts (weights [E, in, out], biases [E, out]), the shared expert."""
+    moe = config.routed_moe
+    h, experts = config.hidden_size, moe.num_experts
+    ffn = moe.ffn_hidden_size or config.ffn_hidden_size
+    width = 2 * ffn if config.activation == "swiglu" else ffn
+    specs = [
+        ParameterSpec("mlp.router.weight", (experts, h), None),
+        ParameterSpec("mlp.experts.weight1", (experts, h, width), None, expert_split=0),
+        ParameterSpec("mlp.experts.weight2", (experts, ffn, h), None, expert_split=0),
+    ]
+    if config.add_bias_linear:
+        specs.append(ParameterSpec("mlp.experts.bias1", (experts, width), None, expert_split=0))
+        specs.append(ParameterSpec("mlp.experts.bias2", (experts, h), None, expert_split=0))
+    if moe.shared_expert_ffn_hidden_size:
+        shared = dataclasses.replace(config, ffn_hidden_size=moe.shared_expert_ffn_hidden_size)
+        specs += mlp_parameters(shared, "mlp.shared_experts.")
+    return specs
+
+
 def experts_per_layer(config: ModelConfig) -> tuple[int, ...]:
     """Experts of each layer (1 for a dense layer)."""
+    if config.routed_moe is not None:
+        moe = config.routed_moe
+        return tuple(moe.num_experts if on else 1 for on in moe.moe_layers)
     return config.moe.experts_per_layer if config.moe else (1,) * config.num_layers
 
 
@@ -144,6 +174,7 @@ def parameter_inventory(config: ModelConfig, vocab_rows: int | None = None) -> l
                     spec.shape,
                     spec.tensor_split,
                     spec.expert,
+                    spec.expert_split,
                 )
             )
     return specs + head_parameters(config, vocab_rows)

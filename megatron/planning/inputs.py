@@ -167,7 +167,7 @@ class PlanInputs:
             dp=args.data_parallel_size,
             sp=getattr(args, "ds_sequence_parallel_size", 1) or 1,
             cp=args.layout.context_parallel,
-            ep=getattr(args, "moe_expert_parallel_size", 1) or 1,
+            ep=args.layout.expert_parallel,
             virtual=getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
             micro_batch=args.micro_batch_size,
             seq_length=args.seq_length,

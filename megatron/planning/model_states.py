@@ -336,7 +336,8 @@ def fsdp_units(role: RankRole) -> tuple[int, int]:
     transformer layer, then at the root over what is left (embeddings, final norm, output
     layer)."""
     layer = role.parameters["layers"] // role.num_layers if role.num_layers else 0
-    return role.parameters["embedding"] + role.parameters["head"], layer
+    # A share of the parameters alone (the experts' under expert parallelism) has no root.
+    return role.parameters.get("embedding", 0) + role.parameters.get("head", 0), layer
 
 
 def fsdp_states(inputs: PlanInputs, role: RankRole) -> States:

@@ -193,6 +193,7 @@ def format_plan(plan: Plan) -> str:
         + f" x PP {inputs.pp}"
         + (f" (x{inputs.virtual} virtual)" if inputs.virtual > 1 else "")
         + f" x DP {inputs.dp}"
+        + (f" (EP {inputs.ep})" if inputs.ep > 1 else "")
         + (f" x Ulysses {inputs.sp}" if inputs.sp > 1 else "")
         + f"; {inputs.engine}"
         + (f" ZeRO-{inputs.zero.stage}" if inputs.deepspeed else "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron.config import RoutedMoEConfig
 from megatron.model import GPTModel
 from megatron.model.parameter_inventory import parameter_inventory
 from tests.model.helpers import tiny_config
@@ -20,6 +21,19 @@ OPTIONS = {
         num_key_value_heads=2,
     ),
     "odd shapes": dict(ffn_hidden_size=72, kv_channels=4, num_key_value_heads=1),
+    "megatron-lm moe": dict(
+        activation="swiglu",
+        routed_moe=RoutedMoEConfig(
+            num_experts=4,
+            moe_layers=(False, True),
+            ffn_hidden_size=24,
+            shared_expert_ffn_hidden_size=40,
+        ),
+    ),
+    "megatron-lm moe, no biases": dict(
+        add_bias_linear=False,
+        routed_moe=RoutedMoEConfig(num_experts=2, moe_layers=(True, True)),
+    ),
 }
 
 
