@@ -4,6 +4,7 @@ transformers 4.x for the Hugging Face exports."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -237,3 +238,27 @@ def _no_deepspeed_shared_memory_left() -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_dataset(sentencepiece_model: str, stdlib_texts: list[str], tmp_path_factory):
+    """The stdlib texts tokenized by tools/preprocess_data.py with the SentencePiece model."""
+    work = tmp_path_factory.mktemp("sentencepiece_data")
+    corpus = work / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in stdlib_texts))
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "tools", "preprocess_data.py")]
+        + ["--input", str(corpus), "--output-prefix", str(work / "llama")]
+        + [
+            "--tokenizer-type",
+            "GPTSentencePieceTokenizer",
+            "--tokenizer-model",
+            sentencepiece_model,
+        ]
+        + ["--append-eod", "--workers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return str(work / "llama_text_document")

@@ -113,7 +113,7 @@ def hf_architecture(config: ModelConfig) -> str:
 
     Raises, naming what differs from the closest, when none does exactly.
     """
-    if config.moe is not None:
+    if config.moe is not None or config.routed_moe is not None:
         candidates = {MIXTRAL: mixtral_differences(config)}
     else:
         candidates = {GPT2: gpt2_differences(config), LLAMA: llama_differences(config)}

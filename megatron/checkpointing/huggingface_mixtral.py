@@ -90,6 +90,8 @@ def mixtral_differences(config: ModelConfig) -> list[str]:
         )
     if config.add_bias_linear:
         differences.append("linear biases (Mixtral has none: --disable-bias-linear)")
+    if config.routed_moe is not None:
+        return differences + _routed_differences(config)
     moe = config.moe
     if moe is None:
         return [*differences, "no Mixture-of-Experts layers (Mixtral: experts in every layer)"]
@@ -126,6 +128,47 @@ def mixtral_differences(config: ModelConfig) -> list[str]:
     return differences
 
 
+def _routed_differences(config: ModelConfig) -> list[str]:
+    """What in Megatron-LM's MoE settings Mixtral's router does not compute. Mixtral takes
+    softmax over all experts, the top k, renormalized to sum to 1: Megatron-LM's default
+    (top k of the logits, softmax over those k) gives the same experts and weights."""
+    moe = config.routed_moe
+    checks = [
+        (
+            not all(moe.moe_layers),
+            "layers without experts (--moe-layer-freq; Mixtral: every layer)",
+        ),
+        (moe.score_function != "softmax", f"--moe-router-score-function {moe.score_function}"),
+        (
+            moe.pre_softmax and moe.top_k > 1,
+            "--moe-router-pre-softmax (its top-k weights are not renormalized; Mixtral's are)",
+        ),
+        (moe.topk_scaling_factor not in (None, 1.0), "--moe-router-topk-scaling-factor"),
+        (moe.expert_bias, "--moe-router-enable-expert-bias (the biases choose the experts)"),
+        (
+            moe.shared_expert_ffn_hidden_size is not None,
+            "a shared expert (--moe-shared-expert-intermediate-size)",
+        ),
+        (
+            moe.capacity_factor is not None,
+            "token dropping (--moe-expert-capacity-factor; Mixtral computes every token)",
+        ),
+        (
+            moe.ffn_hidden_size not in (None, config.ffn_hidden_size),
+            "--moe-ffn-hidden-size "
+            "other than --ffn-hidden-size (Mixtral's intermediate_size is both)",
+        ),
+    ]
+    return [text for differs, text in checks if differs]
+
+
+def num_experts_and_top_k(config: ModelConfig) -> tuple[int, int]:
+    """(experts per layer, experts per token) of either MoE."""
+    if config.routed_moe is not None:
+        return config.routed_moe.num_experts, config.routed_moe.top_k
+    return config.moe.experts_per_layer[0], config.moe.top_k
+
+
 def mixtral_config_json(
     config: ModelConfig,
     true_vocab_size: int,
@@ -146,8 +189,8 @@ def mixtral_config_json(
         keys,
         architectures=[ARCHITECTURE],
         model_type="mixtral",
-        num_local_experts=config.moe.experts_per_layer[0],
-        num_experts_per_tok=config.moe.top_k,
+        num_local_experts=num_experts_and_top_k(config)[0],
+        num_experts_per_tok=num_experts_and_top_k(config)[1],
         router_aux_loss_coef=(
             DEFAULTS["router_aux_loss_coef"] if moe_loss_coeff is None else float(moe_loss_coeff)
         ),
@@ -163,6 +206,8 @@ def to_mixtral_state_dict(
     """Our full (TP=1, global expert numbers) MoE state dict -> `MixtralForCausalLM` names as
     transformers 4 writes them (tied lm_head left out)."""
     out, rest = {}, {}
+    if config.routed_moe is not None:
+        state, out = _routed_to_mixtral(state)
     for name, tensor in state.items():
         match = _OURS.fullmatch(name)
         if match is None:
@@ -181,6 +226,38 @@ def to_mixtral_state_dict(
         else:
             out[f"{hf}experts.{expert}.w2.weight"] = tensor.clone()
     return {**to_llama_state_dict(rest, config), **out}
+
+
+_ROUTED = re.compile(
+    r"language_model\.encoder\.layers\.(\d+)\.mlp\.(router\.weight|experts\.weight[12])"
+)
+
+
+def _routed_to_mixtral(
+    state: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the rest, Mixtral's MoE weights) of a Megatron-LM MoE state dict: `router.weight`
+    [E, h] is the gate; `experts.weight1` [E, h, 2 ffn] holds each expert's [gate | up]
+    columns (w1, w3 transposed), `experts.weight2` [E, ffn, h] its w2 transposed."""
+    rest, out = {}, {}
+    for name, tensor in state.items():
+        match = _ROUTED.fullmatch(name)
+        if match is None:
+            rest[name] = tensor
+            continue
+        layer, kind = match.groups()
+        hf = f"model.layers.{layer}.block_sparse_moe."
+        if kind == "router.weight":
+            out[f"{hf}gate.weight"] = tensor.clone()
+            continue
+        for expert, weight in enumerate(tensor.unbind(0)):
+            if kind == "experts.weight1":
+                gate, up = weight.t().chunk(2, dim=0)  # [2 ffn, h] -> [ffn, h] each
+                out[f"{hf}experts.{expert}.w1.weight"] = gate.contiguous().clone()
+                out[f"{hf}experts.{expert}.w3.weight"] = up.contiguous().clone()
+            else:
+                out[f"{hf}experts.{expert}.w2.weight"] = weight.t().contiguous().clone()
+    return rest, out
 
 
 def _experts_of_layer(

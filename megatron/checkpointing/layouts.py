@@ -45,7 +45,9 @@ from megatron.checkpointing.file_format import (
     args_dict,
     checkpoint_directory,
     chunk_keys,
+    flatten_model_state,
     load_file,
+    nest_model_state,
     rank_file,
 )
 from megatron.config import experts_per_layer
@@ -143,26 +145,30 @@ def holds_checkpoint(root: str) -> bool:
 # --- Megatron layout -------------------------------------------------------------------------
 
 
-def _megatron_sizes(directory: str) -> tuple[int, int, dict[str, Any]]:
-    """(TP, PP, contents of the first file) of a Megatron-layout checkpoint directory."""
-    single = rank_file(directory, 0, 0, 1)
-    staged = rank_file(directory, 0, 0, 2)
-    first_path = single if os.path.isfile(single) else staged
-    if not os.path.isfile(first_path):
+def _megatron_sizes(directory: str) -> tuple[int, int, int, dict[str, Any]]:
+    """(TP, PP, EP, contents of the first file) of a Megatron-layout checkpoint directory; EP
+    above 1 for Megatron-LM's MoE with expert parallelism (files `mp_rank_TT[_PPP]_EEE`)."""
+    candidates = [rank_file(directory, 0, 0, 1), rank_file(directory, 0, 0, 2)]
+    candidates.append(rank_file(directory, 0, 0, 2, 0))
+    found = [path for path in candidates if os.path.isfile(path)]
+    if not found:
         raise CheckpointConversionError(
-            f"{directory} holds no Megatron checkpoint file: {single} (or {staged}) is missing"
+            f"{directory} holds no Megatron checkpoint file: {candidates[0]} (or {candidates[1]}) "
+            "is missing"
         )
+    first_path = found[0]
     first = load_file(first_path)
     args = args_dict(first.get("args"))
-    listed = [n for n in os.listdir(directory) if re.fullmatch(r"mp_rank_\d{2}(_\d{3})?", n)]
+    ep = int(args.get("expert_model_parallel_size") or 1) if args.get("routed_moe") else 1
+    listed = [n for n in os.listdir(directory) if re.fullmatch(r"mp_rank_\d{2}(_\d{3}){0,2}", n)]
     tp = args.get("tensor_model_parallel_size") or len({n[:10] for n in listed})
     pp = args.get("pipeline_model_parallel_size") or len({n[10:] for n in listed})
-    if first_path == staged and pp == 1:
+    if first_path == candidates[1] and pp == 1 and ep == 1:
         raise CheckpointConversionError(
             f"{first_path} is a pipeline stage file, but its args say "
             "pipeline_model_parallel_size 1"
         )
-    return int(tp), int(pp), first
+    return int(tp), int(pp), ep, first
 
 
 def _virtual_size(first: dict[str, Any]) -> int:
@@ -180,34 +186,53 @@ def read_megatron_files(directory: str) -> tuple[dict[str, Any], list[list[list[
     Metadata is the first file without its models, optimizer and RNG entries; the optimizer
     state of the other files is dropped as soon as each is read.
     """
-    tp, pp, first = _megatron_sizes(directory)
+    tp, pp, ep, first = _megatron_sizes(directory)
     keys = chunk_keys(_virtual_size(first))
     models = []
     for tp_rank in range(tp):
         row = []
         for pp_rank in range(pp):
-            path = rank_file(directory, tp_rank, pp_rank, pp)
-            if tp_rank == 0 and pp_rank == 0:
-                contents = first
-            elif not os.path.isfile(path):
-                raise CheckpointConversionError(
-                    f"missing shard file {path} (the checkpoint has tensor-parallel size {tp} "
-                    f"and pipeline-parallel size {pp})"
-                )
-            else:
-                contents = load_file(path)
-            missing = [key for key in keys if key not in contents]
-            if missing:
-                raise CheckpointConversionError(
-                    f"{path} has no {missing[0]!r} entry (the checkpoint has {len(keys)} model "
-                    "chunk(s) per file)"
-                )
-            row.append([contents[key] for key in keys])
+            per_expert_rank = []
+            for ep_rank in range(ep):
+                path = rank_file(directory, tp_rank, pp_rank, pp, ep_rank if ep > 1 else None)
+                if tp_rank == 0 and pp_rank == 0 and ep_rank == 0:
+                    contents = first
+                elif not os.path.isfile(path):
+                    raise CheckpointConversionError(
+                        f"missing shard file {path} (the checkpoint has tensor-parallel size "
+                        f"{tp}, pipeline-parallel size {pp} and expert-parallel size {ep})"
+                    )
+                else:
+                    contents = load_file(path)
+                missing = [key for key in keys if key not in contents]
+                if missing:
+                    raise CheckpointConversionError(
+                        f"{path} has no {missing[0]!r} entry (the checkpoint has {len(keys)} "
+                        "model chunk(s) per file)"
+                    )
+                per_expert_rank.append([contents[key] for key in keys])
+            row.append(_join_expert_ranks(per_expert_rank))
         models.append(row)
     skip = {"optimizer", "opt_param_scheduler", "rng_state", "loss_scaler", *keys}
     metadata = {k: v for k, v in first.items() if k not in skip}
     metadata.setdefault("args", {})
     return metadata, models
+
+
+def _join_expert_ranks(ranks: list[list[dict]]) -> list[dict]:
+    """One stage's model chunks from its expert-parallel ranks' files: the dense weights of the
+    first, each MoE layer's stacked experts concatenated in rank order (global numbers)."""
+    if len(ranks) == 1:
+        return ranks[0]
+    joined = []
+    for chunks in zip(*ranks, strict=True):
+        flats = [flatten_model_state(chunk) for chunk in chunks]
+        merged = dict(flats[0])
+        for name in merged:
+            if ".mlp.experts." in name:
+                merged[name] = torch.cat([flat[name] for flat in flats])
+        joined.append(nest_model_state(merged))
+    return joined
 
 
 # --- DeepSpeed layout ------------------------------------------------------------------------

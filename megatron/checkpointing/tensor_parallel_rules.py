@@ -30,6 +30,12 @@ REPLICATED = (
     ".mlp.deepspeed_moe.gate.wg.weight",
     ".mlp.coefficient.weight",
     ".mlp.coefficient.bias",
+    # Megatron-LM's MoE (TP 1 here): the router and the stacked experts.
+    ".mlp.router.weight",
+    ".mlp.experts.weight1",
+    ".mlp.experts.weight2",
+    ".mlp.experts.bias1",
+    ".mlp.experts.bias2",
 )
 EXPERT_MLPS = (".mlp.deepspeed_moe.experts.deepspeed_experts.", ".mlp.mlp.")
 """The MLPs of an MoE layer (its experts; PR-MoE's dense MLP), split over tensor-parallel

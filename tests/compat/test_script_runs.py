@@ -416,30 +416,6 @@ def test_zenn_config_with_optimizer_and_wandb_sections_runs_offline(
     assert list(wandb_dir.glob("wandb/offline-run-*")), os.listdir(wandb_dir)
 
 
-@pytest.fixture(scope="module")
-def sentencepiece_dataset(sentencepiece_model: str, stdlib_texts: list[str], tmp_path_factory):
-    """The stdlib texts tokenized by tools/preprocess_data.py with the SentencePiece model."""
-    work = tmp_path_factory.mktemp("sentencepiece_data")
-    corpus = work / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in stdlib_texts))
-    done = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "tools", "preprocess_data.py")]
-        + ["--input", str(corpus), "--output-prefix", str(work / "llama")]
-        + [
-            "--tokenizer-type",
-            "GPTSentencePieceTokenizer",
-            "--tokenizer-model",
-            sentencepiece_model,
-        ]
-        + ["--append-eod", "--workers", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return str(work / "llama_text_document")
-
-
 @pytest.mark.slow
 def test_llama2_distributed_torchrun_sentencepiece_gqa(
     sentencepiece_dataset: str, sentencepiece_model: str, tmp_path

@@ -140,6 +140,26 @@ def _check_load_balancing_losses() -> None:
     assert load_balancing_loss(uniform, moe, SEQ).item() == pytest.approx(1.0)
 
 
+def _check_aux_loss_gradient_balances_a_skewed_router() -> None:
+    """Gradient steps on the load-balancing loss alone take a skewed router (1.29) to an
+    even load (the loss's minimum, 1)."""
+    moe = RoutedMoEConfig(num_experts=EXPERTS, moe_layers=(True,), top_k=2)
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(EXPERTS, HIDDEN, generator=generator) * 0.1).requires_grad_()
+    lean = 2.0 * weight.detach()[0] / weight.detach()[0].norm()
+    tokens = torch.randn(256, HIDDEN, generator=generator) + lean
+    optimizer = torch.optim.SGD([weight], lr=0.5)
+    losses = []
+    for _ in range(20):
+        loss = load_balancing_loss(tokens @ weight.t(), moe, 256)
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert losses[0] > 1.2, losses
+    assert losses[-1] < 1.02, losses
+
+
 def _check_capacity_dropping() -> None:
     from megatron.model.moe_router import drop_over_capacity
 
@@ -233,6 +253,9 @@ CHECKS = {
         },
         "grouped matmul equals the loop over experts": (_check_grouped_gemm_equals_loop,),
         "load-balancing losses follow Megatron-LM's formulas": (_check_load_balancing_losses,),
+        "the aux loss's gradient balances a skewed router": (
+            _check_aux_loss_gradient_balances_a_skewed_router,
+        ),
         "capacity dropping keeps the highest-weight or earliest tokens": (
             _check_capacity_dropping,
         ),

@@ -108,6 +108,8 @@ def write_folder(folder: str, dense: DenseCheckpoint, tokenizer: TokenizerSource
     weights = to_hf_weights(dense.state_dict, config)
     dtype = dense.state_dict[WORD_EMBEDDINGS].dtype
     coeff = dense.args.get("moe_loss_coeff")
+    if dense.args.get("routed_moe"):  # Megatron-LM's --moe-aux-loss-coeff
+        coeff = (dense.args.get("moe_aux_loss_coeff") or [None])[0]
     hf_config = hf_config_json(config, dense.true_vocab_size, bos, eos, dtype, coeff)
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as handle:
         handle.write(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
