@@ -26,7 +26,12 @@ from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import checkpoint
 from megatron.model.embedding import Embedding
-from megatron.model.gpt_model import logits_from_hidden, loss_from_logits, output_layer
+from megatron.model.gpt_model import (
+    compile_stage_loss,
+    logits_from_hidden,
+    loss_from_logits,
+    output_layer,
+)
 from megatron.model.transformer import ParallelTransformerLayer
 from megatron.model.utils import LayerNorm, RMSNorm
 
@@ -84,12 +89,17 @@ def masked_mean_loss(
     logits: torch.Tensor,
     labels: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
     check_labels: bool = False,
+    compiled: bool = False,
 ) -> torch.Tensor:
-    """Mean per-token loss over the positions where `loss_mask` is 1 (all if no mask)."""
+    """Mean per-token loss over the positions where `loss_mask` is 1 (all if no mask).
+
+    `compiled`: the per-token loss runs under `torch.compile` (`loss_from_logits`; GPTModelPipe
+    binds `compile_stage_loss(config)`: DeepSpeed calls this outside the compiled layers).
+    """
     if isinstance(labels, torch.Tensor):
-        return loss_from_logits(logits, labels, check_labels).mean()
+        return loss_from_logits(logits, labels, check_labels, compiled).mean()
     targets, loss_mask = labels
-    losses = loss_from_logits(logits, targets, check_labels)
+    losses = loss_from_logits(logits, targets, check_labels, compiled)
     loss_mask = loss_mask.float()
     return (losses * loss_mask).sum() / loss_mask.sum()
 
@@ -131,7 +141,11 @@ class GPTModelPipe(PipelineModule):
         recompute = config.recompute_granularity == "full"
         super().__init__(
             layers=specs,
-            loss_fn=partial(masked_mean_loss, check_labels=config.check_labels),
+            loss_fn=partial(
+                masked_mean_loss,
+                check_labels=config.check_labels,
+                compiled=compile_stage_loss(config),
+            ),
             topology=topology,
             partition_method=partition_method,
             activation_checkpoint_interval=config.recompute_num_layers if recompute else 0,

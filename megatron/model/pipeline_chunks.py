@@ -30,7 +30,12 @@ from megatron.core.pipeline_parallel.layout import chunk_layer_numbers, stage_in
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.tensor_parallel.mappings import gather_sequence_parts
 from megatron.model.embedding import Embedding
-from megatron.model.gpt_model import logits_from_hidden, loss_from_logits, output_layer
+from megatron.model.gpt_model import (
+    compile_stage_loss,
+    logits_from_hidden,
+    loss_from_logits,
+    output_layer,
+)
 from megatron.model.transformer import ParallelTransformer
 from megatron.model.utils import init_method_normal
 
@@ -101,7 +106,8 @@ class GPTPipelineChunk(nn.Module):
         logits = logits_from_hidden(hidden, self.output_weight(), self.config)
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab / tp]
-        losses = loss_from_logits(logits, labels, self.config.check_labels)  # [b, s(/cp)]
+        compiled = compile_stage_loss(self.config)  # no whole-model graph holds this loss
+        losses = loss_from_logits(logits, labels, self.config.check_labels, compiled)  # [b, s(/cp)]
         # Context parallelism: the whole sequence's losses, as GPTModel returns them.
         return gather_sequence_parts(losses, self.config.sequence_split_gradient_scale)
 

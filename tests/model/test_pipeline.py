@@ -327,3 +327,29 @@ def test_pipeline_loss_checks_labels_when_asked():
     assert torch.isfinite(masked_mean_loss(logits, batch))
     with pytest.raises(ValueError, match="label -1 at sequence position 3, batch index 1 "):
         masked_mean_loss(logits, batch, check_labels=True)
+
+
+def test_compiled_pipeline_loss_is_the_eager_loss():
+    """`compiled=True` (GPTModelPipe's loss under `--torch-compile` at TP=1, which DeepSpeed
+    calls outside the compiled layers) gives the eager loss and logits gradient, and
+    `check_labels` still raises, checked eagerly before the compiled graph."""
+    from megatron.model.pipeline import masked_mean_loss
+
+    vocab = CONFIG["vocab_size"]
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(SEQ, MICRO_BATCH, vocab, generator=generator).bfloat16()
+    labels = torch.randint(0, vocab, (MICRO_BATCH, SEQ), generator=generator)
+    loss_mask = (torch.rand(MICRO_BATCH, SEQ, generator=generator) > 0.25).float()
+    results = {}
+    for compiled in (False, True):
+        leaf = logits.clone().requires_grad_()
+        loss = masked_mean_loss(leaf, (labels, loss_mask), compiled=compiled)
+        results[compiled] = (loss.detach(), torch.autograd.grad(loss, leaf)[0])
+    (eager_loss, eager_grad), (loss, grad) = results[False], results[True]
+    terms = vocab + MICRO_BATCH * SEQ  # the log-sum-exp, then the masked mean
+    assert_close_reordered(loss, eager_loss, terms=terms)
+    # Both round an fp32 softmax gradient to the logits' bf16: at most one rounding apart.
+    assert_close_reordered(grad.float(), eager_grad.float(), terms=1, dtype=torch.bfloat16)
+    labels[1, 3] = -1
+    with pytest.raises(ValueError, match="label -1 at sequence position 3, batch index 1 "):
+        masked_mean_loss(logits, (labels, loss_mask), check_labels=True, compiled=True)
