@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import io
+import logging
 import os
 import random
 import socket
@@ -243,6 +244,7 @@ def initialize_megatron(
     if args.deepspeed_activation_checkpointing:
         use_deepspeed_activation_checkpointing(args)
     set_random_seed(args.seed)
+    _numerics_and_logging(args)
     print_rank_0(format_arguments(args))
     print_rank_0(
         f"> initialized {args.world_size} process(es) over {args.distributed_backend}: "
@@ -262,3 +264,12 @@ def initialize_megatron(
     for line in args.compat_notes + precision_warnings(args) + args.deepspeed_config_notes:
         print_rank_0(line)
     return args
+
+
+def _numerics_and_logging(args: argparse.Namespace) -> None:
+    """Megatron-LM's --logging-level (Python's root logger) and
+    --disable-bf16-reduced-precision-matmul (cuBLAS reduces bf16 products in fp32)."""
+    if getattr(args, "logging_level", None) is not None:
+        logging.getLogger().setLevel(args.logging_level)
+    if getattr(args, "disable_bf16_reduced_precision_matmul", False):
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False

@@ -159,6 +159,37 @@ INERT: list[CompatFlag] = [
         "--use-legacy-models",
     ),
     *_inert(
+        "Megatron-LM's kernel-fusion switches; torch (and --torch-compile) choose the kernels "
+        "here, and the results are the same",
+        "--cross-entropy-loss-fusion",
+        "--no-rope-fusion",
+    ),
+    *_inert(
+        "Megatron-FSDP's buffer and NCCL-registration options; torch FSDP2, which runs "
+        "--use-megatron-fsdp here, manages its own buffers",
+        "--fsdp-double-buffer",
+        "--fsdp-manual-registration",
+        "--use-nccl-ub",
+    ),
+    *_inert(
+        "start-up memory only: the model is built on the device it trains on, with the same "
+        "initial weights",
+        "--init-model-with-meta-device",
+    ),
+    *_inert(
+        "the data loader builds no attention mask here (the attention kernel is causal)",
+        "--no-create-attention-mask-in-dataloader",
+    ),
+    *_inert(
+        "how .bin files are read (memory-mapped here); the tokens are the same",
+        "--no-mmap-bin-files",
+    ),
+    *_inert(
+        "Megatron-LM raises on a NaN loss or gradient unless this is given; here such a step is "
+        "skipped and counted in the log line ('number of nan iterations') either way",
+        "--no-check-for-nan-in-loss-and-grad",
+    ),
+    *_inert(
         "Megatron-LM's attention kernel choice; torch's SDPA picks flash or memory-efficient "
         "kernels on GPUs (--use-flash-attn asks for flash attention explicitly)",
         "--attention-backend:str",
@@ -277,9 +308,6 @@ REFUSED: list[CompatFlag] = [
         "--log-num-zeros-in-grad",
         "--data-parallel-random-init",
         "--aml-data-download-path:str",
-        "--profile:str",
-        "--profile_steps:str",
-        "--profile-ranks:ints",
         "--use-dataset-only:bool",
         "--lazy-mpu-init:bool",
         "--adlr-autoresume",

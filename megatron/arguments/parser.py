@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from megatron.arguments import (
     checkpoint_format_flags,
     compat_flags,
+    housekeeping_flags,
     model_flags,
     moe_flags,
     parallel_flags,
@@ -50,6 +51,7 @@ FLAG_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     sharding_flags.add_sharding_flags,
     moe_flags.add_moe_flags,
     routed_moe_flags.add_routed_moe_flags,
+    housekeeping_flags.add_housekeeping_flags,
     v1_flags.add_v1_flags,
     compat_flags.add_compat_flags,
 )

@@ -26,6 +26,7 @@ from megatron.arguments.ds_config import (
 )
 from megatron.arguments.ds_unused_sections import set_aside_unused_sections
 from megatron.arguments.errors import ArgumentError, flag_name
+from megatron.arguments.housekeeping_flags import check_housekeeping
 from megatron.arguments.moe_flags import settle_moe
 from megatron.arguments.parallel_flags import job_backend
 from megatron.arguments.pipeline_checks import settle_pipeline
@@ -518,6 +519,7 @@ def validate_args(
     refuse_sharded_experts(args, _experts_flag(args))  # DeepSpeed-MoE's
     settle_moe(args)
     settle_routed_moe(args)
+    check_housekeeping(args)
     settle_ulysses(args)
     settle_context_parallel(args)
     if args.deepspeed:

@@ -31,6 +31,7 @@ from megatron.training.monitor import (
     format_iteration_log,
     memory_report,
 )
+from megatron.training.run_hooks import RunHooks
 from megatron.training.signal_handler import ExitSignalHandler
 from megatron.training.step import StepResult
 from megatron.training.training_log import (
@@ -130,6 +131,7 @@ class TrainingLoop:
         """This rank's peak as `--dry-run` predicts it, shown in the memory line."""
         self.exit_signal: ExitSignalHandler | None = None
         self.stopped_by_signal = False
+        self.hooks = RunHooks(args)  # --profile, --manual-gc
         config = ModelConfig.from_args(args)
         # Training FLOPs per token (forward + backward = 3x forward): per layer
         # 2*h*3p (QKV) + 4*s*p (scores, context) + 2*p*h (proj) + 4*h*f (MLP), plus 2*h*V for
@@ -162,6 +164,15 @@ class TrainingLoop:
             self._train(train_iter, valid_iter, state)
 
     def _train(self, train_iter: Iterator, valid_iter: Iterator | None, state: TrainState) -> None:
+        self.hooks.start_training()
+        try:
+            self._iterate(train_iter, valid_iter, state)
+        finally:
+            self.hooks.stop_profiler()  # a run stopped inside the window still writes it
+
+    def _iterate(
+        self, train_iter: Iterator, valid_iter: Iterator | None, state: TrainState
+    ) -> None:
         args = self.args
         interval = _Interval()
         saved_at = state.iteration
@@ -174,10 +185,12 @@ class TrainingLoop:
             # tokens consumed before this iteration, as Megatron-DeepSpeed's args do.
             self.scheduler.consumed_train_tokens = state.consumed_train_tokens
             inject_training_fault(state.iteration + 1)
+            self.hooks.before_iteration(state.iteration + 1)
             self.timers("train-step", 1).start()
             result = self.step(train_iter, global_batch_size)
             self.timers("train-step", 1).stop()
             state.iteration += 1
+            self.hooks.after_iteration(state.iteration)
             state.consumed_train_samples += global_batch_size
             state.consumed_train_tokens += global_batch_size * args.seq_length
             self._count(result, state)
@@ -194,7 +207,9 @@ class TrainingLoop:
                     memory_reported = True
             if args.eval_interval and state.iteration % args.eval_interval == 0 and valid_iter:
                 if args.eval_iters > 0 and self.evaluate is not None:
+                    self.hooks.around_evaluation()
                     self.evaluate(f"iteration {state.iteration}", valid_iter, state)
+                    self.hooks.around_evaluation()
                     state.consumed_valid_samples += args.eval_iters * args.global_batch_size
             if args.save and state.iteration % args.save_interval == 0:
                 self._save(state)
@@ -265,6 +280,11 @@ class TrainingLoop:
             samples_per_second=samples_per_second,
             tokens_per_gpu_per_second=tokens_per_second / world,
             tflops=self.flops_per_token * tokens_per_second / world / 1e12,
+            throughput=(
+                self.flops_per_token * tokens_per_second / world / 1e12
+                if getattr(args, "log_throughput", False)
+                else None
+            ),
             eta_seconds=left * per_iteration,
             planned_iterations=state.iteration + left,
         )

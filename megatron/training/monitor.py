@@ -57,6 +57,8 @@ class IterationStats:
     # Iterations the run will make in all, where --train-tokens ends it before --train-iters;
     # progress is counted against it. None: train_iters.
     planned_iterations: int | None = None
+    # Model TFLOP/s per GPU as Megatron-LM's --log-throughput prints it; None leaves it out.
+    throughput: float | None = None
 
 
 def _format_duration(seconds: float) -> str:
@@ -74,6 +76,8 @@ def format_iteration_log(stats: IterationStats) -> str:
     line += f" consumed samples: {int(s.consumed_samples):12d} |"
     line += f" consumed tokens: {int(s.consumed_tokens):12d} |"
     line += f" elapsed time per iteration (ms): {s.elapsed_ms_per_iteration:.1f} |"
+    if s.throughput is not None:  # Megatron-LM's --log-throughput field, in its place
+        line += f" throughput per GPU (TFLOP/s/GPU): {s.throughput:.1f} |"
     line += f" learning rate: {s.learning_rate:.3E} |"
     line += f" global batch size: {int(s.global_batch_size):5d} |"
     for key, average in s.losses.items():

@@ -37,15 +37,7 @@ LATER = {
     "--vocab-size": 40,
     "--decoupled-lr": 40,
     "--decoupled-min-lr": 40,
-    "--cross-entropy-loss-fusion": 40,
     "--calculate-per-token-loss": 40,
-    "--manual-gc": 40,
-    "--no-create-attention-mask-in-dataloader": 40,
-    "--no-mmap-bin-files": 40,
-    "--log-throughput": 40,
-    "--profile": 40,
-    "--profile-step-start": 40,
-    "--profile-step-end": 40,
 }
 # The recipe at a tiny size for 2 CPU ranks (its flags kept, values scaled).
 TINY = {

@@ -1,0 +1,113 @@
+"""Megatron-LM's --profile and --manual-gc (megatron.training.run_hooks), --log-throughput's
+field in the iteration line, and their one-line refusals."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from megatron.arguments import ArgumentError, build_parser, typed_flags, validate_args
+from megatron.training.monitor import IterationStats, format_iteration_log, parse_iteration_log
+from megatron.training.run_hooks import RunHooks
+
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 1 --train-iters 10 --lr 1e-3"
+)
+
+
+def _args(extra: str, tmp_path) -> argparse.Namespace:
+    argv = f"{BASE} --tensorboard-dir {tmp_path} {extra}".split()
+    parser = build_parser()
+    return validate_args(parser.parse_args(argv), 1, typed_flags(parser, argv))
+
+
+def test_profile_window_writes_one_trace_of_those_iterations(tmp_path) -> None:
+    args = _args("--profile --profile-step-start 2 --profile-step-end 3", tmp_path)
+    hooks = RunHooks(args)
+    steps = []
+    for iteration in range(1, 6):
+        hooks.before_iteration(iteration)
+        with torch.profiler.record_function(f"step {iteration}"):
+            steps.append(torch.ones(8, 8) @ torch.ones(8, 8))
+        hooks.after_iteration(iteration)
+    traces = glob.glob(os.path.join(tmp_path, "*.pt.trace.json"))
+    assert len(traces) == 1, os.listdir(tmp_path)
+    with open(traces[0]) as file:
+        names = {event.get("name") for event in json.load(file)["traceEvents"]}
+    assert {"step 2", "step 3"} <= names and not names & {"step 1", "step 4", "step 5"}
+
+
+def test_profiling_ranks_other_than_this_one_record_nothing(tmp_path) -> None:
+    args = _args(
+        "--profile --profile-step-start 1 --profile-step-end 1 --profile-ranks 1", tmp_path
+    )
+    hooks = RunHooks(args)
+    hooks.before_iteration(1)
+    hooks.after_iteration(1)
+    assert glob.glob(os.path.join(tmp_path, "*.pt.trace.json")) == []
+
+
+def test_manual_gc_turns_automatic_collection_off_and_collects_on_its_interval(
+    tmp_path, monkeypatch
+) -> None:
+    collections = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(1) or 0)
+    hooks = RunHooks(_args("--manual-gc --manual-gc-interval 2", tmp_path))
+    try:
+        hooks.start_training()
+        assert not gc.isenabled() and len(collections) == 1
+        for iteration in range(1, 6):
+            hooks.after_iteration(iteration)
+        assert len(collections) == 3  # after iterations 2 and 4
+        hooks.around_evaluation()
+        assert len(collections) == 4
+    finally:
+        gc.enable()
+
+
+def test_log_throughput_adds_megatron_lms_field() -> None:
+    stats = dict(
+        iteration=5,
+        train_iters=10,
+        consumed_samples=40,
+        consumed_tokens=1280,
+        elapsed_ms_per_iteration=12.5,
+        learning_rate=1e-3,
+        global_batch_size=8,
+        losses={"lm loss": 3.5},
+        loss_scale=1.0,
+        grad_norm=1.0,
+        actual_seqlen=32,
+        skipped_iterations=0,
+        nan_iterations=0,
+        samples_per_second=640.0,
+        tokens_per_gpu_per_second=20480.0,
+        tflops=0.25,
+    )
+    without = format_iteration_log(IterationStats(**stats))
+    line = format_iteration_log(IterationStats(**stats, throughput=0.25))
+    assert "throughput per GPU" not in without
+    assert (
+        " elapsed time per iteration (ms): 12.5 | throughput per GPU (TFLOP/s/GPU): 0.2 |" in line
+    )
+    assert parse_iteration_log(line)["throughput per GPU (TFLOP/s/GPU)"] == 0.2
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ("--profile --profile-step-start 5 --profile-step-end 3", ["--profile-step-end 3"]),
+        ("--manual-gc --manual-gc-interval -1", ["--manual-gc-interval -1"]),
+    ],
+)
+def test_refused_in_one_line(extra: str, words: list[str], tmp_path) -> None:
+    with pytest.raises(ArgumentError) as refused:
+        _args(extra, tmp_path)
+    assert all(word in str(refused.value) for word in words) and "\n" not in str(refused.value)
