@@ -159,6 +159,11 @@ INERT: list[CompatFlag] = [
         "--use-legacy-models",
     ),
     *_inert(
+        "attention's softmax runs in fp32 here whatever the training precision (torch's SDPA "
+        "and flash kernels accumulate in fp32)",
+        "--attention-softmax-in-fp32",
+    ),
+    *_inert(
         "Megatron-LM's kernel-fusion switches; torch (and --torch-compile) choose the kernels "
         "here, and the results are the same",
         "--cross-entropy-loss-fusion",
@@ -229,16 +234,33 @@ REFUSED: list[CompatFlag] = [
         "--apply-residual-connection-post-layernorm",
         "--embedding-weights-in-fp32",
         "--fp32-residual-connection",
-        "--attention-softmax-in-fp32",
         "--fp16-lm-cross-entropy",
         "--init-method-xavier-uniform",
     ),
     *_refused("NullTokenizer is not built here", "--vocab-size:int"),
     *_refused(
-        "Megatron-LM's step-wise batch-size schedule is not built here; --rampup-batch-size "
-        "START INCREMENT SAMPLES ramps the global batch, or drop the flag for a constant "
+        "Megatron-LM's mock dataset and tiktoken tokenizer are not built here yet",
+        "--mock-data",
+        "--tiktoken-pattern:str",
+    ),
+    *_refused(
+        "Megatron-LM's separate learning rate for the embedding and output layer is not built "
+        "here yet",
+        "--decoupled-lr:float",
+        "--decoupled-min-lr:float",
+    ),
+    *_refused(
+        "Megatron-LM's loss averaged over every token of the global batch is not built here "
+        "yet (the loss is the mean over each micro-batch's tokens)",
+        "--calculate-per-token-loss",
+    ),
+    *_refused(
+        "Megatron-LM's step-wise batch-size schedule is not built here (Megatron-LM itself "
+        "refuses it beside --global-batch-size, 'Cannot specify both', and a script that "
+        "expands it unquoted splits it into several words); --rampup-batch-size START "
+        "INCREMENT SAMPLES ramps the global batch, or drop the flag for a constant "
         "--global-batch-size",
-        "--step-batch-size-schedule:str",
+        "--step-batch-size-schedule:strs",
     ),
     *_refused(
         "HFTokenizer loads a local tokenizer without running code from it",
@@ -264,6 +286,25 @@ REFUSED: list[CompatFlag] = [
         "--fp8-interval:int",
         "--fp8-amax-history-len:int",
         "--fp8-amax-compute-algo:str",
+        "--fp8-param-gather",
+    ),
+    *_refused(
+        "gpt-oss's architecture (attention sinks, sliding-window attention, the clamped "
+        "GeGLU) is not built here",
+        "--enable-gpt-oss",
+        "--softmax-type:str",
+        "--window-size:str",
+        "--window-attn-skip-freq:str",
+        "--quick-geglu",
+        "--glu-linear-offset:float",
+        "--activation-func-clamp-value:float",
+        "--export-force-local-attention",
+        accepts=_equals("vanilla", None, False),
+    ),
+    *_refused(
+        "only standard rotary embeddings are built here (--rope-type rope)",
+        "--rope-type:str",
+        accepts=_equals("rope"),
     ),
     *_refused(
         "Megatron's DDP implementations are not used here (local and torch are accepted: "

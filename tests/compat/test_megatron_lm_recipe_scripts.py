@@ -1,0 +1,64 @@
+"""Megatron-LM's other GPT example scripts (tests/compat/megatron_lm/, each with its source
+path and commit) as a user runs them: each validates with `--dry-run` at the smallest world
+that holds its layout, or stops in one line naming a feature not built here.
+
+(The Llama-3 recipe and the Mixtral recipe have their own modules: they validate and train.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+
+import pytest
+
+from megatron.arguments import ArgumentError, build_parser, typed_flags, validate_args
+from megatron.dry_run import run_dry_run
+from tests.compat.scripts import load_script, with_values
+
+HERE = os.path.join(os.path.dirname(__file__), "megatron_lm")
+# Script, the world it is validated at, and the words of its one-line refusal.
+REFUSED = [
+    # TP=8 x PP=16 needs 128 ranks. Megatron-LM refuses the schedule too: beside
+    # --global-batch-size ("Cannot specify both"), and the script expands it unquoted.
+    (
+        "gpt3__train_gpt3_175b_distributed.json",
+        128,
+        ["--step-batch-size-schedule 0:16 2.4B:320", "Cannot specify both", "not built here"],
+    ),
+    # MOCK data: NullTokenizer with --vocab-size (and gpt-oss's attention sinks, FP8, ...).
+    ("gptoss__02_train.json", 8, ["--vocab-size 128256", "NullTokenizer is not built here"]),
+    ("megatron_fsdp__train_llama3_8b_fsdp_h100_fp8.json", 8, ["--apply-layernorm-1p"]),
+]
+
+
+def _validate(argv: list[str], world_size: int):
+    parser = build_parser()
+    return validate_args(parser.parse_args(argv), world_size, typed_flags(parser, argv))
+
+
+@pytest.mark.parametrize("name, world_size, words", REFUSED, ids=[r[0] for r in REFUSED])
+def test_stops_in_one_line_naming_what_is_not_built(
+    name: str, world_size: int, words: list[str]
+) -> None:
+    script = load_script(os.path.join(HERE, name))
+    assert script.source.startswith("NVIDIA/Megatron-LM@")
+    with pytest.raises(ArgumentError) as refused:
+        _validate(script.argv + ["--dry-run"], world_size)
+    message = str(refused.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, message
+
+
+def test_gpt3_without_its_schedule_validates_and_plans_at_128_ranks() -> None:
+    script = load_script(os.path.join(HERE, "gpt3__train_gpt3_175b_distributed.json"))
+    argv = with_values(script.argv, {"--step-batch-size-schedule": None}) + ["--dry-run"]
+    args = _validate(argv, 128)
+    assert args.layout.describe() == "TP 8 x PP 16 x DP 1, fp16 on megatron_schedules"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run_dry_run(argv + ["--dry-run-world-size", "128"])
+    assert "dry run: 128 ranks = TP 8 x PP 16 x DP 1" in printed.getvalue()
+    assert "model: 174," in printed.getvalue()  # GPT-3 175B (GPT-2's vocabulary)
