@@ -206,6 +206,9 @@ class ModelConfig:
     `swiglu` (`--swiglu`: silu(gate) * up, both halves of `dense_h_to_4h`)."""
     normalization: str = "layernorm"
     """`layernorm` or `rmsnorm` (`--normalization`; RMSNorm has a weight and no bias)."""
+    apply_layernorm_1p: bool = False
+    """Zero-centred norm weights (`--apply-layernorm-1p`): each norm multiplies by 1 + weight,
+    the weight starting at 0, so weight decay pulls it toward 1 (Megatron-LM's LayerNorm1P)."""
     num_key_value_heads: int | None = None
     """Key/value heads (`--num-key-value-heads`); fewer than the query heads is grouped-query
     attention, 1 multi-query; default: one per query head."""
@@ -350,6 +353,7 @@ class ModelConfig:
             init_method_std=get("init_method_std", 0.02),
             activation=_activation(args),
             normalization=str(get("normalization") or "layernorm").lower(),
+            apply_layernorm_1p=bool(get("apply_layernorm_1p")),
             num_key_value_heads=get("num_key_value_heads"),
             untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
             add_bias_linear=bool(get("add_bias_linear", True)),

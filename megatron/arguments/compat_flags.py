@@ -230,7 +230,6 @@ REFUSED: list[CompatFlag] = [
     *_refused(
         "this GPT variant is not built here (GPT-2 and LLaMA architectures only)",
         "--squared-relu",
-        "--apply-layernorm-1p",
         "--apply-residual-connection-post-layernorm",
         "--embedding-weights-in-fp32",
         "--fp32-residual-connection",

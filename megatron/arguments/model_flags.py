@@ -131,6 +131,12 @@ def add_model_size_flags(parser: argparse.ArgumentParser) -> None:
         "spellings LayerNorm/RMSNorm are accepted.",
     )
     group.add_argument(
+        "--apply-layernorm-1p",
+        action="store_true",
+        help="Zero-centred norm weights (Megatron-LM's LayerNorm1P): each norm scales by "
+        "1 + weight, the weight starting at 0; --normalization layernorm or rmsnorm.",
+    )
+    group.add_argument(
         "--swiglu",
         action="store_true",
         help="SwiGLU MLP (silu(x W_gate) * x W_up); --ffn-hidden-size defaults to "

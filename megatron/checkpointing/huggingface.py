@@ -185,8 +185,15 @@ def hf_config_json(
 
 
 def to_hf_weights(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our full (TP=1) state dict -> the weights of `hf_architecture(config)`, by its names."""
+    """Our full (TP=1) state dict -> the weights of `hf_architecture(config)`, by its names.
+
+    Zero-centred norms (`--apply-layernorm-1p`) are exported as the 1 + weight they scale by."""
     architecture = hf_architecture(config)
+    if config.apply_layernorm_1p:
+        state = {
+            name: tensor + 1 if name.endswith("layernorm.weight") else tensor
+            for name, tensor in state.items()
+        }
     if architecture == GPT2:
         return to_hf_state_dict(state, config.num_attention_heads)
     convert = to_mixtral_state_dict if architecture == MIXTRAL else to_llama_state_dict

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
@@ -30,13 +31,22 @@ def scaled_init_method_normal(
 
 
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm over h; under sequence parallelism its gradients are summed over TP ranks."""
+    """LayerNorm over h; under sequence parallelism its gradients are summed over TP ranks.
+    With `apply_layernorm_1p` the weight is zero-centred: the norm scales by 1 + weight."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config.hidden_size, eps=config.layernorm_epsilon, dtype=config.torch_dtype)
+        self.zero_centred = config.apply_layernorm_1p
+        if self.zero_centred:
+            nn.init.zeros_(self.weight)
         if config.sequence_parallel:
             mark_sequence_parallel(self.weight)
             mark_sequence_parallel(self.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., h] -> [..., h]."""
+        weight = self.weight + 1 if self.zero_centred else self.weight
+        return F.layer_norm(hidden, self.normalized_shape, weight, self.bias, self.eps)
 
 
 class RMSNorm(nn.Module):
@@ -49,7 +59,10 @@ class RMSNorm(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.eps = config.layernorm_epsilon
-        self.weight = nn.Parameter(torch.ones(config.hidden_size, dtype=config.torch_dtype))
+        # Zero-centred (`apply_layernorm_1p`): the weight starts at 0 and scales by 1 + weight.
+        self.zero_centred = config.apply_layernorm_1p
+        start = torch.zeros if self.zero_centred else torch.ones
+        self.weight = nn.Parameter(start(config.hidden_size, dtype=config.torch_dtype))
         if config.sequence_parallel:
             mark_sequence_parallel(self.weight)
 
@@ -57,7 +70,8 @@ class RMSNorm(nn.Module):
         """[..., h] -> [..., h] in the input's dtype."""
         x = hidden.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x.to(hidden.dtype) * self.weight
+        weight = self.weight + 1 if self.zero_centred else self.weight
+        return x.to(hidden.dtype) * weight
 
 
 def sequence_is_split(config: ModelConfig) -> bool:

@@ -33,7 +33,6 @@ RECIPE = os.path.join(
 # Flags of the recipe that later issues build (issue 40: Megatron-LM's training, data and
 # logging flags and recipes).
 LATER = {
-    "--apply-layernorm-1p": 40,
     "--vocab-size": 40,
     "--decoupled-lr": 40,
     "--decoupled-min-lr": 40,
