@@ -160,3 +160,66 @@ def test_ulysses_step_quick_prints_every_size() -> None:
         assert float(megabytes) == pytest.approx(expected, abs=0.05), row
     activation = [float(rows[name]["activation MB per rank"]) for name in ULYSSES_SIZES]
     assert activation[0] > activation[1] > activation[2] > 0, activation
+
+
+ROUTED_MOE_SETUPS = ("dense-top2", "moe-top2-grouped", "moe-top2-loop", "moe-top2-allgather")
+
+
+@pytest.mark.slow
+def test_routed_moe_step_quick_prints_every_setup() -> None:
+    """`benchmarks/routed_moe_step.py --quick`: a row per setup that parses; each dispatcher
+    makes its own collectives (and the dense model none), the grouped setups call grouped_mm
+    and the loop does not; the MoE setups agree on the first-step loss; active parameters
+    match."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "routed_moe_step.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    losses = [line for line in lines if line.startswith("first-step lm loss, top-2:")]
+    assert len(losses) == 1 and losses[0].endswith("-> OK"), losses
+    header = next(line for line in lines if line.startswith("| setup |"))
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    rows = {}
+    for line in lines:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] in ROUTED_MOE_SETUPS:
+            rows[cells[0]] = dict(zip(columns, cells))
+    assert set(rows) == set(ROUTED_MOE_SETUPS), result.stdout
+    # --quick: 2 MoE layers, 1 micro-batch. All-to-all: the count exchange and 2 token
+    # all-to-alls forward, 2 backward. All-gather: tokens, weights, routing map and the
+    # reduce-scatter forward, 3 transposes backward. grouped_mm: 2 per layer forward.
+    expected = {  # setup -> (all-to-all calls, all-gather + reduce-scatter calls, grouped_mm)
+        "dense-top2": (0, 0, 0),
+        "moe-top2-grouped": (10, 0, 4),
+        "moe-top2-loop": (10, 0, 0),
+        "moe-top2-allgather": (0, 14, 4),
+    }
+    for name, row in rows.items():
+        assert len(row) == len(columns), row
+        assert re.fullmatch(r"\d+ ms", row["step (median)"]), row
+        assert float(row["tokens/s"].replace(",", "")) > 0
+        assert float(row["vs dense (per round; medians)"].split("x")[0].strip("*")) > 0
+        for share in ("all-to-all share", "all-gather + reduce-scatter share"):
+            assert 0.0 <= _percent(row[share]) <= 1.0, row
+        assert 0.0 < _percent(row["optimizer step share"]) < 1.0, row
+        a2a_calls = int(row["all-to-all calls, MB (rank 0/1)"].split(",")[0])
+        gather_calls = int(row["all-gather + reduce-scatter calls, MB (rank 0/1)"].split(",")[0])
+        assert (a2a_calls, gather_calls, int(row["grouped_mm calls"])) == expected[name], row
+        if a2a_calls:  # a step that moves tokens spends some of its time doing it
+            assert 0.0 < _percent(row["all-to-all share"]) < 1.0, row
+    assert rows["dense-top2"]["vs dense (per round; medians)"].startswith("**1.00x**")
+    assert rows["moe-top2-loop"]["vs loop (per round; medians)"].startswith("**1.00x**")
+    assert (
+        float(rows["moe-top2-grouped"]["vs loop (per round; medians)"].split("x")[0].strip("*")) > 0
+    )
+    # Same active parameters but for the router (experts x h) and the second expert's output
+    # bias (h), in each of the 2 layers (h 64, 4 experts).
+    active = [int(rows[name]["active per token"].replace(",", "")) for name in ROUTED_MOE_SETUPS]
+    assert [value - active[0] for value in active] == [0] + [2 * (64 * 4 + 64)] * 3, active

@@ -243,12 +243,6 @@ REFUSED: list[CompatFlag] = [
         "--tiktoken-pattern:str",
     ),
     *_refused(
-        "Megatron-LM's separate learning rate for the embedding and output layer is not built "
-        "here yet",
-        "--decoupled-lr:float",
-        "--decoupled-min-lr:float",
-    ),
-    *_refused(
         "Megatron-LM's loss averaged over every token of the global batch is not built here "
         "yet (the loss is the mean over each micro-batch's tokens)",
         "--calculate-per-token-loss",

@@ -99,5 +99,11 @@ def check_housekeeping(args: argparse.Namespace) -> None:
             f"--profile-step-end {args.profile_step_end} is before --profile-step-start "
             f"{args.profile_step_start}"
         )
+    if args.decoupled_lr is not None and args.deepspeed:
+        # DeepSpeed's optimizer wrappers rebuild the param groups without these keys.
+        raise ArgumentError(
+            f"--decoupled-lr {args.decoupled_lr} with --deepspeed: a learning rate of the input "
+            "and output layers' own runs on the plain engine and Megatron's schedules here"
+        )
     if args.manual_gc_interval < 0:
         raise ArgumentError(f"--manual-gc-interval {args.manual_gc_interval}: must be 0 or more")

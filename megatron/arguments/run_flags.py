@@ -254,6 +254,19 @@ def add_learning_rate_flags(parser: argparse.ArgumentParser) -> None:
         help="On resume, take the schedule from the checkpoint, ignoring the command line "
         "(without either flag they must match).",
     )
+    group.add_argument(
+        "--decoupled-lr",
+        type=float,
+        default=None,
+        help="Peak learning rate of the input and output layers (word embeddings, untied output "
+        "layer), on the same warmup and decay as --lr (Megatron-LM's).",
+    )
+    group.add_argument(
+        "--decoupled-min-lr",
+        type=float,
+        default=None,
+        help="Floor of --decoupled-lr's decay (default: --min-lr).",
+    )
 
 
 def add_checkpointing_flags(parser: argparse.ArgumentParser) -> None:

@@ -21,12 +21,23 @@ from megatron.core import parallel_state
 OPTIMIZERS = ("adam", "adamw")
 
 
-def get_param_groups(modules: torch.nn.Module | list[torch.nn.Module]) -> list[dict]:
-    """Megatron's split: 1-D params and biases get no weight decay; each tensor appears once."""
+# The input and output layers (`--decoupled-lr`): the word embeddings, the untied output layer.
+DECOUPLED_LR_PARAMETERS = ("word_embeddings.weight", "output_layer.weight")
+
+
+def get_param_groups(
+    modules: torch.nn.Module | list[torch.nn.Module],
+    decoupled_lr: tuple[float, float | None] | None = None,
+) -> list[dict]:
+    """Megatron's split: 1-D params and biases get no weight decay; each tensor appears once.
+
+    `decoupled_lr` (Megatron-LM's `--decoupled-lr`, `--decoupled-min-lr`): the input and output
+    layers go to a group of their own with that peak and floor on the same schedule."""
     if isinstance(modules, torch.nn.Module):
         modules = [modules]
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
+    decoupled: list[torch.nn.Parameter] = []
     seen: set[int] = set()
     for module in modules:
         for name, param in module.named_parameters():
@@ -34,7 +45,9 @@ def get_param_groups(modules: torch.nn.Module | list[torch.nn.Module]) -> list[d
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            if param.ndim == 1 or name == "bias" or name.endswith(".bias"):
+            if decoupled_lr is not None and name.endswith(DECOUPLED_LR_PARAMETERS):
+                decoupled.append(param)
+            elif param.ndim == 1 or name == "bias" or name.endswith(".bias"):
                 no_decay.append(param)
             else:
                 decay.append(param)
@@ -44,6 +57,12 @@ def get_param_groups(modules: torch.nn.Module | list[torch.nn.Module]) -> list[d
         # wd_mult 0.0 keeps the scheduler from writing a nonzero decay into this group.
         {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0, "name": "no_weight_decay"},
     ]
+    if decoupled:
+        max_lr, min_lr = decoupled_lr
+        groups.append(
+            {"params": decoupled, "wd_mult": 1.0, "name": "decoupled_lr", "max_lr": max_lr}
+            | ({"min_lr": min_lr} if min_lr is not None else {})
+        )
     return [group for group in groups if group["params"]]
 
 

@@ -165,6 +165,17 @@ class OptimizerParamScheduler:
             coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
+    def group_lr(self, group: dict) -> float:
+        """The lr of a param group with its own peak and floor (`max_lr`, `min_lr`: Megatron-LM's
+        --decoupled-lr groups) on the same warmup and decay."""
+        saved = self.max_lr, self.min_lr
+        self.max_lr = float(group["max_lr"])
+        self.min_lr = float(group.get("min_lr") if group.get("min_lr") is not None else saved[1])
+        try:
+            return self.get_lr()
+        finally:
+            self.max_lr, self.min_lr = saved
+
     def step(self, increment: int | None = None, token_num: int | None = None) -> None:
         """Advance by `increment` samples (default: one global batch) and set the token count
         (default: `consumed_train_tokens`); set every group's lr/wd."""
@@ -173,7 +184,8 @@ class OptimizerParamScheduler:
         new_lr = self.get_lr()
         new_wd = self.get_wd()
         for group in self.optimizer.param_groups:
-            group["lr"] = new_lr * group.get("lr_mult", 1.0)
+            lr = new_lr if group.get("max_lr") is None else self.group_lr(group)
+            group["lr"] = lr * group.get("lr_mult", 1.0)
             # The no-decay group (biases, norms) carries wd_mult 0.0, so it stays at 0.
             group["weight_decay"] = new_wd * group.get("wd_mult", 1.0)
         self.last_lr = [group["lr"] for group in self.optimizer.param_groups]

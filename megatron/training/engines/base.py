@@ -148,7 +148,10 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace, guard: boo
 def _param_groups(model: torch.nn.Module, args: argparse.Namespace) -> list[dict]:
     """Megatron's groups; with MoE, DeepSpeed's expert groups split off when asked
     (`--create-moe-param-group`) or needed (ZeRO 1-2 reduces and partitions experts apart)."""
-    groups = get_param_groups(model)
+    decoupled = None
+    if getattr(args, "decoupled_lr", None) is not None:
+        decoupled = (args.decoupled_lr, args.decoupled_min_lr)
+    groups = get_param_groups(model, decoupled)
     zero_stage = args.zero_stage or 0  # None without --deepspeed
     if getattr(args, "moe", False) and (args.create_moe_param_group or zero_stage > 0):
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer

@@ -1,5 +1,6 @@
-"""Megatron-LM's --profile and --manual-gc (megatron.training.run_hooks), --log-throughput's
-field in the iteration line, and their one-line refusals."""
+"""Megatron-LM's run flags: --profile and --manual-gc (megatron.training.run_hooks),
+--log-throughput's field in the iteration line, --decoupled-lr's own peak and floor for the
+input and output layers, and their one-line refusals."""
 
 from __future__ import annotations
 
@@ -111,3 +112,43 @@ def test_refused_in_one_line(extra: str, words: list[str], tmp_path) -> None:
     with pytest.raises(ArgumentError) as refused:
         _args(extra, tmp_path)
     assert all(word in str(refused.value) for word in words) and "\n" not in str(refused.value)
+
+
+def test_decoupled_lr_gives_the_input_and_output_layers_their_own_peak_and_floor(tmp_path) -> None:
+    """--decoupled-lr / --decoupled-min-lr: the word embeddings and untied output layer follow
+    the same warmup and cosine decay between their own peak and floor."""
+    from megatron.config import ModelConfig
+    from megatron.model import GPTModel
+    from megatron.training.engines.base import _param_groups
+    from megatron.training.optimizer import build_optimizer
+    from megatron.training.scheduler import scheduler_from_args
+
+    args = _args(
+        "--lr 1e-3 --min-lr 1e-4 --decoupled-lr 5e-4 --decoupled-min-lr 5e-5 "
+        "--lr-warmup-iters 2 --lr-decay-style cosine --global-batch-size 1 "
+        "--untie-embeddings-and-output-weights",
+        tmp_path,
+    )
+    args.padded_vocab_size = 128
+    model = GPTModel(ModelConfig.from_args(args))
+    groups = _param_groups(model, args)
+    decoupled = [g for g in groups if g["name"] == "decoupled_lr"]
+    assert len(decoupled) == 1 and len(decoupled[0]["params"]) == 2  # embedding, output layer
+    optimizer = build_optimizer(groups, args.lr, 0.1, (0.9, 0.95), 1e-8)
+    scheduler = scheduler_from_args(optimizer, args)
+    seen = []
+    for _ in range(10):
+        scheduler.step(increment=1)
+        lrs = {group["name"]: group["lr"] for group in optimizer.param_groups}
+        seen.append((lrs["weight_decay"], lrs["decoupled_lr"]))
+    assert seen[1] == pytest.approx((1e-3, 5e-4))  # the warmup's end: both peaks
+    assert seen[-1] == pytest.approx((1e-4, 5e-5))  # the decay's end: both floors
+    base, own = seen[5]
+    assert (base - 1e-4) / (1e-3 - 1e-4) == pytest.approx((own - 5e-5) / (5e-4 - 5e-5))
+
+
+def test_decoupled_lr_on_deepspeeds_engine_is_refused_in_one_line(tmp_path) -> None:
+    config = tmp_path / "ds.json"
+    config.write_text('{"zero_optimization": {"stage": 1}}')
+    with pytest.raises(ArgumentError, match="--decoupled-lr 0.0005 with --deepspeed"):
+        _args(f"--decoupled-lr 5e-4 --deepspeed --deepspeed_config {config}", tmp_path)
