@@ -68,7 +68,12 @@ class GroupedExperts(nn.Module):
         """Each expert's rows times its [in, out] weight."""
         if self.grouped_gemm and _grouped_mm_fits(tokens, weight):
             offsets = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
-            return F.grouped_mm(tokens, weight, offs=offsets)
+            product = F.grouped_mm(tokens, weight, offs=offsets)
+            if product.requires_grad:
+                # grouped_mm's backward needs a dense gradient; a broadcast one (the gradient
+                # of a sum) has zero strides.
+                product.register_hook(lambda grad: grad.contiguous())
+            return product
         parts = tokens.split(counts)
         return torch.cat([part @ weight[e] for e, part in enumerate(parts)])
 

@@ -117,6 +117,16 @@ def _check_grouped_gemm_equals_loop() -> None:
         assert_close_reordered(grouped_grads[name], grad, terms=GRADIENT_TERMS, msg=name)
 
 
+def _check_grouped_experts_take_a_broadcast_gradient() -> None:
+    """The gradient of a sum reaches grouped_mm's backward as a broadcast (zero-stride) tensor."""
+    from megatron.model.moe_experts import GroupedExperts
+
+    experts = GroupedExperts(_config(2, grouped_gemm=True), EXPERTS, 0)
+    tokens = torch.randn(10, HIDDEN, requires_grad=True)
+    experts(tokens, [3, 0, 4, 3]).sum().backward()
+    assert tokens.grad is not None and experts.weight1.grad.abs().sum() > 0
+
+
 def _check_load_balancing_losses() -> None:
     """Megatron-LM's switch loss: E / (k T^2) x sum_e (sum of scores_e) x (tokens to e); the
     sequence-level one is that per sequence (tokens of [s, b] flattened), averaged."""
@@ -252,6 +262,9 @@ CHECKS = {
             for score, pre in (("softmax", False), ("softmax", True), ("sigmoid", False))
         },
         "grouped matmul equals the loop over experts": (_check_grouped_gemm_equals_loop,),
+        "grouped experts take a broadcast gradient": (
+            _check_grouped_experts_take_a_broadcast_gradient,
+        ),
         "load-balancing losses follow Megatron-LM's formulas": (_check_load_balancing_losses,),
         "the aux loss's gradient balances a skewed router": (
             _check_aux_loss_gradient_balances_a_skewed_router,
