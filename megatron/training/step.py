@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import sum_sharded_sequence_parallel_grads
 from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, scale_aux_losses_like
-from megatron.model.moe_layer import finish_moe_backward
+from megatron.model.moe_layer import finish_moe_backward, update_expert_biases
 from megatron.training.monitor import Timers
 from megatron.utils import current_device
 
@@ -125,6 +125,9 @@ def train_step_deepspeed(
         if index == micro_batches - 1:  # the boundary: this engine.step updates the weights
             forward_backward.stop()
             optimizer_step.start()
+            # Megatron-LM's MoE at EP 1 (DeepSpeed reduces the experts with the rest): the
+            # routers' expert biases move before the update, as on the other engines.
+            update_expert_biases(engine.module)
         # The scheduler counts samples; DeepSpeed passes lr_kwargs on at the boundary only.
         engine.step(lr_kwargs={"increment": increment})
         accumulate_reported(sums, reported)
