@@ -159,6 +159,12 @@ INERT: list[CompatFlag] = [
         "--use-legacy-models",
     ),
     *_inert(
+        "Megatron-LM's choice between its local layers and Transformer Engine's kernels for the "
+        "same layers; torch's kernels run them here (FP8, Transformer Engine's other use, is "
+        "refused apart by its --fp8-* flags)",
+        "--transformer-impl:str",
+    ),
+    *_inert(
         "attention's softmax runs in fp32 here whatever the training precision (torch's SDPA "
         "and flash kernels accumulate in fp32)",
         "--attention-softmax-in-fp32",
@@ -264,11 +270,7 @@ REFUSED: list[CompatFlag] = [
         "--vocab-extra-ids:int",
         accepts=_equals(0),
     ),
-    *_refused(
-        "Transformer Engine and FP8 are not built here (--transformer-impl local is accepted)",
-        "--transformer-impl:str",
-        accepts=_equals("local"),
-    ),
+
     *_refused(
         "Transformer Engine and FP8 are not built here",
         "--fp8-e4m3",

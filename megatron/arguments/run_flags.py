@@ -191,9 +191,29 @@ def add_learning_rate_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate the decay ends at.")
     group.add_argument(
         "--lr-decay-style",
-        choices=["constant", "linear", "cosine", "inverse-square-root"],
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
         default="linear",
-        help="Decay from --lr to --min-lr after warmup (default: %(default)s).",
+        help="Decay from --lr to --min-lr after warmup (default: %(default)s). WSD "
+        "(Megatron-LM's warmup-stable-decay): --lr until the last --lr-wsd-decay-iters/-samples "
+        "of the decay span, then --lr-wsd-decay-style down to --min-lr.",
+    )
+    group.add_argument(
+        "--lr-wsd-decay-style",
+        choices=["exponential", "linear", "cosine", "minus_sqrt"],
+        default="exponential",
+        help="WSD's anneal curve (default: %(default)s).",
+    )
+    group.add_argument(
+        "--lr-wsd-decay-iters",
+        type=int,
+        default=None,
+        help="WSD's anneal, in iterations (x --global-batch-size samples).",
+    )
+    group.add_argument(
+        "--lr-wsd-decay-samples",
+        type=int,
+        default=None,
+        help="WSD's anneal, in samples.",
     )
     group.add_argument(
         "--lr-decay-iters",

@@ -27,7 +27,7 @@ import torch
 
 from megatron.utils import print_rank_0
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 _DECAY_FLAGS = "--lr-decay-iters/--lr-decay-samples"
@@ -62,8 +62,14 @@ class OptimizerParamScheduler:
         default_increment: int = 1,
         lr_warmup_tokens: int | None = None,
         lr_decay_tokens: int | None = None,
+        wsd_decay_steps: int | None = None,
+        lr_wsd_decay_style: str = "exponential",
     ) -> None:
         self.optimizer = optimizer
+        # WSD (warmup, stable, decay): the lr holds at max_lr until the last `wsd_decay_steps`
+        # samples of the decay span, then falls to min_lr in `lr_wsd_decay_style`.
+        self.wsd_decay_steps = wsd_decay_steps
+        self.lr_wsd_decay_style = lr_wsd_decay_style
         self.init_lr = float(init_lr)
         self.max_lr = float(max_lr)
         self.min_lr = float(min_lr)
@@ -158,12 +164,29 @@ class OptimizerParamScheduler:
             else:
                 warmup, count = max(self.lr_warmup_tokens, 1), max(self.num_tokens, 1)
             return max(self.min_lr, self.max_lr * warmup**0.5 / count**0.5)
+        if self.lr_decay_style == "WSD":
+            return self.min_lr + self._wsd_coefficient() * (self.max_lr - self.min_lr)
         decay_ratio = self._decay_ratio()
         if self.lr_decay_style == "linear":
             coeff = 1.0 - decay_ratio
         else:  # cosine
             coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def _wsd_coefficient(self) -> float:
+        """Megatron-LM's WSD: 1 until the anneal starts, then its decay style's curve to 0."""
+        anneal_start = self.lr_decay_steps - self.wsd_decay_steps
+        if self.num_steps <= anneal_start:
+            return 1.0
+        ratio = float(self.num_steps - anneal_start) / float(self.wsd_decay_steps)
+        style = self.lr_wsd_decay_style
+        if style == "linear":
+            return 1.0 - ratio
+        if style == "cosine":
+            return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        if style == "minus_sqrt":
+            return 1.0 - math.sqrt(ratio)
+        return 2.0 * math.pow(0.5, ratio) - 1.0  # exponential
 
     def group_lr(self, group: dict) -> float:
         """The lr of a param group with its own peak and floor (`max_lr`, `min_lr`: Megatron-LM's
@@ -346,7 +369,18 @@ def scheduler_arguments(args: Namespace) -> dict:
         # Megatron-DeepSpeed: when set, these replace the sample warmup / decay span above.
         lr_warmup_tokens=getattr(args, "lr_warmup_tokens", None),
         lr_decay_tokens=getattr(args, "lr_decay_tokens", None),
+        wsd_decay_steps=_wsd_decay_steps(args),
+        lr_wsd_decay_style=_arg_or(args, "lr_wsd_decay_style", "exponential"),
     )
+
+
+def _wsd_decay_steps(args: Namespace) -> int | None:
+    """WSD's anneal in samples: --lr-wsd-decay-samples, or --lr-wsd-decay-iters x the batch."""
+    if getattr(args, "lr_wsd_decay_samples", None) is not None:
+        return args.lr_wsd_decay_samples
+    if getattr(args, "lr_wsd_decay_iters", None) is not None:
+        return args.lr_wsd_decay_iters * args.global_batch_size
+    return None
 
 
 def _check(schedule: Any) -> None:
@@ -364,6 +398,19 @@ def _check(schedule: Any) -> None:
         raise ValueError(
             f"--lr-warmup-init ({schedule.init_lr}) is larger than --lr ({schedule.max_lr})"
         )
+    if schedule.lr_decay_style == "WSD":
+        if schedule.wsd_decay_steps is None or schedule.wsd_decay_steps <= 0:
+            raise ValueError(
+                "--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples "
+                f"above 0 (the anneal at the end of the decay span), got {schedule.wsd_decay_steps}"
+            )
+        if schedule.wsd_decay_steps > schedule.lr_decay_steps:
+            raise ValueError(
+                f"--lr-wsd-decay-*: the anneal ({schedule.wsd_decay_steps} samples) is longer "
+                f"than the decay span ({schedule.lr_decay_steps} samples)"
+            )
+        if schedule.lr_decay_tokens is not None:
+            raise ValueError("--lr-decay-style WSD counts samples; drop --lr-decay-tokens")
     if schedule.lr_decay_steps <= 0:
         raise ValueError(
             f"{_DECAY_FLAGS}: the decay must cover more than 0 samples, "

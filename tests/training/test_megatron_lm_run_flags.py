@@ -152,3 +152,67 @@ def test_decoupled_lr_on_deepspeeds_engine_is_refused_in_one_line(tmp_path) -> N
     config.write_text('{"zero_optimization": {"stage": 1}}')
     with pytest.raises(ArgumentError, match="--decoupled-lr 0.0005 with --deepspeed"):
         _args(f"--decoupled-lr 5e-4 --deepspeed --deepspeed_config {config}", tmp_path)
+
+
+ORACLE_SCRIPT = os.path.join(os.path.dirname(__file__), "megatron_core_lr_schedules.py")
+
+
+def test_wsd_and_decoupled_groups_follow_megatron_core(tmp_path) -> None:
+    """Megatron-LM's WSD schedule (each anneal style) and param groups with their own peak and
+    floor (--decoupled-lr) give megatron-core 0.16.1's learning rates at every step."""
+    from megatron.training.scheduler import OptimizerParamScheduler
+    from tests.conftest import run_oracle
+
+    base = dict(
+        init_lr=0.0,
+        max_lr=1.0,
+        min_lr=0.1,
+        lr_warmup_steps=10,
+        lr_decay_steps=110,
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=110,
+        wd_incr_style="constant",
+    )
+    groups = [{}, {"max_lr": 0.5, "min_lr": 0.05}]
+    steps = [0, 5, 10, 40, 60, 70, 80, 90, 100, 109, 110, 120]
+    cases = [
+        {
+            "name": style,
+            "kwargs": {
+                **base,
+                "lr_decay_style": "WSD",
+                "wsd_decay_steps": 50,
+                "lr_wsd_decay_style": style,
+            },
+            "groups": groups,
+            "steps": steps,
+        }
+        for style in ("exponential", "linear", "cosine", "minus_sqrt")
+    ]
+    cases.append(
+        {
+            "name": "cosine",
+            "kwargs": {**base, "lr_decay_style": "cosine"},
+            "groups": groups,
+            "steps": steps,
+        }
+    )
+    cases[-1]["name"] = "decoupled cosine"
+    cases_file, out_file = tmp_path / "cases.json", tmp_path / "lrs.json"
+    cases_file.write_text(json.dumps(cases))
+    run_oracle(ORACLE_SCRIPT, str(cases_file), str(out_file))
+    expected = json.loads(out_file.read_text())
+    for case in cases:
+        params = [torch.nn.Parameter(torch.zeros(1)) for _ in groups]
+        optimizer = torch.optim.SGD(
+            [{"params": [p], **extra} for p, extra in zip(params, groups)], lr=0.0
+        )
+        scheduler = OptimizerParamScheduler(optimizer, **case["kwargs"])
+        ours, done = [], 0
+        for step in steps:
+            scheduler.step(step - done)
+            done = step
+            ours.append([group["lr"] for group in optimizer.param_groups])
+        flat = [lr for row in expected[case["name"]] for lr in row]
+        assert [lr for row in ours for lr in row] == pytest.approx(flat, rel=1e-12), case["name"]
