@@ -270,7 +270,6 @@ REFUSED: list[CompatFlag] = [
         "--vocab-extra-ids:int",
         accepts=_equals(0),
     ),
-
     *_refused(
         "Transformer Engine and FP8 are not built here",
         "--fp8-e4m3",

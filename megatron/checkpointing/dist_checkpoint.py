@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from megatron.checkpointing.disk import save_torch_file
-from megatron.checkpointing.file_format import SAFE_GLOBALS, load_file
+from megatron.checkpointing.file_format import SAFE_GLOBALS, enum_member, load_file
 from megatron.checkpointing.pipeline_stages import HEAD_WEIGHT, chunk_layers, renumber_layers
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
 from megatron.checkpointing.shapes import WORD_EMBEDDINGS
@@ -178,6 +178,8 @@ class _SafeReader:
 
         class Unpickler(pickle.Unpickler):
             def find_class(self, module: str, name: str) -> object:
+                if module == "builtins" and name == "getattr":  # an enum member, Python 3.11.2
+                    return enum_member
                 dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
                 if (
                     dtype

@@ -16,7 +16,9 @@
 from __future__ import annotations
 
 import argparse
+import enum
 import os
+import pickle
 import zipfile
 from collections.abc import Sequence
 from typing import Any
@@ -34,7 +36,20 @@ OUTPUT_LAYER_PREFIX = "language_model.output_layer."
 """The untied output layer (`--untie-embeddings-and-output-weights`), on the last stage."""
 MEGATRON_FILENAME = "model_optim_rng.pt"
 
+
+def enum_member(enum_class: type, name: str) -> enum.Enum:
+    """What `getattr(SomeEnum, "NAME")` in a pickle means: Python 3.11's first releases (3.11.2,
+    Debian 12's python3, say) pickle an enum member so. Only an allow-listed Enum class's member
+    by name comes back: the loaders map `builtins.getattr` here, never to getattr itself."""
+    if not (isinstance(enum_class, type) and issubclass(enum_class, enum.Enum)):
+        raise pickle.UnpicklingError(f"getattr on {enum_class!r} is not allowed in a checkpoint")
+    if not isinstance(name, str) or name not in enum_class.__members__:
+        raise pickle.UnpicklingError(f"{enum_class.__name__} has no member {name!r}")
+    return enum_class[name]
+
+
 SAFE_GLOBALS = [
+    (enum_member, "builtins.getattr"),
     argparse.Namespace,
     np.ndarray,
     np.dtype,
