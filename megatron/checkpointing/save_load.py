@@ -424,18 +424,25 @@ def _continue_schedule(scheduler, state) -> None:  # noqa: ANN001
         )
 
 
-def _metadata(found: LocatedCheckpoint) -> tuple[str, dict]:
-    """(file, contents) holding this rank's weights (Megatron) or the run's metadata (DS)."""
+def _metadata(found: LocatedCheckpoint) -> tuple[str, dict, str | None]:
+    """(file, contents, missing) holding this rank's weights (Megatron) or the run's metadata
+    (DS). Where this rank's Megatron file does not exist (another split), the first rank's file
+    stands in (`missing` names the absent one), so that the layout check that follows refuses
+    in the same line on every rank."""
     if found.layout == "megatron" and is_dist_checkpoint(found.directory):
         try:
-            return read_common(found.directory)
+            return (*read_common(found.directory), None)
         except DistCheckpointError as error:
             raise CheckpointError(str(error)) from None
     if found.layout == "megatron":
         path = _this_rank_file(found.directory)
-        if not os.path.isfile(path):
-            _refuse_missing_rank_file(found.directory, path)
-        return path, load_file(path)
+        if os.path.isfile(path):
+            return path, load_file(path), None
+        names = sorted(n for n in os.listdir(found.directory) if n.startswith("mp_rank_"))
+        if not names:
+            raise CheckpointError(f"{found.directory} holds no rank file ({path} does not exist)")
+        other = os.path.join(found.directory, names[0], MEGATRON_FILENAME)
+        return other, load_file(other, mmap=True), path
     from megatron.checkpointing.deepspeed_engine import DEEPSPEED_SAFE_GLOBALS
 
     # Every model-parallel rank's file carries the same metadata; this one always exists
@@ -445,31 +452,24 @@ def _metadata(found: LocatedCheckpoint) -> tuple[str, dict]:
     zero3 = os.path.join(found.directory, f"zero_pp_rank_0_mp_rank_{tp_rank:02d}_model_states.pt")
     if not os.path.isfile(path) and os.path.isfile(zero3):
         path = zero3
-    return path, load_file(path, mmap=True, extra_globals=DEEPSPEED_SAFE_GLOBALS)
+    return path, load_file(path, mmap=True, extra_globals=DEEPSPEED_SAFE_GLOBALS), None
 
 
-def _refuse_missing_rank_file(directory: str, path: str) -> None:
-    """No file for this rank: say which layout the checkpoint was saved at, read off the
-    arguments in one of its files."""
-    names = sorted(n for n in os.listdir(directory) if n.startswith("mp_rank_"))
-    saved = ""
-    if names:
-        other = args_dict(
-            load_file(os.path.join(directory, names[0], MEGATRON_FILENAME), mmap=True).get("args")
+def _refuse_missing_rank_file(missing: str, saved: dict) -> None:
+    """This rank's file is absent although the saved layout matches ours: say so, with the
+    sizes the checkpoint was saved at."""
+    sizes = [
+        f"{flag} {saved.get(name)}"
+        for flag, name in (
+            ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+            ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
+            ("--expert-model-parallel-size", "expert_model_parallel_size"),
         )
-        sizes = [
-            f"{flag} {saved_size}"
-            for flag, saved_size in (
-                ("--tensor-model-parallel-size", other.get("tensor_model_parallel_size")),
-                ("--pipeline-model-parallel-size", other.get("pipeline_model_parallel_size")),
-                ("--expert-model-parallel-size", other.get("expert_model_parallel_size")),
-            )
-            if saved_size is not None
-        ]
-        saved = f"; it was saved with {', '.join(sizes)} ({len(names)} rank files)"
+        if saved.get(name) is not None
+    ]
     raise CheckpointError(
-        f"{path} does not exist{saved}: load it at that layout (a torch_dist checkpoint loads "
-        f"at any), or convert a dense model's with {RESHARD_TOOL}"
+        f"{missing} does not exist (the checkpoint was saved with {', '.join(sizes)}): a rank "
+        "file is missing"
     )
 
 
@@ -546,9 +546,11 @@ def load_checkpoint(target: CheckpointTarget, args: argparse.Namespace) -> Train
     if found is None:
         print_rank_0(f"> no checkpoint found in {args.load}; starting from iteration 0")
         return TrainState()
-    path, client = _metadata(found)
+    path, client, missing = _metadata(found)
     any_layout = found.layout == "megatron" and is_dist_checkpoint(found.directory)
     check_checkpoint_args(args_dict(client.get("args")), args, path, any_layout)
+    if missing is not None:
+        _refuse_missing_rank_file(missing, args_dict(client.get("args")))
     fresh = args.finetune or found.release
     load_optimizer = not (args.no_load_optim or fresh)
     optimizer_loaded = rng_restored = False
