@@ -335,10 +335,8 @@ REFUSED: list[CompatFlag] = [
     ),
     *_refused(
         "is not supported here yet",
-        "--kill-switch-file:str",
         "--load-tag:str",
         "--use-checkpoint-args",
-        "--exit-on-missing-checkpoint",
         "--skip-train",
         "--log-num-zeros-in-grad",
         "--data-parallel-random-init",

@@ -1,7 +1,8 @@
 """Megatron-LM's flags for what a run does beside training: profiling a window of iterations,
-manual garbage collection, the throughput field of the log line, the logging level, and
-cuBLAS's reduced-precision bf16 reductions. Their meanings are in
-`megatron.training.run_hooks` (profiler, garbage collection) and `megatron.initialize`.
+manual garbage collection, the throughput field of the log line, the logging level, a kill
+switch file, stopping on a missing checkpoint, and cuBLAS's reduced-precision bf16 reductions.
+Their meanings are in `megatron.training.run_hooks` (profiler, garbage collection), the loop
+(kill switch), `load_checkpoint` (missing checkpoint) and `megatron.initialize`.
 """
 
 from __future__ import annotations
@@ -75,6 +76,19 @@ def add_housekeeping_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="Python logging level of the run (10 debug, 20 info, 30 warning, ...).",
+    )
+    group.add_argument(
+        "--kill-switch-file",
+        type=str,
+        default=None,
+        help="Stop (saving a checkpoint first, with --save) at the end of the first iteration "
+        "after this file appears, on any rank.",
+    )
+    group.add_argument(
+        "--exit-on-missing-checkpoint",
+        action="store_true",
+        help="With --load: stop with an error when it holds no checkpoint, instead of "
+        "training from scratch.",
     )
     group.add_argument(
         "--disable-bf16-reduced-precision-matmul",

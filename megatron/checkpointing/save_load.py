@@ -544,6 +544,11 @@ def load_checkpoint(target: CheckpointTarget, args: argparse.Namespace) -> Train
             raise CheckpointError(str(error)) from None
         found = find_checkpoint(args.load, universal)
     if found is None:
+        if getattr(args, "exit_on_missing_checkpoint", False):
+            raise CheckpointError(
+                f"--exit-on-missing-checkpoint: no checkpoint in --load {args.load} (a typo in "
+                "the path would otherwise start training from scratch)"
+            )
         print_rank_0(f"> no checkpoint found in {args.load}; starting from iteration 0")
         return TrainState()
     path, client, missing = _metadata(found)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -367,6 +368,13 @@ class TrainingLoop:
             return True
         if args.exit_interval and state.iteration % args.exit_interval == 0:
             print_rank_0(f"exiting program at iteration {state.iteration} (--exit-interval)")
+            return True
+        kill_switch = getattr(args, "kill_switch_file", None)
+        if kill_switch and _any_rank(os.path.exists(kill_switch)):
+            print_rank_0(
+                f"exiting program at iteration {state.iteration}: {kill_switch} exists "
+                "(--kill-switch-file)"
+            )
             return True
         if args.exit_duration_in_mins:
             minutes = (time.time() - self.start_time) / 60.0

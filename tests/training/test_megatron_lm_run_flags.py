@@ -216,3 +216,24 @@ def test_wsd_and_decoupled_groups_follow_megatron_core(tmp_path) -> None:
             ours.append([group["lr"] for group in optimizer.param_groups])
         flat = [lr for row in expected[case["name"]] for lr in row]
         assert [lr for row in ours for lr in row] == pytest.approx(flat, rel=1e-12), case["name"]
+
+
+def test_kill_switch_file_and_exit_on_missing_checkpoint(stdlib_dataset: str, tmp_path) -> None:
+    """--exit-on-missing-checkpoint stops in one line on an empty --load; --kill-switch-file
+    ends the run after the iteration that finds the file, saving it first."""
+    from tests.pretrain_runs import launch, tiny_gpt_flags
+
+    save = str(tmp_path / "checkpoints")
+    flags = tiny_gpt_flags(stdlib_dataset) + ["--global-batch-size", "2", "--train-iters", "5"]
+    missing = launch(1, flags + ["--load", save, "--exit-on-missing-checkpoint"])
+    assert missing.returncode != 0
+    errors = [line for line in missing.stdout.splitlines() if line.startswith("error:")]
+    assert errors and "--exit-on-missing-checkpoint: no checkpoint in --load" in errors[0]
+    switch = tmp_path / "stop-now"
+    switch.write_text("")
+    stopped = launch(
+        1, flags + ["--save", save, "--save-interval", "100", "--kill-switch-file", str(switch)]
+    )
+    assert stopped.returncode == 0, stopped.stdout[-3000:]
+    assert f"exiting program at iteration 1: {switch} exists (--kill-switch-file)" in stopped.stdout
+    assert os.path.isdir(os.path.join(save, "iter_0000001"))
