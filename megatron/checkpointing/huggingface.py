@@ -2,8 +2,11 @@
 
 `hf_architecture(config)` picks `GPT2LMHeadModel` (LayerNorm, GeLU, learned positions, biases,
 tied output layer) or `LlamaForCausalLM` (RMSNorm, SwiGLU, RoPE: see `huggingface_llama.py`)
-for a dense model, `MixtralForCausalLM` for a Mixture-of-Experts one (`huggingface_mixtral.py`),
-and refuses, in one line naming what differs, a model none computes exactly. `hf_config_json`
+for a dense model, `MixtralForCausalLM` for a Mixture-of-Experts one (`huggingface_mixtral.py`)
+or, for Megatron-LM's MoE with DeepSeek-V3's router (sigmoid, expert bias, shared expert,
+first layers dense), `Glm4MoeForCausalLM` (`huggingface_glm4_moe.py`), and refuses, in one
+line naming what differs, a model none computes exactly. `UNSUPPORTED_MODEL_TYPES` says why
+other Mixture-of-Experts families do not import. `hf_config_json`
 and `to_hf_weights` write the chosen class's config.json and weights.
 
 GPT-2 conversion, pure torch and plain dicts (the tools in tools/checkpoint/ import
@@ -30,6 +33,12 @@ from typing import Any
 
 import torch
 
+from megatron.checkpointing.huggingface_glm4_moe import ARCHITECTURE as GLM4_MOE
+from megatron.checkpointing.huggingface_glm4_moe import (
+    glm4_moe_config_json,
+    glm4_moe_differences,
+    to_glm4_moe_state_dict,
+)
 from megatron.checkpointing.huggingface_llama import ARCHITECTURE as LLAMA
 from megatron.checkpointing.huggingface_llama import (
     llama_config_json,
@@ -47,6 +56,16 @@ from megatron.checkpointing.shapes import model_config  # noqa: F401 - the tools
 from megatron.config import ModelConfig
 
 GPT2 = "GPT2LMHeadModel"
+UNSUPPORTED_MODEL_TYPES = {
+    "qwen3_moe": "Qwen3-MoE normalizes each head's queries and keys (q_norm, k_norm); our "
+    "attention has no QK norm",
+    "qwen2_moe": "Qwen2-MoE scales its shared expert by a sigmoid gate (shared_expert_gate) and "
+    "puts biases on q, k and v only; our model computes neither",
+    "deepseek_v3": "DeepSeek-V3's multi-head latent attention is not built here (its MoE "
+    "converts as GLM-4-MoE's, model_type 'glm4_moe')",
+    "deepseek_v2": "DeepSeek-V2's multi-head latent attention is not built here",
+}
+"""Mixture-of-Experts model types an import refuses, and why (one line each)."""
 
 TO_HF_ACTIVATION = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 FROM_HF_ACTIVATION = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -108,12 +127,14 @@ def gpt2_differences(config: ModelConfig) -> list[str]:
 
 
 def hf_architecture(config: ModelConfig) -> str:
-    """`GPT2LMHeadModel`, `LlamaForCausalLM` or (Mixture-of-Experts) `MixtralForCausalLM`: the
-    Hugging Face class computing `config`'s model.
+    """`GPT2LMHeadModel`, `LlamaForCausalLM` or (Mixture-of-Experts) `MixtralForCausalLM` or
+    `Glm4MoeForCausalLM`: the Hugging Face class computing `config`'s model.
 
     Raises, naming what differs from the closest, when none does exactly.
     """
-    if config.moe is not None or config.routed_moe is not None:
+    if config.routed_moe is not None:
+        candidates = {MIXTRAL: mixtral_differences(config), GLM4_MOE: glm4_moe_differences(config)}
+    elif config.moe is not None:
         candidates = {MIXTRAL: mixtral_differences(config)}
     else:
         candidates = {GPT2: gpt2_differences(config), LLAMA: llama_differences(config)}
@@ -178,6 +199,8 @@ def hf_config_json(
         keys = mixtral_config_json(
             config, true_vocab_size, bos_token_id, eos_token_id, moe_loss_coeff
         )
+    elif architecture == GLM4_MOE:
+        keys = glm4_moe_config_json(config, true_vocab_size, bos_token_id, eos_token_id)
     else:
         keys = llama_config_json(config, true_vocab_size, bos_token_id, eos_token_id)
     name = str(dtype).removeprefix("torch.")
@@ -196,8 +219,8 @@ def to_hf_weights(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
         }
     if architecture == GPT2:
         return to_hf_state_dict(state, config.num_attention_heads)
-    convert = to_mixtral_state_dict if architecture == MIXTRAL else to_llama_state_dict
-    return convert(state, config)
+    convert = {MIXTRAL: to_mixtral_state_dict, GLM4_MOE: to_glm4_moe_state_dict}
+    return convert.get(architecture, to_llama_state_dict)(state, config)
 
 
 def _qkv_to_hf(tensor: torch.Tensor, heads: int) -> torch.Tensor:
@@ -282,7 +305,7 @@ def megatron_args_from_hf(
     if hf_config.get("model_type") != "gpt2":
         raise CheckpointConversionError(
             f"config.json has model_type={hf_config.get('model_type')!r}; only 'gpt2', "
-            "'llama' and 'mixtral' convert"
+            "'llama', 'mixtral' and 'glm4_moe' convert"
         )
     problems = {
         "scale_attn_weights": (hf_config.get("scale_attn_weights", True), True),

@@ -215,10 +215,13 @@ def from_llama_state_dict(
     return out
 
 
-def _rope_theta(hf_config: dict[str, Any], default: float) -> float:
-    """RoPE base of a config.json by transformers 4 (top-level `rope_theta`, `rope_scaling`) or
-    5 (`rope_parameters`), `default` where it sets none; refuses scaled or partial RoPE and bases
-    the two would read apart."""
+def rope_settings(
+    hf_config: dict[str, Any], default_theta: float, default_partial: float | None = None
+) -> tuple[float, float]:
+    """(RoPE base, fraction of each head rotated) of a config.json by transformers 4 (top-level
+    `rope_theta`, `partial_rotary_factor`, `rope_scaling`) or 5 (`rope_parameters`), the
+    defaults where it sets none; refuses scaled RoPE and values the two would read apart.
+    `default_partial` None: the family rotates whole heads, and any other fraction is refused."""
     places = {"": hf_config}  # key prefix -> where transformers 4 or 5 may look
     for key in ("rope_parameters", "rope_scaling"):
         rope = hf_config.get(key) or {}
@@ -232,26 +235,30 @@ def _rope_theta(hf_config: dict[str, Any], default: float) -> float:
             )
         places[f"{key}."] = rope
 
-    def given(name: str) -> dict[str, float]:
-        """`name`'s values by key, where config.json sets one; each must be a number."""
+    def given(name: str, default: float) -> float:
+        """`name`'s one value where config.json sets it (a number), else `default`."""
         found = {p + name: d[name] for p, d in places.items() if d.get(name) is not None}
         for key, value in found.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise CheckpointConversionError(f"config.json has {key}={value!r}; not a number")
-        return {key: float(value) for key, value in found.items()}
-
-    for key, value in given("partial_rotary_factor").items():
-        if value != 1.0:
+        if len({float(value) for value in found.values()}) > 1:
             raise CheckpointConversionError(
-                f"config.json has {key}={value:g}; only 1 (RoPE over whole heads) converts"
+                f"config.json has {' but '.join(f'{k}={v:g}' for k, v in found.items())}: "
+                f"transformers 4 and 5 would read different values of {name}"
             )
-    thetas = given("rope_theta")
-    if len(set(thetas.values())) > 1:
+        return float(next(iter(found.values()), default))
+
+    partial = given("partial_rotary_factor", 1.0 if default_partial is None else default_partial)
+    if default_partial is None and partial != 1.0:
         raise CheckpointConversionError(
-            f"config.json has {' but '.join(f'{k}={v:g}' for k, v in thetas.items())}: "
-            "transformers 4 and 5 would read different RoPE bases"
+            f"config.json has partial_rotary_factor={partial:g}; only 1 (RoPE over whole heads) "
+            "converts"
         )
-    return next(iter(thetas.values()), default)
+    if not 0.0 < partial <= 1.0:
+        raise CheckpointConversionError(
+            f"config.json has partial_rotary_factor={partial:g}; need above 0, at most 1"
+        )
+    return given("rope_theta", default_theta), partial
 
 
 def megatron_args_from_llama(
@@ -261,9 +268,12 @@ def megatron_args_from_llama(
     make_vocab_size_divisible_by: int,
     seq_length: int | None = None,
     default_rope_theta: float = 10000.0,
+    default_partial_rotary: float | None = None,
 ) -> dict[str, Any]:
     """Checkpoint args (Megatron flag names) that rebuild the LLaMA of `hf_config` (a dict);
-    `default_rope_theta`: the family's RoPE base where config.json gives none."""
+    `default_rope_theta`: the family's RoPE base where config.json gives none;
+    `default_partial_rotary`: the fraction of each head a family that may rotate part of it
+    rotates where config.json gives none (None: whole heads only, as LLaMA)."""
     act = hf_config.get("hidden_act", "silu")
     bias = bool(hf_config.get("attention_bias", False))
     if act != "silu":
@@ -278,6 +288,13 @@ def megatron_args_from_llama(
     if seq_length is not None and seq_length > positions:
         raise CheckpointConversionError(
             f"--seq-length {seq_length} exceeds the model's max_position_embeddings {positions}"
+        )
+    theta, partial = rope_settings(hf_config, default_rope_theta, default_partial_rotary)
+    rotated = int(head_dim * partial)
+    if rotated < 2 or rotated % 2:
+        raise CheckpointConversionError(
+            f"config.json has partial_rotary_factor={partial:g} of head_dim {head_dim}: "
+            f"{rotated} rotated channels; our RoPE needs a positive even number"
         )
     return dict(
         num_layers=hf_config["num_hidden_layers"],
@@ -301,8 +318,8 @@ def megatron_args_from_llama(
         use_rotary_position_embeddings=True,
         add_position_embedding=False,
         position_embedding_type="rope",
-        rope_theta=_rope_theta(hf_config, default_rope_theta),
-        rotary_percent=1.0,
+        rope_theta=theta,
+        rotary_percent=partial,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         true_vocab_size=hf_config["vocab_size"],
         tensor_model_parallel_size=tp_size,

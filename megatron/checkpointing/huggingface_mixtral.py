@@ -4,7 +4,8 @@ A checkpoint converts when it is LLaMA-style (RMSNorm, SwiGLU, RoPE over whole h
 query attention or not, tied or untied output layer; see `huggingface_llama.py`, whose mapping
 of everything but the MLP is reused) with no linear biases, head width hidden / heads
 (transformers 4's Mixtral ignores `head_dim`), and DeepSpeed-MoE in every layer (`--expert-
-interval 1`, one `--num-experts` for all), top-2 gating over SwiGLU experts, no PR-MoE.
+interval 1`, one `--num-experts` for all), top-2 gating over SwiGLU experts, no PR-MoE; or
+Megatron-LM's MoE with Mixtral's routing (see "Megatron-LM's MoE" below).
 
 What the export computes: Mixtral sends every token to its two most probable experts. That is
 our model in evaluation with `--disable-moe-token-dropping` and `--disable-moe-top2-2nd-expert-
@@ -39,10 +40,21 @@ transformers 5 loads the 4.x names, converting them (its `conversion_mapping` fo
 `gate_up_proj`, the w2 stacked into `down_proj`), so the files we write load in both; the
 import reads either in-memory form.
 
-`router_aux_loss_coef` carries `--moe-loss-coeff`, but the two losses differ (DeepSpeed's per
-layer, over the first choices, summed over layers; Mixtral's over both choices of all layers'
-tokens at once): it changes fine-tuning, not the logits. `router_jitter_noise` (training only)
-has no counterpart and is not carried.
+Megatron-LM's MoE (`--moe-router-topk` and its other flags; names in `huggingface_routed.py`)
+exports when every layer is an MoE layer of softmax scores without a scaling factor, expert
+bias, shared expert or capacity, and experts as wide as `--ffn-hidden-size` (the one
+`intermediate_size`), without `--moe-router-pre-softmax`. Its default router (the top k
+of the logits, softmax over those k) and Mixtral's (softmax over all experts, the top k,
+divided by their sum) choose the same experts (softmax keeps the order) with the same weights
+exp(l_i) / sum of the chosen exp(l_j), up to rounding, for any k. The import writes either
+family (`moe_family`; `convert_from_hf.py --moe-family`, Megatron-LM's by default): Megatron-
+LM's MoE at any k (TP 1; pipeline stages allowed), or DeepSpeed-MoE at top-2 only.
+
+`router_aux_loss_coef` carries `--moe-loss-coeff` (Megatron-LM's `--moe-aux-loss-coeff`), but
+the losses differ (DeepSpeed's per layer, over the first choices, summed over layers; Megatron-
+LM's per layer, averaged; Mixtral's over the choices of all layers' tokens at once): it changes
+fine-tuning, not the logits. `router_jitter_noise` (training only) has no counterpart and is
+not carried.
 """
 
 from __future__ import annotations
@@ -59,6 +71,15 @@ from megatron.checkpointing.huggingface_llama import (
     megatron_args_from_llama,
     to_llama_state_dict,
 )
+from megatron.checkpointing.huggingface_routed import (
+    RoutedLayer,
+    check_routed_import,
+    hf_expert_tensors,
+    pop_hf_experts,
+    routed_layer_state,
+    routed_moe_args,
+    split_routed_layers,
+)
 from megatron.checkpointing.layouts import CheckpointConversionError
 from megatron.config import ModelConfig
 
@@ -73,6 +94,10 @@ DEFAULTS = dict(
 """What transformers (4 and 5) take for a key a Mixtral config.json leaves out."""
 DEFAULT_ROPE_THETA = 1e6
 """Mixtral's RoPE base where config.json sets none (LLaMA's is 10000)."""
+_LINEARS = ("w1", "w3", "w2")
+"""transformers 4's names of each Mixtral expert's gate, up and down projections."""
+MOE_FAMILIES = ("megatron", "deepspeed")
+"""What a Mixtral imports as (`--moe-family`): Megatron-LM's MoE or DeepSpeed-MoE."""
 _OURS = re.compile(
     r"language_model\.encoder\.layers\.(\d+)\.mlp\.deepspeed_moe\."
     r"(gate\.wg|experts\.deepspeed_experts\.(\d+)\.(dense_h_to_4h|dense_4h_to_h))\.(\w+)"
@@ -140,7 +165,7 @@ def _routed_differences(config: ModelConfig) -> list[str]:
         ),
         (moe.score_function != "softmax", f"--moe-router-score-function {moe.score_function}"),
         (
-            moe.pre_softmax and moe.top_k > 1,
+            moe.pre_softmax,
             "--moe-router-pre-softmax (its top-k weights are not renormalized; Mixtral's are)",
         ),
         (moe.topk_scaling_factor not in (None, 1.0), "--moe-router-topk-scaling-factor"),
@@ -203,11 +228,15 @@ def mixtral_config_json(
 def to_mixtral_state_dict(
     state: dict[str, torch.Tensor], config: ModelConfig
 ) -> dict[str, torch.Tensor]:
-    """Our full (TP=1, global expert numbers) MoE state dict -> `MixtralForCausalLM` names as
-    transformers 4 writes them (tied lm_head left out)."""
+    """Our full (TP=1, global expert numbers) MoE state dict, either family -> the weights of
+    `MixtralForCausalLM` as transformers 4 names them (tied lm_head left out)."""
     out, rest = {}, {}
     if config.routed_moe is not None:
-        state, out = _routed_to_mixtral(state)
+        state, layers = split_routed_layers(state)
+        for number, layer in layers.items():
+            hf = f"model.layers.{number}.block_sparse_moe."
+            out[f"{hf}gate.weight"] = layer.router
+            out.update(hf_expert_tensors(f"{hf}experts.", layer, _LINEARS))
     for name, tensor in state.items():
         match = _OURS.fullmatch(name)
         if match is None:
@@ -228,71 +257,37 @@ def to_mixtral_state_dict(
     return {**to_llama_state_dict(rest, config), **out}
 
 
-_ROUTED = re.compile(
-    r"language_model\.encoder\.layers\.(\d+)\.mlp\.(router\.weight|experts\.weight[12])"
-)
-
-
-def _routed_to_mixtral(
-    state: dict[str, torch.Tensor],
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(the rest, Mixtral's MoE weights) of a Megatron-LM MoE state dict: `router.weight`
-    [E, h] is the gate; `experts.weight1` [E, h, 2 ffn] holds each expert's [gate | up]
-    columns (w1, w3 transposed), `experts.weight2` [E, ffn, h] its w2 transposed."""
-    rest, out = {}, {}
-    for name, tensor in state.items():
-        match = _ROUTED.fullmatch(name)
-        if match is None:
-            rest[name] = tensor
-            continue
-        layer, kind = match.groups()
-        hf = f"model.layers.{layer}.block_sparse_moe."
-        if kind == "router.weight":
-            out[f"{hf}gate.weight"] = tensor.clone()
-            continue
-        for expert, weight in enumerate(tensor.unbind(0)):
-            if kind == "experts.weight1":
-                gate, up = weight.t().chunk(2, dim=0)  # [2 ffn, h] -> [ffn, h] each
-                out[f"{hf}experts.{expert}.w1.weight"] = gate.contiguous().clone()
-                out[f"{hf}experts.{expert}.w3.weight"] = up.contiguous().clone()
-            else:
-                out[f"{hf}experts.{expert}.w2.weight"] = weight.t().contiguous().clone()
-    return rest, out
-
-
-def _experts_of_layer(
-    hf_state: dict[str, torch.Tensor], layer: int, experts: int
-) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Pop layer `layer`'s router [E, h] and each expert's ([gate; up], down) from `hf_state`,
-    named as transformers 5 (fused experts) or 4 (`block_sparse_moe`) holds them."""
+def _mixtral_layer(hf_state: dict[str, torch.Tensor], layer: int, experts: int) -> RoutedLayer:
+    """Pop layer `layer`'s router and experts from `hf_state`, named as transformers 5 (fused
+    experts under `mlp.`) or 4 (`block_sparse_moe.experts.{e}.w1/w3/w2`) holds them."""
     fused, split = f"model.layers.{layer}.mlp.", f"model.layers.{layer}.block_sparse_moe."
-    names = [f"{fused}gate.weight", f"{fused}experts.gate_up_proj", f"{fused}experts.down_proj"]
-    if names[0] not in hf_state:
-        names = [f"{split}gate.weight"] + [
-            f"{split}experts.{e}.{w}.weight" for e in range(experts) for w in ("w1", "w3", "w2")
-        ]
-    missing = [name for name in names if name not in hf_state]
-    if missing:
-        raise CheckpointConversionError(f"the Mixtral weights lack {missing[0]}")
-    tensors = [hf_state.pop(name) for name in names]
-    if len(tensors) == 3:  # [E, 2 ffn, h] and [E, h, ffn]: our experts, stacked
-        return tensors[0], list(zip(tensors[1].unbind(0), tensors[2].unbind(0)))
-    triples = [tensors[1 + 3 * e : 4 + 3 * e] for e in range(experts)]
-    return tensors[0], [(torch.cat([w1, w3]), w2) for w1, w3, w2 in triples]
+    prefix = fused if f"{fused}gate.weight" in hf_state else split
+    if f"{prefix}gate.weight" not in hf_state:
+        raise CheckpointConversionError(f"the Mixtral weights lack {split}gate.weight")
+    router = hf_state.pop(f"{prefix}gate.weight")
+    gate_up, down = pop_hf_experts(
+        hf_state, f"{fused}experts.", f"{split}experts.", experts, _LINEARS
+    )
+    return RoutedLayer(router=router, gate_up=gate_up, down=down)
 
 
 def from_mixtral_state_dict(
     hf_state: dict[str, torch.Tensor], config: ModelConfig
 ) -> dict[str, torch.Tensor]:
-    """`MixtralForCausalLM` weights (transformers 4 or 5 names) -> our full MoE state dict with
-    global expert numbers (`config` from its args)."""
+    """`MixtralForCausalLM` weights (transformers 4 or 5 names) -> our full state dict of the
+    MoE family `config` has (from `megatron_args_from_mixtral`): Megatron-LM's stacked experts,
+    or DeepSpeed-MoE's with global expert numbers."""
     remaining = dict(hf_state)
     out: dict[str, torch.Tensor] = {}
-    for layer, experts in enumerate(config.moe.experts_per_layer):
-        router, weights = _experts_of_layer(remaining, layer, experts)
-        ours = f"language_model.encoder.layers.{layer}.mlp.deepspeed_moe."
-        out[f"{ours}gate.wg.weight"] = router.clone()
-        for expert, (h_to_4h, down) in enumerate(weights):
+    experts = num_experts_and_top_k(config)[0]
+    for number in range(config.num_layers):
+        layer = _mixtral_layer(remaining, number, experts)
+        if config.routed_moe is not None:
+            out.update(routed_layer_state(number, layer))
+            continue
+        ours = f"language_model.encoder.layers.{number}.mlp.deepspeed_moe."
+        out[f"{ours}gate.wg.weight"] = layer.router.clone()
+        for expert, (h_to_4h, down) in enumerate(zip(layer.gate_up, layer.down)):
             prefix = f"{ours}experts.deepspeed_experts.{expert}."
             out[f"{prefix}dense_h_to_4h.weight"] = h_to_4h.contiguous().clone()
             out[f"{prefix}dense_4h_to_h.weight"] = down.contiguous().clone()
@@ -305,34 +300,42 @@ def megatron_args_from_mixtral(
     pp_size: int,
     make_vocab_size_divisible_by: int,
     seq_length: int | None = None,
+    moe_family: str = "megatron",
 ) -> dict[str, Any]:
     """Checkpoint args (Megatron flag names) that rebuild the Mixtral of `hf_config` (a dict):
-    experts in every layer, top-2 without token dropping or second-expert sampling."""
+    experts in every layer, as Megatron-LM's MoE (`moe_family` "megatron": top-k of the logits,
+    softmax over those k, dropless; any k; TP 1) or DeepSpeed-MoE ("deepspeed": top-2 without
+    token dropping or second-expert sampling; no pipeline stages)."""
     hf_config = {**DEFAULTS, **hf_config}
     experts, top_k = hf_config["num_local_experts"], hf_config["num_experts_per_tok"]
-    if top_k != 2:
+    if moe_family not in MOE_FAMILIES:
         raise CheckpointConversionError(
-            f"config.json has num_experts_per_tok={top_k!r}; only 2 converts (DeepSpeed-MoE's "
-            "top-1 weighs the expert by its gate value, Mixtral's by 1)"
+            f"--moe-family {moe_family}: choose {' or '.join(MOE_FAMILIES)}"
         )
     if not isinstance(experts, int) or experts < 2:
         raise CheckpointConversionError(f"config.json has num_local_experts={experts!r}; need 2+")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise CheckpointConversionError(
+            f"config.json has num_experts_per_tok={top_k!r}; need 1 to num_local_experts {experts}"
+        )
     window, positions = hf_config.get("sliding_window"), hf_config.get("max_position_embeddings")
     if window is not None and positions is not None and window < positions:
         raise CheckpointConversionError(
             f"config.json has sliding_window={window!r} < max_position_embeddings {positions}; "
             "our attention sees the whole sequence"
         )
-    if pp_size != 1:
-        raise CheckpointConversionError(
-            f"--target-pipeline-parallel-size {pp_size}: Mixture-of-Experts models train without "
-            "pipeline parallelism (DeepSpeed-MoE); use 1"
-        )
+    if moe_family == "megatron":
+        check_routed_import(tp_size)
+    else:
+        _check_deepspeed_import(top_k, pp_size)
     # Mixtral's linear layers have no biases whatever config.json says.
     llama_style = {**hf_config, "attention_bias": False, "mlp_bias": False}
     args = megatron_args_from_llama(
         llama_style, tp_size, pp_size, make_vocab_size_divisible_by, seq_length, DEFAULT_ROPE_THETA
     )
+    coeff = float(hf_config["router_aux_loss_coef"])
+    if moe_family == "megatron":
+        return dict(args, **routed_moe_args(experts, top_k, moe_aux_loss_coeff=[coeff]))
     return dict(
         args,
         num_experts=[experts],
@@ -344,7 +347,22 @@ def megatron_args_from_mixtral(
         moe_min_capacity=4,
         moe_token_dropping=False,
         moe_top2_2nd_expert_sampling=False,
-        moe_loss_coeff=float(hf_config["router_aux_loss_coef"]),
+        moe_loss_coeff=coeff,
         mlp_type="standard",
         enable_expert_tensor_parallelism=False,
     )
+
+
+def _check_deepspeed_import(top_k: int, pp_size: int) -> None:
+    """Refuse what DeepSpeed-MoE cannot hold: other than top-2, pipeline stages."""
+    if top_k != 2:
+        raise CheckpointConversionError(
+            f"config.json has num_experts_per_tok={top_k!r}; only 2 converts to DeepSpeed-MoE "
+            "(its top-1 weighs the expert by its gate value, Mixtral's by 1): --moe-family "
+            "megatron imports any top-k"
+        )
+    if pp_size != 1:
+        raise CheckpointConversionError(
+            f"--target-pipeline-parallel-size {pp_size}: DeepSpeed-MoE models train without "
+            "pipeline parallelism; use 1 (or --moe-family megatron)"
+        )

@@ -14,6 +14,7 @@ import torch
 from megatron.checkpointing.layouts import CheckpointConversionError
 from megatron.config import ModelConfig
 from megatron.model.parameter_inventory import (  # noqa: F401 - the tools import them here
+    LAYER_PREFIX,
     OUTPUT_LAYER,
     POSITION_EMBEDDINGS,
     WORD_EMBEDDINGS,
@@ -49,14 +50,21 @@ def model_dims(args: dict[str, Any]) -> dict[str, int]:
 
 def expected_shapes(args: dict[str, Any], vocab_rows: int) -> dict[str, tuple[int, ...]]:
     """The full (TP=1) shape of every GPTModel parameter the args describe
-    (`megatron.model.parameter_inventory`, with `vocab_rows` embedding rows).
+    (`megatron.model.parameter_inventory`, with `vocab_rows` embedding rows), and of the
+    buffers saved beside them (Megatron-LM's MoE routers' expert biases and load counts).
 
     An MoE layer holds all its experts, numbered globally (Megatron's layout; any
     expert-parallel size).
     """
     model_dims(args)  # names a missing shape flag before the config is built
     config = model_config(args)
-    return {spec.name: spec.shape for spec in parameter_inventory(config, vocab_rows)}
+    shapes = {spec.name: spec.shape for spec in parameter_inventory(config, vocab_rows)}
+    moe = config.routed_moe
+    if moe is not None and moe.expert_bias:  # the routers' fp32 buffers, saved with the model
+        for number, is_moe in enumerate(moe.moe_layers):
+            for buffer in ("expert_bias", "local_tokens_per_expert") if is_moe else ():
+                shapes[f"{LAYER_PREFIX}{number}.mlp.router.{buffer}"] = (moe.num_experts,)
+    return shapes
 
 
 def check_shapes(state: dict[str, torch.Tensor], args: dict[str, Any], source: str) -> None:

@@ -74,6 +74,8 @@ VARIANT_ARGS = {
     },
 }  # fmt: skip
 VARIANTS = (*VARIANT_ARGS, "trained")
+DEEPSPEED_FAMILY = ["--moe-family", "deepspeed"]
+"""convert_from_hf.py's choice of DeepSpeed-MoE for a Mixtral (Megatron-LM's MoE by default)."""
 DISABLE_FLAGS = ["--disable-moe-token-dropping", "--disable-moe-top2-2nd-expert-sampling"]
 TRAINED_FLAGS = (
     "--num-attention-heads 8 --num-key-value-heads 2 --ffn-hidden-size 96 --normalization "
@@ -262,9 +264,10 @@ def test_expert_weights_as_each_release_names_them(exports):
 
 
 def import_folder(hf_dir: str, save: str) -> DenseCheckpoint:
-    """What convert_from_hf.py reads from `hf_dir` (before writing the checkpoint)."""
+    """What convert_from_hf.py reads from `hf_dir` as DeepSpeed-MoE (before writing the
+    checkpoint; Megatron-LM's MoE, the default family, is `test_hf_mixtral_routed.py`'s)."""
     return convert_from_hf.read_hf_folder(
-        convert_from_hf.get_args(["--load", hf_dir, "--save", save])
+        convert_from_hf.get_args(["--load", hf_dir, "--save", save, *DEEPSPEED_FAMILY])
     )
 
 
@@ -429,6 +432,7 @@ def test_trained_checkpoint_through_both_command_lines(exports, trained_moe, tmp
         str(tmp_path / "back"),
         "--target-tensor-parallel-size",
         "2",
+        *DEEPSPEED_FAMILY,
     ]
     assert convert_from_hf.main(argv) == 0
     assert "--num-experts 4 --expert-interval 1 --topk 2" in capsys.readouterr().out
@@ -462,5 +466,6 @@ def test_import_refuses_what_our_moe_cannot_compute_in_one_line(tmp_path, capsys
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **changes}))
     argv = ["--load", str(tmp_path / "hf"), "--save", str(tmp_path / "ours"), *flags]
+    argv += DEEPSPEED_FAMILY
     assert_one_line_error(convert_from_hf.main(argv), capsys.readouterr().err, named)
     assert not (tmp_path / "ours").exists()

@@ -1,4 +1,5 @@
-"""Import a Hugging Face GPT-2, LLaMA or Mixtral folder as a Megatron-layout `release` checkpoint.
+"""Import a Hugging Face GPT-2, LLaMA, Mixtral or GLM-4-MoE folder as a Megatron-layout
+`release` checkpoint.
 
     python tools/checkpoint/convert_from_hf.py --load hf/gpt2 --save checkpoints/gpt2_tp2 \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1
@@ -6,19 +7,29 @@
         --num-layers 12 --hidden-size 768 --num-attention-heads 12 ...   # the flags printed
 
 Reads `config.json` and the weights (safetensors or pytorch_model.bin) with
-`GPT2LMHeadModel` / `LlamaForCausalLM` / `MixtralForCausalLM.from_pretrained` (by the config's
-`model_type`), refuses what our GPT cannot compute (GPT-2: other activations, an untied output
-layer, cross-attention, unscaled or layer-scaled attention; LLaMA and Mixtral: RoPE scaling or
-partial RoPE, activations other than silu, attention and MLP biases that differ; Mixtral: other
-than 2 experts per token, a sliding window shorter than the positions, pipeline stages), and
-writes the checkpoint with args complete enough for `pretrain_gpt.py --load` to build the same
-model (LLaMA: RMSNorm, SwiGLU, RoPE theta, key/value heads, untied output layer, no linear
-biases; Mixtral: also DeepSpeed-MoE in every layer, top-2 without token dropping or second-
-expert sampling, as Mixtral computes) and tokenizer.
-A LLaMA config.json may come from transformers 4 (top-level `rope_theta`, `rope_scaling`) or
-5 (`rope_parameters`); one whose RoPE bases disagree between the two places is refused.
+`GPT2LMHeadModel` / `LlamaForCausalLM` / `MixtralForCausalLM` / `Glm4MoeForCausalLM
+.from_pretrained` (by the config's `model_type`), refuses what our GPT cannot compute (GPT-2:
+other activations, an untied output layer, cross-attention, unscaled or layer-scaled attention;
+LLaMA, Mixtral and GLM-4-MoE: RoPE scaling, activations other than silu, attention and MLP
+biases that differ; LLaMA and Mixtral: partial RoPE; Mixtral: a sliding window shorter than the
+positions; GLM-4-MoE: QK norm, q/k/v biases, group-limited routing; Qwen2-MoE, Qwen3-MoE and
+DeepSeek-V2/V3 are refused naming why), and writes the checkpoint with args complete enough for
+`pretrain_gpt.py --load` to build the same model (LLaMA: RMSNorm, SwiGLU, RoPE theta, key/value
+heads, untied output layer, no linear biases) and tokenizer.
+
+Mixture-of-Experts models become Megatron-LM's MoE (`--moe-family megatron`, the default: the
+printed flags carry `--moe-router-topk`, which picks it, and train on any engine at TP 1, with
+pipeline stages if wanted) or DeepSpeed-MoE (`--moe-family deepspeed`: `--topk`, under
+`--deepspeed --no-pipeline-parallel`; Mixtral at top-2 only, without token dropping or second-
+expert sampling, as Mixtral computes). Mixtral: experts in every layer, softmax top-k.
+GLM-4-MoE (DeepSeek-V3's MoE beside grouped-query attention, `huggingface_glm4_moe.py`):
+sigmoid router in fp32 with expert bias, scaling factor, shared expert, the first layers dense
+(`--moe-layer-freq "([0]*k+[1]*n)"`), partial RoPE (`--rotary-percent`).
+A config.json may come from transformers 4 (top-level `rope_theta`, `partial_rotary_factor`,
+`rope_scaling`) or 5 (`rope_parameters`); one whose values disagree between the places is
+refused.
 The vocabulary is padded to a multiple of `--make-vocab-size-divisible-by` x TP.
-Needs `pip install transformers safetensors`.
+Needs `pip install transformers safetensors` (GLM-4-MoE: transformers 4.54 or later).
 """
 
 from __future__ import annotations
@@ -26,20 +37,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.path.pardir] * 2)))
 
 from megatron.checkpointing.huggingface import (  # noqa: E402
+    UNSUPPORTED_MODEL_TYPES,
     from_hf_state_dict,
     megatron_args_from_hf,
     model_config,
+)
+from megatron.checkpointing.huggingface_glm4_moe import (  # noqa: E402
+    from_glm4_moe_state_dict,
+    megatron_args_from_glm4_moe,
 )
 from megatron.checkpointing.huggingface_llama import (  # noqa: E402
     from_llama_state_dict,
     megatron_args_from_llama,
 )
 from megatron.checkpointing.huggingface_mixtral import (  # noqa: E402
+    MOE_FAMILIES,
     from_mixtral_state_dict,
     megatron_args_from_mixtral,
 )
@@ -58,7 +76,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
     parser = ToolArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument(
-        "--load", required=True, help="Hugging Face GPT-2, LLaMA or Mixtral folder."
+        "--load", required=True, help="Hugging Face GPT-2, LLaMA, Mixtral or GLM-4-MoE folder."
     )
     parser.add_argument("--save", required=True, help="Checkpoint directory to write.")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
@@ -69,6 +87,14 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--force", action="store_true", help="Overwrite a checkpoint already in --save."
+    )
+    parser.add_argument(
+        "--moe-family",
+        choices=MOE_FAMILIES,
+        default="megatron",
+        help="Mixture-of-Experts models: write Megatron-LM's MoE (trained with --num-experts "
+        "and --moe-router-topk; the default) or DeepSpeed-MoE (--num-experts with --topk "
+        "under --deepspeed; Mixtral at top-2 only).",
     )
     args = parser.parse_args(argv)
     check_output_path(args.save, "--save", is_folder=True)
@@ -98,21 +124,41 @@ SHAPE_FIELDS = {
     "max_position_embeddings and vocab_size",
 }
 """What each family's config.json must list (save_pretrained writes them all)."""
-SHAPE_FIELDS["mixtral"] = SHAPE_FIELDS["llama"]
+SHAPE_FIELDS["mixtral"] = SHAPE_FIELDS["glm4_moe"] = SHAPE_FIELDS["llama"]
 ARGS_FROM_HF = {
     "gpt2": megatron_args_from_hf,
     "llama": megatron_args_from_llama,
     "mixtral": megatron_args_from_mixtral,
+    "glm4_moe": megatron_args_from_glm4_moe,
 }
 """Each family's Megatron args from its config.json (GPT-2's also refuses other types)."""
+MOE_MODEL_TYPES = ("mixtral", "glm4_moe")
+"""The families whose args take `--moe-family`."""
+FROM_HF = {
+    "llama": from_llama_state_dict,
+    "mixtral": from_mixtral_state_dict,
+    "glm4_moe": from_glm4_moe_state_dict,
+}
+"""Each family's weights (but GPT-2's) as our state dict."""
 
 
 def read_hf_model(folder: str, model_type: str) -> tuple[dict, dict]:
-    """(config dict, state dict) of the GPT-2, LLaMA or Mixtral in `folder`, loaded offline."""
+    """(config dict, state dict) of the GPT-2, LLaMA, Mixtral or GLM-4-MoE in `folder`, loaded
+    offline."""
     import transformers
 
-    names = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
-    model_class = getattr(transformers, names.get(model_type, "GPT2LMHeadModel"))
+    names = {
+        "llama": "LlamaForCausalLM",
+        "mixtral": "MixtralForCausalLM",
+        "glm4_moe": "Glm4MoeForCausalLM",
+    }
+    name = names.get(model_type, "GPT2LMHeadModel")
+    if not hasattr(transformers, name):
+        raise CheckpointConversionError(
+            f"--load {folder}: {model_type} needs transformers with {name} (4.54 or later for "
+            f"GLM-4-MoE); this is {transformers.__version__}"
+        )
+    model_class = getattr(transformers, name)
     model = model_class.from_pretrained(folder, local_files_only=True)
     return model.config.to_dict(), dict(model.state_dict())
 
@@ -120,10 +166,18 @@ def read_hf_model(folder: str, model_type: str) -> tuple[dict, dict]:
 def checkpoint_args(args: argparse.Namespace, hf_config: dict) -> dict:
     """The Megatron args of the model `hf_config` describes; raises naming what is missing."""
     model_type = hf_config.get("model_type")
+    if model_type in UNSUPPORTED_MODEL_TYPES:
+        raise CheckpointConversionError(
+            f"--load {args.load}: config.json has model_type={model_type!r}: "
+            f"{UNSUPPORTED_MODEL_TYPES[model_type]}"
+        )
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     build = ARGS_FROM_HF.get(model_type, megatron_args_from_hf)
+    family = {"moe_family": args.moe_family} if model_type in MOE_MODEL_TYPES else {}
     try:
-        return build(hf_config, tp, pp, args.make_vocab_size_divisible_by, args.seq_length)
+        return build(
+            hf_config, tp, pp, args.make_vocab_size_divisible_by, args.seq_length, **family
+        )
     except KeyError as missing:
         fields = SHAPE_FIELDS.get(model_type, SHAPE_FIELDS["gpt2"])
         raise CheckpointConversionError(
@@ -154,13 +208,17 @@ def model_flags(args: dict) -> str:
             f"--rotary-position-embeddings-theta {args['rope_theta']:g}",
             "--no-position-embedding",
         ]
+        if args.get("rotary_percent", 1.0) != 1.0:
+            flags.append(f"--rotary-percent {args['rotary_percent']:g}")
         if args["untie_embeddings_and_output_weights"]:
             flags.append("--untie-embeddings-and-output-weights")
         if not args["add_bias_linear"]:
             flags.append("--disable-bias-linear")
     elif not args["bias_gelu_fusion"]:
         flags.append("--no-bias-gelu-fusion")
-    if args.get("num_experts"):
+    if args.get("routed_moe"):
+        flags += routed_moe_flags(args)
+    elif args.get("num_experts"):
         flags += [
             f"--num-experts {' '.join(map(str, args['num_experts']))}",
             f"--expert-interval {args['expert_interval']} --topk {args['topk']}",
@@ -172,6 +230,44 @@ def model_flags(args: dict) -> str:
         flags.append(f"--tokenizer-type {args['tokenizer_type']}")
         flags.append(f"--tokenizer-model {args['tokenizer_model']}")
     return " ".join(flags)
+
+
+def layer_pattern(pattern: list[int]) -> str:
+    """`--moe-layer-freq`'s list form, as Megatron-LM's recipes write it: "([0]*1+[1]*3)"."""
+    runs: list[list[int]] = []
+    for value in pattern:
+        if runs and runs[-1][0] == value:
+            runs[-1][1] += 1
+        else:
+            runs.append([value, 1])
+    return "(" + "+".join(f"[{value}]*{count}" for value, count in runs) + ")"
+
+
+def routed_moe_flags(args: dict) -> list[str]:
+    """The Megatron-LM MoE flags (`--moe-router-topk` picks that family) of imported args."""
+    flags = [f"--num-experts {args['num_experts'][0]} --moe-router-topk {args['moe_router_topk']}"]
+    freq = args["moe_layer_freq"]
+    if freq != 1:
+        text = str(freq) if isinstance(freq, int) else layer_pattern(freq)
+        flags.append(f"--moe-layer-freq {shlex.quote(text)}")
+    valued = {
+        "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+        "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+        "moe_router_topk_scaling_factor": "--moe-router-topk-scaling-factor",
+        "moe_router_dtype": "--moe-router-dtype",
+    }
+    flags += [
+        f"{flag} {args[name]:g}" if isinstance(args[name], float) else f"{flag} {args[name]}"
+        for name, flag in valued.items()
+        if args.get(name) is not None
+    ]
+    if args["moe_router_score_function"] != "softmax":
+        flags.append(f"--moe-router-score-function {args['moe_router_score_function']}")
+    if args["moe_router_enable_expert_bias"]:
+        flags.append("--moe-router-enable-expert-bias")
+    if args["moe_aux_loss_coeff"][0]:
+        flags.append(f"--moe-aux-loss-coeff {args['moe_aux_loss_coeff'][0]:g}")
+    return flags
 
 
 def read_hf_folder(args: argparse.Namespace) -> DenseCheckpoint:
@@ -187,8 +283,7 @@ def read_hf_folder(args: argparse.Namespace) -> DenseCheckpoint:
     if model_type == "gpt2":
         state = from_hf_state_dict(hf_state, megatron_args["num_attention_heads"])
     else:
-        from_hf = from_mixtral_state_dict if model_type == "mixtral" else from_llama_state_dict
-        state = from_hf(hf_state, model_config(megatron_args))
+        state = FROM_HF[model_type](hf_state, model_config(megatron_args))
     print(
         f"read {megatron_args['num_layers']} layers, hidden {megatron_args['hidden_size']}, "
         f"{megatron_args['num_attention_heads']} heads, vocabulary {hf_config['vocab_size']}",

@@ -1,4 +1,5 @@
-"""Export a GPT checkpoint (either layout, any TP x PP) as a Hugging Face GPT-2, LLaMA or Mixtral.
+"""Export a GPT checkpoint (either layout, any TP x PP) as a Hugging Face GPT-2, LLaMA, Mixtral or
+GLM-4-MoE.
 
     python tools/checkpoint/convert_to_hf.py --load checkpoints/gpt2 --save hf/gpt2
     python tools/checkpoint/convert_to_hf.py --load checkpoints/moe --save hf/moe \
@@ -6,7 +7,11 @@
 
 Writes `config.json` (`GPT2LMHeadModel` for GPT-2-shaped models; `LlamaForCausalLM` for
 RMSNorm + SwiGLU + RoPE ones, grouped-query attention and an untied output layer included;
-`MixtralForCausalLM` for such a model with top-2 DeepSpeed-MoE in every layer),
+`MixtralForCausalLM` for such a model with top-2 DeepSpeed-MoE in every layer, or with
+Megatron-LM's softmax-routed MoE in every layer; `Glm4MoeForCausalLM` for Megatron-LM's MoE
+with DeepSeek-V3's router: sigmoid scores, expert bias, scaling factor, a shared expert, the
+first layers dense, see `megatron/checkpointing/huggingface_glm4_moe.py`; it loads in
+transformers 4.54+ or 5.x),
 `model.safetensors` and the tokenizer files (see `hf_tokenizer.py`), so that
 `AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer.from_pretrained(dir)` load it
 offline, with transformers 4.45+ or 5.x alike (config.json carries both releases' keys: see
