@@ -20,7 +20,9 @@ T' = T / tp in the sequence-parallel regions (norms, dropout, residual) under
   keeps;
 - the MLP's first output (T x ffn / tp, or 2 ffn with SwiGLU) and activation output;
 - a dropout mask (T' x h; bool on GPUs) after attention, after the MLP and after the
-  embedding.
+  embedding;
+- in a Megatron-LM routed MoE layer, the router, the dispatch, the experts' rows, the
+  combine and the shared expert in place of the MLP's (`routed_moe.routed_mlp_bytes`).
 
 Megatron's accounting (Korthikanti et al. 2022, "Reducing Activation Recomputation", eq. 2:
 s b h (34 + 5 a s / h) bytes per layer in fp16) counts the same tensors; ours differ where
@@ -31,42 +33,19 @@ is fp32 under autocast).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from megatron.config import ModelConfig
 from megatron.core.tensor_parallel.cross_entropy import CHUNK_BYTES, CPU_CHUNK_BYTES
+from megatron.planning.dtypes import dtypes
 from megatron.planning.inputs import PlanInputs
+from megatron.planning.routed_moe import (
+    is_routed_layer,
+    routed_mlp_bytes,
+    routed_output_mask_bytes,
+    routed_weight_copy_elements,
+)
 
 _FP32 = 4
-
-
-@dataclass(frozen=True)
-class Dtypes:
-    """Bytes per element of the tensors a layer saves, by role."""
-
-    residual: int
-    """The residual stream, norm inputs and dropout masks (the parameters' dtype)."""
-    compute: int
-    """Matmul inputs and outputs (half precision under --bf16/--fp16)."""
-    activation_input: int
-    """The MLP activation's input: fp32 under autocast unless the bias-GeLU kernel is fused
-    (eager CPU adds the fp32 bias first and keeps the sum)."""
-    mask: int
-    """A dropout mask: bool on GPUs (torch's fused dropout), the input's dtype on CPUs."""
-
-
-def dtypes(inputs: PlanInputs) -> Dtypes:
-    """The saved tensors' element sizes on this job's path."""
-    gpu = inputs.device_type == "cuda"
-    if inputs.precision == "fp32":
-        return Dtypes(_FP32, _FP32, _FP32, 1 if gpu else _FP32)
-    if inputs.deepspeed or inputs.fsdp:
-        # Half-precision parameters (DeepSpeed's, or FSDP2's gathered in `param_dtype`):
-        # everything half, autocast or not (tests/planning/test_fsdp_plan.py measures it).
-        return Dtypes(2, 2, 2, 1 if gpu else 2)
-    # fp32 parameters under torch.autocast.
-    fused_gelu = gpu and inputs.model.bias_gelu_fusion and inputs.model.activation != "swiglu"
-    return Dtypes(_FP32, 2, 2 if fused_gelu else _FP32, 1 if gpu else _FP32)
 
 
 def _math_attention(inputs: PlanInputs, comm_type: str | None = None) -> bool:
@@ -161,12 +140,11 @@ def layer_bytes(inputs: PlanInputs, kept: bool = True, layer_number: int | None 
     region = tokens // tp if config.sequence_parallel else tokens
     h = config.hidden_size
     qkv = (config.projection_size + 2 * config.kv_projection_size) // tp
-    ffn = config.ffn_hidden_size // tp
-    mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
     norm = region * h * size.residual + 2 * region * _FP32  # input, mean and rstd
-    # Two norms, and their outputs as the next matmul's input: under sequence parallelism
-    # only this rank's part, gathered again in the backward.
-    total = 2 * norm + 2 * region * h * size.compute
+    # Two norms, and the first's output as the next matmul's input: under sequence
+    # parallelism only this rank's part, gathered again in the backward (the second's with
+    # the MLP, `_mlp_bytes`).
+    total = 2 * norm + region * h * size.compute
     selective = config.recompute_granularity == "selective"
     comm_type = _comm_type(inputs, layer_number)
     math = _math_attention(inputs, comm_type) and not selective
@@ -176,11 +154,30 @@ def layer_bytes(inputs: PlanInputs, kept: bool = True, layer_number: int | None 
         total += tokens * qkv * size.compute  # query, key, value
     total += tokens * (config.projection_size // tp) * size.compute  # the output's input
     total += _attention_core_bytes(inputs, comm_type, math)
+    total += _mlp_bytes(inputs, layer_number)
+    if config.hidden_dropout > 0.0:  # masks after attention and after the MLP
+        mlp_mask = size.branch_mask
+        if is_routed_layer(config, layer_number):
+            mlp_mask = routed_output_mask_bytes(inputs, size)
+        total += region * h * (size.branch_mask + mlp_mask)
+    return total
+
+
+def _mlp_bytes(inputs: PlanInputs, layer_number: int | None) -> int:
+    """What a layer's MLP keeps, its input (the second norm's output) included: the dense
+    MLP's, or a routed MoE layer's (`routed_moe.routed_mlp_bytes`)."""
+    config, tp = inputs.model, inputs.tp
+    size = dtypes(inputs)
+    if is_routed_layer(config, layer_number):
+        return routed_mlp_bytes(inputs, size)
+    tokens = inputs.local_seq_length * inputs.micro_batch
+    region = tokens // tp if config.sequence_parallel else tokens
+    ffn = config.ffn_hidden_size // tp
+    mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
+    total = region * config.hidden_size * size.compute  # the input, as the matmul's
     total += tokens * mlp_in * size.activation_input + tokens * ffn * size.compute
     if config.activation == "swiglu":
         total += tokens * ffn * size.activation_input  # silu(gate), kept for the product
-    if config.hidden_dropout > 0.0:
-        total += 2 * region * h * size.mask  # masks after attention and after the MLP
     return total
 
 
@@ -229,23 +226,32 @@ def stage_activation_bytes(
     return total
 
 
-def autocast_copy_bytes(inputs: PlanInputs, layers: int, last: bool) -> int:
+def autocast_copy_bytes(
+    inputs: PlanInputs, layers: int, last: bool, layer_numbers: Sequence[int] | None = None
+) -> int:
     """torch.autocast's half-precision copies of the weights a stage's matmuls use, kept by
-    autograd until their backward: each of `layers` layers' four linear layers (a recomputed
-    layer casts again in its backward) and the output layer. One copy however many
-    micro-batches are in flight: the cast cache lives as long as the autocast region, which
-    spans a whole micro-batch (plain path) or the whole pipeline schedule."""
+    autograd until their backward: each of `layers` layers' four linear layers (a routed MoE
+    layer's router and shared expert instead of the MLP's two; a recomputed layer casts again
+    in its backward) and the output layer. One copy however many micro-batches are in flight:
+    the cast cache lives as long as the autocast region, which spans a whole micro-batch
+    (plain path) or the whole pipeline schedule. `layer_numbers`: as in
+    `stage_activation_bytes`."""
     size = dtypes(inputs)
     if size.compute >= size.residual:
         return 0
     recomputed, _ = _recomputed_layers(inputs.model, layers)
     config, tp = inputs.model, inputs.tp
-    layers -= recomputed
     h, proj = config.hidden_size, config.projection_size
     ffn = config.ffn_hidden_size
     mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
-    per_layer = h * (proj + 2 * config.kv_projection_size) + proj * h + h * mlp_in + ffn * h
-    total = layers * per_layer // tp
+    attention = h * (proj + 2 * config.kv_projection_size) + proj * h
+    numbers = list(layer_numbers or range(1, layers + 1))
+    total = 0
+    for number in numbers[recomputed:]:
+        if is_routed_layer(config, number):  # at TP 1
+            total += attention + routed_weight_copy_elements(config)
+        else:
+            total += (attention + h * mlp_in + ffn * h) // tp
     if last:
         total += config.vocab_size // tp * h
     return total * size.compute

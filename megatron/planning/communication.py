@@ -15,6 +15,10 @@ iteration, start-up and evaluation excluded. Collectives on groups of one rank c
 - context parallel: each layer's key/value exchange over the C ranks of its group, by
   `--cp-comm-type` (see `context_parallel_parts`), and the loss gather; every other kind
   then moves the rank's s / C tokens, and gradients are summed over data x context ranks.
+- all-to-all: DeepSpeed-Ulysses' and the experts' (DeepSpeed-MoE's dispatch and combine,
+  Megatron-LM MoE's `alltoall` dispatcher, `routed_moe.dispatch_bytes`).
+- expert parallel: Megatron-LM MoE's `allgather` dispatcher, its all-gathers and
+  reduce-scatters over the EP ranks of each MoE layer (`expert_parallel_bytes`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron.deepspeed_facts import OptimizerWrapper, effective_overlap_comm
-from megatron.planning.activations import dtypes
+from megatron.planning.dtypes import dtypes
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.layout import RankRole
 from megatron.planning.model_states import (
@@ -33,6 +37,7 @@ from megatron.planning.model_states import (
     weight_bytes,
     zero3_tensors,
 )
+from megatron.planning.routed_moe import dispatch_bytes, is_routed_layer
 
 _FP32 = 4
 _DDP_BUCKET = 25 * 2**20  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb=25
@@ -277,7 +282,8 @@ def all_to_all_parts(inputs: PlanInputs, role: RankRole) -> dict[str, int]:
     """All-to-all bytes per iteration, by group: `ulysses` (DeepSpeed-Ulysses' four per layer
     each way: query, key, value to heads, the context back to the sequence) and `experts`
     (DeepSpeed-MoE's dispatch and combine of the [experts, capacity, h] tokens each way, per
-    MoE layer spread over more than one rank).
+    MoE layer spread over more than one rank; Megatron-LM MoE's `alltoall` dispatcher, see
+    `routed_dispatch_bytes`).
 
     At TP > 1 DeepSpeed-MoE sends 1/TP of the capacity: every tensor-parallel rank routes
     the same tokens, so moe/sharded_moe.py MOELayer.forward (L686-698) keeps this rank's
@@ -295,7 +301,27 @@ def all_to_all_parts(inputs: PlanInputs, role: RankRole) -> dict[str, int]:
         if min(inputs.ep, experts) > 1:
             parts["experts"] += 4 * _dispatched_bytes(inputs, experts) // inputs.tp
     parts["experts"] *= inputs.micro_batches
+    parts["experts"] += routed_dispatch_bytes(inputs, role).get("all_to_all", 0)
     return parts
+
+
+def routed_dispatch_bytes(inputs: PlanInputs, role: RankRole) -> dict[str, int]:
+    """Megatron-LM MoE's dispatcher bytes per iteration on a rank of `role`, by op
+    (`routed_moe.dispatch_bytes` of each of its MoE layers and micro-batches): `all_to_all`,
+    or `all_gather` and `reduce_scatter`. Planned for a balanced expert load at EP > 1."""
+    numbers = [n for chunk in role.layers for n in chunk]
+    layers = sum(is_routed_layer(inputs.model, n) for n in numbers)
+    if not layers:
+        return {}
+    per_layer = dispatch_bytes(inputs, dtypes(inputs))
+    return {op: layers * count * inputs.micro_batches for op, count in per_layer.items()}
+
+
+def expert_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
+    """Megatron-LM MoE's `allgather` dispatcher: its all-gathers and reduce-scatters over the
+    expert-parallel group per iteration (`routed_dispatch_bytes`)."""
+    per_op = routed_dispatch_bytes(inputs, role)
+    return per_op.get("all_gather", 0) + per_op.get("reduce_scatter", 0)
 
 
 def all_to_all_bytes(inputs: PlanInputs, role: RankRole) -> int:
@@ -364,8 +390,16 @@ def context_parallel_parts(inputs: PlanInputs, role: RankRole) -> dict[str, int]
     return {kind: count * inputs.micro_batches for kind, count in parts.items()}
 
 
+def has_expert_parallel_kind(inputs: PlanInputs) -> bool:
+    """Whether the plan has an `expert_parallel` kind: Megatron-LM MoE's `allgather`
+    dispatcher over more than one rank."""
+    moe = inputs.model.routed_moe
+    return moe is not None and moe.dispatcher == "allgather" and inputs.ep > 1
+
+
 def rank_communication(inputs: PlanInputs, role: RankRole) -> dict[str, int]:
-    """Bytes per iteration by kind, with their `total` (`context_parallel` under CP)."""
+    """Bytes per iteration by kind, with their `total` (`context_parallel` under CP,
+    `expert_parallel` with Megatron-LM MoE's all-gather dispatcher at EP > 1)."""
     kinds = {
         "tensor_parallel": tensor_parallel_bytes(inputs, role)
         + deepspeed_pipeline_gathers(inputs, role)
@@ -376,5 +410,7 @@ def rank_communication(inputs: PlanInputs, role: RankRole) -> dict[str, int]:
     }
     if inputs.cp > 1:
         kinds["context_parallel"] = sum(context_parallel_parts(inputs, role).values())
+    if has_expert_parallel_kind(inputs):
+        kinds["expert_parallel"] = expert_parallel_bytes(inputs, role)
     kinds["total"] = sum(kinds.values())
     return kinds

@@ -99,8 +99,8 @@ def recomputed_group_bytes(inputs: PlanInputs, role: RankRole) -> int:
     if config.recompute_granularity != "full" or role.num_layers == 0:
         return 0
     group = config.recompute_num_layers if config.recompute_method == "uniform" else 1
-    last = [n for chunk in role.layers for n in chunk][-1]
-    return min(group, role.num_layers) * layer_bytes(inputs, layer_number=last)
+    numbers = [n for chunk in role.layers for n in chunk]
+    return sum(layer_bytes(inputs, layer_number=n) for n in numbers[-min(group, len(numbers)) :])
 
 
 def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
@@ -112,7 +112,7 @@ def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
         inputs, role.num_layers, role.first, role.last, numbers
     )
     activations = int(in_flight * per_micro_batch)
-    activations += autocast_copy_bytes(inputs, role.num_layers, role.last)
+    activations += autocast_copy_bytes(inputs, role.num_layers, role.last, numbers)
     pipe_outputs = _pipe_outputs(inputs, role)
     logits = logits_bytes(inputs) + logits_working_bytes(inputs) if role.last else 0
     if pipe_outputs:  # the previous micro-batch's logits, still in their pipe buffer

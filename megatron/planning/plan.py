@@ -10,19 +10,32 @@ from dataclasses import dataclass, field
 
 from megatron.deepspeed_facts import DEEPSPEED_VERSION_READ
 from megatron.model.model_size import flops_per_token, num_parameters
-from megatron.planning.communication import context_parallel_parts, rank_communication
+from megatron.planning.communication import (
+    context_parallel_parts,
+    has_expert_parallel_kind,
+    rank_communication,
+)
 from megatron.planning.devices import Device
+from megatron.planning.dtypes import dtypes
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.layout import RankRole, rank_places, stage_roles
 from megatron.planning.memory import RankMemory, rank_memory
 from megatron.planning.roofline import StepEstimate, estimate_step
+from megatron.planning.routed_moe import (
+    BALANCED_LOAD_NOTE,
+    capacity,
+    dispatch_bytes,
+    routed_mlp_bytes,
+    routed_rows,
+    routed_tokens,
+)
 
 _GIB = 1024**3
 
 # What the model does not predict, said in every plan.
 NOT_MODELLED = (
     "not predicted: the CUDA context and allocator fragmentation (kept as the device's "
-    "headroom), the data loader's pinned batches, torch.compile's workspaces, an MoE "
+    "headroom), the data loader's pinned batches, torch.compile's workspaces, a DeepSpeed-MoE "
     "expert's load without token dropping (the bound is planned), and on CPU the "
     "framework's own resident memory"
 )
@@ -133,7 +146,11 @@ def build_plan(inputs: PlanInputs, device: Device | None = None, notes: list | N
     if device is not None:
         busiest = max(roles, key=lambda plan: plan.communication["total"])
         estimate = estimate_step(inputs, busiest.role, device)
-    return Plan(inputs, roles, device, estimate, list(notes or []) + deepspeed_notes(inputs))
+    notes = list(notes or []) + deepspeed_notes(inputs)
+    moe = inputs.model.routed_moe
+    if moe is not None and inputs.ep > 1 and capacity(moe, routed_tokens(inputs)) is None:
+        notes.append(BALANCED_LOAD_NOTE)
+    return Plan(inputs, roles, device, estimate, notes)
 
 
 def deepspeed_notes(inputs: PlanInputs) -> list[str]:
@@ -184,6 +201,26 @@ def _context_parallel_line(plan: Plan) -> str:
     )
 
 
+def _routed_moe_line(plan: Plan) -> str:
+    """The routed MoE line: what one MoE layer keeps and sends per micro-batch on a rank."""
+    inputs = plan.inputs
+    moe = inputs.model.routed_moe
+    size = dtypes(inputs)
+    layers = sum(moe.moe_layers)
+    dispatched = dispatch_bytes(inputs, size)
+    sent = ", ".join(
+        f"{op.replace('_', '-')} {count / 1e6:.1f}" for op, count in dispatched.items()
+    )
+    kept = "capacity-bound" if capacity(moe, routed_tokens(inputs)) is not None else "balanced"
+    return (
+        f"  routed MoE: {layers} of {inputs.model.num_layers} layers, top-{moe.top_k} of "
+        f"{moe.num_experts} experts, EP {inputs.ep}, {moe.dispatcher} dispatcher; per MoE "
+        f"layer and micro-batch on a rank: {routed_rows(inputs):,} expert rows ({kept}), "
+        f"activations {routed_mlp_bytes(inputs, size) / _GIB:.2f} GiB (in 'activ'), "
+        + (f"dispatch {sent} MB" if sent else "no dispatch (EP 1)")
+    )
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as the dry run prints it: one block per stage, then the verdict."""
     inputs = plan.inputs
@@ -208,6 +245,7 @@ def format_plan(plan: Plan) -> str:
         f"{'activ':>8} {'logits':>8} {'buffers':>8} {'PEAK GiB':>9} {'at':>8}  "
         f"{'TP MB':>9} {'DP MB':>9} {'PP MB':>9} {'A2A MB':>9}"
         + (f" {'CP MB':>9}" if inputs.cp > 1 else "")
+        + (f" {'EP MB':>9}" if has_expert_parallel_kind(inputs) else "")
     )
     lines.append(header)
     for role_plan in plan.roles:
@@ -220,6 +258,7 @@ def format_plan(plan: Plan) -> str:
             f"{comm['tensor_parallel'] / 1e6:>9.1f} {comm['data_parallel'] / 1e6:>9.1f} "
             f"{comm['pipeline'] / 1e6:>9.1f} {comm['all_to_all'] / 1e6:>9.1f}"
             + (f" {comm['context_parallel'] / 1e6:>9.1f}" if inputs.cp > 1 else "")
+            + (f" {comm['expert_parallel'] / 1e6:>9.1f}" if "expert_parallel" in comm else "")
         )
     lines.append(
         "  (memory in GiB per rank of each pipeline stage at its peak moment, by column: they "
@@ -240,6 +279,8 @@ def format_plan(plan: Plan) -> str:
         )
     if inputs.cp > 1:
         lines.append(_context_parallel_line(plan))
+    if inputs.model.routed_moe is not None:
+        lines.append(_routed_moe_line(plan))
     for note in plan.notes + [NOT_MODELLED]:
         lines.append(f"  note: {note}")
     return "\n".join(lines)

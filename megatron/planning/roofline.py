@@ -8,7 +8,8 @@ device table's link bandwidths, the pipeline bubble on top.
     dp comm  = each data-parallel collective x 2 (D-1)/D (all-reduce) or (D-1)/D (all-gather,
                reduce-scatter) / link, then overlapped as the engines overlap it (below)
     pp comm  = pipeline bytes / link
-    a2a      = Ulysses' and the experts' all-to-alls x (G-1)/G / their group's link
+    a2a      = Ulysses' and the experts' all-to-alls x (G-1)/G / their group's link, with
+               Megatron-LM MoE's all-gather dispatcher's all-gathers and reduce-scatters
     cp comm  = context parallelism's exposed time (below)
     step     = (compute + tp comm) / (1 - bubble) + exposed dp comm + pp comm + a2a + cp comm
     MFU      = model FLOPs of the rank / (step x peak)
@@ -48,6 +49,7 @@ from megatron.planning.communication import (
     deepspeed_pipeline_gathers,
     moe_tensor_parallel_bytes,
     pipeline_bytes,
+    routed_dispatch_bytes,
     tensor_parallel_bytes,
 )
 from megatron.planning.devices import Device
@@ -136,15 +138,21 @@ def data_parallel_seconds(
 
 
 def all_to_all_seconds(inputs: PlanInputs, role: RankRole, device: Device) -> float:
-    """The all-to-alls' time: (G-1)/G of each payload over its own group's link."""
+    """The all-to-alls' time (and Megatron-LM MoE's all-gather dispatcher's): (G-1)/G of
+    each payload over its own group's link."""
     a2a = all_to_all_parts(inputs, role)
     # Ulysses' group: S consecutive ranks (TP 1); an expert group: EP ranks TP apart
     # (deepspeed/utils/groups.py _create_expert_and_data_parallel, TP-strided).
     seconds = a2a["ulysses"] * _ring("all_to_all", inputs.sp) / _link(device, inputs.sp, 1)
     experts = min(inputs.ep, max(inputs.model.moe.experts_per_layer)) if inputs.model.moe else 1
+    if inputs.model.routed_moe is not None:  # EP consecutive data-parallel ranks, TP apart
+        experts = inputs.ep
     if experts > 1:
         link = _link(device, experts, inputs.tp)
         seconds += a2a["experts"] * _ring("all_to_all", experts) / link
+        for op, count in routed_dispatch_bytes(inputs, role).items():
+            if op != "all_to_all":
+                seconds += count * _ring(op, experts) / link
     return seconds
 
 

@@ -1,9 +1,14 @@
 """Measure what a GPT forward keeps for backward: the bytes of every tensor autograd saves,
-each storage once, the parameters (whose storage the model owns anyway) left out."""
+each storage once, the parameters (whose storage the model owns anyway) left out.
+
+A tensor counts only while autograd still holds it when the forward ends: a graph node
+whose outputs were all dropped (the top-k of the load-balancing loss, whose values nobody
+keeps) frees what it saved, and a later tensor may take the same address."""
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -20,15 +25,17 @@ def saved_bytes(config: ModelConfig, micro_batch: int, seq: int, autocast: bool)
     parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
     tokens = torch.randint(0, config.vocab_size, (micro_batch, seq))
     positions = torch.arange(seq).expand(micro_batch, seq).contiguous()
-    kept: dict[int, int] = {}
+    saved: list[tuple[weakref.ref, int, int]] = []  # (the tensor, its storage's address, bytes)
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in parameters:
-            kept[storage.data_ptr()] = storage.nbytes()
+            saved.append((weakref.ref(tensor), storage.data_ptr(), storage.nbytes()))
         return tensor
 
     region = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), region:
-        model(tokens, positions, None, labels=tokens)
+        output = model(tokens, positions, None, labels=tokens)  # holds the graph
+    kept = {address: nbytes for ref, address, nbytes in saved if ref() is not None}
+    del output
     return sum(kept.values())

@@ -97,3 +97,13 @@ def test_tensor_parallel_prediction_matches_saved_tensors_and_parameters():
             assert predicted == pytest.approx(rank[sequence_parallel], rel=0.01)
     parts = stage_parameters_per_rank(_config(), 2, range(1, LAYERS + 1), True, True)
     assert [rank["parameters"] for rank in world] == [sum(parts.values())] * 2
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "swiglu"])
+def test_without_linear_biases_autocast_keeps_the_branches_in_half_precision(activation):
+    """`--disable-bias-linear` under autocast: no fp32 bias is added, so the MLP activation's
+    input and the dropout masks after attention and the MLP stay bf16 (the embedding's mask
+    stays fp32)."""
+    config = _config(add_bias_linear=False, activation=activation)
+    measured = saved_bytes(config, MICRO_BATCH, SEQ, autocast=True)
+    assert _predicted(config, "autocast") == pytest.approx(measured, rel=0.01)
