@@ -42,13 +42,14 @@ def model_provider(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def datasets_provider(args: argparse.Namespace, num_samples: list[int]) -> tuple:
-    """Train/valid/test GPT datasets over `--data-path` (blended when weighted)."""
+    """Train/valid/test GPT datasets over `--data-path` (blended when weighted), the per-split
+    `--train-data-path`/`--valid-data-path`/`--test-data-path`, or `--mock-data`."""
     if args.train_data_corpus is not None:  # v1's loose-JSON --train-data, tokenized once
         ensure_tokenized(args.train_data_corpus, args.data_cache_path)
-    if not args.data_path:
+    if not (args.data_path or args.train_data_path or args.mock_data):
         raise SystemExit(
             "error: --data-path is required (a prefix from tools/preprocess_data.py; or "
-            "--train-data with loose-JSON files)"
+            "--train-data with loose-JSON files, --train-data-path, or --mock-data)"
         )
     return build_train_valid_test_datasets(DataConfig.from_args(args), num_samples)
 
@@ -107,11 +108,23 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple:
     return loss, {"lm loss": loss.detach()}
 
 
+def per_token_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple:
+    """`--calculate-per-token-loss` (Megatron-LM's loss_func): the sum of the unmasked tokens'
+    losses, their count, and the [sum, count] pair to report (the log line divides the pairs'
+    totals over the global batch)."""
+    losses = output_tensor.float().reshape(-1)
+    loss_mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
+
+
 def forward_step(data_iterator: Iterator, model: torch.nn.Module, args: argparse.Namespace):  # noqa: ANN201
     """Megatron's GPT forward step: per-token losses, then `loss_func` reduces them."""
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, args)
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
-    return output_tensor, partial(loss_func, loss_mask)
+    reduce = per_token_loss_func if getattr(args, "calculate_per_token_loss", False) else loss_func
+    return output_tensor, partial(reduce, loss_mask)
 
 
 # Failures a user causes or must act on (bad files, a full disk, a stopped run, a stalled or
@@ -137,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
             model_provider,
             forward_step,
             argv=argv,
-            pipeline_batch=PipelineBatch(batch_fn=get_batch_pipe, loss_func=loss_func),
+            pipeline_batch=PipelineBatch(
+                batch_fn=get_batch_pipe,
+                loss_func=loss_func,
+                per_token_loss_func=per_token_loss_func,
+            ),
         )
     except USER_ERRORS as stopped:
         if os.environ.get("MEGATRON_DEBUG_TRACEBACKS", "0") not in ("", "0"):

@@ -32,10 +32,19 @@ def model_params_dtype(args: Namespace) -> str:
 class DataConfig:
     """Where the training data is and how GPT samples are cut from it."""
 
-    data_path: list[str]
-    """A dataset prefix, or weight/prefix pairs to blend (`--data-path 0.3 a 0.7 b`)."""
+    data_path: list[str] | None
+    """A dataset prefix, or weight/prefix pairs to blend (`--data-path 0.3 a 0.7 b`), cut into
+    the splits by `split`; None with the per-split paths or `mock_data`."""
     seq_length: int
     """Tokens per sample (each sample reads seq_length + 1 tokens for the shifted labels)."""
+    train_data_path: list[str] | None = None
+    """The train split's own datasets, whole, in --data-path's form (`--train-data-path`)."""
+    valid_data_path: list[str] | None = None
+    """The validation split's own datasets (`--valid-data-path`)."""
+    test_data_path: list[str] | None = None
+    """The test split's own datasets (`--test-data-path`)."""
+    mock_data: bool = False
+    """Megatron-LM's synthetic documents instead of files (`--mock-data`)."""
     seed: int = 1234
     """Seed of the document and sample shuffles (`--seed`)."""
     split: str = "969, 30, 1"
@@ -52,13 +61,24 @@ class DataConfig:
     """`single` (sequential, Megatron's default) or `cyclic` (reshuffled every epoch)."""
     vocab_size: int | None = None
     """The tokenizer's vocabulary size: every token id must be below it (None: not checked)."""
+    eod_token_id: int | None = None
+    """The tokenizer's end of document, which ends every mock document."""
 
     @classmethod
     def from_args(cls, args: Namespace) -> DataConfig:
         """Build from Megatron-style parsed arguments."""
+
+        def listed(name: str) -> list[str] | None:
+            value = getattr(args, name, None)
+            return list(value) if value else None
+
         return cls(
-            data_path=list(args.data_path),
+            data_path=listed("data_path"),
             seq_length=args.seq_length,
+            train_data_path=listed("train_data_path"),
+            valid_data_path=listed("valid_data_path"),
+            test_data_path=listed("test_data_path"),
+            mock_data=bool(getattr(args, "mock_data", False)),
             seed=args.seed,
             split=args.split,
             data_cache_path=getattr(args, "data_cache_path", None),
@@ -67,6 +87,7 @@ class DataConfig:
             num_workers=getattr(args, "num_workers", 2),
             dataloader_type=getattr(args, "dataloader_type", "single") or "single",
             vocab_size=getattr(args, "tokenizer_vocab_size", None),
+            eod_token_id=getattr(args, "eod_token_id", None),
         )
 
 

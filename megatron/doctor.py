@@ -251,9 +251,11 @@ def check_flash_attention() -> CheckResult:
 
 @_check("tiktoken")
 def check_tiktoken() -> CheckResult:
-    """tiktoken, used only by benchmarks/bpe_engine_speed.py (our tokenizer is native C++)."""
-    fix = "pip install tiktoken (or pip install -e .[bench])"
-    return _optional("tiktoken", ["tiktoken"], "by benchmarks/bpe_engine_speed.py", fix)
+    """tiktoken, used by --tokenizer-type TikTokenizer and benchmarks/bpe_engine_speed.py (our
+    GPT-2 tokenizer is native C++)."""
+    fix = "pip install tiktoken (or pip install -e '.[tiktoken]')"
+    used_for = "by --tokenizer-type TikTokenizer and benchmarks/bpe_engine_speed.py"
+    return _optional("tiktoken", ["tiktoken"], used_for, fix)
 
 
 @_check("gpt2 vocab")

@@ -57,6 +57,14 @@ from tools.cli_errors import (  # noqa: E402
     run_tool,
 )
 
+VOCABULARY_ARGS = (
+    "vocab_size",
+    "null_tokenizer_eod_id",
+    "tiktoken_pattern",
+    "tiktoken_num_special_tokens",
+    "tokenizer_special_tokens",
+)
+"""The saved args besides the files that a NullTokenizer or TikTokenizer is built from."""
 INTERACTIVE_PROMPT = "\nContext prompt (stop to exit) >>> "
 
 
@@ -65,6 +73,11 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ToolArgumentParser(description=__doc__.split("\n")[0])
     group = parser.add_argument_group(title="checkpoint and model")
     group.add_argument("--load", required=True, help="checkpoint directory (as --save wrote it)")
+    group.add_argument(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="Megatron-LM's flag, accepted: the model's flags always come from the checkpoint here",
+    )
     group.add_argument(
         "--tensor-model-parallel-size",
         type=int,
@@ -141,6 +154,9 @@ def _tokenizer(args: argparse.Namespace, saved: dict) -> Tokenizer:
     chosen = {name: getattr(args, name) or saved.get(name) for name in names}
     chosen["tokenizer_type"] = chosen["tokenizer_type"] or "GPT2BPETokenizer"
     chosen["vocab_extra_ids"] = saved.get("vocab_extra_ids") or 0
+    # NullTokenizer's and TikTokenizer's sizes and special tokens, as the checkpoint was trained.
+    for name in VOCABULARY_ARGS:
+        chosen[name] = saved.get(name)
     gpt2_files = (
         ("vocab_file", "merge_file") if chosen["tokenizer_type"] == "GPT2BPETokenizer" else ()
     )
@@ -186,7 +202,9 @@ def build_model_and_tokenizer(
     tp = parallel_state.get_tensor_model_parallel_world_size()
     # Flags that name a whole tokenizer build it first: its size serves checkpoints that do
     # not record theirs. Otherwise the checkpoint's args fill in what the flags leave out.
-    if args.tokenizer_type in MODEL_FILE_TOKENIZERS:
+    if args.tokenizer_type == "TikTokenizer":
+        given = False  # its --vocab-size and special tokens are the checkpoint's
+    elif args.tokenizer_type in MODEL_FILE_TOKENIZERS:
         given = bool(args.tokenizer_model)
     else:
         given = args.tokenizer_type in (None, "GPT2BPETokenizer") and bool(

@@ -9,8 +9,11 @@
 
 --tokenizer-type SentencePieceTokenizer, GPTSentencePieceTokenizer and Llama2Tokenizer read a
 SentencePiece `.model` file, HFTokenizer a Hugging Face tokenizer folder or `tokenizer.json`,
-all given with --tokenizer-model. Token ids are stored as uint16 when the vocabulary has fewer
-than 65,500 tokens, else int32, as Megatron does.
+TikTokenizer a tiktoken JSON vocabulary (with --vocab-size, --tiktoken-pattern,
+--tiktoken-num-special-tokens, --tokenizer-special-tokens as Megatron-LM), all given with
+--tokenizer-model; NullTokenizer --vocab-size N reads text that is already integer ids. Token
+ids are stored as uint16 when the vocabulary has fewer than 65,500 tokens, else int32, as
+Megatron does.
 
 Writes `{output_prefix}_{key}_document.bin/.idx` (`_sentence` with --split-sentences) for
 every --json-keys key, byte for byte what Megatron-LM's preprocess_data.py writes for the
@@ -30,8 +33,13 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 from megatron.data.corpus_reader import InputError, expand_inputs  # noqa: E402
 from megatron.data.corpus_tokenizer import TokenizeOptions, tokenize_corpus  # noqa: E402
 from megatron.data.document_encoder import EncoderConfig  # noqa: E402
-from megatron.tokenizer.base import TokenizerFileError, missing_tokenizer_model  # noqa: E402
-from megatron.tokenizer.tokenizer import SUPPORTED_TOKENIZERS, TokenizerConfig  # noqa: E402
+from megatron.tokenizer.base import TokenizerFileError  # noqa: E402
+from megatron.tokenizer.flags import add_vocabulary_flags  # noqa: E402
+from megatron.tokenizer.tokenizer import (  # noqa: E402
+    SUPPORTED_TOKENIZERS,
+    TokenizerConfig,
+    tokenizer_flag_problem,
+)
 from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
@@ -76,8 +84,10 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tokenizer-model",
         default=None,
         help="SentencePiece .model file (SentencePieceTokenizer, GPTSentencePieceTokenizer, "
-        "Llama2Tokenizer) or Hugging Face tokenizer folder or tokenizer.json (HFTokenizer)",
+        "Llama2Tokenizer), Hugging Face tokenizer folder or tokenizer.json (HFTokenizer), or "
+        "tiktoken JSON vocabulary (TikTokenizer)",
     )
+    add_vocabulary_flags(group)
     group.add_argument(
         "--append-eod",
         action="store_true",
@@ -114,7 +124,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(
                 f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
             )
-    problem = missing_tokenizer_model(args.tokenizer_type, args.tokenizer_model)
+    problem = tokenizer_flag_problem(TokenizerConfig.from_args(args))
     if problem:
         parser.error(problem)
     if args.dataset_impl != "mmap":

@@ -5,7 +5,8 @@
 
 The page has one table per argument group of `megatron.arguments.build_parser()`, DeepSpeed's
 own flags included, with each flag's value, default and help, and at the end the engine x
-feature table of `megatron.compatibility`. It is byte-deterministic: no
+feature table of `megatron.compatibility` and the status of every flag Megatron-LM's example
+scripts use (their command lines kept in tests/compat/megatron_lm/). It is byte-deterministic: no
 dates, no paths, no terminal-width wrapping, and `--local-rank`'s default is shown as it is
 without a launcher (LOCAL_RANK unset). tests/tools/test_arguments_doc.py fails when it is stale.
 """
@@ -22,6 +23,8 @@ REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pard
 sys.path.insert(0, REPO_ROOT)
 
 DOC_PATH = os.path.join("docs", "arguments.md")
+# Megatron-LM's example scripts' command lines, each with its source path and commit.
+RECIPES_DIR = os.path.join(REPO_ROOT, "tests", "compat", "megatron_lm")
 DEFAULT_OUTPUT = os.path.join(REPO_ROOT, DOC_PATH)
 PROG = "pretrain_gpt.py"
 # Flag defaults read from the environment at parser build time (the launcher's local rank).
@@ -152,7 +155,7 @@ def render_arguments_markdown(parser: argparse.ArgumentParser) -> str:
             )
             cells = (flags, format_value(action), format_default(action), expand_help(action))
             lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
-    return "\n".join(lines + _engines_section()) + "\n"
+    return "\n".join(lines + _engines_section() + _recipes_section(parser)) + "\n"
 
 
 def _engines_section() -> list[str]:
@@ -172,6 +175,66 @@ def _engines_section() -> list[str]:
         "",
         markdown_table(),
     ]
+
+
+def _recipe_flags() -> tuple[list[str], dict[str, list[str]]]:
+    """(each script's source line, {flag: the scripts using it}) of the captured recipes."""
+    import glob
+    import json
+
+    sources, users = [], {}
+    for path in sorted(glob.glob(os.path.join(RECIPES_DIR, "*.json"))):
+        with open(path, encoding="utf-8") as file:
+            script = json.load(file)
+        repository, _, where = script["source"].partition(":")
+        name = where.removeprefix("examples/")
+        sources.append(
+            f"- `{name}` ({repository.split('@')[0]} at {repository.split('@')[1][:12]}, "
+            f"{script['world_size']} ranks)"
+        )
+        for token in script["argv"]:
+            if token.startswith("--"):
+                users.setdefault(token, [])
+                if name not in users[token]:
+                    users[token].append(name)
+    return sources, users
+
+
+def _flag_status(parser: argparse.ArgumentParser, flag: str) -> str:
+    """What this parser does with `flag`: built, accepted without effect, or refused (why)."""
+    from megatron.arguments.compat_flags import INERT, REFUSED
+
+    rows = {row.option: row for row in INERT + REFUSED}
+    if flag in rows:
+        row = rows[flag]
+        kind = "refused unless off" if row.refused and row.accepts else "refused"
+        return f"{kind}: {row.reason}" if row.refused else f"accepted without effect: {row.reason}"
+    if flag not in parser._option_string_actions:
+        return "unknown here"
+    return "built (see its group above)"
+
+
+def _recipes_section(parser: argparse.ArgumentParser) -> list[str]:
+    """Every flag of Megatron-LM's captured example scripts with its status here."""
+    sources, users = _recipe_flags()
+    lines = [
+        "",
+        "## Megatron-LM's example scripts",
+        "",
+        "The command lines of Megatron-LM's example scripts, kept in tests/compat/megatron_lm/ "
+        "and checked by tests/compat/test_megatron_lm_*.py (each validates at the smallest "
+        "world that holds its layout, or stops in one line naming what is not built):",
+        "",
+        *sources,
+        "",
+        "| flag | scripts | status |",
+        "| --- | --- | --- |",
+    ]
+    for flag in sorted(users):
+        scripts = ", ".join(f"`{name}`" for name in users[flag])
+        cells = (f"`{flag}`", scripts, _flag_status(parser, flag))
+        lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
+    return lines
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -6,6 +6,8 @@
 - `validation.py`: `validate_args()`, which derives what Megatron derives and turns every
   contradiction into an `ArgumentError` (`errors.py`) naming the flags.
 - `ds_config.py`: the DeepSpeed JSON config reconciled with the flags typed.
+- `checkpoint_args.py`: `--use-checkpoint-args`, the model's flags from the checkpoint in
+  `--load`, set before validation.
 - `precision.py`: what --fp16/--bf16 mean on each path, the device checks, the start-up line.
 
 Megatron's import path is kept: `from megatron.arguments import parse_args`.

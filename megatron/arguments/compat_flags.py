@@ -201,6 +201,11 @@ INERT: list[CompatFlag] = [
         "--no-check-for-nan-in-loss-and-grad",
     ),
     *_inert(
+        "Megatron-LM's gate for its experimental features; each feature here has its own "
+        "flag (and what is not built is refused by its own flag)",
+        "--enable-experimental",
+    ),
+    *_inert(
         "Megatron-LM's attention kernel choice; torch's SDPA picks flash or memory-efficient "
         "kernels on GPUs (--use-flash-attn asks for flash attention explicitly)",
         "--attention-backend:str",
@@ -242,16 +247,11 @@ REFUSED: list[CompatFlag] = [
         "--fp16-lm-cross-entropy",
         "--init-method-xavier-uniform",
     ),
-    *_refused("NullTokenizer is not built here", "--vocab-size:int"),
     *_refused(
-        "Megatron-LM's mock dataset and tiktoken tokenizer are not built here yet",
-        "--mock-data",
-        "--tiktoken-pattern:str",
-    ),
-    *_refused(
-        "Megatron-LM's loss averaged over every token of the global batch is not built here "
-        "yet (the loss is the mean over each micro-batch's tokens)",
-        "--calculate-per-token-loss",
+        "NullTokenizer's pad id (labels equal to it left out of the loss) is not built here "
+        "(-1, no pad id, is accepted)",
+        "--null-tokenizer-pad-id:int",
+        accepts=_equals(-1),
     ),
     *_refused(
         "Megatron-LM's step-wise batch-size schedule is not built here (Megatron-LM itself "
@@ -296,6 +296,47 @@ REFUSED: list[CompatFlag] = [
         accepts=_equals("vanilla", None, False),
     ),
     *_refused(
+        "Multi-Latent Attention (DeepSeek-V2/V3's MLA: its low-rank query and key-value "
+        "projections, head widths and YaRN scaling) is not built here",
+        "--multi-latent-attention",
+        "--q-lora-rank:int",
+        "--kv-lora-rank:int",
+        "--qk-head-dim:int",
+        "--qk-pos-emb-head-dim:int",
+        "--v-head-dim:int",
+        "--rotary-scaling-factor:float",
+        "--mscale:float",
+        "--mscale-all-dim:float",
+        accepts=_equals(None, False),
+    ),
+    *_refused(
+        "multi-token prediction (DeepSeek-V3's MTP layers) is not built here",
+        "--mtp-num-layers:int",
+        "--mtp-loss-scaling-factor:float",
+        accepts=_equals(None),
+    ),
+    *_refused(
+        "layer norm of the queries and keys (--qk-layernorm) is not built here",
+        "--qk-layernorm",
+    ),
+    *_refused(
+        "selective recomputation here recomputes the core attention only (Megatron-LM's "
+        "--recompute-modules core_attn, its default); other module lists are not built",
+        "--recompute-modules:strs",
+        accepts=lambda value, args: value in (None, ["core_attn"]),
+    ),
+    *_refused(
+        "Megatron-LM's flex token dispatcher (DeepEP / HybridEP kernels) is not built here; "
+        "--moe-token-dispatcher-type alltoall or allgather run",
+        "--moe-flex-dispatcher-backend:str",
+        accepts=_equals(None),
+    ),
+    *_refused(
+        "forced balanced routing (Megatron-LM's benchmarking aid that ignores the router) is "
+        "not built here",
+        "--moe-router-force-load-balancing",
+    ),
+    *_refused(
         "only standard rotary embeddings are built here (--rope-type rope)",
         "--rope-type:str",
         accepts=_equals("rope"),
@@ -314,12 +355,6 @@ REFUSED: list[CompatFlag] = [
         "--pipeline-model-parallel-split-rank:int",
     ),
     *_refused(
-        "separate per-split dataset lists are not built here; use --data-path with --split",
-        "--train-data-path:strs",
-        "--valid-data-path:strs",
-        "--test-data-path:strs",
-    ),
-    *_refused(
         "DeepSpeed's data-efficiency library (curriculum learning, random-LTD, forced index "
         "files) is not built here",
         "--random-ltd",
@@ -336,9 +371,7 @@ REFUSED: list[CompatFlag] = [
     *_refused(
         "is not supported here yet",
         "--load-tag:str",
-        "--use-checkpoint-args",
         "--skip-train",
-        "--log-num-zeros-in-grad",
         "--data-parallel-random-init",
         "--aml-data-download-path:str",
         "--use-dataset-only:bool",

@@ -1,8 +1,9 @@
 """Megatron-LM's flags for what a run does beside training: profiling a window of iterations,
-manual garbage collection, the throughput field of the log line, the logging level, a kill
-switch file, stopping on a missing checkpoint, and cuBLAS's reduced-precision bf16 reductions.
-Their meanings are in `megatron.training.run_hooks` (profiler, garbage collection), the loop
-(kill switch), `load_checkpoint` (missing checkpoint) and `megatron.initialize`.
+manual garbage collection, the throughput and zero-count fields of the log line, the logging
+level, a kill switch file, stopping on a missing checkpoint, and cuBLAS's reduced-precision
+bf16 reductions. Their meanings are in `megatron.training.run_hooks` (profiler, garbage
+collection), the loop (kill switch), `load_checkpoint` (missing checkpoint), `count_zeros` in
+`megatron.training.optimizer` (the zero count) and `megatron.initialize`.
 """
 
 from __future__ import annotations
@@ -72,6 +73,13 @@ def add_housekeeping_flags(parser: argparse.ArgumentParser) -> None:
         help="Add 'throughput per GPU (TFLOP/s/GPU)' to the iteration line.",
     )
     group.add_argument(
+        "--log-num-zeros-in-grad",
+        action="store_true",
+        help="Count the gradient elements that are exactly zero at each update (after "
+        "reduction, unscaling and clipping; each element of the model once); print 'num zeros' "
+        "in the iteration line and write it to TensorBoard.",
+    )
+    group.add_argument(
         "--logging-level",
         type=int,
         default=None,
@@ -118,6 +126,15 @@ def check_housekeeping(args: argparse.Namespace) -> None:
         raise ArgumentError(
             f"--decoupled-lr {args.decoupled_lr} with --deepspeed: a learning rate of the input "
             "and output layers' own runs on the plain engine and Megatron's schedules here"
+        )
+    if args.calculate_per_token_loss and args.deepspeed:
+        # DeepSpeed's engine averages the gradients over micro-batches and ranks inside its
+        # step; the division by the global batch's token count has no place there.
+        raise ArgumentError(
+            "--calculate-per-token-loss with --deepspeed: the per-token normalisation divides "
+            "the reduced gradients by the global batch's token count, which DeepSpeed's engine "
+            "does not expose before its step; it runs on the plain engine and Megatron's "
+            "schedules (drop --deepspeed)"
         )
     if args.manual_gc_interval < 0:
         raise ArgumentError(f"--manual-gc-interval {args.manual_gc_interval}: must be 0 or more")

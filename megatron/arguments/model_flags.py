@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.tokenizer.flags import add_vocabulary_flags
+
 
 def add_model_size_flags(parser: argparse.ArgumentParser) -> None:
     """The model size flags."""
@@ -233,9 +235,12 @@ def add_regularization_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--optimizer",
-        choices=["adam", "adamw"],
+        choices=["adam", "adamw", "muon", "dist_muon"],
         default="adam",
-        help="Optimizer; both mean AdamW (Adam with decoupled weight decay), as in Megatron.",
+        help="Optimizer: adam and adamw both mean AdamW (Adam with decoupled weight decay), as "
+        "in Megatron; muon is Megatron-LM's Muon for the 2-D hidden weights (--muon-*) with "
+        "AdamW for the rest; dist_muon is its deprecated spelling of muon with "
+        "--use-distributed-optimizer.",
     )
 
 
@@ -281,7 +286,21 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         default=None,
         help="Dataset prefix from tools/preprocess_data.py, or weight/prefix pairs "
-        "W1 P1 W2 P2 ... to blend.",
+        "W1 P1 W2 P2 ... to blend; cut into train/valid/test by --split.",
+    )
+    for split in ("train", "valid", "test"):
+        group.add_argument(
+            f"--{split}-data-path",
+            nargs="*",
+            default=None,
+            help=f"The {split} split's own datasets, in --data-path's form, each used whole "
+            "(--split is not read); not with --data-path.",
+        )
+    group.add_argument(
+        "--mock-data",
+        action="store_true",
+        help="Train on Megatron-LM's synthetic documents (megatron-core's MockGPTDataset) "
+        "instead of files; not with --data-path or the per-split paths.",
     )
     group.add_argument(
         "--split",
@@ -328,21 +347,27 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
             "Llama2Tokenizer",
             "HFTokenizer",
             "HuggingFaceTokenizer",
+            "TikTokenizer",
             "NullTokenizer",
+            "Llama3Tokenizer",
+            "MistralTokenizer",
         ],
         help="Tokenizer (default: %(default)s, from --vocab-file/--merge-file). "
         "SentencePieceTokenizer, GPTSentencePieceTokenizer and Llama2Tokenizer read a "
         "SentencePiece --tokenizer-model, HFTokenizer (Megatron-LM's current spelling: "
-        "HuggingFaceTokenizer) a Hugging Face one; the BERT word-piece "
-        "tokenizers and NullTokenizer are refused in one line.",
+        "HuggingFaceTokenizer) a Hugging Face one, TikTokenizer a tiktoken JSON vocabulary; "
+        "NullTokenizer reads integer ids below --vocab-size. The BERT word-piece tokenizers "
+        "and Llama3Tokenizer/MistralTokenizer (removed from Megatron-LM) are refused in one "
+        "line.",
     )
     group.add_argument(
         "--tokenizer-model",
         default=None,
         help="SentencePiece .model file (SentencePieceTokenizer, GPTSentencePieceTokenizer, "
-        "Llama2Tokenizer), or Hugging Face tokenizer folder or tokenizer.json (HFTokenizer, "
-        "loaded offline).",
+        "Llama2Tokenizer), Hugging Face tokenizer folder or tokenizer.json (HFTokenizer, "
+        "loaded offline), or tiktoken JSON vocabulary (TikTokenizer).",
     )
+    add_vocabulary_flags(group)
     group.add_argument(
         "--eod-mask-loss", action="store_true", help="Leave end-of-document tokens out of the loss."
     )

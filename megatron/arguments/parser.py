@@ -17,11 +17,13 @@ import os
 from collections.abc import Callable, Sequence
 
 from megatron.arguments import (
+    checkpoint_args,
     checkpoint_format_flags,
     compat_flags,
     housekeeping_flags,
     model_flags,
     moe_flags,
+    muon_flags,
     parallel_flags,
     routed_moe_flags,
     run_flags,
@@ -38,11 +40,13 @@ __all__ = ["ArgumentError", "build_parser", "parse_args", "typed_flags", "valida
 FLAG_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     model_flags.add_model_size_flags,
     model_flags.add_regularization_flags,
+    muon_flags.add_muon_flags,
     run_flags.add_training_flags,
     run_flags.add_learning_rate_flags,
     model_flags.add_mixed_precision_flags,
     model_flags.add_data_flags,
     run_flags.add_checkpointing_flags,
+    checkpoint_args.add_checkpoint_args_flags,
     checkpoint_format_flags.add_checkpoint_format_flags,
     run_flags.add_logging_flags,
     run_flags.add_dry_run_flags,
@@ -103,6 +107,8 @@ def parse_args(
     """Parse and validate; bad combinations exit with `error: ...` naming the flags.
 
     `defaults` (Megatron's `args_defaults`) replace flag defaults; they do not count as typed.
+    With `--use-checkpoint-args` the checkpoint in `--load` supplies the model's flags first
+    (`megatron.arguments.checkpoint_args`).
     """
     parser = build_parser(extra_args_provider)
     if defaults:
@@ -118,7 +124,12 @@ def parse_args(
             )
         world_size = args.dry_run_world_size  # a plan for that many ranks, from one process
     try:
-        args = validate_args(args, world_size, typed_flags(parser, argv))
+        typed = typed_flags(parser, argv)
+        notes = []
+        if args.use_checkpoint_args:  # the model's flags from --load, before validation
+            notes = checkpoint_args.load_args_from_checkpoint(args, parser, typed)
+        args = validate_args(args, world_size, typed)
+        args.compat_notes[:0] = notes  # printed at start-up with the other notes
         if not args.dry_run:  # a dry run plans for the job's devices, not this machine's
             check_precision_on_this_machine(args)  # the devices, apart from the flags' logic
         return args

@@ -174,6 +174,16 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
         "shuffles.",
     )
     group.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="Megatron-LM's loss normalisation: every unmasked token of the global batch "
+        "weighs the same (the gradients are those of the summed loss divided by the global "
+        "batch's token count) instead of every micro-batch's mean loss; the log line shows "
+        "the token-weighted mean. Plain engine and Megatron's schedules. With --fp16 the "
+        "loss scale multiplies a sum, so the dynamic scaler settles lower (it skips a few more "
+        "iterations at the start).",
+    )
+    group.add_argument(
         "--dataloader-type",
         choices=["single", "cyclic"],
         default=None,
@@ -185,6 +195,12 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
 def add_learning_rate_flags(parser: argparse.ArgumentParser) -> None:
     """The learning rate flags."""
     group = parser.add_argument_group("learning rate")
+    group.add_argument(
+        "--lr-warmup-init",
+        type=float,
+        default=0.0,
+        help="Learning rate the warmup starts from (Megatron-LM's; default 0).",
+    )
     group.add_argument(
         "--lr", type=float, default=None, help="Peak learning rate after warmup (required)."
     )

@@ -75,6 +75,18 @@ def add_sharding_flags(parser: argparse.ArgumentParser) -> None:
         help="Accumulate micro-batch gradients and reduce them in bf16 (FSDP2's "
         "reduce_dtype) instead of fp32, as Megatron-LM; needs --bf16 and sharding.",
     )
+    for flag, what in (
+        ("--megatron-fsdp-grad-comm-dtype", "the gradients' reduction"),
+        ("--megatron-fsdp-main-grads-dtype", "the accumulated (main) gradients"),
+    ):
+        group.add_argument(
+            flag,
+            choices=["fp32", "bf16", "fp16", "auto"],
+            default="auto",
+            help=f"With --use-megatron-fsdp: the dtype of {what}. torch FSDP2 keeps both in "
+            "its one reduce dtype: bf16 means --grad-reduce-in-bf16, fp32 and auto the fp32 "
+            "default; fp16 is refused.",
+        )
 
 
 def settle_sharding(args: argparse.Namespace) -> None:
@@ -113,11 +125,31 @@ def settle_sharding(args: argparse.Namespace) -> None:
             f"{flag} with --deepspeed: DeepSpeed shards with ZeRO (--zero-stage 1-3); drop "
             f"{flag}, or drop --deepspeed for torch FSDP2"
         )
+    _megatron_fsdp_grad_dtypes(args)
     if args.grad_reduce_in_bf16 and not (sharded and args.bf16):
         raise ArgumentError(
             "--grad-reduce-in-bf16 needs --bf16 and sharded data parallelism "
             "(--use-distributed-optimizer, --use-torch-fsdp2 or --use-megatron-fsdp)"
         )
+
+
+def _megatron_fsdp_grad_dtypes(args: argparse.Namespace) -> None:
+    """Megatron-FSDP's gradient dtypes onto FSDP2's one reduce dtype (ignored without
+    --use-megatron-fsdp, as Megatron-LM ignores them)."""
+    dtypes = {
+        "--megatron-fsdp-grad-comm-dtype": args.megatron_fsdp_grad_comm_dtype,
+        "--megatron-fsdp-main-grads-dtype": args.megatron_fsdp_main_grads_dtype,
+    }
+    if not args.use_megatron_fsdp:
+        return
+    for flag, dtype in dtypes.items():
+        if dtype == "fp16":
+            raise ArgumentError(
+                f"{flag} fp16: torch FSDP2 (which runs --use-megatron-fsdp here) reduces in "
+                "fp32 or, with --grad-reduce-in-bf16, bf16"
+            )
+    if "bf16" in dtypes.values():
+        args.grad_reduce_in_bf16 = True
 
 
 def refuse_sharded_experts(args: argparse.Namespace, experts: str | None) -> None:

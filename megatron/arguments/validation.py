@@ -19,6 +19,13 @@ from megatron.arguments.checkpoint_format_flags import (
 )
 from megatron.arguments.compat_flags import refuse_unsupported_flags
 from megatron.arguments.context_parallel_checks import settle_context_parallel
+from megatron.arguments.data_checks import (  # noqa: F401 - SHIPPED_* are imported from here
+    SHIPPED_GPT2_MERGES,
+    SHIPPED_GPT2_VOCAB,
+    check_per_split_files,
+    settle_data_sources,
+    settle_tokenizer,
+)
 from megatron.arguments.ds_config import (
     load_deepspeed_config,
     reconcile_deepspeed_config,
@@ -28,6 +35,7 @@ from megatron.arguments.ds_unused_sections import set_aside_unused_sections
 from megatron.arguments.errors import ArgumentError, flag_name
 from megatron.arguments.housekeeping_flags import check_housekeeping
 from megatron.arguments.moe_flags import settle_moe
+from megatron.arguments.muon_flags import check_muon_engine, settle_muon
 from megatron.arguments.parallel_flags import job_backend
 from megatron.arguments.pipeline_checks import settle_pipeline
 from megatron.arguments.precision import check_flash_attention_precision
@@ -39,14 +47,7 @@ from megatron.atomic_files import nearest_existing
 from megatron.compatibility import refusal
 from megatron.config import model_params_dtype
 from megatron.layout import ParallelLayout
-from megatron.tokenizer.base import MODEL_FILE_TOKENIZERS, missing_tokenizer_model
 from megatron.training.batch_schedule import BatchSizeSchedule
-
-# GPT-2's vocabulary and merges, shipped with the repository (dataset/), used when
-# GPT2BPETokenizer is asked for without --vocab-file/--merge-file (as Megatron-LM v1 was).
-_DATASET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "dataset")
-SHIPPED_GPT2_VOCAB = os.path.join(_DATASET_DIR, "gpt2-vocab.json")
-SHIPPED_GPT2_MERGES = os.path.join(_DATASET_DIR, "gpt2-merges.txt")
 
 
 def _require(args: argparse.Namespace, *flags: str) -> None:
@@ -233,35 +234,11 @@ def _schedule_units(args: argparse.Namespace) -> None:
         )
 
 
-def _tokenizer_flags(args: argparse.Namespace) -> None:
-    """The tokenizer types built here get their files; the others are refused in one line."""
-    tokenizer = getattr(args, "tokenizer_type", None) or "GPT2BPETokenizer"
-    if tokenizer == "HuggingFaceTokenizer":  # Megatron-LM's current name for the same tokenizer
-        tokenizer = args.tokenizer_type = "HFTokenizer"
-    shipped = os.path.isfile(SHIPPED_GPT2_VOCAB) and os.path.isfile(SHIPPED_GPT2_MERGES)
-    if tokenizer == "GPT2BPETokenizer" and not (args.vocab_file or args.merge_file) and shipped:
-        # Megatron-LM v1 fetched GPT-2's files itself; the same files ship in dataset/.
-        args.vocab_file, args.merge_file = SHIPPED_GPT2_VOCAB, SHIPPED_GPT2_MERGES
-        args.compat_notes.append(
-            f" > GPT2BPETokenizer without --vocab-file/--merge-file: using GPT-2's files "
-            f"shipped in {os.path.dirname(SHIPPED_GPT2_VOCAB)}"
-        )
-    if tokenizer in MODEL_FILE_TOKENIZERS:
-        problem = missing_tokenizer_model(tokenizer, getattr(args, "tokenizer_model", None))
-        if problem:
-            raise ArgumentError(problem)
-    elif tokenizer != "GPT2BPETokenizer":
-        raise ArgumentError(
-            f"--tokenizer-type {tokenizer}: not built here; use GPT2BPETokenizer "
-            f"(--vocab-file/--merge-file) or, with --tokenizer-model, "
-            f"{', '.join(MODEL_FILE_TOKENIZERS)}"
-        )
-
-
 def _their_spellings(args: argparse.Namespace, typed: set[str] | None) -> None:
     """Megatron-DeepSpeed's flags: features we lack refused in one line, shorthands expanded."""
     refuse_unsupported_flags(args, typed)
-    _tokenizer_flags(args)
+    settle_tokenizer(args)
+    settle_data_sources(args, typed)
     if getattr(args, "recompute_activations", False):
         # Megatron's shorthand, expanded (and the flag dropped) as its validate_args does.
         if args.recompute_granularity not in (None, "selective"):
@@ -348,7 +325,8 @@ def _pipeline_and_checkpoints(args: argparse.Namespace) -> None:
 
 
 def _data_files(args: argparse.Namespace) -> None:
-    """Every --data-path prefix, --vocab-file and --merge-file exists, before anything starts."""
+    """Every --data-path (and per-split) prefix, --vocab-file and --merge-file exists, before
+    anything starts."""
     from megatron.data.blendable_dataset import parse_data_path
     from megatron.data.indexed_dataset import data_file_path, dataset_exists, index_file_path
 
@@ -367,6 +345,7 @@ def _data_files(args: argparse.Namespace) -> None:
                     f"--data-path {prefix}: no dataset there (need {data_file_path(prefix)} and "
                     f"{index_file_path(prefix)}; make them with tools/preprocess_data.py)"
                 )
+    check_per_split_files(args)
     for flag in ("vocab_file", "merge_file"):
         path = getattr(args, flag, None)
         if path is not None and not os.path.isfile(path):
@@ -508,6 +487,7 @@ def validate_args(
     _precision_and_optimizer(args)
     _recompute(args)
     _pipeline_and_checkpoints(args)
+    settle_muon(args)  # before the sharding: Muon reads --use-distributed-optimizer
     settle_sharding(args)
     settle_checkpoint_format(args)
     settle_checkpoint_conversion(args)
@@ -524,6 +504,7 @@ def validate_args(
     settle_context_parallel(args)
     if args.deepspeed:
         settle_gradient_accumulation_dtype(args, args.deepspeed_config_dict, config_source)
+    check_muon_engine(args)  # after the accumulation dtype: it picks DeepSpeed's wrapper
     refuse_dist_checkpoint_engines(args)
     _schedule(args)
     if getattr(args, "dry_run", False):

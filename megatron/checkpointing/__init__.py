@@ -6,7 +6,8 @@
 - `commit.py`: how a checkpoint is published (staging directory, commit journal, trackers).
 - `disk.py`: free space before a save, one-line reasons when a write fails.
 - `deepspeed_engine.py`: the DeepSpeed engine's side of saving and loading.
-- `layouts.py`: finding and reading either layout; `file_format.py`: what a file holds.
+- `layouts.py`: finding and reading either layout; `file_format.py`: what a file holds;
+  `saved_args.py`: the flags a checkpoint was saved with (`--use-checkpoint-args`).
 - `shards.py`, `shapes.py`: tensor-parallel (re)sharding and model shapes, for the tools;
   `pipeline_stages.py`: which layers each pipeline stage (virtual ones too) holds.
 - `huggingface.py`: GPT-2 weights to and from Hugging Face `transformers`.

@@ -40,6 +40,7 @@ from megatron.checkpointing.pipeline_stages import HEAD_WEIGHT, chunk_layers, re
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
 from megatron.checkpointing.shapes import WORD_EMBEDDINGS
 from megatron.checkpointing.tensor_parallel_rules import (
+    ROUTED_EXPERTS,
     VOCAB_PARALLEL,
     partition_dim,
     swiglu_tensors,
@@ -87,12 +88,25 @@ class _TensorParallelView:
             device = next(iter(chunk_states[0].values())).device.type
             self.mesh = DeviceMesh.from_group(group, device)
         self.swiglu = set().union(*(swiglu_tensors(state) for state in chunk_states))
+        # Megatron-LM's stacked experts: rank r of the expert-parallel group holds the r-th
+        # block of experts, a slice along dim 0 of the whole stack.
+        self.expert_mesh = None
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            group = parallel_state.get_expert_model_parallel_group()
+            device = next(iter(chunk_states[0].values())).device.type
+            self.expert_mesh = DeviceMesh.from_group(group, device)
 
     def global_view(self, local_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (this rank's shard of `local_name`) as a slice of the global tensor."""
         dim = partition_dim(local_name, self.expert_tensor_parallel)
         if tensor.dim() == 0:  # Adam's step
             return tensor
+        if self.expert_mesh is not None and local_name.endswith(ROUTED_EXPERTS):
+            from torch.distributed.tensor import DTensor, Shard
+
+            return DTensor.from_local(tensor, self.expert_mesh, [Shard(0)], run_check=False)
         if local_name in self.swiglu:  # [gate_r; up_r] -> [2, F/TP, ...], sharded on dim 1
             tensor = tensor.view(2, tensor.size(0) // 2, *tensor.shape[1:])
             dim = 1
@@ -347,12 +361,13 @@ def load_dist_checkpoint(
         for module_name, index, local, name in entries:
             if module_name not in params:
                 continue  # a buffer
-            keys = [key for key in ("step", "exp_avg", "exp_avg_sq")
+            keys = [key for key in ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
                     if _optimizer_key(name, key) in metadata]  # fmt: skip
             if not keys:
                 continue  # never stepped
             like = states[index][local]
-            # Adam's step is a CPU scalar (torch's default), its moments sit with the weight.
+            # Adam's step is a CPU scalar (torch's default), its moments (and Muon's momentum,
+            # --optimizer muon) sit with the weight.
             moments[module_name] = {
                 key: torch.zeros((), dtype=torch.float32)
                 if key == "step"

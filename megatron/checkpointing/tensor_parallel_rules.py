@@ -30,13 +30,24 @@ REPLICATED = (
     ".mlp.deepspeed_moe.gate.wg.weight",
     ".mlp.coefficient.weight",
     ".mlp.coefficient.bias",
-    # Megatron-LM's MoE (TP 1 here): the router and the stacked experts.
+    # Megatron-LM's MoE (TP 1 here): the router (and its expert-bias buffers) and the
+    # stacked experts.
     ".mlp.router.weight",
+    ".mlp.router.expert_bias",
+    ".mlp.router.local_tokens_per_expert",
     ".mlp.experts.weight1",
     ".mlp.experts.weight2",
     ".mlp.experts.bias1",
     ".mlp.experts.bias2",
 )
+ROUTED_EXPERTS = (
+    ".mlp.experts.weight1",
+    ".mlp.experts.weight2",
+    ".mlp.experts.bias1",
+    ".mlp.experts.bias2",
+)
+"""Megatron-LM's stacked experts: dim 0 counts this rank's experts, a slice of all of them
+under expert parallelism (`megatron.model.moe_experts`)."""
 EXPERT_MLPS = (".mlp.deepspeed_moe.experts.deepspeed_experts.", ".mlp.mlp.")
 """The MLPs of an MoE layer (its experts; PR-MoE's dense MLP), split over tensor-parallel
 ranks only with `--enable-expert-tensor-parallelism`."""

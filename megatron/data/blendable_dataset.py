@@ -20,13 +20,16 @@ from megatron.utils import is_rank_0
 SAMPLE_MARGIN = 1.005
 
 
-def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float]]:
-    """Prefixes and normalized weights of `--data-path` (one prefix, or weight/prefix pairs)."""
+def parse_data_path(
+    data_path: list[str], flag: str = "--data-path"
+) -> tuple[list[str], list[float]]:
+    """Prefixes and normalized weights of `--data-path` (one prefix, or weight/prefix pairs);
+    `flag` is the flag errors name (`--train-data-path` ... take the same form)."""
     if len(data_path) == 1:
         return [data_path[0]], [1.0]
     if len(data_path) == 0 or len(data_path) % 2:
         raise ValueError(
-            f"--data-path takes one prefix or weight/prefix pairs (e.g. 0.3 a 0.7 b); "
+            f"{flag} takes one prefix or weight/prefix pairs (e.g. 0.3 a 0.7 b); "
             f"got {len(data_path)} values: {' '.join(data_path)}"
         )
     weights, prefixes = [], []
@@ -35,15 +38,15 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float]]:
             value = float(weight)
         except ValueError:
             raise ValueError(
-                f"--data-path: {weight!r} should be the weight of {prefix!r} (a number)"
+                f"{flag}: {weight!r} should be the weight of {prefix!r} (a number)"
             ) from None
         if not math.isfinite(value) or value < 0:
-            raise ValueError(f"--data-path: weight {weight} of {prefix!r} must be >= 0")
+            raise ValueError(f"{flag}: weight {weight} of {prefix!r} must be >= 0")
         weights.append(value)
         prefixes.append(prefix.strip())
     total = sum(weights)
     if total <= 0:
-        raise ValueError("--data-path: the weights add up to 0")
+        raise ValueError(f"{flag}: the weights add up to 0")
     return prefixes, [w / total for w in weights]
 
 

@@ -5,7 +5,7 @@ of strings taken as its sentences). Token ids and sequence lengths follow Megatr
 preprocess_data.py exactly: one sequence per document (or per non-empty sentence with
 `--split-sentences`), the tokenizer's end-of-document token (`<|endoftext|>` for GPT-2)
 appended to the last sequence with `--append-eod`. Any tokenizer `create_tokenizer` builds
-works: GPT-2 BPE, SentencePiece, Llama2 or Hugging Face.
+works: GPT-2 BPE, SentencePiece, Llama2, Hugging Face, tiktoken or NullTokenizer.
 Lines that cannot be used are reported with their line number instead of crashing the run.
 """
 
@@ -141,7 +141,10 @@ class DocumentEncoder:
             raise BadLineError(f"key {key!r} holds a {type(value).__name__}, expected a string")
         sequences = []
         for sentence in sentences:
-            ids = self.tokenizer.tokenize_to_array(sentence)
+            try:
+                ids = self.tokenizer.tokenize_to_array(sentence)
+            except ValueError as error:  # text the tokenizer cannot read (NullTokenizer's)
+                raise BadLineError(f"key {key!r}: {error}") from None
             if len(ids):
                 sequences.append(ids.astype(self.dtype))
         if not sequences:

@@ -14,6 +14,11 @@ three arrays are built (and cached as .npy files):
 
 Same data, split, sample count, sequence length and seed give the same samples, run after run,
 identical to Megatron-LM and Megatron-DeepSpeed.
+
+`build_train_valid_test_datasets` builds the three splits from one of Megatron-LM's data
+sources: `--data-path` cut by `--split`; `--train-data-path` / `--valid-data-path` /
+`--test-data-path`, each split the whole of its own datasets (blended by weight); or
+`--mock-data`, megatron-core's synthetic documents (`mock_dataset`).
 """
 
 from __future__ import annotations
@@ -32,12 +37,14 @@ from megatron.data.blendable_dataset import BlendableDataset, parse_data_path, s
 from megatron.data.cpp_helpers import load_helpers
 from megatron.data.index_cache import load_or_build_arrays
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetError, make_dataset
+from megatron.data.mock_dataset import MOCK_DOCUMENTS, MockDocuments, mock_split_bounds
 from megatron.data.token_check import check_token_ids
 from megatron.utils import print_rank_0
 
 # Below this share of an epoch's samples, the last epoch gets its own shuffle.
 SEPARATE_LAST_EPOCH_THRESHOLD = 0.80
 SPLIT_NAMES = ("train", "valid", "test")
+PER_SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
 
 
 def get_train_valid_test_split_(splits_string: str, size: int) -> list[int]:
@@ -98,9 +105,9 @@ class GPTDataset(torch.utils.data.Dataset):
     def __init__(
         self,
         name: str,
-        data_prefix: str,
+        data_prefix: str | None,
         documents: np.ndarray,
-        indexed_dataset: IndexedDataset,
+        indexed_dataset: IndexedDataset | MockDocuments,
         num_samples: int,
         seq_length: int,
         seed: int,
@@ -109,10 +116,11 @@ class GPTDataset(torch.utils.data.Dataset):
     ) -> None:
         self.name = name
         self.indexed_dataset = indexed_dataset
+        label = data_prefix or "--mock-data"
         if len(documents) == 0:
-            raise ValueError(f"{data_prefix}: the {name} split has no documents")
+            raise ValueError(f"{label}: the {name} split has no documents")
         if documents.min() < 0 or documents.max() >= len(indexed_dataset):
-            raise ValueError(f"{data_prefix}: {name} documents out of range")
+            raise ValueError(f"{label}: {name} documents out of range")
         self.doc_idx, self.sample_idx, self.shuffle_idx = build_index_mappings(
             name,
             data_prefix,
@@ -150,7 +158,7 @@ class GPTDataset(torch.utils.data.Dataset):
 
 def build_index_mappings(
     name: str,
-    data_prefix: str,
+    data_prefix: str | None,
     documents: np.ndarray,
     sizes: np.ndarray,
     num_samples: int,
@@ -159,18 +167,22 @@ def build_index_mappings(
     data_cache_path: str | None = None,
     group: torch.distributed.ProcessGroup | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """doc_idx, sample_idx and shuffle_idx, loaded from the cache or built once and cached."""
+    """doc_idx, sample_idx and shuffle_idx, loaded from the cache or built once and cached.
+
+    `data_prefix` None means --mock-data: cached only in `data_cache_path`, else built here.
+    """
     tokens_per_epoch = int(np.sum(sizes[documents], dtype=np.int64))
     if tokens_per_epoch <= 1:
         raise ValueError(
-            f"{data_prefix}: the {name} split (documents {documents[0]}..{documents[-1]}) has "
-            f"{tokens_per_epoch} tokens; at least 2 are needed to make a sample"
+            f"{data_prefix or '--mock-data'}: the {name} split (documents {documents[0]}.."
+            f"{documents[-1]}) has {tokens_per_epoch} tokens; at least 2 are needed to make a "
+            "sample"
         )
     num_epochs = _num_epochs(tokens_per_epoch, seq_length, num_samples)
     description = {
         "class": "GPTDataset",
         "format": 1,
-        "data_prefix": os.path.abspath(data_prefix),
+        "data_prefix": os.path.abspath(data_prefix) if data_prefix else "mock",
         "split": name,
         "documents": [int(documents[0]), int(documents[-1]) + 1],
         "num_documents_in_dataset": len(sizes),
@@ -180,11 +192,11 @@ def build_index_mappings(
         "seed": seed,
     }
     digest = hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()[:10]
-    folder = data_cache_path or os.path.dirname(os.path.abspath(data_prefix))
+    folder = data_cache_path or os.path.dirname(os.path.abspath(data_prefix or "."))
     stem = os.path.join(
         folder,
-        f"{os.path.basename(data_prefix)}_{name}_indexmap_{num_samples}ns_{seq_length}sl_"
-        f"{seed}s_{digest}",
+        f"{os.path.basename(data_prefix or 'mock_gpt')}_{name}_indexmap_{num_samples}ns_"
+        f"{seq_length}sl_{seed}s_{digest}",
     )
 
     def build() -> dict[str, np.ndarray]:
@@ -195,16 +207,20 @@ def build_index_mappings(
         print_rank_0(f" > built {name} index mappings in {time.time() - start:.2f} s")
         return arrays
 
-    arrays = load_or_build_arrays(
-        stem,
-        ("doc_idx", "sample_idx", "shuffle_idx"),
-        build,
-        json.dumps(description, indent=2),
-        group,
-    )
+    if data_prefix is None and data_cache_path is None:
+        arrays, cached = build(), "not cached (no --data-cache-path)"
+    else:
+        arrays = load_or_build_arrays(
+            stem,
+            ("doc_idx", "sample_idx", "shuffle_idx"),
+            build,
+            json.dumps(description, indent=2),
+            group,
+        )
+        cached = f"cached as {stem}_*.npy"
     print_rank_0(
         f"    {name}: {arrays['shuffle_idx'].shape[0]} samples over {num_epochs} "
-        f"epoch(s) of {len(documents)} documents, cached as {stem}_*.npy"
+        f"epoch(s) of {len(documents)} documents, {cached}"
     )
     return arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
 
@@ -278,11 +294,33 @@ def build_train_valid_test_datasets(
     train_valid_test_num_samples: list[int],
     group: torch.distributed.ProcessGroup | None = None,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
-    """Train, valid and test datasets for `--data-path` (blended when weights are given).
+    """Train, valid and test datasets of the run's data source (see the module docstring).
 
     `group` holds the ranks that build datasets together (rank 0 of it writes the index
     cache while the others wait); the default is all ranks.
     """
+    if config.mock_data:
+        return _build_mock_splits(config, train_valid_test_num_samples, group)
+    if config.data_path:
+        return _build_blend_with_split(config, train_valid_test_num_samples, group)
+    paths = (config.train_data_path, config.valid_data_path, config.test_data_path)
+    if not any(paths):
+        raise ValueError(
+            "no data: give --data-path, --train-data-path (and --valid-data-path, "
+            "--test-data-path) or --mock-data"
+        )
+    return tuple(
+        _build_whole_blend(index, path, config, count, group) if path else None
+        for index, (path, count) in enumerate(zip(paths, train_valid_test_num_samples))
+    )
+
+
+def _build_blend_with_split(
+    config: DataConfig,
+    train_valid_test_num_samples: list[int],
+    group: torch.distributed.ProcessGroup | None,
+) -> tuple[torch.utils.data.Dataset | None, ...]:
+    """`--data-path`: every dataset cut by `--split`, each split blended by weight."""
     prefixes, weights = parse_data_path(config.data_path)
     if len(prefixes) == 1:
         return _build_splits(prefixes[0], config, train_valid_test_num_samples, group)
@@ -307,12 +345,73 @@ def build_train_valid_test_datasets(
     return tuple(blended)
 
 
-def _build_splits(
-    prefix: str,
+def _build_whole_blend(
+    index: int,
+    data_path: list[str],
     config: DataConfig,
-    num_samples: list[int],
+    num_samples: int,
     group: torch.distributed.ProcessGroup | None,
-) -> tuple[GPTDataset | None, ...]:
+) -> torch.utils.data.Dataset:
+    """One split from its own flag (`--train-data-path` ...): all documents of each dataset,
+    blended by weight, as Megatron-LM's `blend_per_split` (--split is not read)."""
+    name, flag = SPLIT_NAMES[index], PER_SPLIT_FLAGS[index]
+    prefixes, weights = parse_data_path(data_path, flag)
+    counts = [num_samples]  # a blend asks each dataset for its share, plus a margin
+    if len(prefixes) > 1:
+        counts = [split_counts[0] for split_counts in samples_per_dataset(weights, [num_samples])]
+    parts = []
+    for prefix, count in zip(prefixes, counts):
+        indexed = _open_indexed(prefix, config)
+        print_rank_0(f" > {flag} {prefix}: all {len(indexed)} documents for {name}")
+        documents = np.arange(len(indexed), dtype=np.int32)
+        parts.append(
+            GPTDataset(
+                name,
+                prefix,
+                documents,
+                indexed,
+                count,
+                config.seq_length,
+                config.seed,
+                config.data_cache_path,
+                group,
+            )
+        )
+    return parts[0] if len(parts) == 1 else BlendableDataset(parts, weights, num_samples)
+
+
+def _build_mock_splits(
+    config: DataConfig,
+    train_valid_test_num_samples: list[int],
+    group: torch.distributed.ProcessGroup | None,
+) -> tuple[GPTDataset, ...]:
+    """`--mock-data`: megatron-core's synthetic documents, split evenly (`mock_dataset`)."""
+    if config.vocab_size is None or config.eod_token_id is None:
+        raise ValueError("--mock-data needs the tokenizer's vocabulary size and end of document")
+    documents = MockDocuments(config.vocab_size, config.eod_token_id)
+    bounds = mock_split_bounds()
+    print_rank_0(
+        f" > --mock-data: {MOCK_DOCUMENTS} synthetic documents (megatron-core's "
+        f"MockGPTLowLevelDataset), split 1,1,1 as Megatron-LM splits mock data"
+    )
+    return tuple(
+        GPTDataset(
+            name,
+            None,
+            np.arange(bounds[index], bounds[index + 1], dtype=np.int32),
+            documents,
+            train_valid_test_num_samples[index],
+            config.seq_length,
+            config.seed,
+            config.data_cache_path,
+            group,
+        )
+        for index, name in enumerate(SPLIT_NAMES)
+    )
+
+
+def _open_indexed(prefix: str, config: DataConfig) -> IndexedDataset:
+    """The indexed dataset at `prefix`, its ids checked against the vocabulary."""
     indexed = make_dataset(prefix, config.data_impl, skip_warmup=not config.mmap_warmup)
     # Like Megatron, GPT samples treat each sequence of the index as a document.
     num_documents = len(indexed)
@@ -324,6 +423,17 @@ def _build_splits(
         )
     if config.vocab_size is not None:
         check_token_ids(indexed, prefix, config.vocab_size, config.data_cache_path)
+    return indexed
+
+
+def _build_splits(
+    prefix: str,
+    config: DataConfig,
+    num_samples: list[int],
+    group: torch.distributed.ProcessGroup | None,
+) -> tuple[GPTDataset | None, ...]:
+    indexed = _open_indexed(prefix, config)
+    num_documents = len(indexed)
     bounds = get_train_valid_test_split_(config.split, num_documents)
     print_rank_0(f" > {prefix}: {num_documents} documents, split {config.split!r}:")
     datasets = []

@@ -30,6 +30,8 @@ import torch
 
 MOE_LOSS = "moe loss"
 """The name of the logged value (Megatron-DeepSpeed's)."""
+PER_LAYER_PREFIX = "moe/"
+"""Reported names starting with this are per-layer values for TensorBoard, not the log line."""
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
@@ -57,20 +59,21 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         MoEAuxLossAutoScaler.main_loss_backward_scale = scale
 
 
-def _take_scale(grad: torch.Tensor) -> None:
-    # A copy: the hook's tensor belongs to autograd.
-    MoEAuxLossAutoScaler.set_loss_scale(grad.detach().clone())
-
-
-def scale_aux_losses_like(loss: torch.Tensor) -> None:
-    """Give the aux losses of the forward behind `loss` the gradient `loss` gets in its backward.
+def scale_aux_losses_like(loss: torch.Tensor, factor: float = 1.0) -> None:
+    """Give the aux losses of the forward behind `loss` the gradient `loss` gets in its backward
+    (times `factor`: per-token loss backpropagates a sum, `megatron.training.token_loss`).
 
     A hook on `loss` records its gradient when the backward reaches it, which is before any
     layer's `MoEAuxLossAutoScaler` runs (they lie upstream of the loss), so the aux losses get
     exactly the factor the engine applies after this point, whatever it is.
     """
+
+    def take_scale(grad: torch.Tensor) -> None:
+        # A copy: the hook's tensor belongs to autograd.
+        MoEAuxLossAutoScaler.set_loss_scale(grad.detach() * factor)
+
     if loss.requires_grad:
-        loss.register_hook(_take_scale)
+        loss.register_hook(take_scale)
 
 
 class AuxLossTracker:
@@ -81,21 +84,31 @@ class AuxLossTracker:
     its MoE layers `record` their losses; the forward adds `coeff x` their sum to the step's
     total, as the training loss weighted them. Records outside an encoder's forward (a
     recomputation in the backward) and forwards outside a step (tests, generation) add nothing.
+
+    Megatron-LM's MoE layers also `record_metric` their unweighted losses by name and layer
+    ('load_balancing_loss', 'seq_load_balancing_loss', 'z_loss'): `pop` reports each as its
+    sum over the layers divided by the model's MoE layers (Megatron-LM's mean over layers,
+    also when a pipeline stage holds only some of them: the stages' values add up), and with
+    `per_layer` each layer's value as 'moe/{name}_layer_{i}' (i from 0, TensorBoard only).
     """
 
     def __init__(self) -> None:
         self._total: torch.Tensor | None = None
         self._open = False
         self._forward: list[torch.Tensor] | None = None
+        self._metrics: dict[tuple[str, int], torch.Tensor] = {}
+        self._layers = (1, False)  # the model's MoE layers, per-layer logging
 
     def start(self) -> None:
         """Begin a step: forget any earlier total and sum the forwards from now on."""
-        self._total, self._open = None, True
+        self._total, self._open, self._metrics = None, True, {}
 
     @contextlib.contextmanager
-    def forward(self, coeff: float) -> Iterator[None]:
-        """One encoder forward: the losses recorded inside it, times `coeff`, join the total."""
+    def forward(self, coeff: float, moe_layers: int = 1, per_layer: bool = False) -> Iterator[None]:
+        """One encoder forward: the losses recorded inside it, times `coeff`, join the total
+        (`moe_layers`, `per_layer`: how the named metrics are reported)."""
         outer, self._forward = self._forward, []
+        self._layers = (moe_layers, per_layer)
         try:
             yield
         finally:
@@ -109,10 +122,26 @@ class AuxLossTracker:
         if self._forward is not None:
             self._forward.append(loss.detach().float().reshape(()))
 
+    def record_metric(self, name: str, layer_number: int, value: torch.Tensor) -> None:
+        """Megatron-LM's named, unweighted loss of MoE layer `layer_number` (from 1)."""
+        if self._forward is not None and self._open:
+            key = (name, layer_number)
+            value = value.detach().float().reshape(())
+            self._metrics[key] = self._metrics[key] + value if key in self._metrics else value
+
     def pop(self) -> dict[str, torch.Tensor]:
-        """End the step: `{"moe loss": the sum}` over its forwards, or {} when no MoE layer ran."""
+        """End the step: `{"moe loss": the sum}` over its forwards and the named metrics, or {}
+        when no MoE layer ran."""
         total, self._total, self._open = self._total, None, False
-        return {} if total is None else {MOE_LOSS: total}
+        metrics, self._metrics = self._metrics, {}
+        reported = {} if total is None else {MOE_LOSS: total}
+        moe_layers, per_layer = self._layers
+        for (name, layer), value in sorted(metrics.items()):
+            mean = value / moe_layers
+            reported[name] = reported[name] + mean if name in reported else mean
+            if per_layer:
+                reported[f"{PER_LAYER_PREFIX}{name}_layer_{layer - 1}"] = value
+        return reported
 
 
 MOE_AUX_LOSSES = AuxLossTracker()

@@ -46,7 +46,7 @@ EXPERT_GROUP_NAME = "expert_model_parallel"
 class RoutedMoE(nn.Module):
     """[s, b, h] -> ([s, b, h], None): routed experts (plus the shared expert, if any)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_number: int = 1) -> None:
         super().__init__()
         moe = config.routed_moe
         assert moe is not None
@@ -59,7 +59,7 @@ class RoutedMoE(nn.Module):
         self.num_local_experts = moe.num_experts // ep
         self.first_expert = parallel_state.get_expert_model_parallel_rank() * self.num_local_experts
         self.dispatcher = moe.dispatcher
-        self.router = TopKRouter(config)
+        self.router = TopKRouter(config, layer_number)
         self.experts = GroupedExperts(config, self.num_local_experts, self.first_expert)
         if ep > 1:  # each rank holds other experts: DeepSpeed's mark, read by the grad norm
             for param in self.experts.parameters():
@@ -158,11 +158,20 @@ def reduce_expert_gradients(model: nn.Module) -> None:
     reduction): see `reduce_expert_gradient`. Without it, they are averaged with the rest."""
     if parallel_state.get_expert_model_parallel_world_size() == 1:
         return
+    # FSDP2 (DTensor gradients) averaged them over the expert-data ranks already
+    # (engines/fsdp.py): Megatron-LM's scaling is their sum / DP.
+    sharded_scale = (
+        parallel_state.get_expert_data_parallel_world_size()
+        / parallel_state.get_sequence_data_parallel_world_size()
+    )
     for layer in routed_moe_layers(model):
         for param in layer.experts.parameters():
-            # FSDP2 (DTensor gradients) reduce-scattered them already (engines/fsdp.py).
-            if param.grad is not None and not hasattr(param.grad, "to_local"):
+            if param.grad is None:
+                continue
+            if not hasattr(param.grad, "to_local"):
                 reduce_expert_gradient(param.grad)
+            elif sharded_scale != 1.0:
+                param.grad.mul_(sharded_scale)
 
 
 def update_expert_biases(model: nn.Module) -> None:

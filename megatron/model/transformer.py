@@ -218,7 +218,7 @@ class ParallelTransformerLayer(nn.Module):
         if self.is_moe:
             self.mlp = build_moe_mlp(config, experts)
         elif self.is_routed_moe:
-            self.mlp = RoutedMoE(config)
+            self.mlp = RoutedMoE(config, layer_number)
         else:
             self.mlp = ParallelMLP(config)
         self.moe_loss_coeff = config.moe.loss_coeff if self.is_moe else 0.0
@@ -299,6 +299,11 @@ class ParallelTransformer(nn.Module):
         self.has_moe = any(layer.is_moe or layer.is_routed_moe for layer in self.layers)
         # DeepSpeed-MoE layers record their raw losses, Megatron-LM's their weighted ones.
         self.moe_loss_coeff = config.moe.loss_coeff if config.moe else 1.0
+        routed = config.routed_moe
+        # Megatron-LM's logged losses are means over the whole model's MoE layers.
+        self.moe_metrics = (
+            (sum(routed.moe_layers), routed.per_layer_logging) if routed else (1, False)
+        )
 
     def _recomputed_layers(self, hidden, attention_mask):
         # uniform: recompute every group of N layers as one chunk; block: recompute each of
@@ -331,7 +336,9 @@ class ParallelTransformer(nn.Module):
         """
         # The MoE layers' losses of this forward join the step's 'moe loss' (not those of a
         # recomputation in the backward, which runs outside this scope).
-        scope = MOE_AUX_LOSSES.forward(self.moe_loss_coeff) if self.has_moe else None
+        scope = None
+        if self.has_moe:
+            scope = MOE_AUX_LOSSES.forward(self.moe_loss_coeff, *self.moe_metrics)
         with scope or contextlib.nullcontext():
             if self.config.recompute_granularity == "full" and self.training:
                 hidden = self._recomputed_layers(hidden, attention_mask)

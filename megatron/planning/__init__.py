@@ -5,7 +5,9 @@ step time, from the validated flags and a small device table; it needs no device
 - `layout.py`: rank roles (parameters, layers, micro-batches in flight per pipeline stage);
 - `model_states.py`: weights, gradients, optimizer state and buffers by engine and by the
   optimizer wrapper DeepSpeed runs (`megatron/deepspeed_facts.py`);
+- `dtypes.py`: the element sizes of saved tensors on each precision path;
 - `activations.py`, `memory.py`: what each rank holds, and its peak;
+- `routed_moe.py`: Megatron-LM MoE layers' activations and dispatcher bytes;
 - `communication.py`: collective payload bytes per iteration, by kind;
 - `devices.py`, `roofline.py`: known GPUs; step time and MFU;
 - `suggestions.py`: changes that shrink a rank's peak;

@@ -185,15 +185,17 @@ class PlanInputs:
 def _with_vocabulary(args: argparse.Namespace) -> argparse.Namespace:
     """`args` with `padded_vocab_size` set, as `build_tokenizer` sets it in a real run.
 
-    A dry run needs no files: with the tokenizer's files here the tokenizer is built (as
-    the run would), without them GPT-2's 50,257 tokens are assumed and the plan says so.
+    A dry run needs no files: with the tokenizer's files here (or with NullTokenizer, which
+    reads none) the tokenizer is built (as the run would), without them GPT-2's 50,257 tokens
+    are assumed and the plan says so.
     """
     if getattr(args, "padded_vocab_size", None):
         return args
     from megatron.tokenizer.tokenizer import build_tokenizer, vocab_size_with_padding
 
     files = [getattr(args, name, None) for name in ("vocab_file", "tokenizer_model")]
-    if any(path and os.path.exists(path) for path in files):
+    fileless = getattr(args, "tokenizer_type", None) == "NullTokenizer"
+    if fileless or any(path and os.path.exists(path) for path in files):
         quiet = argparse.Namespace(**{**vars(args), "rank": 1})  # no start-up lines: a plan
         build_tokenizer(quiet)
         args.tokenizer_vocab_size = quiet.tokenizer_vocab_size

@@ -19,6 +19,7 @@ MODEL_FILE_TOKENIZERS = {
     "GPTSentencePieceTokenizer": "a SentencePiece .model file",
     "Llama2Tokenizer": "a SentencePiece .model file",
     "HFTokenizer": "a Hugging Face tokenizer folder or tokenizer.json file",
+    "TikTokenizer": "a tiktoken JSON vocabulary, as Megatron-LM's TikTokenizer reads it",
 }
 
 

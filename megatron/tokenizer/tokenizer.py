@@ -2,11 +2,13 @@
 
 `create_tokenizer(TokenizerConfig)` builds one of Megatron's tokenizer types from its files:
 GPT2BPETokenizer (--vocab-file, --merge-file), the SentencePiece types SentencePieceTokenizer,
-GPTSentencePieceTokenizer and Llama2Tokenizer, and HFTokenizer (--tokenizer-model for those).
+GPTSentencePieceTokenizer and Llama2Tokenizer, HFTokenizer and TikTokenizer (--tokenizer-model
+for those), and NullTokenizer (no file: --vocab-size integer ids).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from argparse import Namespace
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,13 +16,20 @@ from dataclasses import dataclass
 from megatron.tokenizer.base import MODEL_FILE_TOKENIZERS, Tokenizer, missing_tokenizer_model
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron.tokenizer.hf_tokenizer import HFTokenizer
+from megatron.tokenizer.null_tokenizer import NullTokenizer
 from megatron.tokenizer.sentencepiece_tokenizer import (
     GPTSentencePieceTokenizer,
     Llama2Tokenizer,
     SentencePieceTokenizer,
 )
+from megatron.tokenizer.tiktoken_tokenizer import (
+    DEFAULT_VOCAB_SIZE,
+    PIP_HINT,
+    TikTokenizer,
+    special_token_list,
+)
 
-SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer", *MODEL_FILE_TOKENIZERS)
+SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer", *MODEL_FILE_TOKENIZERS, "NullTokenizer")
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,16 @@ class TokenizerConfig:
     """--tokenizer-model: the SentencePiece model or Hugging Face tokenizer of the other types."""
     vocab_extra_ids: int = 0
     """--vocab-extra-ids: `<extra_id_N>` sentinels SentencePieceTokenizer adds (T5 style)."""
+    vocab_size: int | None = None
+    """--vocab-size: NullTokenizer's ids, or TikTokenizer's whole vocabulary (default 2**17)."""
+    null_tokenizer_eod_id: int | None = None
+    """--null-tokenizer-eod-id: NullTokenizer's end of document (default vocab_size - 1)."""
+    tiktoken_pattern: str | None = None
+    """--tiktoken-pattern: TikTokenizer's pre-tokenizer regex, v1 or v2 (the default)."""
+    tiktoken_num_special_tokens: int = 1000
+    """--tiktoken-num-special-tokens: TikTokenizer's ids before the file's tokens."""
+    tokenizer_special_tokens: tuple[str, ...] | None = None
+    """--tokenizer-special-tokens: TikTokenizer's named special tokens, in id order."""
 
     @classmethod
     def from_args(cls, args: Namespace) -> TokenizerConfig:
@@ -47,7 +66,23 @@ class TokenizerConfig:
             merge_file=getattr(args, "merge_file", None),
             tokenizer_model=getattr(args, "tokenizer_model", None),
             vocab_extra_ids=getattr(args, "vocab_extra_ids", None) or 0,
+            vocab_size=getattr(args, "vocab_size", None),
+            null_tokenizer_eod_id=getattr(args, "null_tokenizer_eod_id", None),
+            tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
+            tiktoken_num_special_tokens=_or_default(args, "tiktoken_num_special_tokens", 1000),
+            tokenizer_special_tokens=_tuple_or_none(
+                getattr(args, "tokenizer_special_tokens", None)
+            ),
         )
+
+
+def _or_default(args: Namespace, name: str, default: int) -> int:
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def _tuple_or_none(values: list[str] | None) -> tuple[str, ...] | None:
+    return tuple(values) if values else None
 
 
 _MODEL_FILE_BUILDERS: dict[str, Callable[[TokenizerConfig], Tokenizer]] = {
@@ -57,7 +92,46 @@ _MODEL_FILE_BUILDERS: dict[str, Callable[[TokenizerConfig], Tokenizer]] = {
     "GPTSentencePieceTokenizer": lambda config: GPTSentencePieceTokenizer(config.tokenizer_model),
     "Llama2Tokenizer": lambda config: Llama2Tokenizer(config.tokenizer_model),
     "HFTokenizer": lambda config: HFTokenizer(config.tokenizer_model),
+    "TikTokenizer": lambda config: TikTokenizer(
+        config.tokenizer_model,
+        config.tiktoken_pattern,
+        config.vocab_size,
+        config.tiktoken_num_special_tokens,
+        config.tokenizer_special_tokens,
+    ),
 }
+
+
+def tokenizer_flag_problem(config: TokenizerConfig) -> str | None:
+    """The one-line problem with the tokenizer flags, found before any file is read, or None."""
+    kind = config.tokenizer_type
+    if kind == "NullTokenizer":
+        if config.vocab_size is None or config.vocab_size < 1:
+            return (
+                "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 1): its text is "
+                "integer token ids below N, end of document N - 1"
+            )
+        eod = config.null_tokenizer_eod_id
+        if eod is not None and not 0 <= eod < config.vocab_size:
+            return (
+                f"--null-tokenizer-eod-id {eod}: must be an id below --vocab-size "
+                f"{config.vocab_size}"
+            )
+    if kind == "TikTokenizer":
+        vocab_size = config.vocab_size or DEFAULT_VOCAB_SIZE
+        special = config.tiktoken_num_special_tokens
+        if not 0 <= special < vocab_size:
+            return (
+                f"--tiktoken-num-special-tokens {special} must be at least 0 and below "
+                f"--vocab-size {vocab_size}"
+            )
+        try:
+            special_token_list(config.tokenizer_special_tokens, special)
+        except ValueError as error:
+            return str(error)
+        if importlib.util.find_spec("tiktoken") is None:
+            return f"--tokenizer-type TikTokenizer needs tiktoken: {PIP_HINT}"
+    return missing_tokenizer_model(kind, config.tokenizer_model)
 
 
 def create_tokenizer(config: TokenizerConfig) -> Tokenizer:
@@ -75,6 +149,8 @@ def create_tokenizer(config: TokenizerConfig) -> Tokenizer:
                 "(the GPT-2 files are in dataset/gpt2-vocab.json and dataset/gpt2-merges.txt)"
             )
         return GPT2BPETokenizer(config.vocab_file, config.merge_file)
+    if kind == "NullTokenizer":
+        return NullTokenizer(config.vocab_size, config.null_tokenizer_eod_id)
     problem = missing_tokenizer_model(kind, config.tokenizer_model)
     if problem:
         raise ValueError(problem)
@@ -111,9 +187,10 @@ def build_tokenizer(args: Namespace) -> Tokenizer:
     """Build the tokenizer named by --tokenizer-type and set `args.padded_vocab_size`.
 
     Reads the `TokenizerConfig` fields (`tokenizer_type`, `vocab_file`, `merge_file`,
-    `tokenizer_model`, `vocab_extra_ids`), and optionally `rank` (only rank 0 logs),
-    `make_vocab_size_divisible_by` (default 128) and `tensor_model_parallel_size`. Sets
-    `args.tokenizer_vocab_size` (the tokenizer's size) and `args.padded_vocab_size`.
+    `tokenizer_model`, `vocab_extra_ids`, `vocab_size`, ...), and optionally `rank` (only
+    rank 0 logs), `make_vocab_size_divisible_by` (default 128) and
+    `tensor_model_parallel_size`. Sets `args.tokenizer_vocab_size` (the tokenizer's size) and
+    `args.padded_vocab_size`.
     """
     verbose = getattr(args, "rank", 0) == 0
     config = TokenizerConfig.from_args(args)

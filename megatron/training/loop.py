@@ -274,6 +274,7 @@ class TrainingLoop:
             # Megatron prints 1.0 when nothing scales the loss; parsers expect the field.
             loss_scale=1.0 if self._last.loss_scale is None else self._last.loss_scale,
             grad_norm=self._last.grad_norm,
+            num_zeros=self._last.num_zeros_in_grad,
             params_norm=self._params_norm,
             actual_seqlen=args.seq_length,
             skipped_iterations=interval.skipped,

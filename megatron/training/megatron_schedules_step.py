@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel.schedules import (
     broadcast_from_last_stage,
     sync_tied_embedding_grads,
 )
-from megatron.core.tensor_parallel.mappings import all_reduce_sum_over_pipeline
+from megatron.core.tensor_parallel.mappings import sum_over_pipeline
 from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, MOE_LOSS, MoEAuxLossAutoScaler
 from megatron.training.monitor import Timers
 from megatron.training.optimizer import is_expert_param
@@ -39,25 +39,37 @@ from megatron.training.step import (
     losses_are_nan,
     optimizer_step_tail,
 )
+from megatron.training.token_loss import (
+    TokenCount,
+    aux_loss_factor,
+    gradient_multiplier,
+    split_loss_outputs,
+)
 from megatron.utils import current_device
 
 
 class MicroBatchLoss:
     """The schedule's loss function: the user's `loss_func(loss_mask, per_token_loss)`.
 
-    Keeps each micro-batch's reported values (for the log line) and multiplies the loss by
-    the fp16 loss scale of the step.
+    Keeps each micro-batch's reported values (for the log line) and token count (per-token
+    loss, `megatron.training.token_loss`) and multiplies the loss by the fp16 loss scale of
+    the step.
     """
 
-    def __init__(self, loss_func: Callable) -> None:
+    def __init__(self, loss_func: Callable, per_token: bool = False) -> None:
         self.loss_func = loss_func
+        self.per_token = per_token
         self.scale = 1.0
         self.reported: list[dict[str, torch.Tensor]] = []
+        self.tokens = TokenCount()
 
     def __call__(self, output: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         """Loss of one micro-batch on the last stage, scaled."""
-        loss, reported = self.loss_func(loss_mask, output)
+        loss, num_tokens, reported = split_loss_outputs(
+            self.loss_func(loss_mask, output), self.per_token
+        )
         self.reported.append(reported)
+        self.tokens.add(num_tokens)
         return loss.float() * self.scale
 
     def run(self, runner: PipelineRunner, microbatches: int, batch: tuple, train: bool) -> None:
@@ -91,14 +103,18 @@ def _global_batch(data_iterator: Iterator, trainer: PipelineTrainer, microbatche
 
 
 def _moe_loss_over_stages(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
-    """This step's 'moe loss' of every stage's MoE layers, summed over the stages; {} for a
-    dense model. A collective of the pipeline group."""
+    """This step's 'moe loss' (and Megatron-LM's named MoE losses) of every stage's MoE layers,
+    summed over the stages; {} for a dense model. A collective of the pipeline group."""
     stage = MOE_AUX_LOSSES.pop()
     if trainer.model[0].config.moe is None and trainer.model[0].config.routed_moe is None:
         return {}
-    # A stage may hold no MoE layer (--expert-interval): it adds nothing.
-    total = stage.get(MOE_LOSS, torch.zeros((), device=current_device()))
-    return {MOE_LOSS: all_reduce_sum_over_pipeline(total.detach().float().clone())}
+    # A stage may hold no MoE layer (--expert-interval, --moe-layer-freq): it adds nothing.
+    local = {name: float(value) for name, value in stage.items()}
+    local.setdefault(MOE_LOSS, 0.0)
+    device = current_device()
+    return {
+        name: torch.tensor(value, device=device) for name, value in sum_over_pipeline(local).items()
+    }
 
 
 def _reported(trainer: PipelineTrainer, microbatches: int) -> dict[str, float]:
@@ -130,9 +146,12 @@ def train_step_megatron_schedules(
     timers("forward-backward", 1).start()
     batch = _global_batch(data_iterator, trainer, microbatches)
     trainer.loss.scale = scale
+    trainer.loss.tokens = TokenCount()
     # The last stage's loss is multiplied by `scale` (torch divides the gradients by the
-    # micro-batches afterwards): every stage's MoE losses get the same.
-    MoEAuxLossAutoScaler.set_loss_scale(scale)
+    # micro-batches afterwards): every stage's MoE losses get the same (per-token loss: times
+    # a micro-batch's tokens, which the division by the step's tokens cancels).
+    per_token = trainer.loss.per_token
+    MoEAuxLossAutoScaler.set_loss_scale(scale * (aux_loss_factor(args) if per_token else 1.0))
     MOE_AUX_LOSSES.start()
     with trainer.autocast():
         trainer.loss.run(trainer.runner, microbatches, batch, train=True)
@@ -148,9 +167,15 @@ def train_step_megatron_schedules(
             params = [param for param in params if not is_expert_param(param)]
         average_gradients(params, parallel_state.get_sequence_data_parallel_group())
         params = [param for group in trainer.optimizer.param_groups for param in group["params"]]
+    multiplier = 1.0
+    if per_token:  # the last stage counted the tokens; every stage divides by them
+        count = broadcast_from_last_stage({"tokens": trainer.loss.tokens.global_count()})
+        multiplier = gradient_multiplier(
+            int(count["tokens"]), parallel_state.get_data_parallel_world_size(), microbatches
+        )
     # Clips with the norm over every stage and tensor-parallel rank; skips a non-finite step.
     skipped = optimizer_step_tail(
-        trainer, params, scale, global_batch_size or args.global_batch_size
+        trainer, params, scale, global_batch_size or args.global_batch_size, multiplier
     )
     timers("optimizer").stop()
     losses = _reported(trainer, microbatches)
@@ -160,6 +185,7 @@ def train_step_megatron_schedules(
         nan=losses_are_nan(losses),
         grad_norm=None if skipped else trainer.optimizer.grad_norm,
         loss_scale=trainer.loss_scaler.scale if trainer.loss_scaler is not None else None,
+        num_zeros_in_grad=None if skipped else trainer.optimizer.num_zeros,
     )
 
 

@@ -24,6 +24,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from megatron.model.moe_aux_loss import PER_LAYER_PREFIX
+
 _MEGABYTE = 1024.0 * 1024.0
 
 
@@ -59,6 +61,8 @@ class IterationStats:
     planned_iterations: int | None = None
     # Model TFLOP/s per GPU as Megatron-LM's --log-throughput prints it; None leaves it out.
     throughput: float | None = None
+    # Zero gradient elements of the last update (--log-num-zeros-in-grad); None leaves it out.
+    num_zeros: float | None = None
 
 
 def _format_duration(seconds: float) -> str:
@@ -81,13 +85,16 @@ def format_iteration_log(stats: IterationStats) -> str:
     line += f" learning rate: {s.learning_rate:.3E} |"
     line += f" global batch size: {int(s.global_batch_size):5d} |"
     for key, average in s.losses.items():
-        # Megatron prints only positive averages; a NaN average fails this test too.
-        if average > 0.0:
+        # Megatron prints only positive averages; a NaN average fails this test too. Per-layer
+        # MoE values go to TensorBoard only, as Megatron-LM's --moe-per-layer-logging.
+        if average > 0.0 and not key.startswith(PER_LAYER_PREFIX):
             line += f" {key}: {average:.6E} |"
     if s.loss_scale is not None:
         line += f" loss scale: {s.loss_scale:.1f} |"
     if s.grad_norm is not None:
         line += f" grad norm: {s.grad_norm:.3f} |"
+    if s.num_zeros is not None:
+        line += f" num zeros: {s.num_zeros:.1f} |"
     if s.params_norm is not None:
         line += f" params norm: {s.params_norm:.3f} |"
     line += f" actual seqlen: {int(s.actual_seqlen):5d} |"

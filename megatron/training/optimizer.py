@@ -5,6 +5,8 @@ norms), `build_optimizer` makes the bare AdamW that DeepSpeed wraps (or the plai
 steps), the loss scalers are Megatron's `DynamicGradScaler` / `ConstantGradScaler`, and
 `clip_grad_norm` is the model-parallel-aware norm (and clip) that `GuardedAdamW` runs before
 each step where DeepSpeed does not run its own; a non-finite norm skips the step.
+`count_zeros` (`--log-num-zeros-in-grad`) counts the zero gradient elements the same way
+(`model_wide_sum`: each element of the model once, whatever the split).
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ OPTIMIZERS = ("adam", "adamw")
 
 
 # The input and output layers (`--decoupled-lr`): the word embeddings, the untied output layer.
-DECOUPLED_LR_PARAMETERS = ("word_embeddings.weight", "output_layer.weight")
+# The input embedding, the untied output layer and, on the last of several pipeline stages, the
+# tied copy of the embedding (Megatron-LM marks all three `is_embedding_or_output_parameter`).
+DECOUPLED_LR_PARAMETERS = (
+    "word_embeddings.weight",
+    "output_layer.weight",
+    "word_embeddings_for_head.weight",
+)
 
 
 def get_param_groups(
@@ -74,7 +82,10 @@ def build_optimizer(
     eps: float,
     kind: str = "adam",
 ) -> torch.optim.Optimizer:
-    """AdamW over `param_groups`: Megatron's `--optimizer adam` is Adam with decoupled decay."""
+    """AdamW over `param_groups`: Megatron's `--optimizer adam` is Adam with decoupled decay
+    (`--optimizer muon`: `megatron.training.muon_optimizer.muon_optimizer`)."""
+    if kind == "muon":
+        raise ValueError("--optimizer muon: build it with muon_optimizer (muon_optimizer.py)")
     if kind not in OPTIMIZERS:
         raise ValueError(f"--optimizer {kind!r} is not supported; choose one of {OPTIMIZERS}")
     return torch.optim.AdamW(
@@ -83,12 +94,13 @@ def build_optimizer(
         weight_decay=weight_decay,
         betas=betas,
         eps=eps,
-        **_adamw_kernel(param_groups),
+        **adamw_kernel(param_groups),
     )
 
 
-def _adamw_kernel(params: list) -> dict:
-    """{'fused': True} when every tensor is on the GPU, else {'foreach': True}."""
+def adamw_kernel(params: list) -> dict:
+    """AdamW's kernel for `params` (tensors or groups): {'fused': True} when every tensor is on
+    the GPU, else {'foreach': True}."""
     tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
     # The fused kernel wants every tensor on the GPU; foreach batches the per-tensor math.
     if tensors and all(tensor.is_cuda for tensor in tensors):
@@ -102,7 +114,8 @@ def optimizer_from_args(
     param_groups: list[dict] | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer of `--optimizer`, `--lr`, `--weight-decay`, `--adam-*` over `model`
-    (or over `param_groups` already made from it)."""
+    (or over `param_groups` already made from it); unguarded. `--optimizer muon` is built
+    by `megatron.training.muon_optimizer.muon_optimizer`, which builds on this module."""
     return build_optimizer(
         param_groups or get_param_groups(model),
         lr=args.lr,
@@ -264,11 +277,75 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if to_local is None else to_local()
 
 
-def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = [torch.linalg.vector_norm(_local(g), dtype=torch.float32).to(device) for g in grads]
-    return torch.stack(norms).square().sum()
+def _stacked_sum(values: list[torch.Tensor], device: torch.device, dtype: torch.dtype):  # noqa: ANN202
+    if not values:
+        return torch.zeros((), dtype=dtype, device=device)
+    return torch.stack([value.to(device=device, dtype=dtype) for value in values]).sum()
+
+
+def model_wide_sum(
+    values: list[tuple[torch.nn.Parameter, torch.Tensor]],
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    model_parallel_group: object = None,
+    expert_parallel_group: Callable[[str], object] | None = None,
+    shard_group: object = None,
+) -> torch.Tensor:
+    """The sum over the whole model of a per-parameter statistic of its gradient, each gradient
+    element counted once (Megatron's rule for the gradient norm and the zero count).
+
+    `values`: (parameter, the statistic of this rank's gradient of it, or of its shard). What
+    `counted_once` leaves out (tensor-parallel duplicates, a tied weight's second copy) adds
+    nothing. `shard_group`: each rank holds a shard of every gradient (FSDP2, ZeRO partitions):
+    the sums are added over it. MoE experts count once each: without shards their sums are
+    also added over the expert-parallel group that `expert_parallel_group(param.group_name)`
+    names (the group spreading that layer's experts; their data-parallel replicas hold the same
+    gradients). Then everything is added over `model_parallel_group`. A collective of them all.
+    """
+    tp_rank_0 = parallel_state.get_tensor_model_parallel_rank() == 0
+    counted = [(param, value) for param, value in values if counted_once(param, tp_rank_0)]
+    # Sharded, every gradient is a shard, experts' too (over the ranks holding the same
+    # experts, whose expert-parallel peers hold the others): one sum over the data-parallel
+    # ranks counts every piece once.
+    sharded = shard_group is not None
+    dense = [value for param, value in counted if sharded or not is_expert_param(param)]
+    total = _stacked_sum(dense, device, dtype)
+    experts_of = [param.group_name for param, _ in counted if is_expert_param(param)]
+    expert_groups = [] if sharded else sorted(set(experts_of))
+    if expert_groups and expert_parallel_group is None:
+        raise ValueError("expert parameters need expert_parallel_group to count them once")
+    for name in expert_groups:
+        own = [v for p, v in counted if is_expert_param(p) and p.group_name == name]
+        experts = _stacked_sum(own, device, dtype)
+        all_reduce_if_distributed(experts, dist.ReduceOp.SUM, expert_parallel_group(name))
+        total = total + experts
+    if shard_group is not None:
+        all_reduce_if_distributed(total, dist.ReduceOp.SUM, shard_group)
+    if model_parallel_group is not None:
+        all_reduce_if_distributed(total, dist.ReduceOp.SUM, model_parallel_group)
+    return total
+
+
+def zeros_in(grad: torch.Tensor) -> torch.Tensor:
+    """How many elements of `grad` (this rank's shard of a DTensor) are exactly zero."""
+    grad = _local(grad)
+    return grad.numel() - torch.count_nonzero(grad)
+
+
+def count_zeros(
+    parameters: Iterable[torch.nn.Parameter],
+    model_parallel_group: object = None,
+    expert_parallel_group: Callable[[str], object] | None = None,
+    shard_group: object = None,
+) -> float:
+    """Megatron's count_zeros_fp32: zero gradient elements over the whole model, each counted
+    once (the groups as in `model_wide_sum`); parameters without a gradient add nothing."""
+    params = [param for param in parameters if param.grad is not None]
+    device = _reduction_device([param.grad for param in params])
+    values = [(param, zeros_in(param.grad.detach())) for param in params]
+    groups = (model_parallel_group, expert_parallel_group, shard_group)
+    # float64: exact up to 2**53 elements, and every backend reduces it.
+    return model_wide_sum(values, device, torch.float64, *groups).item()
 
 
 def clip_grad_norm(
@@ -280,39 +357,20 @@ def clip_grad_norm(
 ) -> float:
     """Megatron's clip_grad_norm_fp32: the global L2 grad norm; clip to `max_norm` if finite.
 
-    `shard_group`: under FSDP2 the gradients are DTensors sharded over it; the squares of
-    each rank's shards are summed over it too.
-
-    MoE experts count once each: their squares are also summed over the expert-parallel
-    group that `expert_parallel_group(param.group_name)` names (the group spreading that
-    layer's experts; their data-parallel replicas hold the same gradients).
+    The squares are summed as `model_wide_sum` says (`shard_group`: under FSDP2 the gradients
+    are DTensors sharded over it; MoE experts over their expert-parallel group).
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [param for param in parameters if param.grad is not None]
     grads = [_local(param.grad.detach()) for param in params]
-    tp_rank_0 = parallel_state.get_tensor_model_parallel_rank() == 0
-    counted = [param for param in params if counted_once(param, tp_rank_0)]
     device = _reduction_device(grads)
-    # Under FSDP2 every gradient is a shard, experts' too (over the ranks holding the same
-    # experts, whose expert-parallel peers hold the others): one sum over the data-parallel
-    # ranks counts every piece once.
-    sharded = shard_group is not None
-    dense = [p.grad.detach() for p in counted if sharded or not is_expert_param(p)]
-    sum_of_squares = _sum_of_squares(dense, device)
-    expert_groups = [] if sharded else sorted({p.group_name for p in counted if is_expert_param(p)})
-    if expert_groups and expert_parallel_group is None:
-        raise ValueError("expert parameters need expert_parallel_group to count them once")
-    for name in expert_groups:
-        own = [p.grad.detach() for p in counted if is_expert_param(p) and p.group_name == name]
-        experts = _sum_of_squares(own, device)
-        all_reduce_if_distributed(experts, dist.ReduceOp.SUM, expert_parallel_group(name))
-        sum_of_squares = sum_of_squares + experts
-    if shard_group is not None:  # FSDP2: each data-parallel rank holds 1/DP of every gradient
-        all_reduce_if_distributed(sum_of_squares, dist.ReduceOp.SUM, shard_group)
-    if model_parallel_group is not None:
-        all_reduce_if_distributed(sum_of_squares, dist.ReduceOp.SUM, model_parallel_group)
-    total_norm = sum_of_squares.sqrt().item()
+    squares = [
+        (param, torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+        for param, grad in zip(params, grads)
+    ]
+    groups = (model_parallel_group, expert_parallel_group, shard_group)
+    total_norm = model_wide_sum(squares, device, torch.float32, *groups).sqrt().item()
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     # inf/nan norms are reported, never used to scale: the step will be skipped anyway.
     if max_norm > 0 and clip_coeff < 1.0 and math.isfinite(total_norm):
@@ -321,13 +379,72 @@ def clip_grad_norm(
     return total_norm
 
 
-class GuardedAdamW(torch.optim.AdamW):
-    """AdamW that guards its own step: skips it on non-finite grads, else clips first.
+class StepGuard:
+    """What a guarded optimizer runs around its update: skip it on non-finite grads, else clip
+    first. `overflow` and `grad_norm` describe the last step; DeepSpeed's engine reads
+    `overflow` to skip its scheduler step and `_global_grad_norm` for `get_global_grad_norm()`.
+    With `counts_zeros` (`--log-num-zeros-in-grad`) it also counts the zero gradient elements
+    of each update, after clipping and before the update (as Megatron's optimizer), in
+    `num_zeros`.
+    """
+
+    counts_zeros: bool = False
+    num_zeros: float | None = None
+    """Zero gradient elements of the last update; None when not counted or skipped."""
+
+    def init_guard(
+        self,
+        clip_grad: float = 0.0,
+        guard: bool = True,
+        model_parallel_group: object = None,
+        expert_parallel_group: Callable[[str], object] | None = None,
+        shard_group: object = None,
+    ) -> None:
+        """Set the clipping threshold and the groups the norm is summed over."""
+        self.clip_grad = clip_grad
+        self.guard = guard
+        self.model_parallel_group = model_parallel_group
+        self.expert_parallel_group = expert_parallel_group
+        self.shard_group = shard_group
+        self.overflow = False
+        self.grad_norm: float | None = None
+
+    @property
+    def _global_grad_norm(self) -> float | None:
+        """The norm under the name DeepSpeed's engine copies after each step."""
+        return self.grad_norm
+
+    def guarded_step(self, update: Callable[[], object], closure: Callable | None) -> object:
+        """Skip `update` on inf/nan grads (any model-parallel rank), else clip and run it."""
+        loss = None
+        if closure is not None:
+            # Evaluated first so the guard sees the gradients it produced.
+            with torch.enable_grad():
+                loss = closure()
+        if not self.guard:
+            update()
+            return loss
+        params = [param for group in self.param_groups for param in group["params"]]
+        # One pass: the norm (all-reduced over the model-parallel ranks, the gradients being
+        # equal across data-parallel ranks) is non-finite exactly when some gradient is, and
+        # clip_grad_norm leaves the gradients alone then.
+        groups = (self.model_parallel_group, self.expert_parallel_group, self.shard_group)
+        norm = clip_grad_norm(params, self.clip_grad, *groups)
+        self.overflow = not math.isfinite(norm)
+        self.grad_norm = None if self.overflow else norm
+        self.num_zeros = None
+        if not self.overflow:
+            if self.counts_zeros:
+                self.num_zeros = count_zeros(params, *groups)
+            update()
+        return loss
+
+
+class GuardedAdamW(StepGuard, torch.optim.AdamW):
+    """AdamW that guards its own step (`StepGuard`): skips it on non-finite grads, else clips.
 
     For the paths where nothing else guards the step (plain torch, DeepSpeed fp32 ZeRO-0).
-    `overflow` and `grad_norm` describe the last step; DeepSpeed's engine reads `overflow`
-    to skip its scheduler step and `_global_grad_norm` for `get_global_grad_norm()`. ZeRO
-    stages 1-3 accept only the exact AdamW type (else `zero_allow_untested_optimizer`):
+    ZeRO stages 1-3 accept only the exact AdamW type (else `zero_allow_untested_optimizer`):
     use `build_optimizer` there, as DeepSpeed guards those steps itself.
     """
 
@@ -351,45 +468,11 @@ class GuardedAdamW(torch.optim.AdamW):
             weight_decay=weight_decay,
             betas=betas,
             eps=eps,
-            **_adamw_kernel(params),
+            **adamw_kernel(params),
         )
-        self.clip_grad = clip_grad
-        self.guard = guard
-        self.model_parallel_group = model_parallel_group
-        self.expert_parallel_group = expert_parallel_group
-        self.shard_group = shard_group
-        self.overflow = False
-        self.grad_norm: float | None = None
-
-    @property
-    def _global_grad_norm(self) -> float | None:
-        """The norm under the name DeepSpeed's engine copies after each step."""
-        return self.grad_norm
+        self.init_guard(clip_grad, guard, model_parallel_group, expert_parallel_group, shard_group)
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> object:
         """Skip the update on inf/nan grads (any model-parallel rank), else clip and step."""
-        loss = None
-        if closure is not None:
-            # Evaluated first so the guard sees the gradients it produced.
-            with torch.enable_grad():
-                loss = closure()
-        if not self.guard:
-            super().step()
-            return loss
-        params = [param for group in self.param_groups for param in group["params"]]
-        # One pass: the norm (all-reduced over the model-parallel ranks, the gradients being
-        # equal across data-parallel ranks) is non-finite exactly when some gradient is, and
-        # clip_grad_norm leaves the gradients alone then.
-        norm = clip_grad_norm(
-            params,
-            self.clip_grad,
-            self.model_parallel_group,
-            self.expert_parallel_group,
-            self.shard_group,
-        )
-        self.overflow = not math.isfinite(norm)
-        self.grad_norm = None if self.overflow else norm
-        if not self.overflow:
-            super().step()
-        return loss
+        return self.guarded_step(super().step, closure)

@@ -5,10 +5,12 @@ optimizer-step tail the plain engine shares with Megatron's schedules. Each step
 
 The forward-step contract is Megatron's: `forward_step_func(data_iterator, model, args)`
 returns `(output_tensor, loss_func)` and `loss_func(output_tensor)` returns
-`(loss, {"lm loss": value, ...})`. The MoE layers' load-balancing losses reach the backward
-through the model (`megatron.model.moe_aux_loss`); their 'moe loss' joins the reported values
-once per step. The reported values are averaged here over the micro-batches and the
-data-parallel ranks.
+`(loss, {"lm loss": value, ...})`, or Megatron-LM's `(loss_sum, num_tokens, reported)`
+(`megatron.training.token_loss`, which also holds `--calculate-per-token-loss`). The MoE
+layers' load-balancing losses reach the backward through the model
+(`megatron.model.moe_aux_loss`); their 'moe loss' joins the reported values once per step.
+The reported values are averaged here over the micro-batches and the data-parallel ranks
+([sum, count] pairs: summed, then divided).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ from megatron.core.tensor_parallel.layers import sum_sharded_sequence_parallel_g
 from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, scale_aux_losses_like
 from megatron.model.moe_layer import finish_moe_backward, update_expert_biases
 from megatron.training.monitor import Timers
+from megatron.training.token_loss import (
+    TokenCount,
+    aux_loss_factor,
+    gradient_multiplier,
+    split_loss_outputs,
+)
 from megatron.utils import current_device
 
 ForwardStep = Callable[[Iterator, torch.nn.Module, argparse.Namespace], tuple]
@@ -49,20 +57,31 @@ class StepResult:
     """Global gradient L2 norm before clipping, when the engine measures it."""
     loss_scale: float | None
     """Current fp16 loss scale; None without fp16."""
+    num_zeros_in_grad: float | None = None
+    """Zero gradient elements of the update, over the whole model (`--log-num-zeros-in-grad`,
+    Megatron's count_zeros_fp32); None when not counted or the update was skipped."""
 
 
 def average_over_data_parallel(sums: dict[str, torch.Tensor], count: int) -> dict[str, float]:
-    """Average per-rank sums of `count` micro-batches over the data-parallel group."""
+    """Average per-rank sums of `count` micro-batches over the data-parallel group; a value
+    summed as a [sum, count] pair (Megatron-LM's per-token reporting) is its sum / count."""
     if not sums:
         return {}
     names = sorted(sums)
-    values = torch.stack([sums[name].detach().float().reshape(()) for name in names])
-    values = values.to(current_device())
+    parts = [sums[name].detach().float().reshape(-1) for name in names]
+    values = torch.cat(parts).to(current_device())
     group = parallel_state.get_data_parallel_group()
     if dist.is_initialized() and parallel_state.get_data_parallel_world_size() > 1:
         dist.all_reduce(values, group=group)
-    values /= count * parallel_state.get_data_parallel_world_size()
-    return dict(zip(names, values.tolist()))
+    averaged, start = {}, 0
+    for name, part in zip(names, parts):
+        total = values[start : start + part.numel()].tolist()
+        start += part.numel()
+        if len(total) == 2:
+            averaged[name] = total[0] / max(total[1], 1.0)
+        else:
+            averaged[name] = total[0] / (count * parallel_state.get_data_parallel_world_size())
+    return averaged
 
 
 def accumulate_reported(sums: dict[str, torch.Tensor], reported: dict[str, torch.Tensor]) -> None:
@@ -119,7 +138,7 @@ def train_step_deepspeed(
     MOE_AUX_LOSSES.start()
     for index in range(micro_batches):
         output, loss_func = forward_step_func(data_iterator, engine, args)
-        loss, reported = loss_func(output)
+        loss, _, reported = split_loss_outputs(loss_func(output), per_token=False)
         scale_aux_losses_like(loss)  # the MoE losses get what DeepSpeed scales `loss` by
         engine.backward(loss)  # scales by 1/accumulation steps itself
         if index == micro_batches - 1:  # the boundary: this engine.step updates the weights
@@ -210,22 +229,32 @@ def train_step_plain(
     sums: dict[str, torch.Tensor] = {}
     micro_batches = trainer.gradient_accumulation_steps
     scale = trainer.loss_scaler.scale if trainer.loss_scaler is not None else 1.0
+    per_token = bool(getattr(args, "calculate_per_token_loss", False))
+    # Per-token loss backpropagates sums; the division comes once the step's tokens are known.
+    divisor = 1 if per_token else micro_batches
+    tokens = TokenCount()
     timers("forward-backward", 1).start()
     MOE_AUX_LOSSES.start()
     for index in range(micro_batches):
         with trainer.no_sync(index == micro_batches - 1):
             with trainer.autocast():
                 output, loss_func = forward_step_func(data_iterator, trainer.model, args)
-                loss, reported = loss_func(output)
-            scale_aux_losses_like(loss)
-            (loss.float() * (scale / micro_batches)).backward()
+                loss, num_tokens, reported = split_loss_outputs(loss_func(output), per_token)
+            scale_aux_losses_like(loss, aux_loss_factor(args) if per_token else 1.0)
+            (loss.float() * (scale / divisor)).backward()
+        tokens.add(num_tokens)
         accumulate_reported(sums, reported)
     accumulate_reported(sums, MOE_AUX_LOSSES.pop())
     timers("forward-backward").stop()
     timers("optimizer", 1).start()
     params = [param for group in trainer.optimizer.param_groups for param in group["params"]]
+    multiplier = 1.0
+    if per_token:  # DDP, FSDP2 and the expert reduction averaged over the data-parallel ranks
+        multiplier = gradient_multiplier(
+            tokens.global_count(), parallel_state.get_data_parallel_world_size()
+        )
     skipped = optimizer_step_tail(
-        trainer, params, scale, global_batch_size or args.global_batch_size
+        trainer, params, scale, global_batch_size or args.global_batch_size, multiplier
     )
     timers("optimizer").stop()
     losses = average_over_data_parallel(sums, micro_batches)
@@ -236,23 +265,29 @@ def train_step_plain(
         grad_norm=None if skipped else trainer.optimizer.grad_norm,
         # After the update, as Megatron logs it.
         loss_scale=trainer.loss_scaler.scale if trainer.loss_scaler is not None else None,
+        num_zeros_in_grad=None if skipped else trainer.optimizer.num_zeros,
     )
 
 
 def optimizer_step_tail(
-    trainer: PlainTrainer, params: list[torch.Tensor], scale: float, increment: int
+    trainer: PlainTrainer,
+    params: list[torch.Tensor],
+    scale: float,
+    increment: int,
+    multiplier: float = 1.0,
 ) -> bool:
     """After the backward of the plain engine and of Megatron's schedules: unscale the fp16
-    gradients, step (our optimizer clips and refuses non-finite gradients, `GuardedAdamW`),
-    update the loss scale, advance the LR schedule by `increment` samples unless skipped, and
-    clear the gradients. Returns whether the update was skipped."""
+    gradients (and multiply them by `multiplier`: per-token loss's division), step (our
+    optimizer clips and refuses non-finite gradients, `GuardedAdamW`), update the loss scale,
+    advance the LR schedule by `increment` samples unless skipped, and clear the gradients.
+    Returns whether the update was skipped."""
     sum_sharded_sequence_parallel_grads(params)  # FSDP2 with Megatron's sequence parallelism
     # Megatron-LM's MoE: expert gradients over their own ranks, the routers' expert biases.
     finish_moe_backward(trainer.model)
-    if scale != 1.0:
+    if scale != 1.0 or multiplier != 1.0:
         for param in params:
             if param.grad is not None:
-                param.grad.mul_(1.0 / scale)
+                param.grad.mul_(multiplier / scale)
     trainer.optimizer.step()
     skipped = bool(trainer.optimizer.overflow)
     if trainer.loss_scaler is not None:
@@ -280,7 +315,7 @@ def evaluate_forward_steps(
         for _ in range(micro_batches):
             with autocast():
                 output, loss_func = forward_step_func(data_iterator, module, args)
-                _, reported = loss_func(output)
+                reported = loss_func(output)[-1]
             accumulate_reported(sums, reported)
     accumulate_reported(sums, MOE_AUX_LOSSES.pop())
     module.train()

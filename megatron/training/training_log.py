@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron.checkpointing import TrainState
 from megatron.core import parallel_state
+from megatron.model.moe_aux_loss import PER_LAYER_PREFIX
 from megatron.training.monitor import MetricsWriter, _resident_set_bytes
 from megatron.training.optimizer import all_reduce_if_distributed, counted_once
 from megatron.training.step import StepResult
@@ -99,7 +100,9 @@ def write_training_scalars(
     if args.log_batch_size_to_tensorboard:
         add_scalar_vs(writer, "batch-size/batch-size", batch_size, state)
     for name, value in result.losses.items():
-        add_scalar_vs(writer, f"lm-loss-training/{name}", value, state)
+        # Megatron-LM's per-layer MoE tags ('moe/load_balancing_loss_layer_0') as they are.
+        tag = name if name.startswith(PER_LAYER_PREFIX) else f"lm-loss-training/{name}"
+        add_scalar_vs(writer, tag, value, state)
     # As theirs: only fp16 has a loss scale worth a curve (bf16 and fp32 report none).
     if args.fp16 and result.loss_scale and args.log_loss_scale_to_tensorboard:
         add_scalar_vs(writer, "loss-scale/loss-scale", result.loss_scale, state)
@@ -107,6 +110,8 @@ def write_training_scalars(
         add_scalar_vs(writer, "world-size/world-size", args.world_size, state)
     if result.grad_norm is not None:
         add_scalar_vs(writer, "grad-norm/grad-norm", result.grad_norm, state)
+    if result.num_zeros_in_grad is not None:
+        add_scalar_vs(writer, "num-zeros/num-zeros", result.num_zeros_in_grad, state)
     if params_norm is not None:
         add_scalar_vs(writer, "params-norm/params-norm", params_norm, state)
     # Theirs sets actual_seq_length every iteration (curriculum learning may shorten it).

@@ -81,7 +81,12 @@ def test_the_value_that_means_off_is_accepted(extra: str) -> None:
         ("--squared-relu", "--squared-relu: this GPT variant is not built here"),
         ("--DDP-impl FSDP", "--DDP-impl FSDP"),
         ("--tokenizer-type BertWordPieceCase", "--tokenizer-type BertWordPieceCase: not built"),
-        ("--tokenizer-type NullTokenizer", "--tokenizer-type NullTokenizer: not built here"),
+        ("--tokenizer-type NullTokenizer", "--tokenizer-type NullTokenizer needs --vocab-size"),
+        ("--tokenizer-type TikTokenizer", "--tokenizer-type TikTokenizer needs --tokenizer-model"),
+        (
+            "--tokenizer-type Llama3Tokenizer",
+            "--tokenizer-type Llama3Tokenizer: Megatron-LM removed",
+        ),
         (
             "--tokenizer-type GPTSentencePieceTokenizer",
             "--tokenizer-type GPTSentencePieceTokenizer needs --tokenizer-model",

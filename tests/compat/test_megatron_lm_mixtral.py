@@ -147,6 +147,10 @@ def test_scaled_recipe_trains_resumes_bit_exactly_and_exports(
     # loss then pulls it back toward balance.
     assert 0.019 < min(moe) and max(moe) < 0.025, moe
     assert moe[-1] < max(moe), moe
+    # Megatron-LM's own field: the unweighted loss, averaged over the MoE layers of both
+    # pipeline stages (one each).
+    balancing = [log["load_balancing_loss"] for log in logged]
+    assert all(abs(0.01 * 2 * b - m) <= 1e-5 * m for b, m in zip(balancing, moe)), balancing
     # The same run interrupted after its iteration-5 checkpoint: that checkpoint alone.
     interrupted = tmp_path / "interrupted" / "checkpoints"
     shutil.copytree(

@@ -27,10 +27,23 @@ REFUSED = [
         128,
         ["--step-batch-size-schedule 0:16 2.4B:320", "Cannot specify both", "not built here"],
     ),
-    # MOCK data: NullTokenizer with --vocab-size (and gpt-oss's attention sinks, FP8, ...).
-    ("gptoss__02_train.json", 8, ["--vocab-size 128256", "NullTokenizer is not built here"]),
-    ("megatron_fsdp__train_llama3_8b_fsdp_h100_fp8.json", 8, ["--vocab-size 128256"]),
+    # Their mock data (--mock-data, NullTokenizer --vocab-size 128256) is built; FP8 is not
+    # (nor, behind it, gpt-oss's attention sinks, nor Megatron-FSDP's checkpoint format).
+    ("gptoss__02_train.json", 8, ["--fp8-format hybrid", "Transformer Engine and FP8"]),
+    ("megatron_fsdp__train_llama3_8b_fsdp_h100_fp8.json", 8, ["--fp8-format hybrid"]),
+    # DeepSeek-V3 on Megatron-FSDP: multi-latent attention (and multi-token prediction).
+    (
+        "megatron_fsdp__sbatch_mfsdp_deepseek_v3.json",
+        8,
+        ["--multi-latent-attention", "Multi-Latent Attention", "not built here"],
+    ),
 ]
+FP8_FLAGS = (
+    "--fp8-format",
+    "--fp8-amax-history-len",
+    "--fp8-amax-compute-algo",
+    "--fp8-param-gather",
+)
 
 
 def _validate(argv: list[str], world_size: int):
@@ -50,6 +63,27 @@ def test_stops_in_one_line_naming_what_is_not_built(
     assert "\n" not in message
     for word in words:
         assert word in message, message
+
+
+def test_fsdp_recipe_on_mock_data_plans_without_fp8_at_8_ranks() -> None:
+    """Without FP8 and Megatron-FSDP's own checkpoint format, the Llama-3 8B FSDP recipe's
+    mock data validates as Megatron-LM reads it (NullTokenizer's 128,256 ids padded to 128,256,
+    --split not read) and plans at its 8 ranks."""
+    script = load_script(os.path.join(HERE, "megatron_fsdp__train_llama3_8b_fsdp_h100_fp8.json"))
+    argv = with_values(script.argv, {flag: None for flag in (*FP8_FLAGS, "--ckpt-format")})
+    args = _validate(argv + ["--dry-run"], 8)
+    assert args.mock_data and args.data_path is None
+    assert (args.tokenizer_type, args.vocab_size, args.tiktoken_pattern) == (
+        "NullTokenizer",
+        128256,
+        "v2",
+    )
+    assert any("--split '99,1,0' is not read" in note for note in args.compat_notes)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run_dry_run(argv + ["--dry-run", "--dry-run-world-size", "8"])
+    assert "dry run: 8 ranks" in printed.getvalue()
+    assert "assumed GPT-2's" not in printed.getvalue()  # NullTokenizer's vocabulary, not GPT-2's
 
 
 def test_gpt3_without_its_schedule_validates_and_plans_at_128_ranks() -> None:

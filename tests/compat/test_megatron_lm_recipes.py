@@ -32,10 +32,7 @@ RECIPE = os.path.join(
 )
 # Flags of the recipe that later issues build (issue 40: Megatron-LM's training, data and
 # logging flags and recipes).
-LATER = {
-    "--vocab-size": 40,
-    "--calculate-per-token-loss": 40,
-}
+LATER: dict[str, int] = {}
 # The recipe at a tiny size for 2 CPU ranks (its flags kept, values scaled).
 TINY = {
     "--num-layers": ["2"],

@@ -74,6 +74,8 @@ class Layout:
     """ZeRO stage under --deepspeed; None is the plain-torch path."""
     pipeline_engine: bool = False
     """DeepSpeed's PipelineEngine (the default under --deepspeed); else --no-pipeline-parallel."""
+    flags: tuple[str, ...] = ()
+    """More flags of the run (e.g. the loss normalisation)."""
 
     def argv(self, config_dir: str, extra: tuple[str, ...] = ()) -> list[str]:
         """The command line of this layout (a DeepSpeed config file is written when needed)."""
@@ -88,7 +90,7 @@ class Layout:
             argv += ["--deepspeed", "--deepspeed_config", path, "--zero-stage", str(self.zero)]
             if not self.pipeline_engine:
                 argv.append("--no-pipeline-parallel")
-        return argv + list(extra)
+        return argv + list(self.flags) + list(extra)
 
 
 def model_config() -> ModelConfig:
@@ -180,6 +182,45 @@ def load_dense(module: torch.nn.Module, dense: dict[str, torch.Tensor], pipeline
     )
 
 
+def load_dense_into_chunks(chunks: torch.nn.ModuleList, dense: dict) -> list:
+    """Copy `dense` into this rank's Megatron-schedule chunks (each numbers its layers from
+    0, as Megatron's files do); the local names left unset."""
+    from megatron.checkpointing.pipeline_stages import chunk_state_dict
+
+    size = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    unset = []
+    with torch.no_grad():
+        for index, chunk in enumerate(chunks):
+            wanted = chunk_state_dict(dense, NUM_LAYERS, size, len(chunks), rank, index)
+            for name, param in chunk.named_parameters():
+                if name in wanted:
+                    param.copy_(_shard(wanted[name], param))
+                else:
+                    unset.append(f"{index}.{name}")
+    return unset
+
+
+def _chunk_weights(chunks: torch.nn.ModuleList) -> dict[str, torch.Tensor]:
+    """This rank's chunks' parameters under GPTModel names (the head copy of the tied
+    embedding left out), TP shards gathered to full size."""
+    from megatron.checkpointing.pipeline_stages import HEAD_WEIGHT, chunk_layers, renumber_layers
+    from tests.model.helpers import gather_shards
+
+    size = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    weights = {}
+    for index, chunk in enumerate(chunks):
+        first = chunk_layers(NUM_LAYERS, size, len(chunks), rank, index).start
+        state = {
+            name: gather_shards(param.detach().clone(), param)
+            for name, param in chunk.named_parameters()
+            if name != HEAD_WEIGHT
+        }
+        weights.update(renumber_layers(state, first))
+    return weights
+
+
 def local_module(model) -> torch.nn.Module:  # noqa: ANN001 - engine or PlainTrainer
     """The GPTModel / GPTModelPipe inside a PlainTrainer (maybe DDP) or a DeepSpeed engine."""
     from megatron.training.step import PlainTrainer
@@ -204,6 +245,8 @@ def dense_weights(model, layout: Layout, dense: dict) -> dict[str, torch.Tensor]
     from tests.model.helpers import gather_shards
 
     module = local_module(model)
+    if isinstance(module, torch.nn.ModuleList):  # Megatron's schedules
+        return _chunk_weights(module)
     params = list(module.named_parameters())
     names = _pipeline_names(dense) if layout.pipeline_engine else {name: name for name, _ in params}
     if layout.zero == 3:
@@ -281,13 +324,20 @@ def build(  # noqa: ANN201
 
     def provider(args):  # noqa: ANN001, ANN202
         model = pretrain_gpt.model_provider(args)
-        unset.extend(load_dense(model, dense, args.layout.engine is Engine.DEEPSPEED_PIPE))
+        if args.layout.engine is Engine.MEGATRON_SCHEDULES:
+            unset.extend(load_dense_into_chunks(model, dense))
+        else:
+            unset.extend(load_dense(model, dense, args.layout.engine is Engine.DEEPSPEED_PIPE))
         return model
 
     forward_step, batch_fn = pretrain_gpt.forward_step, pretrain_gpt.get_batch_pipe
     if poison is not None:
         forward_step, batch_fn = poison.forward_step(forward_step), poison.batch_fn(batch_fn)
-    pipeline_batch = PipelineBatch(batch_fn=batch_fn, loss_func=pretrain_gpt.loss_func)
+    pipeline_batch = PipelineBatch(
+        batch_fn=batch_fn,
+        loss_func=pretrain_gpt.loss_func,
+        per_token_loss_func=pretrain_gpt.per_token_loss_func,
+    )
     engine = build_engine(provider, args, forward_step, pipeline_batch)
     return args, engine, unset
 
@@ -462,8 +512,14 @@ def scheduled_lr(consumed_samples: int) -> float:
     return MIN_LR + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (LR - MIN_LR)
 
 
-def hand_training(dense: dict, samples: np.ndarray, iterations: int = ITERATIONS) -> dict:
-    """torch AdamW + clip_grad_norm_ + the schedule above on one GPTModel: losses, norms."""
+def hand_training(
+    dense: dict, samples: np.ndarray, iterations: int = ITERATIONS, eod_mask: bool = False
+) -> dict:
+    """torch AdamW + clip_grad_norm_ + the schedule above on one GPTModel: losses, norms.
+
+    The loss is the mean over the global batch's tokens; with `eod_mask`, over those whose
+    input is not the end-of-document token 0 (`--eod-mask-loss`), every one weighing the same.
+    """
     model = GPTModel(model_config())
     model.load_state_dict(dense)
     decay = [p for n, p in model.named_parameters() if p.ndim > 1 and not n.endswith(".bias")]
@@ -480,7 +536,12 @@ def hand_training(dense: dict, samples: np.ndarray, iterations: int = ITERATIONS
         for group in optimizer.param_groups:
             group["lr"] = scheduled_lr(step * GLOBAL_BATCH)
         text = torch.from_numpy(samples[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH])
-        loss = model(text[:, :-1], labels=text[:, 1:]).mean()
+        per_token = model(text[:, :-1], labels=text[:, 1:])
+        if eod_mask:
+            mask = (text[:, :-1] != 0).float()
+            loss = (per_token * mask).sum() / mask.sum()
+        else:
+            loss = per_token.mean()
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         optimizer.step()

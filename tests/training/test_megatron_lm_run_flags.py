@@ -147,6 +147,27 @@ def test_decoupled_lr_gives_the_input_and_output_layers_their_own_peak_and_floor
     assert (base - 1e-4) / (1e-3 - 1e-4) == pytest.approx((own - 5e-5) / (5e-4 - 5e-5))
 
 
+def test_decoupled_lr_covers_the_last_stages_tied_head_copy() -> None:
+    """Under Megatron's schedules the last stage's copy of the tied embedding is the output
+    layer: it follows --decoupled-lr as the first stage's embedding does (Megatron-LM)."""
+    from megatron.training.optimizer import get_param_groups
+
+    stage = torch.nn.Module()
+    stage.word_embeddings_for_head = torch.nn.Embedding(8, 4)
+    stage.dense = torch.nn.Linear(4, 4)
+    groups = get_param_groups(stage, (5e-4, 5e-5))
+    (decoupled,) = [group for group in groups if group["name"] == "decoupled_lr"]
+    assert decoupled["params"] == [stage.word_embeddings_for_head.weight]
+
+
+def test_lr_warmup_init_reaches_the_schedule(tmp_path) -> None:
+    from megatron.training.scheduler import scheduler_arguments
+
+    args = _args("--lr-warmup-init 2e-4 --lr-warmup-iters 2 --global-batch-size 1", tmp_path)
+    assert scheduler_arguments(args)["init_lr"] == 2e-4
+    assert scheduler_arguments(_args("--global-batch-size 1", tmp_path))["init_lr"] == 0.0
+
+
 def test_decoupled_lr_on_deepspeeds_engine_is_refused_in_one_line(tmp_path) -> None:
     config = tmp_path / "ds.json"
     config.write_text('{"zero_optimization": {"stage": 1}}')
@@ -158,8 +179,9 @@ ORACLE_SCRIPT = os.path.join(os.path.dirname(__file__), "megatron_core_lr_schedu
 
 
 def test_wsd_and_decoupled_groups_follow_megatron_core(tmp_path) -> None:
-    """Megatron-LM's WSD schedule (each anneal style) and param groups with their own peak and
-    floor (--decoupled-lr) give megatron-core 0.16.1's learning rates at every step."""
+    """Megatron-LM's WSD schedule (each anneal style), param groups with their own peak and
+    floor (--decoupled-lr) and a warmup from --lr-warmup-init give megatron-core 0.16.1's
+    learning rates at every step."""
     from megatron.training.scheduler import OptimizerParamScheduler
     from tests.conftest import run_oracle
 
@@ -199,6 +221,15 @@ def test_wsd_and_decoupled_groups_follow_megatron_core(tmp_path) -> None:
         }
     )
     cases[-1]["name"] = "decoupled cosine"
+    # --lr-warmup-init: the warmup climbs from it, not from 0.
+    cases.append(
+        {
+            "name": "warmup from init",
+            "kwargs": {**base, "init_lr": 0.2, "lr_decay_style": "linear"},
+            "groups": groups,
+            "steps": steps,
+        }
+    )
     cases_file, out_file = tmp_path / "cases.json", tmp_path / "lrs.json"
     cases_file.write_text(json.dumps(cases))
     run_oracle(ORACLE_SCRIPT, str(cases_file), str(out_file))

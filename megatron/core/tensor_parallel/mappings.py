@@ -454,8 +454,16 @@ class RingTransfer:
         return self.received
 
 
-def all_reduce_sum_over_pipeline(tensor: torch.Tensor) -> torch.Tensor:
-    """In-place sum over the pipeline-parallel group (no autograd; reported values)."""
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        dist.all_reduce(tensor, group=parallel_state.get_pipeline_model_parallel_group())
-    return tensor
+def sum_over_pipeline(values: dict[str, float]) -> dict[str, float]:
+    """Every pipeline stage's named values, summed by name (a stage may lack some names): one
+    object all-gather over the pipeline-parallel group (reported values, once per step)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return dict(values)
+    group = parallel_state.get_pipeline_model_parallel_group()
+    stages: list[dict[str, float] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, values, group=group)
+    total: dict[str, float] = {}
+    for stage in stages:
+        for name, value in (stage or {}).items():
+            total[name] = total.get(name, 0.0) + value
+    return total

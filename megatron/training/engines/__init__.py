@@ -1,6 +1,7 @@
 """The engines: one class per `megatron.layout.Engine`, all behind `TrainingEngine`.
 
-- `plain.py`: torch DDP; `deepspeed.py`: DeepSpeed's engine and its pipeline engine;
+- `plain.py`: torch DDP; `deepspeed.py`: DeepSpeed's engine and its pipeline engine (the
+  zero count of `--log-num-zeros-in-grad` on them in `deepspeed_zeros.py`);
   `megatron_schedules.py`: Megatron's schedules on torch.distributed.pipelining.
 - `base.py`: the interface (build the model, create with optimizer and scheduler, train step,
   evaluate, batch-size ramp, checkpoint target / save / load) and the optimizer build.

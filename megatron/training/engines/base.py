@@ -22,6 +22,7 @@ from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.layout import Engine, ParallelLayout
 from megatron.training.monitor import Timers
+from megatron.training.muon_optimizer import muon_optimizer
 from megatron.training.optimizer import GuardedAdamW, get_param_groups, optimizer_from_args
 from megatron.training.step import ForwardStep, StepResult
 
@@ -35,6 +36,15 @@ class PipelineBatch:
     """A loader batch -> ((tokens, position_ids), (labels, loss_mask)) on this rank's device."""
     loss_func: Callable[[torch.Tensor, torch.Tensor], tuple]
     """(loss_mask, per-token losses) -> (loss, {"lm loss": value, ...})."""
+    per_token_loss_func: Callable[[torch.Tensor, torch.Tensor], tuple] | None = None
+    """Under `--calculate-per-token-loss`: (loss_mask, per-token losses) -> (loss_sum,
+    num_tokens, reported) (None: `loss_func` returns those itself)."""
+
+    def loss_func_for(self, per_token: bool) -> Callable[[torch.Tensor, torch.Tensor], tuple]:
+        """The loss function of the run's loss normalisation."""
+        if per_token and self.per_token_loss_func is not None:
+            return self.per_token_loss_func
+        return self.loss_func
 
 
 class TrainingEngine(abc.ABC):
@@ -116,26 +126,45 @@ class TrainingEngine(abc.ABC):
         return load_checkpoint(self.checkpoint_target(), self.args)
 
 
-def build_optimizer(model: torch.nn.Module, args: argparse.Namespace, guard: bool):  # noqa: ANN201
-    """A bare AdamW over Megatron's param groups (no weight decay on biases and norms).
+def build_optimizer(  # noqa: ANN201
+    model: torch.nn.Module, args: argparse.Namespace, guard: bool, flattened: bool = False
+):
+    """A bare AdamW over Megatron's param groups (no weight decay on biases and norms), or
+    with `--optimizer muon` Megatron-LM's Muon and AdamW (`megatron.training.muon_optimizer`;
+    DeepSpeed's own Muon when its wrapper is `flattened`: parameters in flat partitions).
 
     With `guard`, our optimizer itself clips, measures the norm and refuses non-finite
-    gradients: the paths where nothing else does (plain torch, DeepSpeed fp32 ZeRO-0).
+    gradients: the paths where nothing else does (plain torch, DeepSpeed fp32 ZeRO-0). There it
+    also counts the zero gradient elements (`--log-num-zeros-in-grad`).
     """
     groups = _param_groups(model, args)
-    if not guard:
+    if args.optimizer == "muon":
+        settings = _guard_settings(args) if guard else None
+        optimizer = muon_optimizer(model, groups, args, settings, deepspeed_partitions=flattened)
+    elif not guard:
         # DeepSpeed recognises torch's own AdamW (its ZeRO code paths are tested with it).
         return optimizer_from_args(model, args, groups)
-    return GuardedAdamW(
-        groups,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_eps,
+    else:
+        optimizer = GuardedAdamW(
+            groups,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps,
+            **_guard_settings(args),
+        )
+    if guard:
+        optimizer.counts_zeros = bool(getattr(args, "log_num_zeros_in_grad", False))
+    return optimizer
+
+
+def _guard_settings(args: argparse.Namespace) -> dict:
+    """What our guarded optimizers clip to and sum the gradient norm over."""
+    return dict(
         clip_grad=args.clip_grad,
         guard=True,
         model_parallel_group=parallel_state.get_model_parallel_group(),
-        expert_parallel_group=_expert_group_of(args),
+        expert_parallel_group=expert_group_of(args),
         # FSDP2 (sharded data parallelism): each rank holds a shard of every gradient.
         shard_group=(
             parallel_state.get_sequence_data_parallel_group()
@@ -160,7 +189,7 @@ def _param_groups(model: torch.nn.Module, args: argparse.Namespace) -> list[dict
     return groups
 
 
-def _expert_group_of(args: argparse.Namespace) -> Callable[[str], object] | None:
+def expert_group_of(args: argparse.Namespace) -> Callable[[str], object] | None:
     """How the gradient norm finds the group spreading an expert parameter: DeepSpeed's
     groups by name (DeepSpeed-MoE), ours (Megatron-LM's MoE with EP above 1), or None."""
     if getattr(args, "moe", False):

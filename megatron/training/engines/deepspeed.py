@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -22,7 +23,13 @@ from megatron.deepspeed_facts import (
 )
 from megatron.layout import Engine, ParallelLayout
 from megatron.model import GPTModel
-from megatron.training.engines.base import PipelineBatch, TrainingEngine, build_optimizer
+from megatron.training.engines.base import (
+    PipelineBatch,
+    TrainingEngine,
+    build_optimizer,
+    expert_group_of,
+)
+from megatron.training.engines.deepspeed_zeros import DeepSpeedZeroCount
 from megatron.training.monitor import Timers
 from megatron.training.scheduler import scheduler_from_args
 from megatron.training.step import (
@@ -38,6 +45,8 @@ class DeepSpeedEngine(TrainingEngine):
     """DeepSpeed's engine over the whole GPT, stepped micro-batch by micro-batch."""
 
     kind = Engine.DEEPSPEED
+    zero_count: DeepSpeedZeroCount | None = None
+    """`--log-num-zeros-in-grad`: counts each update's zero gradient elements."""
 
     @staticmethod
     def build_model(config: ModelConfig, layout: ParallelLayout) -> torch.nn.Module:
@@ -72,10 +81,11 @@ class DeepSpeedEngine(TrainingEngine):
             )
         # fp32 ZeRO-0 hands the client optimizer the raw gradients: there our optimizer skips
         # non-finite steps and reports the norm; every DeepSpeed wrapper does it itself.
-        guard = not guards_steps(deepspeed_optimizer_wrapper(args))
+        wrapper = deepspeed_optimizer_wrapper(args)
+        guard = not guards_steps(wrapper)
         if guard:
             config["gradient_clipping"] = 0.0  # the optimizer clips, so it sees the norm first
-        optimizer = build_optimizer(model, args, guard)
+        optimizer = build_optimizer(model, args, guard, optimizer_state_partitioned(wrapper))
         scheduler = scheduler_from_args(optimizer, args)
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model,
@@ -87,15 +97,25 @@ class DeepSpeedEngine(TrainingEngine):
         )
         if pipeline_batch is not None and cls.kind is Engine.DEEPSPEED_PIPE:
             engine.set_batch_fn(lambda data: pipeline_batch.batch_fn(data, args))
-        return cls(engine, optimizer, scheduler, args, forward_step_func)
+        created = cls(engine, optimizer, scheduler, args, forward_step_func)
+        if getattr(args, "log_num_zeros_in_grad", False):
+            created.zero_count = DeepSpeedZeroCount(engine, wrapper, expert_group_of(args))
+        return created
+
+    def _counted(self, result: StepResult) -> StepResult:
+        """`result` with the step's zero count (a collective) under --log-num-zeros-in-grad."""
+        if self.zero_count is None:
+            return result
+        return replace(result, num_zeros_in_grad=self.zero_count.take())
 
     def train_step(
         self, data_iterator: Iterator, global_batch_size: int, timers: Timers
     ) -> StepResult:
         """`engine.backward` / `engine.step` per micro-batch; DeepSpeed owns the boundary."""
-        return train_step_deepspeed(
+        result = train_step_deepspeed(
             self.forward_step_func, data_iterator, self.model, self.args, global_batch_size, timers
         )
+        return self._counted(result)
 
     def evaluate(self, data_iterator: Iterator, eval_iters: int) -> dict[str, float]:
         """Forward steps through the engine (its module computes in the config's precision)."""
@@ -146,7 +166,7 @@ class DeepSpeedPipeEngine(DeepSpeedEngine):
         self, data_iterator: Iterator, global_batch_size: int, timers: Timers
     ) -> StepResult:
         """One `engine.train_batch`: DeepSpeed schedules the micro-batches over the stages."""
-        return train_step_deepspeed_pipe(data_iterator, self.model, self.args)
+        return self._counted(train_step_deepspeed_pipe(data_iterator, self.model, self.args))
 
     def evaluate(self, data_iterator: Iterator, eval_iters: int) -> dict[str, float]:
         """`engine.eval_batch` per global batch (DeepSpeed reports the lm loss only)."""

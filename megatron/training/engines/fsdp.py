@@ -77,10 +77,12 @@ def shard_model(
         for layer in layers:
             if expert_mesh is not None and isinstance(layer.mlp, RoutedMoE):
                 experts = layer.mlp.experts
+                # Averaged over the expert-data ranks here; `reduce_expert_gradients` then
+                # rescales to Megatron-LM's sum / DP (torch's own divide factor would need a
+                # pre-multiplied sum, which gloo lacks).
                 fully_shard(
                     experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy
                 )
-                experts.set_gradient_divide_factor(float(dist.get_world_size(group)))
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         fully_shard(root, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         if overlap_param_gather:

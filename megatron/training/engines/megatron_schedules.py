@@ -72,7 +72,8 @@ class MegatronSchedulesEngine(PlainEngine):
             )
         optimizer = build_optimizer(model, args, guard=True)
         scheduler = scheduler_from_args(optimizer, args)
-        loss = MicroBatchLoss(pipeline_batch.loss_func)
+        per_token = bool(getattr(args, "calculate_per_token_loss", False))
+        loss = MicroBatchLoss(pipeline_batch.loss_func_for(per_token), per_token)
         trainer = PipelineTrainer(
             model=model,
             optimizer=optimizer,
