@@ -103,11 +103,23 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--recompute-method",
-        "--activations-checkpoint-method",
         choices=["uniform", "block"],
         default=None,
         help="For full recomputation: uniform (every chunk of N layers) or block (only the "
         "first N layers); uniform when unset.",
+    )
+    group.add_argument(
+        "--activations-checkpoint-method",
+        choices=["uniform", "block"],
+        default=None,
+        help="Megatron-LM 2.x's switch: full recomputation with this method "
+        "(--recompute-granularity full --recompute-method METHOD).",
+    )
+    group.add_argument(
+        "--activations-checkpoint-num-layers",
+        type=int,
+        default=None,
+        help="Megatron-LM 2.x's spelling of --recompute-num-layers.",
     )
     group.add_argument(
         "--recompute-num-layers",

@@ -278,6 +278,23 @@ def _precision_and_optimizer(args: argparse.Namespace) -> None:
 
 
 def _recompute(args: argparse.Namespace) -> None:
+    if args.activations_checkpoint_method is not None:
+        # Megatron-LM 2.x (the sc21 scripts, Megatron-DeepSpeed's GPT-3 examples): the method
+        # alone turned full recomputation on.
+        method = args.activations_checkpoint_method
+        if args.recompute_granularity not in (None, "full") or args.recompute_method not in (
+            None,
+            method,
+        ):
+            raise ArgumentError(
+                f"--activations-checkpoint-method {method} means --recompute-granularity full "
+                f"--recompute-method {method}; drop the other recomputation flags"
+            )
+        args.recompute_granularity, args.recompute_method = "full", method
+    if args.activations_checkpoint_num_layers is not None:
+        args.recompute_num_layers = args.recompute_num_layers or (
+            args.activations_checkpoint_num_layers
+        )
     if args.checkpoint_activations:
         # Megatron's deprecated flag: full recomputation of every N layers.
         if args.recompute_granularity not in (None, "full"):

@@ -161,6 +161,18 @@ def test_megatron_spellings_map_onto_ours() -> None:
     assert args.use_checkpoint_lr_scheduler and args.recompute_method == "block"
 
 
+def test_megatron_lm_2s_activations_checkpoint_method_turns_full_recomputation_on() -> None:
+    """Megatron-LM 2.x (its sc21 scripts, Megatron-DeepSpeed's GPT-3 examples): the method
+    alone meant activation checkpointing, not merely which method a later flag would use."""
+    args = validated("--activations-checkpoint-method uniform")
+    assert (args.recompute_granularity, args.recompute_method) == ("full", "uniform")
+    assert args.recompute_num_layers == 1
+    args = validated("--activations-checkpoint-method block --activations-checkpoint-num-layers 2")
+    assert (args.recompute_method, args.recompute_num_layers) == ("block", 2)
+    with pytest.raises(ArgumentError, match="means --recompute-granularity full"):
+        validated("--activations-checkpoint-method uniform --recompute-granularity selective")
+
+
 def test_weight_decay_increment_flags() -> None:
     args = validated(
         "--weight-decay-incr-style linear --start-weight-decay 0.0 --end-weight-decay 0.1"

@@ -96,3 +96,16 @@ def test_gpt3_without_its_schedule_validates_and_plans_at_128_ranks() -> None:
         run_dry_run(argv + ["--dry-run-world-size", "128"])
     assert "dry run: 128 ranks = TP 8 x PP 16 x DP 1" in printed.getvalue()
     assert "model: 174," in printed.getvalue()  # GPT-3 175B (GPT-2's vocabulary)
+
+
+def test_sc21_table_1_validates_and_plans_with_full_recomputation_at_32_ranks() -> None:
+    """The 2021 sc21 script (1.7B, 4 nodes of 8) as Megatron-LM 2.x ran it: its
+    --activations-checkpoint-method uniform alone turns full recomputation on."""
+    script = load_script(os.path.join(HERE, "academic_paper_scripts__sc21__SRUN.json"))
+    args = _validate(script.argv + ["--dry-run"], 32)
+    assert args.layout.describe() == "TP 1 x PP 1 x DP 32, fp16 on plain"
+    assert (args.recompute_granularity, args.recompute_method) == ("full", "uniform")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run_dry_run(script.argv + ["--dry-run", "--dry-run-world-size", "32"])
+    assert "dry run: 32 ranks = TP 1 x PP 1 x DP 32" in printed.getvalue()
