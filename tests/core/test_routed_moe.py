@@ -5,7 +5,8 @@
   loop over experts; the load-balancing losses equal Megatron-LM's formulas; capacity
   dropping keeps the highest-weight (or earliest) tokens; aux-loss-free routing moves the
   expert biases toward balance: on skewed input the spread of the experts' loads shrinks.
-- Two ranks: dropless top-k (1, 2, 4) at EP=2, both dispatchers (all-to-all, all-gather),
+- Two ranks: dropless top-k (1, 2, 4) at EP=2, both dispatchers (all-to-all, all-gather), and
+  top-2 under bf16 and fp16 autocast (within the half precision's bound),
   equals EP=1 from the same initial weights in outputs and in the gradients the optimizer
   sees (the router's averaged over the data-parallel ranks, each expert's over every token
   that reached it, divided by the data-parallel size, as Megatron-LM scales them).
@@ -221,7 +222,11 @@ def _reinitialize(expert_parallel: int) -> None:
     parallel_state.initialize_model_parallel(1, 1, expert_parallel_size=expert_parallel)
 
 
-def _check_expert_parallel_equals_ep1(top_k: int, dispatcher: str) -> None:
+def _check_expert_parallel_equals_ep1(
+    top_k: int, dispatcher: str, half: torch.dtype | None = None
+) -> None:
+    """`half`: both sides under that autocast (fp32 weights and gradients, half compute),
+    compared within the half precision's reordering bound."""
     config = _config(top_k, dispatcher=dispatcher, z_loss_coeff=1e-3)
     rank, world = dist.get_rank(), dist.get_world_size()
     x = _tokens(10 + rank)  # each data-parallel rank its own tokens
@@ -229,7 +234,8 @@ def _check_expert_parallel_equals_ep1(top_k: int, dispatcher: str) -> None:
     for ep in (1, world):
         _reinitialize(ep)
         layer = _layer(config)
-        out, _ = layer(x)
+        with torch.autocast("cpu", dtype=half, enabled=half is not None):
+            out, _ = layer(x)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         reduce_expert_gradients(layer)  # EP=2: over the expert-data ranks, divided by DP
         for param in layer.parameters():
@@ -241,11 +247,11 @@ def _check_expert_parallel_equals_ep1(top_k: int, dispatcher: str) -> None:
     _reinitialize(1)
     (out1, grads1, _, _), (out2, grads2, first, local) = results[1], results[world]
     assert local == EXPERTS // world
-    assert_close_reordered(out2, out1, terms=FORWARD_TERMS)
+    assert_close_reordered(out2, out1, terms=FORWARD_TERMS, dtype=half)
     for name, grad in grads1.items():
         if name.startswith("experts."):
             grad = grad[first : first + local]  # this rank's experts
-        assert_close_reordered(grads2[name], grad, terms=GRADIENT_TERMS, msg=name)
+        assert_close_reordered(grads2[name], grad, terms=GRADIENT_TERMS, dtype=half, msg=name)
 
 
 SPAWN_WORLD_SIZES = [1, 2]
@@ -282,6 +288,15 @@ CHECKS = {
         )
         for k in (1, 2, 4)
         for dispatcher in ("alltoall", "allgather")
+    }
+    | {
+        f"top-2 at EP=2 equals EP=1 under {name} autocast": (
+            _check_expert_parallel_equals_ep1,
+            2,
+            "alltoall",
+            half,
+        )
+        for name, half in (("bf16", torch.bfloat16), ("fp16", torch.float16))
     },
 }
 
