@@ -181,6 +181,13 @@ def check_muon_engine(args: argparse.Namespace) -> None:
     if not optimizer_state_partitioned(wrapper):
         return  # our Muon steps the whole parameters
     where = f"{args.layout.precision} ZeRO-{args.layout.zero_stage} ({wrapper.value})"
+    if getattr(args, "routed_moe", False):
+        # DeepSpeed's Muon orthogonalizes a 3-D tensor as a batch of its [in, out] slices: the
+        # transposes of megatron-core's expert matrices, which shape_scaling tells apart.
+        raise ArgumentError(
+            f"--optimizer muon at {where} with Megatron-LM's MoE: DeepSpeed's Muon would "
+            "orthogonalize the stacked experts transposed; use fp32 ZeRO-0 or drop --deepspeed"
+        )
     if wrapper is OptimizerWrapper.BF16:  # bf16_optimizer.py: "BF16 Muon currently requires
         # FP32 accumulation, dense DP and eager execution" (no mpu: both engines pass one)
         raise ArgumentError(

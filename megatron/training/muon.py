@@ -4,9 +4,11 @@ AdamW for every other parameter, behind one optimizer object.
 Which parameters get Muon is Megatron-LM's rule (megatron/core/optimizer/emerging_optimizers.py,
 `_is_muon_excluded`): the 2-D weights other than the word embeddings and the output layer (the
 parameters it tags `is_embedding_or_output_parameter`). Biases, norms, the embeddings, the
-output layer and any other tensor that is not 2-D (our Megatron-LM-style MoE's experts are
-stacked 3-D) get AdamW with `--adam-*` (Megatron-LM's `--muon-scalar-optimizer adam`). Both
-halves take `--lr` on the same schedule and `--weight-decay`, decoupled.
+output layer and any other tensor that is not 2-D get AdamW with `--adam-*` (Megatron-LM's
+`--muon-scalar-optimizer adam`). Megatron-LM's MoE experts, stacked here as [E, in, out], get
+Muon per expert on the [out, in] matrix megatron-core keeps for each (its orientation decides
+`shape_scaling`). Both halves take `--lr` on the same schedule and `--weight-decay`,
+decoupled.
 
 The update of one Muon matrix p with gradient g (emerging_optimizers' `OrthogonalizedOptimizer`
 and Megatron-LM's `TensorParallelMuon`, which `--optimizer muon` builds there):
@@ -35,7 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -275,13 +277,19 @@ def orthogonalized_update(
 class Muon(torch.optim.Muon):
     """torch's Muon (its checks, groups and `momentum_buffer` state) updating as Megatron-LM's
     (the module docstring). Groups may say `muon_partition_dim` (the tensor-parallel split of
-    their matrices) and `muon_qkv` (fused QKV weights, orthogonalized per block)."""
+    their matrices), `muon_qkv` (fused QKV weights, orthogonalized per block) and
+    `muon_stacked_experts` (3-D [E, in, out] expert weights, orthogonalized per expert)."""
 
     def __init__(
-        self, params: Iterable, lr: float, weight_decay: float, config: MuonConfig
+        self, params: list[dict], lr: float, weight_decay: float, config: MuonConfig
     ) -> None:
+        # torch checks that its groups hold 2-D parameters: the stacked experts join after.
+        stacked = [group for group in params if group.get("muon_stacked_experts")]
+        matrices = [group for group in params if not group.get("muon_stacked_experts")]
+        if not matrices:
+            raise ValueError("Muon needs at least one 2-D weight beside stacked experts")
         super().__init__(
-            params,
+            matrices,
             lr=lr,
             weight_decay=weight_decay,
             momentum=config.momentum,
@@ -289,6 +297,8 @@ class Muon(torch.optim.Muon):
             ns_steps=config.num_ns_steps,
         )
         self.config = config
+        for group in stacked:
+            self.add_param_group(group)
         # torch's iteration settings that Megatron-LM's flags replace (config) are not kept.
         for settings in (self.defaults, *self.param_groups):
             for key in ("ns_coefficients", "eps", "adjust_lr_fn"):
@@ -318,7 +328,16 @@ class Muon(torch.optim.Muon):
         param.mul_(1.0 - lr * group["weight_decay"])
         buffer.lerp_(grad, 1.0 - momentum)
         u = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-        update = orthogonalized_update(
-            u.float(), self.config, group.get("muon_partition_dim"), group.get("muon_qkv", False)
-        )
+        if group.get("muon_stacked_experts"):
+            # [E, in, out]: each expert's [out, in] matrix, as megatron-core keeps it.
+            update = torch.stack(
+                [orthogonalized(expert.float().mT, self.config, None).mT for expert in u]
+            )
+        else:
+            update = orthogonalized_update(
+                u.float(),
+                self.config,
+                group.get("muon_partition_dim"),
+                group.get("muon_qkv", False),
+            )
         param.add_(update.to(param.dtype), alpha=-lr)

@@ -30,12 +30,16 @@ EMBEDDING_OR_OUTPUT = (
     "word_embeddings_for_head.weight",
 )
 QKV_WEIGHT = "self_attention.query_key_value.weight"
+# Megatron-LM's MoE experts stacked as [E, in, out] (megatron/model/moe_experts.py): each
+# expert's matrix is one of megatron-core's per-expert 2-D weights, transposed.
+STACKED_EXPERTS = (".mlp.experts.weight1", ".mlp.experts.weight2")
 
 
 def uses_muon(name: str, param: torch.nn.Parameter) -> bool:
     """Megatron-LM's rule: a 2-D weight other than the word embeddings and the output layer
-    (and not marked `use_muon = False`)."""
-    if param.ndim != 2 or name.endswith(EMBEDDING_OR_OUTPUT):
+    (and not marked `use_muon = False`); each expert's matrix of a stacked expert weight."""
+    stacked = param.ndim == 3 and name.endswith(STACKED_EXPERTS)
+    if (param.ndim != 2 and not stacked) or name.endswith(EMBEDDING_OR_OUTPUT):
         return False
     return bool(getattr(param, "use_muon", True))
 
@@ -52,7 +56,7 @@ def muon_param_groups(
     split: list[dict] = []
     for group in groups:
         settings = {key: value for key, value in group.items() if key != "params"}
-        muon: dict[tuple[int, bool], list[torch.nn.Parameter]] = {}
+        muon: dict[tuple[int, bool, bool], list[torch.nn.Parameter]] = {}
         adamw = []
         for param in group["params"]:
             name = names.get(id(param), "")
@@ -62,19 +66,22 @@ def muon_param_groups(
             split_dim = getattr(param, "partition_dim", -1)
             if not (split_model and getattr(param, "tensor_model_parallel", False)):
                 split_dim = -1
-            muon.setdefault((split_dim, name.endswith(QKV_WEIGHT)), []).append(param)
+            kind = (split_dim, name.endswith(QKV_WEIGHT), param.ndim == 3)
+            muon.setdefault(kind, []).append(param)
         if adamw:
             split.append(dict(settings, params=adamw, use_muon=False))
-        for (split_dim, qkv), params in sorted(muon.items()):
+        for (split_dim, qkv, stacked), params in sorted(muon.items()):
             muon_settings = dict(
                 settings,
                 params=params,
                 use_muon=True,
                 muon_partition_dim=None if split_dim == -1 else split_dim,
                 muon_qkv=qkv,
+                muon_stacked_experts=stacked,
             )
             if not settings.get("moe"):  # DeepSpeed finds an expert group's ranks by its name
                 kind = "_qkv" if qkv else ""
+                kind += "_experts" if stacked else ""
                 kind += "" if split_dim == -1 else f"_tp{split_dim}"
                 muon_settings["name"] = f"{settings.get('name', 'group')}_muon{kind}"
             split.append(muon_settings)

@@ -200,6 +200,42 @@ def test_update_is_megatron_lm_muon(shape, settings, fp32_matmuls):
     assert set(optimizer.state[param]) == {"momentum_buffer"}  # torch.optim.Muon's state
 
 
+def test_stacked_experts_get_muon_per_expert_as_megatron_core_keeps_them(fp32_matmuls):
+    """Megatron-LM's MoE experts, stacked here as [E, in, out]: Muon groups them apart, and
+    updates each expert as megatron-core's [out, in] weight of that expert (`shape_scaling`
+    tells the two orientations apart: rows / cols is 4 one way, 1/4 the other)."""
+    from megatron.config import RoutedMoEConfig
+
+    routed = RoutedMoEConfig(num_experts=4, moe_layers=(True, True), top_k=2)
+    model = _gpt(routed_moe=routed, ffn_hidden_size=4 * HIDDEN)
+    groups = muon_param_groups(model, get_param_groups(model))
+    stacked = {p for g in groups if g.get("muon_stacked_experts") for p in g["params"]}
+    layer = model.language_model.encoder.layers[0].mlp
+    assert {layer.experts.weight1, layer.experts.weight2} <= stacked
+    assert all(p.ndim == 3 for p in stacked)
+    assert not any(p is layer.router.weight for p in stacked)  # a 2-D matrix of its own
+
+    config = MuonConfig(momentum=0.8, fp32_matmul_prec="low", scale_mode="shape_scaling")
+    torch.manual_seed(2)
+    weight = torch.randn(3, 16, 64)  # [E, in, out]
+    grads = [torch.randn(weight.shape) * (1 + i) for i in range(3)]
+    param, other = torch.nn.Parameter(weight.clone()), torch.nn.Parameter(torch.zeros(4, 4))
+    optimizer = Muon(
+        [{"params": [other]}, {"params": [param], "muon_stacked_experts": True}],
+        lr=0.02,
+        weight_decay=0.1,
+        config=config,
+    )
+    for grad in grads:
+        param.grad = grad.clone()
+        optimizer.step()
+    for expert in range(3):
+        matrix = weight[expert].mT  # megatron-core's [out, in]
+        expected = _reference_steps(matrix, [g[expert].mT for g in grads], 0.02, 0.1, config)
+        moved = param.detach()[expert].mT.double() - matrix
+        assert (moved - (expected - matrix)).norm() <= FP32_AGREEMENT * (expected - matrix).norm()
+
+
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize(
     "scale_mode, extra, adjust_lr_fn",
