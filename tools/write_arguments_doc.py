@@ -232,7 +232,8 @@ def _recipes_section(parser: argparse.ArgumentParser) -> list[str]:
     ]
     for flag in sorted(users):
         scripts = ", ".join(f"`{name}`" for name in users[flag])
-        cells = (f"`{flag}`", scripts, _flag_status(parser, flag))
+        # Without backticks: the groups' tables above hold each flag's one code span.
+        cells = (flag, scripts, _flag_status(parser, flag))
         lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
     return lines
 
