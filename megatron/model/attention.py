@@ -28,6 +28,7 @@ from megatron.core.tensor_parallel.mappings import (
     inverse_order,
     sequence_order_of_context_parallel_parts,
 )
+from megatron.model.utils import run_eagerly_when_compiled
 
 
 def flash_attn_2_version() -> str | None:
@@ -183,9 +184,9 @@ class UlyssesAttention(nn.Module):
         self.distributed = DistributedAttention(
             _HeadSplitCore(core, recompute, context_parallel), group, scatter_idx=2, gather_idx=0
         )
+        # DeepSpeed's all-to-alls run eagerly inside a compiled layer (graph breaks around them).
+        run_eagerly_when_compiled(self, "forward")
 
-    # DeepSpeed's all-to-alls run eagerly inside a compiled layer (graph breaks around them).
-    @torch.compiler.disable
     def forward(self, query, key, value, mask: torch.Tensor | None) -> torch.Tensor:
         """`mask`: as `CoreAttention`'s, over the full sequence ([b|1, 1, s, s] or None)."""
         context = self.distributed(query, key, value, 1, None, mask)  # [s/S, b, np, hn]

@@ -35,6 +35,7 @@ from megatron.core.tensor_parallel.mappings import (
     this_ranks_sequence_positions,
 )
 from megatron.model.attention import CoreAttention, UlyssesAttention
+from megatron.model.utils import run_eagerly_when_compiled
 
 
 def _uses_fused_kernel(query: torch.Tensor, dropout_p: float) -> bool:
@@ -280,9 +281,10 @@ class ContextParallelAttention(nn.Module):
             self.a2a = UlyssesAttention(
                 core, parallel_state.get_context_parallel_group(), recompute, context_parallel=True
             )
+        # Point-to-point transfers and DeepSpeed's all-to-alls run eagerly inside a compiled
+        # layer.
+        run_eagerly_when_compiled(self, "forward")
 
-    # Point-to-point transfers and DeepSpeed's all-to-alls run eagerly inside a compiled layer.
-    @torch.compiler.disable
     def forward(self, query, key, value) -> torch.Tensor:
         """Causal attention of this rank's tokens over the whole sequence."""
         if self.a2a is not None:

@@ -50,6 +50,7 @@ from megatron.model.moe_layer import RoutedMoE
 from megatron.model.utils import (
     build_norm,
     init_method_normal,
+    run_eagerly_when_compiled,
     scaled_init_method_normal,
     sequence_is_split,
 )
@@ -77,6 +78,11 @@ class ParallelAttention(nn.Module):
         self.kv_channels = config.kv_channels
         self.layer_number = layer_number
         self.recompute_core = config.recompute_granularity == "selective"
+        if config.torch_compile and self.recompute_core:
+            # Eager even inside a compiled layer: the recomputation runs in the backward pass,
+            # outside the compiled function, so a compiled first pass would draw other dropout
+            # masks than it.
+            run_eagerly_when_compiled(self, "_recomputed_core")
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size,
             config.projection_size + 2 * config.kv_projection_size,
@@ -162,9 +168,6 @@ class ParallelAttention(nn.Module):
         query = query.reshape(s, b, self.heads_per_partition, self.kv_channels)
         return query, key.squeeze(3), value.squeeze(3)
 
-    # Eager even inside a compiled layer: the recomputation runs in the backward pass, outside
-    # the compiled function, so a compiled first pass would draw other dropout masks than it.
-    @torch.compiler.disable
     def _recomputed_core(self, query, key, value, attention_mask):
         # Never distributed: the query holds this rank's own heads, not a replicated input.
         return checkpoint(self.core_attention, False, query, key, value, attention_mask)

@@ -74,6 +74,16 @@ class RMSNorm(nn.Module):
         return x.to(hidden.dtype) * weight
 
 
+def run_eagerly_when_compiled(module: nn.Module, method: str) -> None:
+    """`module.method` runs eagerly inside a torch.compile'd caller (graph breaks around it).
+
+    Applied per instance when the model is built, not as a decorator at import: decorating
+    imports torch's compiler (torch._dynamo), seconds of start-up in every process, which a
+    run that never compiles does not need.
+    """
+    setattr(module, method, torch.compiler.disable(getattr(module, method)))
+
+
 def sequence_is_split(config: ModelConfig) -> bool:
     """Whether each rank holds its own part of the sequence (Megatron's sequence parallelism,
     DeepSpeed-Ulysses or context parallelism): its hidden dropout then draws from the per-rank

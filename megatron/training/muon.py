@@ -37,7 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -281,8 +281,11 @@ class Muon(torch.optim.Muon):
     `muon_stacked_experts` (3-D [E, in, out] expert weights, orthogonalized per expert)."""
 
     def __init__(
-        self, params: list[dict], lr: float, weight_decay: float, config: MuonConfig
+        self, params: Iterable, lr: float, weight_decay: float, config: MuonConfig
     ) -> None:
+        params = list(params)
+        if params and not isinstance(params[0], dict):  # tensors: one group of them
+            params = [{"params": params}]
         # torch checks that its groups hold 2-D parameters: the stacked experts join after.
         stacked = [group for group in params if group.get("muon_stacked_experts")]
         matrices = [group for group in params if not group.get("muon_stacked_experts")]

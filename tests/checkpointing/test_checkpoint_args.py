@@ -2,9 +2,10 @@
 `load_args_from_checkpoint` takes them (sizes given on the command line kept, the other model
 flags overridden, each printed), before validation builds the model config.
 
-A run saved in each format (Megatron's per-rank files, torch_dist, DeepSpeed's) resumes from a
-command line without one architecture flag; the rule itself is checked on a hand-written
-checkpoint file; a --load without a checkpoint is refused in one line.
+A run saved in Megatron's per-rank files and in torch_dist resumes from a command line without
+one architecture flag (DeepSpeed's files, plain and ZeRO-3, are read from hand-written ones);
+the rule itself is checked on a hand-written checkpoint file; a --load without a checkpoint is
+refused in one line.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ def _run_flags(data_prefix: str, save: str) -> list[str]:
 FORMATS = {
     "torch": [],
     "torch_dist": ["--ckpt-format", "torch_dist"],
-    "deepspeed": ["--deepspeed", "--zero-stage", "1", "--no-pipeline-parallel"],
 }
 
 
@@ -60,10 +60,6 @@ def test_a_command_without_the_architecture_resumes_with_the_saved_shape(
 
     save = str(tmp_path / "checkpoints")
     flags = _run_flags(stdlib_dataset, save) + FORMATS[fmt]
-    if fmt == "deepspeed":
-        config = tmp_path / "ds_config.json"
-        config.write_text("{}")
-        flags += ["--deepspeed_config", str(config)]
     first = launch(1, ARCHITECTURE + flags + ["--exit-interval", "2"])
     assert first.returncode == 0, first.stdout[-3000:]
     resumed = launch(1, flags + ["--load", save, "--use-checkpoint-args"])
@@ -88,6 +84,24 @@ def test_a_command_without_the_architecture_resumes_with_the_saved_shape(
         assert whole.returncode == 0, whole.stdout[-3000:]
         expected = iteration_logs(whole.stdout)[2:]
         assert [log["lm loss"] for log in logs] == [log["lm loss"] for log in expected]
+
+
+@pytest.mark.parametrize(
+    "filename", ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"]
+)
+def test_deepspeeds_files_give_their_saved_args(filename: str, tmp_path) -> None:
+    """DeepSpeed's layout (`latest` naming the tag; ZeRO-3 names its rank file apart)."""
+    from megatron.checkpointing.saved_args import read_saved_args
+
+    tag = tmp_path / "global_step7"
+    tag.mkdir()
+    saved = {"num_layers": 3, "hidden_size": 48, "swiglu": True}
+    content = {"args": argparse.Namespace(**saved), "checkpoint_version": 3.0, "iteration": 7}
+    torch.save(content, tag / filename)
+    (tmp_path / "latest").write_text("global_step7")
+    found = read_saved_args(str(tmp_path))
+    assert found is not None and found.path == str(tag / filename)
+    assert {key: found.args[key] for key in saved} == saved and found.version == 3.0
 
 
 def _write_checkpoint(root: Path, saved: dict, version: float = CHECKPOINT_VERSION) -> None:

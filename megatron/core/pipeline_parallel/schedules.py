@@ -24,12 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 
 from megatron.core import parallel_state
 
@@ -56,7 +50,7 @@ class PipelineRunner:
         self.activation = (activation_shape, activation_dtype)
         self._schedules: dict[tuple[int, bool], object] = {}
 
-    def _stage(self, chunk: nn.Module) -> PipelineStage:
+    def _stage(self, chunk: nn.Module):  # noqa: ANN202 - a torch PipelineStage
         """`chunk` as a torch stage whose inputs and outputs are declared, not inferred.
 
         Declared shapes spare torch's first-step inference, a forward pass whose dropout
@@ -74,6 +68,10 @@ class PipelineRunner:
             (meta(self.tokens_shape, torch.float32),) if chunk.is_last else (meta(shape, dtype),)
         )
         group = parallel_state.get_pipeline_model_parallel_group()
+        # Imported here: torch.distributed.pipelining imports torch's compiler (seconds of
+        # start-up), which processes without a pipeline never need.
+        from torch.distributed.pipelining import PipelineStage
+
         return PipelineStage(
             chunk,
             chunk.stage,
@@ -95,6 +93,12 @@ class PipelineRunner:
         return any(chunk.is_last for chunk in self.chunks)
 
     def _schedule(self, microbatches: int, train: bool):  # noqa: ANN202 - a torch schedule
+        from torch.distributed.pipelining import (
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
         key = (microbatches, train)
         if key not in self._schedules:
             stages = [self._stage(chunk) for chunk in self.chunks]
