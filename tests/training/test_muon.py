@@ -415,14 +415,13 @@ docstring): 5 iterations' losses agreed to 1e-5 relative in our runs; 1e-3 allow
 
 @pytest.mark.slow
 def test_deepspeed_runs_the_same_muon(stdlib_dataset):
-    """Under DeepSpeed: fp32 ZeRO-0 (our Muon as its client optimizer, on its pipeline engine)
-    and ZeRO-2 (DeepSpeed's own Muon, with the flags that mean its update) train as the
-    plain engine does with the same flags."""
+    """Under DeepSpeed at ZeRO-2 (DeepSpeed's own Muon, with the flags that mean its update)
+    training is the plain engine's with the same flags. (At ZeRO-0 DeepSpeed steps our Muon as
+    its client optimizer, as it steps our AdamW.)"""
     flags = tiny_gpt_flags(stdlib_dataset) + MUON_RUN + DEEPSPEED_MUON_FLAGS
     flags += ["--train-iters", "5"]
     runs = {
         "plain": flags,
-        "zero0": flags + ["--deepspeed", "--zero-stage", "0"],
         "zero2": flags + ["--deepspeed", "--zero-stage", "2", "--no-pipeline-parallel"],
     }
     losses = {}
@@ -431,5 +430,4 @@ def test_deepspeed_runs_the_same_muon(stdlib_dataset):
         assert done.returncode == 0, done.stdout[-3000:]
         losses[name] = [log["lm loss"] for log in iteration_logs(done.stdout)]
     assert losses["plain"][-1] < losses["plain"][0] - 0.5
-    for name in ("zero0", "zero2"):
-        assert losses[name] == pytest.approx(losses["plain"], rel=LOSS_AGREEMENT), name
+    assert losses["zero2"] == pytest.approx(losses["plain"], rel=LOSS_AGREEMENT)
