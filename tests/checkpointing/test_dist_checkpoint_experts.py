@@ -16,11 +16,11 @@ the sharded expert gradients scaled as one process scales them.
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 
 from megatron.checkpointing.dist_checkpoint import _SafeReader
+from tests.checkpointing.compare import rolled_back
 from tests.training.llama_runs import assert_same, run
 
 ROUTED = dict(
@@ -32,15 +32,6 @@ ROUTED = dict(
     ckpt_format="torch_dist",
     global_batch_size=8,
 )
-
-
-def _resume_copy(saved: str, destination: str) -> str:
-    """`saved` with only its iteration-3 checkpoint, as if the run had stopped there."""
-    os.makedirs(destination)
-    shutil.copytree(os.path.join(saved, "iter_0000003"), os.path.join(destination, "iter_0000003"))
-    with open(os.path.join(destination, "latest_checkpointed_iteration.txt"), "w") as out:
-        out.write("3")
-    return destination
 
 
 @pytest.mark.slow
@@ -56,6 +47,6 @@ def test_sharded_experts_saved_at_ep2_resume_at_ep1(stdlib_dataset: str, tmp_pat
                 stored = metadata.state_dict_metadata[key]
                 assert stored.size[0] == 4, (key, stored.size)
                 assert sorted(chunk.offsets[0] for chunk in stored.chunks) == [0, 2], key
-    one = run(stdlib_dataset, 1, load=_resume_copy(saved, str(tmp_path / "b")), **ROUTED)
+    one = run(stdlib_dataset, 1, load=rolled_back(saved, 3, str(tmp_path / "b")), **ROUTED)
     assert_same(one, straight[3:])
     assert all(log["moe loss"] > 0 for log in one)
