@@ -63,6 +63,9 @@ class DataConfig:
     """The tokenizer's vocabulary size: every token id must be below it (None: not checked)."""
     eod_token_id: int | None = None
     """The tokenizer's end of document, which ends every mock document."""
+    sft: bool = False
+    """Every dataset has its SFT loss mask beside it (`--sft`; `megatron.data.loss_mask`). The
+    masks are read where they exist without it too."""
 
     @classmethod
     def from_args(cls, args: Namespace) -> DataConfig:
@@ -88,6 +91,7 @@ class DataConfig:
             dataloader_type=getattr(args, "dataloader_type", "single") or "single",
             vocab_size=getattr(args, "tokenizer_vocab_size", None),
             eod_token_id=getattr(args, "eod_token_id", None),
+            sft=bool(getattr(args, "sft", False)),
         )
 
 
@@ -237,6 +241,14 @@ class ModelConfig:
     """A separate output layer `language_model.output_layer` instead of the word embeddings."""
     add_bias_linear: bool = True
     """Biases on the four linear layers of each block (`--disable-bias-linear` turns off)."""
+    add_qkv_bias: bool = False
+    """A bias on the query/key/value projection, also without add_bias_linear (`--add-qkv-bias`)."""
+    qk_layernorm: bool = False
+    """Normalize each head's queries and keys (`normalization`, width kv_channels, one weight
+    shared by the heads) before the rotary embedding (`--qk-layernorm`, Qwen3's)."""
+    window_size: tuple[int, int] | None = None
+    """Sliding-window attention (`--window-size`, Mistral's): a query at position q sees the keys
+    q - left .. q + right of (left, right); right is 0 for causal attention. None: no window."""
     position_embedding_type: str = "learned_absolute"
     """`learned_absolute` (GPT-2), `rope` (`--use-rotary-position-embeddings`) or `none`
     (`--no-position-embedding` alone)."""
@@ -378,6 +390,9 @@ class ModelConfig:
             num_key_value_heads=get("num_key_value_heads"),
             untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
             add_bias_linear=bool(get("add_bias_linear", True)),
+            add_qkv_bias=bool(get("add_qkv_bias")),
+            qk_layernorm=bool(get("qk_layernorm")),
+            window_size=get("window_size"),
             position_embedding_type=_position_embedding_type(args),
             rotary_percent=get("rotary_percent", 1.0),
             rotary_base=float(get("rope_theta", 10000)),

@@ -38,6 +38,13 @@ def print_rank_last(message: str) -> None:
         write_line(message)
 
 
+def document_ids_from_tokens(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
+    """[b, s] ids -> [b, s] int32 document index: it counts the end-of-document tokens before
+    each position, so an end-of-document token belongs to the document it ends."""
+    ends = (tokens == eod_token).to(torch.int32)
+    return (ends.cumsum(dim=1) - ends).to(torch.int32)
+
+
 def get_ltor_masks_and_position_ids(
     tokens: torch.Tensor,
     eod_token: int,
@@ -48,8 +55,10 @@ def get_ltor_masks_and_position_ids(
     """Megatron's left-to-right masks for a [b, s] batch of token ids.
 
     Returns `(attention_mask, loss_mask, position_ids)`. `attention_mask` is None for plain
-    causal attention (the kernels apply causality themselves), else bool [b, 1, s, s] with
-    True = masked, blocking attention across the documents packed into a sample.
+    causal attention (the kernels apply causality themselves), else, with
+    `reset_attention_mask`, the document ids [b, s] of the documents packed into each sample
+    (`megatron.model.document_mask`: Megatron's bool [b, 1, s, s] mask is
+    `DocumentMask(ids).dense(s, s, device)`, which the model never has to build).
     `loss_mask` zeroes the end-of-document tokens with `eod_mask_loss`; `position_ids`
     restart after every end-of-document token with `reset_position_ids`.
     """
@@ -61,19 +70,15 @@ def get_ltor_masks_and_position_ids(
     position_ids = position_ids.unsqueeze(0).expand(batch, seq).clone()
     if not (reset_position_ids or reset_attention_mask):
         return None, loss_mask, position_ids
-    causal = torch.ones((seq, seq), dtype=torch.bool, device=tokens.device).tril()
-    allowed = causal.unsqueeze(0).repeat(batch, 1, 1)  # [b, s, s]
-    for row in range(batch):
-        eod_positions = (tokens[row] == eod_token).nonzero().flatten().tolist()
-        previous = 0
-        for position in eod_positions:
-            if reset_attention_mask:
-                allowed[row, position + 1 :, : position + 1] = False
-            if reset_position_ids:
-                position_ids[row, position + 1 :] -= position + 1 - previous
-                previous = position + 1
-    attention_mask = None if not reset_attention_mask else ~allowed.unsqueeze(1)
-    return attention_mask, loss_mask, position_ids
+    document_ids = document_ids_from_tokens(tokens, eod_token)
+    if reset_position_ids:
+        # Each token's distance from its document's first token.
+        first = torch.zeros_like(position_ids)
+        starts = torch.ones_like(document_ids, dtype=torch.bool)
+        starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        first[starts] = position_ids[starts]
+        position_ids = position_ids - first.cummax(dim=1).values
+    return (document_ids if reset_attention_mask else None), loss_mask, position_ids
 
 
 def current_device() -> torch.device:

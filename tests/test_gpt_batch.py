@@ -7,6 +7,7 @@ import argparse
 import pytest
 import torch
 
+from megatron.model.document_mask import DocumentMask
 from megatron.utils import get_ltor_masks_and_position_ids
 
 EOD = 0
@@ -62,7 +63,9 @@ def test_masks_equal_megatron(reset_position_ids, reset_attention_mask, eod_mask
     assert torch.equal(loss_mask, ref_loss_mask)
     assert torch.equal(position_ids, ref_position_ids)
     if reset_attention_mask:
-        assert torch.equal(mask, ref_mask)
+        # Document ids, whose dense form is Megatron's mask.
+        assert mask.shape == tokens.shape and not mask.is_floating_point()
+        assert torch.equal(DocumentMask(mask).dense(24, 24, mask.device), ref_mask)
     else:
         # None means plain causal attention: the kernels apply exactly Megatron's tril mask.
         assert mask is None

@@ -83,7 +83,8 @@ def forward_terms(config: ModelConfig, tokens: int) -> int:
     `tests.tolerances` where another implementation (transformers, another tensor-parallel
     size, another MoE dispatch) computes the same logits in fp32. Per layer: its two norms
     (hidden each), QKV (hidden), scores (kv_channels), softmax and context (tokens each),
-    attention output (heads x kv_channels), the MLP (hidden, then ffn); with experts also the
+    attention output (heads x kv_channels), the MLP (hidden, then ffn); with `qk_layernorm`
+    the query's norm (kv_channels) before the scores; with experts also the
     gate (hidden), its softmax (experts), the dispatch (tokens), the combine (experts x tokens)
     and PR-MoE's mixing coefficient (hidden). Then the final norm and the output layer."""
     hidden = config.hidden_size
@@ -92,6 +93,8 @@ def forward_terms(config: ModelConfig, tokens: int) -> int:
     for count in experts:
         terms += 3 * hidden + config.kv_channels + 2 * tokens + config.projection_size
         terms += hidden + config.ffn_hidden_size
+        if config.qk_layernorm:
+            terms += config.kv_channels
         if count > 1:
             terms += 2 * hidden + count + tokens + count * tokens
     return terms

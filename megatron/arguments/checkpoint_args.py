@@ -10,7 +10,8 @@ takes the checkpoint's value. Each value taken prints 'Setting NAME to VALUE fro
 each one the checkpoint lacks 'Checkpoint did not provide arguments NAME'. Besides Megatron-LM's
 names, the same settings under this parser's other spellings (`--num-key-value-heads`,
 `--rotary-position-embeddings-theta`, DeepSpeed-MoE's `--expert-interval`, `--topk`,
-`--mlp-type`, `--moe-expert-parallel-size`) come from the checkpoint too. The tokenizer type and
+`--mlp-type`, `--moe-expert-parallel-size`), and `--qk-layernorm`, which Megatron-LM's list
+lacks (its weights are in the checkpoint), come from the checkpoint too. The tokenizer type and
 model file come from it unless `--no-use-tokenizer-model-from-checkpoint-args`; the parallel
 sizes only with `--use-mp-args-from-checkpoint-args`.
 """
@@ -41,6 +42,8 @@ _MODEL_ARGS: tuple[tuple[str, str, bool], ...] = (
     ("rotary_interleaved", "rotary_interleaved", True),
     ("add_bias_linear", "add_bias_linear", True),
     ("add_qkv_bias", "add_qkv_bias", True),
+    ("qk_layernorm", "qk_layernorm", True),  # not in Megatron-LM's list; the weights need it
+    ("window_size", "window_size", True),  # not in Megatron-LM's list; the attention needs it
     ("squared_relu", "squared_relu", True),
     ("swiglu", "swiglu", True),
     ("untie_embeddings_and_output_weights", "untie_embeddings_and_output_weights", True),

@@ -188,7 +188,8 @@ INERT: list[CompatFlag] = [
         "--init-model-with-meta-device",
     ),
     *_inert(
-        "the data loader builds no attention mask here (the attention kernel is causal)",
+        "the data loader builds no attention mask here (causal attention, or document ids "
+        "under --reset-attention-mask)",
         "--no-create-attention-mask-in-dataloader",
     ),
     *_inert(
@@ -283,11 +284,10 @@ REFUSED: list[CompatFlag] = [
         "--fp8-param-gather",
     ),
     *_refused(
-        "gpt-oss's architecture (attention sinks, sliding-window attention, the clamped "
-        "GeGLU) is not built here",
+        "gpt-oss's architecture (attention sinks, alternating sliding-window layers, the "
+        "clamped GeGLU) is not built here (--window-size on every layer is)",
         "--enable-gpt-oss",
         "--softmax-type:str",
-        "--window-size:str",
         "--window-attn-skip-freq:str",
         "--quick-geglu",
         "--glu-linear-offset:float",
@@ -314,10 +314,6 @@ REFUSED: list[CompatFlag] = [
         "--mtp-num-layers:int",
         "--mtp-loss-scaling-factor:float",
         accepts=_equals(None),
-    ),
-    *_refused(
-        "layer norm of the queries and keys (--qk-layernorm) is not built here",
-        "--qk-layernorm",
     ),
     *_refused(
         "selective recomputation here recomputes the core attention only (Megatron-LM's "
@@ -366,7 +362,6 @@ REFUSED: list[CompatFlag] = [
         "--train-doc-idx-path:str",
         "--train-sample-idx-path:str",
         "--train-shuffle-idx-path:str",
-        "--repeated-dataloader",
     ),
     *_refused(
         "is not supported here yet",

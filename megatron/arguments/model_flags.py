@@ -176,6 +176,47 @@ def add_model_size_flags(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="No biases in the attention and MLP linear layers (LLaMA).",
     )
+    group.add_argument(
+        "--add-qkv-bias",
+        action="store_true",
+        help="A bias on the query/key/value projection even with --disable-bias-linear "
+        "(Qwen2's attention; the output projection and the MLP stay without).",
+    )
+    group.add_argument(
+        "--qk-layernorm",
+        action="store_true",
+        help="Normalize each head's queries and keys (--normalization, with the same epsilon; "
+        "one weight of --kv-channels shared by the heads) before the rotary embedding "
+        "(Qwen3's q_norm and k_norm).",
+    )
+    group.add_argument(
+        "--window-size",
+        type=window_size,
+        default=None,
+        help="Sliding-window attention as Megatron-LM's (left, right), e.g. '(4096, 0)': a "
+        "query at position q sees keys q - left .. q (Mistral's sliding_window is left + 1); "
+        "right must be 0 (a GPT attends causally); left -1 means no window.",
+    )
+
+
+def window_size(text: str) -> tuple[int, int] | None:
+    """`--window-size`'s value: '(left, right)' or 'left,right' -> (left, 0), or None for -1."""
+    try:
+        values = tuple(int(part) for part in text.strip().strip("()").split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r} is not two integers '(left, right)'")
+    left, right = values
+    if right != 0:
+        raise argparse.ArgumentTypeError(
+            f"right {right}: a GPT attends causally, the window's right side must be 0"
+        )
+    if left == -1:
+        return None
+    if left < 0:
+        raise argparse.ArgumentTypeError(f"left {left} must be -1 (no window) or at least 0")
+    return (left, 0)
 
 
 def add_regularization_flags(parser: argparse.ArgumentParser) -> None:
@@ -278,6 +319,15 @@ def add_mixed_precision_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _InterDocumentMasking(argparse.Action):
+    """`--dataloader-inter-document-masking`: document masks and positions restarting per
+    document, as Megatron-LM's packed-sequence attention computes them."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        namespace.reset_attention_mask = True
+        namespace.reset_position_ids = True
+
+
 def add_data_flags(parser: argparse.ArgumentParser) -> None:
     """The data flags."""
     group = parser.add_argument_group("data and tokenizer")
@@ -301,6 +351,13 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Train on Megatron-LM's synthetic documents (megatron-core's MockGPTDataset) "
         "instead of files; not with --data-path or the per-split paths.",
+    )
+    group.add_argument(
+        "--sft",
+        action="store_true",
+        help="Supervised fine-tuning (Megatron-LM's flag): every dataset has the loss mask that "
+        "tools/preprocess_data.py --sft writes beside it, and only the tokens it marks (the "
+        "replies) are trained on. Masks are read where they exist without it too.",
     )
     group.add_argument(
         "--split",
@@ -379,7 +436,16 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--reset-attention-mask",
         action="store_true",
-        help="Stop attention across end-of-document tokens (not with pipeline parallelism).",
+        help="Stop attention across end-of-document tokens: the batch carries document ids and "
+        "attention runs FlexAttention's block-sparse kernel (GPU) or one SDPA call per "
+        "document (CPU), never a dense [s, s] mask.",
+    )
+    group.add_argument(
+        "--dataloader-inter-document-masking",
+        action=_InterDocumentMasking,
+        nargs=0,
+        help="Megatron-LM's switch for attention restricted to each packed document (its "
+        "cu_seqlens path): here --reset-attention-mask with --reset-position-ids.",
     )
     group.add_argument(
         "--check-labels",

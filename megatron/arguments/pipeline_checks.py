@@ -50,11 +50,6 @@ def settle_pipeline(args: argparse.Namespace) -> None:
             f"--virtual-pipeline-model-parallel-size {virtual} needs "
             "--pipeline-model-parallel-size above 1 (virtual stages split pipeline stages)"
         )
-    if pp > 1 and args.reset_attention_mask:
-        raise ArgumentError(
-            "--reset-attention-mask is not supported with --pipeline-model-parallel-size > 1: "
-            "the pipeline stages pass only hidden states"
-        )
     if args.num_layers % (pp * (virtual or 1)) != 0:
         what = f"{pp_flag} x {virtual} virtual stages" if virtual else pp_flag
         raise ArgumentError(

@@ -142,6 +142,8 @@ def universal_checkpoint_info(args: Any, pipe_module_names: bool) -> dict:
     # DeepSpeed refuses a pattern that matches no parameter: list only those the model has.
     final_norm = r"\d+\.(weight|bias)$" if pipe else (r"language_model\.encoder\.final_layernorm\.")
     replicated = [layer + r"(input|post_attention)_layernorm\.", final_norm]
+    if getattr(args, "qk_layernorm", False):
+        replicated.append(layer + r"self_attention\.(q|k)_layernorm\.")
     if getattr(args, "add_position_embedding", True) and not args.use_rotary_position_embeddings:
         replicated.append(embedding + r"position_embeddings\.weight")
     if getattr(args, "add_bias_linear", True):

@@ -1,7 +1,9 @@
 """Which Hugging Face model computes a checkpoint's; GPT-2 <-> `GPT2LMHeadModel` conversion.
 
 `hf_architecture(config)` picks `GPT2LMHeadModel` (LayerNorm, GeLU, learned positions, biases,
-tied output layer) or `LlamaForCausalLM` (RMSNorm, SwiGLU, RoPE: see `huggingface_llama.py`)
+tied output layer), `LlamaForCausalLM` (RMSNorm, SwiGLU, RoPE: see `huggingface_llama.py`) or,
+for LLaMA with q/k/v biases alone, QK norm or a sliding window, `Qwen2ForCausalLM`,
+`Qwen3ForCausalLM` or `MistralForCausalLM` (`huggingface_qwen_mistral.py`)
 for a dense model, `MixtralForCausalLM` for a Mixture-of-Experts one (`huggingface_mixtral.py`)
 or, for Megatron-LM's MoE with DeepSeek-V3's router (sigmoid, expert bias, shared expert,
 first layers dense), `Glm4MoeForCausalLM` (`huggingface_glm4_moe.py`), and refuses, in one
@@ -41,6 +43,7 @@ from megatron.checkpointing.huggingface_glm4_moe import (
 )
 from megatron.checkpointing.huggingface_llama import ARCHITECTURE as LLAMA
 from megatron.checkpointing.huggingface_llama import (
+    attention_differences,
     llama_config_json,
     llama_differences,
     to_llama_state_dict,
@@ -51,6 +54,8 @@ from megatron.checkpointing.huggingface_mixtral import (
     mixtral_differences,
     to_mixtral_state_dict,
 )
+from megatron.checkpointing.huggingface_qwen_mistral import DIFFERENCES as QWEN_MISTRAL
+from megatron.checkpointing.huggingface_qwen_mistral import qwen_mistral_config_json
 from megatron.checkpointing.layouts import CheckpointConversionError
 from megatron.checkpointing.shapes import model_config  # noqa: F401 - the tools import it here
 from megatron.config import ModelConfig
@@ -123,12 +128,13 @@ def gpt2_differences(config: ModelConfig) -> list[str]:
             f"{config.num_attention_heads} != hidden_size {config.hidden_size} (GPT-2: head "
             "width = hidden / heads)"
         )
-    return differences
+    return differences + attention_differences(config, "GPT-2")
 
 
 def hf_architecture(config: ModelConfig) -> str:
-    """`GPT2LMHeadModel`, `LlamaForCausalLM` or (Mixture-of-Experts) `MixtralForCausalLM` or
-    `Glm4MoeForCausalLM`: the Hugging Face class computing `config`'s model.
+    """`GPT2LMHeadModel`, `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
+    `MistralForCausalLM` or (Mixture-of-Experts) `MixtralForCausalLM` or `Glm4MoeForCausalLM`:
+    the Hugging Face class computing `config`'s model.
 
     Raises, naming what differs from the closest, when none does exactly.
     """
@@ -138,6 +144,7 @@ def hf_architecture(config: ModelConfig) -> str:
         candidates = {MIXTRAL: mixtral_differences(config)}
     else:
         candidates = {GPT2: gpt2_differences(config), LLAMA: llama_differences(config)}
+        candidates.update({name: check(config) for name, check in QWEN_MISTRAL.items()})
     for name, differences in candidates.items():
         if not differences:
             return name
@@ -201,6 +208,10 @@ def hf_config_json(
         )
     elif architecture == GLM4_MOE:
         keys = glm4_moe_config_json(config, true_vocab_size, bos_token_id, eos_token_id)
+    elif architecture in QWEN_MISTRAL:
+        keys = qwen_mistral_config_json(
+            architecture, config, true_vocab_size, bos_token_id, eos_token_id
+        )
     else:
         keys = llama_config_json(config, true_vocab_size, bos_token_id, eos_token_id)
     name = str(dtype).removeprefix("torch.")
@@ -305,7 +316,7 @@ def megatron_args_from_hf(
     if hf_config.get("model_type") != "gpt2":
         raise CheckpointConversionError(
             f"config.json has model_type={hf_config.get('model_type')!r}; only 'gpt2', "
-            "'llama', 'mixtral' and 'glm4_moe' convert"
+            "'llama', 'qwen2', 'qwen3', 'mistral', 'mixtral' and 'glm4_moe' convert"
         )
     problems = {
         "scale_attn_weights": (hf_config.get("scale_attn_weights", True), True),

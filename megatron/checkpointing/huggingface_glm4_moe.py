@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from megatron.checkpointing.huggingface_llama import (
+    attention_differences,
     from_llama_state_dict,
     llama_style_config_json,
     megatron_args_from_llama,
@@ -99,6 +100,7 @@ def glm4_moe_differences(config: ModelConfig) -> list[str]:
             f"linear biases ({family}: none on the output projection and MLPs; "
             "--disable-bias-linear)"
         )
+    differences += attention_differences(config, family)
     moe = config.routed_moe
     if moe is None:
         kind = "DeepSpeed-MoE" if config.moe is not None else "no Mixture-of-Experts layers"

@@ -12,7 +12,10 @@ plain dicts (the tools in tools/checkpoint/ import `transformers`):
 - our `dense_h_to_4h` (TP=1) is [gate; up]: `gate_proj` then `up_proj`;
 - both sides rotate the two halves of each head's channels (HF's `rotate_half`, our
   `apply_rotary_pos_emb`) with the same angles, so q/k rows need no permutation;
-- Linear weights are [out, in] on both sides.
+- Linear weights are [out, in] on both sides;
+- the QK norms (`--qk-layernorm`: `self_attention.q_layernorm` / `k_layernorm`) are Qwen3's
+  `self_attn.q_norm` / `k_norm`, and q/k/v biases alone (`--add-qkv-bias`) Qwen2's: those
+  families, and Mistral's sliding window, are `huggingface_qwen_mistral.py`'s.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ _TOP = {
 _LAYER = {
     "input_layernorm.weight": "input_layernorm.weight",
     "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # Qwen3's
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "self_attention.dense.weight": "self_attn.o_proj.weight",
     "self_attention.dense.bias": "self_attn.o_proj.bias",
     "mlp.dense_4h_to_h.weight": "mlp.down_proj.weight",
@@ -44,9 +49,32 @@ _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
 _LAYER_PREFIX = "language_model.encoder.layers."
 
 
-def llama_style_differences(config: ModelConfig, family: str) -> list[str]:
+def attention_differences(
+    config: ModelConfig, family: str, allowed: tuple[str, ...] = ()
+) -> list[str]:
+    """Which of the attention options a plain LLaMA lacks `config` uses, but those `family`
+    computes (`allowed`: "qkv_bias", "qk_layernorm", "window_size")."""
+    used = {
+        "qkv_bias": config.add_qkv_bias and not config.add_bias_linear,
+        "qk_layernorm": config.qk_layernorm,
+        "window_size": config.window_size is not None,
+    }
+    texts = {
+        "qkv_bias": f"biases on the query/key/value projection alone (--add-qkv-bias; {family}: "
+        "none, or on every linear layer)",
+        "qk_layernorm": f"a norm of each head's queries and keys (--qk-layernorm; {family}: none)",
+        "window_size": f"sliding-window attention (--window-size; {family}: whole-sequence "
+        "attention)",
+    }
+    return [texts[name] for name, on in used.items() if on and name not in allowed]
+
+
+def llama_style_differences(
+    config: ModelConfig, family: str, allowed: tuple[str, ...] = ()
+) -> list[str]:
     """What in `config` differs from every LLaMA-style model (`family` names it in the text):
-    RMSNorm, SwiGLU, RoPE over whole heads."""
+    RMSNorm, SwiGLU, RoPE over whole heads; and the attention options of
+    `attention_differences` but those `allowed`."""
     wanted = {
         "normalization": "rmsnorm",
         "activation": "swiglu",
@@ -57,7 +85,7 @@ def llama_style_differences(config: ModelConfig, family: str) -> list[str]:
         f"{name} {getattr(config, name)!r} ({family}: {value!r})"
         for name, value in wanted.items()
         if getattr(config, name) != value
-    ]
+    ] + attention_differences(config, family, allowed)
 
 
 def llama_differences(config: ModelConfig) -> list[str]:

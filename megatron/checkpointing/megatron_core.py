@@ -54,6 +54,10 @@ _LAYER = {
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "self_attention.linear_qkv.weight": "self_attention.query_key_value.weight",
     "self_attention.linear_qkv.bias": "self_attention.query_key_value.bias",
+    "self_attention.q_layernorm.weight": "self_attention.q_layernorm.weight",
+    "self_attention.q_layernorm.bias": "self_attention.q_layernorm.bias",
+    "self_attention.k_layernorm.weight": "self_attention.k_layernorm.weight",
+    "self_attention.k_layernorm.bias": "self_attention.k_layernorm.bias",
     "self_attention.linear_proj.weight": "self_attention.dense.weight",
     "self_attention.linear_proj.bias": "self_attention.dense.bias",
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
@@ -76,10 +80,10 @@ _MODEL_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
     "max_position_embeddings", "seq_length", "padded_vocab_size", "make_vocab_size_divisible_by",
     "position_embedding_type", "rotary_base", "rotary_percent", "normalization", "swiglu",
-    "add_bias_linear", "untie_embeddings_and_output_weights", "tokenizer_type", "vocab_file",
-    "merge_file", "tokenizer_model", "apply_residual_connection_post_layernorm",
-    "init_method_std", "consumed_train_samples", "consumed_valid_samples", "true_vocab_size",
-    "bias_gelu_fusion", "openai_gelu",
+    "add_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights",
+    "tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
+    "apply_residual_connection_post_layernorm", "init_method_std", "consumed_train_samples",
+    "consumed_valid_samples", "true_vocab_size", "bias_gelu_fusion", "openai_gelu",
 )  # fmt: skip
 """Megatron-LM's training arguments that mean the same here."""
 

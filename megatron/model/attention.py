@@ -28,6 +28,12 @@ from megatron.core.tensor_parallel.mappings import (
     inverse_order,
     sequence_order_of_context_parallel_parts,
 )
+from megatron.model.document_mask import (
+    DocumentMask,
+    flex_attention_with,
+    kernel_for,
+    varlen_attention,
+)
 from megatron.model.utils import run_eagerly_when_compiled
 
 
@@ -94,17 +100,29 @@ class CoreAttention(nn.Module):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | DocumentMask | None,
         causal: bool = True,
     ) -> torch.Tensor:
-        """`mask`: bool [b|1, 1, sq, sk] with True = may not attend, or None for no mask.
+        """`mask`: bool [b|1, 1, sq, sk] with True = may not attend, packed documents and a
+        sliding window as a `DocumentMask` (sq == sk), or None for no mask.
 
         Without a mask, `causal` (the default; needs sq == sk) applies the causal mask, and
         `causal=False` lets every query see every key (one new token over a key/value cache).
         """
         dropout_p = self.dropout_p if self.training else 0.0
+        if isinstance(mask, DocumentMask):
+            kernel = kernel_for(self.backend, query.device)
+            if kernel == "dense":
+                mask = mask.dense(query.size(2), key.size(2), query.device)
+            elif kernel == "flex" and dropout_p > 0.0:
+                raise ValueError(
+                    "--attention-dropout with packed documents or --window-size: FlexAttention "
+                    "has no dropout (set --attention-dropout 0, as fine-tuning recipes do)"
+                )
         with self._dropout_rng():
-            if self.backend == "unfused":
+            if isinstance(mask, DocumentMask):
+                context = self._documents(query, key, value, mask, kernel, dropout_p)
+            elif self.backend == "unfused":
                 context = self._unfused(query, key, value, mask, dropout_p, causal)
             elif (
                 self.backend == "flash" and self.use_flash_attn_package and mask is None and causal
@@ -129,6 +147,11 @@ class CoreAttention(nn.Module):
 
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(query, key, value, **kwargs)
+
+    def _documents(self, query, key, value, mask, kernel, dropout_p):
+        if kernel == "flex":
+            return flex_attention_with(mask, query, key, value, self.scale)
+        return varlen_attention(mask, query, key, value, self.scale, dropout_p)
 
     def _flash_attn_package(self, query, key, value, dropout_p):
         from flash_attn import flash_attn_func

@@ -58,8 +58,8 @@ class ParameterSpec:
         return count
 
 
-def _norm(name: str, config: ModelConfig) -> list[ParameterSpec]:
-    h = config.hidden_size
+def _norm(name: str, config: ModelConfig, width: int | None = None) -> list[ParameterSpec]:
+    h = config.hidden_size if width is None else width
     specs = [ParameterSpec(f"{name}.weight", (h,), None)]
     if config.normalization == "layernorm":
         specs.append(ParameterSpec(f"{name}.bias", (h,), None))
@@ -86,14 +86,18 @@ def mlp_parameters(
 def layer_parameters(config: ModelConfig, experts: int = 1) -> list[ParameterSpec]:
     """One transformer layer with `experts` experts (1: a dense MLP), names relative to it.
 
-    QKV rows are grouped per key/value head ([nkv, nq/nkv + 2, hn]).
+    QKV rows are grouped per key/value head ([nkv, nq/nkv + 2, hn]); the QK norms
+    (`qk_layernorm`) are [hn], whole on every tensor-parallel rank.
     """
     h = config.hidden_size
     qkv = config.projection_size + 2 * config.kv_projection_size
     specs = _norm("input_layernorm", config)
     specs.append(ParameterSpec("self_attention.query_key_value.weight", (qkv, h), 0))
-    if config.add_bias_linear:
+    if config.add_bias_linear or config.add_qkv_bias:
         specs.append(ParameterSpec("self_attention.query_key_value.bias", (qkv,), 0))
+    if config.qk_layernorm:
+        specs += _norm("self_attention.q_layernorm", config, config.kv_channels)
+        specs += _norm("self_attention.k_layernorm", config, config.kv_channels)
     specs.append(ParameterSpec("self_attention.dense.weight", (h, config.projection_size), 1))
     if config.add_bias_linear:
         specs.append(ParameterSpec("self_attention.dense.bias", (h,), None))

@@ -6,8 +6,8 @@ the word embedding in sync across the first and last stages. With
 `--untie-embeddings-and-output-weights` the embedding is a plain first layer and the last
 layer is its own output matrix (`lm_head`, Megatron-DeepSpeed's `LMHeadPipe` name). Inputs are
 `((tokens, position_ids), (labels, loss_mask))` per micro-batch, as Megatron-DeepSpeed's
-`get_batch_pipe` yields them. Attention is causal; custom attention masks
-(`--reset-attention-mask`) are not carried between stages.
+`get_batch_pipe` yields them. Attention is causal; under `--reset-attention-mask` the inputs
+hold the document ids third, and they travel between stages beside the hidden states.
 
 This is one of the few modules that import DeepSpeed.
 """
@@ -25,6 +25,7 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import checkpoint
+from megatron.model.document_mask import layer_attention_mask
 from megatron.model.embedding import Embedding
 from megatron.model.gpt_model import (
     compile_stage_loss,
@@ -39,33 +40,63 @@ EMBEDDING_KEY = "embed"
 
 
 class EmbeddingPipe(Embedding):
-    """The embedding stage: (tokens, position_ids) -> hidden [s, b, h]."""
+    """The embedding stage: (tokens, position_ids[, document_ids]) -> hidden [s, b, h], or
+    (hidden, document_ids) with packed documents, which then travel with the activations."""
 
-    def forward(self, inputs: tuple[torch.Tensor, ...] | torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, inputs: tuple[torch.Tensor, ...] | torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Accept the micro-batch inputs as DeepSpeed hands them over."""
         if isinstance(inputs, torch.Tensor):
             return super().forward(inputs)
         tokens, position_ids = inputs[0], inputs[1] if len(inputs) > 1 else None
-        return super().forward(tokens, position_ids)
+        hidden = super().forward(tokens, position_ids)
+        return (hidden, inputs[2]) if len(inputs) > 2 else hidden
+
+
+def _hidden_and_documents(
+    inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A stage's activations: hidden [s(/tp), b, h] alone, or with the document ids [b, s]."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs, None
+    return inputs[0], inputs[1]
 
 
 class ParallelTransformerLayerPipe(ParallelTransformerLayer):
-    """A transformer layer taking and returning one tensor (DeepSpeed's stage interface).
+    """A transformer layer taking and returning the stage's activations (DeepSpeed's stage
+    interface): hidden, or (hidden, document ids) under `--reset-attention-mask`.
 
     The class name is the one DeepSpeed's `GPTModelPipe` recompute rule looks for.
     """
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[s(/tp), b, h] -> [s(/tp), b, h], causal attention."""
-        return super().forward(hidden, None)
+    def __init__(self, config: ModelConfig, layer_number: int) -> None:
+        super().__init__(config, layer_number)
+        self.window = config.window_size
+
+    def forward(
+        self, inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[s(/tp), b, h] -> [s(/tp), b, h], causal attention (within each document)."""
+        hidden, documents = _hidden_and_documents(inputs)
+        hidden = super().forward(hidden, layer_attention_mask(documents, self.window))
+        return hidden if documents is None else (hidden, documents)
 
 
 class LayerNormPipe(LayerNorm):
-    """The final layer norm as a pipeline layer."""
+    """The final layer norm as a pipeline layer (it drops the document ids)."""
+
+    def forward(self, inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """[s(/tp), b, h] -> normalized [s(/tp), b, h]."""
+        return super().forward(_hidden_and_documents(inputs)[0])
 
 
 class RMSNormPipe(RMSNorm):
-    """The final RMSNorm as a pipeline layer."""
+    """The final RMSNorm as a pipeline layer (it drops the document ids)."""
+
+    def forward(self, inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """[s(/tp), b, h] -> normalized [s(/tp), b, h]."""
+        return super().forward(_hidden_and_documents(inputs)[0])
 
 
 class LMHeadPipe(nn.Module):

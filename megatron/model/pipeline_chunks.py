@@ -14,6 +14,7 @@ what Megatron-LM writes in `mp_rank_TT_PPP/model_optim_rng.pt` (`model`, or `mod
     chunk(tokens, position_ids)            # first stage: ids [b, s] -> hidden [s(/tp), b, h]
     chunk(hidden)                          # middle stages: hidden -> hidden
     chunk(hidden, labels=labels)           # last stage: per-token loss [b, s], fp32
+    chunk(..., document_ids=ids)           # any stage, packed documents (--reset-attention-mask)
 """
 
 from __future__ import annotations
@@ -89,16 +90,19 @@ class GPTPipelineChunk(nn.Module):
         hidden_or_tokens: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run this stage; see the module docstring for what each stage takes and returns.
 
         `labels` reach every chunk of the last pipeline rank (the schedule passes keyword
-        inputs to all of a rank's chunks); only the last stage reads them.
+        inputs to all of a rank's chunks); only the last stage reads them. `document_ids`
+        [b, s] (`--reset-attention-mask`) reach every chunk of every rank the same way.
         """
         hidden = hidden_or_tokens
         if self.is_first:
             hidden = self.language_model.embedding(hidden_or_tokens, position_ids)
-        hidden = self.language_model.encoder(hidden, None)  # causal attention
+        # Causal attention, within each packed document when given.
+        hidden = self.language_model.encoder(hidden, document_ids)
         if not self.is_last:
             # What the next stage was told to expect (`activation_shape`): the residual
             # stream's dtype (the parameters', also under autocast), contiguous.

@@ -4,7 +4,8 @@ Activations are `[s, b, h]` (sequence first, as Megatron), which lets sequence p
 split the first dimension. Module and parameter names are Megatron's, so state dicts load in
 Megatron tools: `layers.{i}.input_layernorm`, `.self_attention.query_key_value`,
 `.self_attention.dense`, `.post_attention_layernorm`, `.mlp.dense_h_to_4h`,
-`.mlp.dense_4h_to_h`, and `final_layernorm`.
+`.mlp.dense_4h_to_h`, and `final_layernorm` (with `--qk-layernorm` also
+`.self_attention.q_layernorm` and `.k_layernorm`, megatron-core's names).
 
 The GPT-2 block (LayerNorm, GeLU, learned positions) and the LLaMA block (RMSNorm, SwiGLU,
 grouped-query attention with rotary positions, no linear biases) are options of the same
@@ -37,6 +38,7 @@ from megatron.model.attention import (
     apply_rotary_pos_emb,
 )
 from megatron.model.context_parallel import ContextParallelAttention
+from megatron.model.document_mask import DocumentMask, layer_attention_mask
 from megatron.model.fused_ops import (
     bias_dropout_add,
     fuse_eagerly,
@@ -62,7 +64,13 @@ class ParallelAttention(nn.Module):
     `query_key_value` rows are grouped per key/value head, [nkv, nq / nkv + 2, hn]: each
     group's query heads, then its key and its value (Megatron-DeepSpeed's layout; with one
     key/value head per query head it is checkpoint version 3.0's [np, 3, hn]). A column split
-    gives each rank whole groups, so TP must divide `--num-key-value-heads`.
+    gives each rank whole groups, so TP must divide `--num-key-value-heads`. Its bias
+    (`add_bias_linear` or `add_qkv_bias`) is grouped and split alike.
+
+    With `qk_layernorm` each head's queries and keys are normalized over their kv_channels
+    before the rotary embedding: `q_layernorm` and `k_layernorm`, one weight shared by all heads,
+    whole on every TP rank (each rank's gradient, from its own heads, is summed over the ranks,
+    as megatron-core's `finalize_model_grads` does).
     """
 
     def __init__(self, config: ModelConfig, layer_number: int) -> None:
@@ -77,6 +85,7 @@ class ParallelAttention(nn.Module):
         self.queries_per_group = config.num_attention_heads // config.num_key_value_heads
         self.kv_channels = config.kv_channels
         self.layer_number = layer_number
+        self.window = config.window_size
         self.recompute_core = config.recompute_granularity == "selective"
         if config.torch_compile and self.recompute_core:
             # Eager even inside a compiled layer: the recomputation runs in the backward pass,
@@ -87,8 +96,12 @@ class ParallelAttention(nn.Module):
             config.hidden_size,
             config.projection_size + 2 * config.kv_projection_size,
             init_method_normal(config.init_method_std),
-            **linear_kwargs(config),
+            **dict(linear_kwargs(config), bias=config.add_bias_linear or config.add_qkv_bias),
         )
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm = build_norm(config, config.kv_channels, partial_grads=True)
+            self.k_layernorm = build_norm(config, config.kv_channels, partial_grads=True)
         self.core_attention = CoreAttention(config, layer_number)
         # Context parallelism: this rank holds 2 of 2C chunks; keys and values travel.
         self.context_parallel = None
@@ -159,14 +172,18 @@ class ParallelAttention(nn.Module):
         return this_ranks_sequence_positions(s, device)
 
     def _query_key_value(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """[s, b, h] -> query [s, b, np, hn], key and value [s, b, nkv, hn] (this rank's)."""
+        """[s, b, h] -> query [s, b, np, hn], key and value [s, b, nkv, hn] (this rank's);
+        queries and keys normalized per head with `qk_layernorm`."""
         mixed, _ = self.query_key_value(hidden)  # [s, b, nkv * (g + 2) * hn]
         s, b = mixed.shape[:2]
         g = self.queries_per_group
         mixed = mixed.view(s, b, self.groups_per_partition, g + 2, self.kv_channels)
         query, key, value = mixed.split([g, 1, 1], dim=3)
         query = query.reshape(s, b, self.heads_per_partition, self.kv_channels)
-        return query, key.squeeze(3), value.squeeze(3)
+        key = key.squeeze(3)
+        if self.q_layernorm is not None:
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
+        return query, key, value.squeeze(3)
 
     def _recomputed_core(self, query, key, value, attention_mask):
         # Never distributed: the query holds this rank's own heads, not a replicated input.
@@ -185,7 +202,9 @@ class ParallelAttention(nn.Module):
         # The cache's keys/values, this step's included: [offset + s, b, np, hn] each.
         key, value = inference_params.update_key_value(self.layer_number, key, value)
         mask, causal = None, True  # an empty cache: plain causal attention over the s tokens
-        if s == 1:
+        if self.window is not None:  # the sliding window over the cache: [1, 1, s, offset + s]
+            mask = DocumentMask(None, self.window).dense(s, offset + s, query.device, offset)
+        elif s == 1:
             causal = False  # one new token sees every cached position
         elif offset > 0:
             mask = inference_params.causal_mask(s, query.device)  # [1, 1, s, offset + s]
@@ -335,13 +354,17 @@ class ParallelTransformer(nn.Module):
     ) -> torch.Tensor:
         """[s(/tp), b, h] -> [s(/tp), b, h], final layer norm applied when present.
 
-        `inference_params` (the key/value cache of generation) is passed to every layer.
+        `attention_mask`: None (causal), bool [b|1, 1, s, s] (True = masked), or the document
+        ids [b, s] of packed documents (`document_mask.py`); `inference_params` (the key/value
+        cache of generation) is passed to every layer.
         """
         # The MoE layers' losses of this forward join the step's 'moe loss' (not those of a
         # recomputation in the backward, which runs outside this scope).
         scope = None
         if self.has_moe:
             scope = MOE_AUX_LOSSES.forward(self.moe_loss_coeff, *self.moe_metrics)
+        if inference_params is None:  # generation applies the window itself
+            attention_mask = layer_attention_mask(attention_mask, self.config.window_size)
         with scope or contextlib.nullcontext():
             if self.config.recompute_granularity == "full" and self.training:
                 hidden = self._recomputed_layers(hidden, attention_mask)

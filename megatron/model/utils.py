@@ -31,15 +31,19 @@ def scaled_init_method_normal(
 
 
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm over h; under sequence parallelism its gradients are summed over TP ranks.
-    With `apply_layernorm_1p` the weight is zero-centred: the norm scales by 1 + weight."""
+    """LayerNorm over `width` (default h); with `partial_grads` (default: under sequence
+    parallelism) its gradients are summed over TP ranks. With `apply_layernorm_1p` the weight is
+    zero-centred: the norm scales by 1 + weight."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config.hidden_size, eps=config.layernorm_epsilon, dtype=config.torch_dtype)
+    def __init__(
+        self, config: ModelConfig, width: int | None = None, partial_grads: bool | None = None
+    ) -> None:
+        width = config.hidden_size if width is None else width
+        super().__init__(width, eps=config.layernorm_epsilon, dtype=config.torch_dtype)
         self.zero_centred = config.apply_layernorm_1p
         if self.zero_centred:
             nn.init.zeros_(self.weight)
-        if config.sequence_parallel:
+        if config.sequence_parallel if partial_grads is None else partial_grads:
             mark_sequence_parallel(self.weight)
             mark_sequence_parallel(self.bias)
 
@@ -50,20 +54,24 @@ class LayerNorm(nn.LayerNorm):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over h, computed in fp32 (`--normalization rmsnorm`, LLaMA's).
+    """x / rms(x) * weight over `width` (default h), computed in fp32 (`--normalization
+    rmsnorm`, LLaMA's).
 
-    One parameter, `weight` (Megatron-DeepSpeed's name); under sequence parallelism its
-    gradient is summed over TP ranks, as the layer norm's.
+    One parameter, `weight` (Megatron-DeepSpeed's name); with `partial_grads` (default: under
+    sequence parallelism) its gradient is summed over TP ranks, as the layer norm's.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, width: int | None = None, partial_grads: bool | None = None
+    ) -> None:
         super().__init__()
         self.eps = config.layernorm_epsilon
+        width = config.hidden_size if width is None else width
         # Zero-centred (`apply_layernorm_1p`): the weight starts at 0 and scales by 1 + weight.
         self.zero_centred = config.apply_layernorm_1p
         start = torch.zeros if self.zero_centred else torch.ones
-        self.weight = nn.Parameter(start(config.hidden_size, dtype=config.torch_dtype))
-        if config.sequence_parallel:
+        self.weight = nn.Parameter(start(width, dtype=config.torch_dtype))
+        if config.sequence_parallel if partial_grads is None else partial_grads:
             mark_sequence_parallel(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -91,6 +99,11 @@ def sequence_is_split(config: ModelConfig) -> bool:
     return config.sequence_parallel or parallel_state.get_sequence_split_world_size() > 1
 
 
-def build_norm(config: ModelConfig) -> nn.Module:
-    """The layer norm `config.normalization` names: `LayerNorm` or `RMSNorm`."""
-    return RMSNorm(config) if config.normalization == "rmsnorm" else LayerNorm(config)
+def build_norm(
+    config: ModelConfig, width: int | None = None, partial_grads: bool | None = None
+) -> nn.Module:
+    """The layer norm `config.normalization` names: `LayerNorm` or `RMSNorm`, over `width`
+    (default h); `partial_grads`: each TP rank's gradient is a part, summed over the ranks
+    (default: under sequence parallelism)."""
+    norm = RMSNorm if config.normalization == "rmsnorm" else LayerNorm
+    return norm(config, width, partial_grads)

@@ -52,7 +52,9 @@ def tensor_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
     two column-parallel inputs' gradients backward (2r); with it each column-parallel layer
     all-gathers its input forward and again backward and reduce-scatters the input's
     gradient (2c + r), each row-parallel layer reduce-scatters its output and all-gathers
-    that gradient (2c). Full recomputation repeats each layer's forward collectives.
+    that gradient (2c). Full recomputation repeats each layer's forward collectives. The
+    gradients of replicated weights that each rank computes a part of (norms and row-parallel
+    biases under sequence parallelism, the QK norms always) are summed as they are computed.
     """
     if inputs.tp == 1:
         return 0
@@ -76,6 +78,9 @@ def tensor_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
         replicated = role.num_layers * (2 * norm + (2 * h if config.add_bias_linear else 0))
         replicated += norm if role.last else 0
         total += replicated * size.residual
+    if config.qk_layernorm:  # the QK norms' gradients, each rank's from its heads, summed alike
+        width = config.kv_channels * (1 if config.normalization == "rmsnorm" else 2)
+        total += role.num_layers * 2 * width * size.residual
     if role.last:
         # The output layer's input (as a column-parallel layer's) and the loss's reductions.
         total += 2 * c + r if config.sequence_parallel else r

@@ -100,11 +100,6 @@ def test_deepspeed_keeps_its_pipeline_engine(tmp_path) -> None:
             "--num-layers (8) is not divisible by --pipeline-model-parallel-size 3",
         ),
         (
-            "--pipeline-model-parallel-size 2 --reset-attention-mask",
-            2,
-            "--reset-attention-mask is not supported with --pipeline-model-parallel-size > 1",
-        ),
-        (
             "--pipeline-model-parallel-size 2 --pipeline-model-parallel-split-rank 1",
             2,
             "--pipeline-model-parallel-split-rank 1: embedding-only pipeline stages and "

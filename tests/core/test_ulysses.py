@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.core.parallel_state import ParallelConfigError, generate_rank_groups
+from megatron.model.document_mask import DocumentMask
 from tests.core.spawn_checks import BODY
 from tests.tolerances import assert_close_reordered
 
@@ -58,6 +59,7 @@ CASES = {
     "unfused kernel with an explicit causal mask": dict(attention_backend="unfused"),
     "selective recomputation": dict(recompute_granularity="selective", num_key_value_heads=4),
     "bf16 weights and activations": dict(params_dtype="bfloat16", num_key_value_heads=4),
+    "packed documents and a sliding window": dict(window_size=(5, 0), num_key_value_heads=4),
 }
 
 
@@ -103,6 +105,9 @@ def _check_equals_one_process(case: dict, world: int) -> None:
     mask = None
     if config.attention_backend == "unfused":
         mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]  # [1, 1, s, s]
+    if config.window_size is not None:  # documents of random lengths, the full sequence's ids
+        ends = torch.rand(BATCH, SEQ, generator=generator) < 0.2
+        mask = DocumentMask((ends.cumsum(dim=1) - ends.int()).int(), config.window_size)
     parallel_state.initialize_model_parallel(1, 1, 1)
     reference = _run_layer(config, hidden, grad, mask)
     parallel_state.initialize_model_parallel(1, 1, world)

@@ -21,6 +21,11 @@ OPTIONS = {
         num_key_value_heads=2,
     ),
     "odd shapes": dict(ffn_hidden_size=72, kv_channels=4, num_key_value_heads=1),
+    "qwen2 (qkv bias)": dict(add_bias_linear=False, add_qkv_bias=True, normalization="rmsnorm"),
+    "qwen3 (qk norm)": dict(
+        add_bias_linear=False, qk_layernorm=True, normalization="rmsnorm", kv_channels=16
+    ),
+    "qk layernorm with biases": dict(qk_layernorm=True),
     "megatron-lm moe": dict(
         activation="swiglu",
         routed_moe=RoutedMoEConfig(

@@ -1,5 +1,5 @@
-"""Import a Hugging Face GPT-2, LLaMA, Mixtral or GLM-4-MoE folder as a Megatron-layout
-`release` checkpoint.
+"""Import a Hugging Face GPT-2, LLaMA, Qwen2, Qwen3, Mistral, Mixtral or GLM-4-MoE folder as a
+Megatron-layout `release` checkpoint.
 
     python tools/checkpoint/convert_from_hf.py --load hf/gpt2 --save checkpoints/gpt2_tp2 \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1
@@ -7,15 +7,19 @@
         --num-layers 12 --hidden-size 768 --num-attention-heads 12 ...   # the flags printed
 
 Reads `config.json` and the weights (safetensors or pytorch_model.bin) with
-`GPT2LMHeadModel` / `LlamaForCausalLM` / `MixtralForCausalLM` / `Glm4MoeForCausalLM
-.from_pretrained` (by the config's `model_type`), refuses what our GPT cannot compute (GPT-2:
+`GPT2LMHeadModel` / `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
+`MistralForCausalLM` / `MixtralForCausalLM` / `Glm4MoeForCausalLM .from_pretrained` (by the
+config's `model_type`), refuses what our GPT cannot compute (GPT-2:
 other activations, an untied output layer, cross-attention, unscaled or layer-scaled attention;
 LLaMA, Mixtral and GLM-4-MoE: RoPE scaling, activations other than silu, attention and MLP
 biases that differ; LLaMA and Mixtral: partial RoPE; Mixtral: a sliding window shorter than the
 positions; GLM-4-MoE: QK norm, q/k/v biases, group-limited routing; Qwen2-MoE, Qwen3-MoE and
 DeepSeek-V2/V3 are refused naming why), and writes the checkpoint with args complete enough for
 `pretrain_gpt.py --load` to build the same model (LLaMA: RMSNorm, SwiGLU, RoPE theta, key/value
-heads, untied output layer, no linear biases) and tokenizer.
+heads, untied output layer, no linear biases; Qwen2: `--add-qkv-bias`; Qwen3: `--qk-layernorm`;
+Mistral: `--window-size`, see `megatron/checkpointing/huggingface_qwen_mistral.py`, which also
+says what of theirs is refused: the Qwens' sliding window, Qwen3's `attention_bias`) and
+tokenizer.
 
 Mixture-of-Experts models become Megatron-LM's MoE (`--moe-family megatron`, the default: the
 printed flags carry `--moe-router-topk`, which picks it, and train on any engine at TP 1, with
@@ -61,6 +65,11 @@ from megatron.checkpointing.huggingface_mixtral import (  # noqa: E402
     from_mixtral_state_dict,
     megatron_args_from_mixtral,
 )
+from megatron.checkpointing.huggingface_qwen_mistral import (  # noqa: E402
+    megatron_args_from_mistral,
+    megatron_args_from_qwen2,
+    megatron_args_from_qwen3,
+)
 from megatron.checkpointing.layouts import holds_checkpoint  # noqa: E402
 from megatron.checkpointing.shards import (  # noqa: E402
     CheckpointConversionError,
@@ -76,7 +85,9 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
     parser = ToolArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument(
-        "--load", required=True, help="Hugging Face GPT-2, LLaMA, Mixtral or GLM-4-MoE folder."
+        "--load",
+        required=True,
+        help="Hugging Face GPT-2, LLaMA, Qwen2, Qwen3, Mistral, Mixtral or GLM-4-MoE folder.",
     )
     parser.add_argument("--save", required=True, help="Checkpoint directory to write.")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
@@ -118,16 +129,21 @@ def read_hf_config(folder: str) -> dict:
     return config
 
 
+LLAMA_SHAPE = (
+    "num_hidden_layers, hidden_size, num_attention_heads, intermediate_size, "
+    "max_position_embeddings and vocab_size"
+)
 SHAPE_FIELDS = {
     "gpt2": "n_layer, n_embd, n_head, n_positions and vocab_size",
-    "llama": "num_hidden_layers, hidden_size, num_attention_heads, intermediate_size, "
-    "max_position_embeddings and vocab_size",
+    **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "mixtral", "glm4_moe"), LLAMA_SHAPE),
 }
 """What each family's config.json must list (save_pretrained writes them all)."""
-SHAPE_FIELDS["mixtral"] = SHAPE_FIELDS["glm4_moe"] = SHAPE_FIELDS["llama"]
 ARGS_FROM_HF = {
     "gpt2": megatron_args_from_hf,
     "llama": megatron_args_from_llama,
+    "qwen2": megatron_args_from_qwen2,
+    "qwen3": megatron_args_from_qwen3,
+    "mistral": megatron_args_from_mistral,
     "mixtral": megatron_args_from_mixtral,
     "glm4_moe": megatron_args_from_glm4_moe,
 }
@@ -136,6 +152,9 @@ MOE_MODEL_TYPES = ("mixtral", "glm4_moe")
 """The families whose args take `--moe-family`."""
 FROM_HF = {
     "llama": from_llama_state_dict,
+    "qwen2": from_llama_state_dict,
+    "qwen3": from_llama_state_dict,
+    "mistral": from_llama_state_dict,
     "mixtral": from_mixtral_state_dict,
     "glm4_moe": from_glm4_moe_state_dict,
 }
@@ -143,20 +162,23 @@ FROM_HF = {
 
 
 def read_hf_model(folder: str, model_type: str) -> tuple[dict, dict]:
-    """(config dict, state dict) of the GPT-2, LLaMA, Mixtral or GLM-4-MoE in `folder`, loaded
-    offline."""
+    """(config dict, state dict) of the GPT-2, LLaMA, Qwen2, Qwen3, Mistral, Mixtral or
+    GLM-4-MoE in `folder`, loaded offline."""
     import transformers
 
     names = {
         "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "mistral": "MistralForCausalLM",
         "mixtral": "MixtralForCausalLM",
         "glm4_moe": "Glm4MoeForCausalLM",
     }
     name = names.get(model_type, "GPT2LMHeadModel")
     if not hasattr(transformers, name):
         raise CheckpointConversionError(
-            f"--load {folder}: {model_type} needs transformers with {name} (4.54 or later for "
-            f"GLM-4-MoE); this is {transformers.__version__}"
+            f"--load {folder}: {model_type} needs transformers with {name} (4.51 or later for "
+            f"Qwen3, 4.54 for GLM-4-MoE); this is {transformers.__version__}"
         )
     model_class = getattr(transformers, name)
     model = model_class.from_pretrained(folder, local_files_only=True)
@@ -214,6 +236,12 @@ def model_flags(args: dict) -> str:
             flags.append("--untie-embeddings-and-output-weights")
         if not args["add_bias_linear"]:
             flags.append("--disable-bias-linear")
+        if args.get("add_qkv_bias"):
+            flags.append("--add-qkv-bias")
+        if args.get("qk_layernorm"):
+            flags.append("--qk-layernorm")
+        if args.get("window_size") is not None:
+            flags.append(f"--window-size {args['window_size'][0]},{args['window_size'][1]}")
     elif not args["bias_gelu_fusion"]:
         flags.append("--no-bias-gelu-fusion")
     if args.get("routed_moe"):

@@ -1,5 +1,5 @@
-"""Export a GPT checkpoint (either layout, any TP x PP) as a Hugging Face GPT-2, LLaMA, Mixtral or
-GLM-4-MoE.
+"""Export a GPT checkpoint (either layout, any TP x PP) as a Hugging Face GPT-2, LLaMA, Qwen2,
+Qwen3, Mistral, Mixtral or GLM-4-MoE.
 
     python tools/checkpoint/convert_to_hf.py --load checkpoints/gpt2 --save hf/gpt2
     python tools/checkpoint/convert_to_hf.py --load checkpoints/moe --save hf/moe \
@@ -7,6 +7,9 @@ GLM-4-MoE.
 
 Writes `config.json` (`GPT2LMHeadModel` for GPT-2-shaped models; `LlamaForCausalLM` for
 RMSNorm + SwiGLU + RoPE ones, grouped-query attention and an untied output layer included;
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM` or `MistralForCausalLM` for such a model with
+`--add-qkv-bias`, `--qk-layernorm` or `--window-size`, see
+`megatron/checkpointing/huggingface_qwen_mistral.py` (Qwen3 loads in transformers 4.51+);
 `MixtralForCausalLM` for such a model with top-2 DeepSpeed-MoE in every layer, or with
 Megatron-LM's softmax-routed MoE in every layer; `Glm4MoeForCausalLM` for Megatron-LM's MoE
 with DeepSeek-V3's router: sigmoid scores, expert bias, scaling factor, a shared expert, the

@@ -12,6 +12,9 @@ ids are our tokenizer's (`megatron.tokenizer`) and whose eos token is our end of
   after the pieces, and reads their text as them, as ours;
 - `HFTokenizer`: the tokenizer folder or tokenizer.json `--tokenizer-model` names, saved again.
 
+Whatever transformers 5 saves its generic fast tokenizer as (`TokenizersBackend`) is named
+`PreTrainedTokenizerFast` in tokenizer_config.json, the class transformers 4 has too.
+
 Import (`convert_from_hf.py`): vocab.json + merges.txt is `GPT2BPETokenizer`; tokenizer.model
 is `Llama2Tokenizer` when the folder's tokenizer prepends bos, else `GPTSentencePieceTokenizer`;
 a tokenizer.json alone is `HFTokenizer` on the folder.
@@ -20,6 +23,7 @@ a tokenizer.json alone is `HFTokenizer` on the folder.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -189,9 +193,26 @@ def write_tokenizer(
             f"{len(tokenizer)} tokens, the model only {vocab_size}"
         )
     tokenizer.save_pretrained(folder)
+    _name_class_for_transformers_4(folder)
     ours = source.tokenizer
     bos = getattr(ours, "bos", ours.eod)
     return (None if bos is None or bos < 0 else bos), ours.eod
+
+
+def _name_class_for_transformers_4(folder: str) -> None:
+    """transformers 5 saves its generic fast tokenizer (over tokenizer.json) as
+    `TokenizersBackend`, a class 4.x lacks; 4.x's name for it, `PreTrainedTokenizerFast`, 5.x
+    reads as the same class."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(config, handle, indent=2, ensure_ascii=False)
+            handle.write("\n")
 
 
 def imported_tokenizer_args(folder: str) -> dict[str, Any]:

@@ -123,13 +123,18 @@ class PipelineRunner:
     ) -> list[torch.Tensor]:
         """One global batch: forward (and backward when `train`) of every micro-batch.
 
-        `inputs` go to the first stage, `labels` (keyword) to the last stage's chunk, `target`
-        to `loss_fn`; each is the whole batch, split on dim 0. Returns the micro-batch losses
+        `inputs` (tokens, position ids) go to the first stage, a third one (document ids) and
+        `labels` as keywords to every chunk and to the last stage's, `target` to `loss_fn`;
+        each is the whole batch, split on dim 0. Returns the micro-batch losses
         on the last stage, an empty list elsewhere.
         """
         schedule = self._schedule(microbatches, train)
+        # A third input, the document ids of packed documents, goes to every stage's chunks.
+        inputs, documents = inputs[:2], inputs[2:]
         args = inputs if self.is_first else ()
         kwargs = {"labels": labels} if self.is_last else {}
+        if documents:
+            kwargs["document_ids"] = documents[0]
         last_target = target if self.is_last else None
         losses: list[torch.Tensor] = []
         if train:
