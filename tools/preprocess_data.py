@@ -1,4 +1,4 @@
-"""Tokenize a loose-JSON corpus into Megatron's mmap `.bin/.idx` format.
+"""Tokenize a loose-JSON corpus (or Parquet, or a saved HF dataset) into Megatron's `.bin/.idx`.
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
         --vocab-file dataset/gpt2-vocab.json --merge-file dataset/gpt2-merges.txt \\
@@ -6,6 +6,23 @@
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/llama \\
         --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tokenizer.model \\
         --append-eod --workers 8
+    python tools/preprocess_data.py --input chats.jsonl alpaca.parquet --output-prefix data/sft \\
+        --sft --sft-tokenizer-prompt-format chatml --workers 8
+
+--input also takes Parquet files (`.parquet`), Arrow files and folders written by Hugging Face
+`datasets`' `save_to_disk`, read locally with pyarrow (`pip install pyarrow`): each row is read
+as the JSON object of its columns, so the same text gives the same bytes (see
+`megatron/data/corpus_reader.py`; error positions `path:N` count rows there).
+
+--sft reads SFT records instead of --json-keys documents: conversations (`{"messages":
+[{"role", "content"}, ...]}`, rendered with the tokenizer's chat template, or a built-in one
+named by --sft-tokenizer-prompt-format, or a Jinja file given by --chat-template), Alpaca
+records (`{"instruction", "input", "output"}`) and `{"prompt", "response"}` records. It writes
+`{output_prefix}_sft_document.bin/.idx` (the tokens, each conversation or record one document
+ending with the end-of-document token) and `{output_prefix}_sft_document_loss_mask.bin/.idx`
+beside it (uint8, 1 on the reply tokens to train on), which `pretrain_gpt.py --data-path
+{output_prefix}_sft_document` reads. See `megatron/data/sft_encoder.py` for how the reply
+tokens are found.
 
 --tokenizer-type SentencePieceTokenizer, GPTSentencePieceTokenizer and Llama2Tokenizer read a
 SentencePiece `.model` file, HFTokenizer a Hugging Face tokenizer folder or `tokenizer.json`,
@@ -30,9 +47,18 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+import numpy as np  # noqa: E402
+
+from megatron.data.chat_templates import (  # noqa: E402
+    PROMPT_FORMATS,
+    TOKENIZER_TEMPLATE,
+    template_problem,
+)
 from megatron.data.corpus_reader import InputError, expand_inputs  # noqa: E402
 from megatron.data.corpus_tokenizer import TokenizeOptions, tokenize_corpus  # noqa: E402
 from megatron.data.document_encoder import EncoderConfig  # noqa: E402
+from megatron.data.loss_mask import LOSS_MASK_DTYPE, LOSS_MASK_SUFFIX  # noqa: E402
+from megatron.data.sft_encoder import SFTConfig  # noqa: E402
 from megatron.tokenizer.base import TokenizerFileError  # noqa: E402
 from megatron.tokenizer.flags import add_vocabulary_flags  # noqa: E402
 from megatron.tokenizer.tokenizer import (  # noqa: E402
@@ -55,7 +81,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--input",
         nargs="+",
         required=True,
-        help="loose-JSON files (one object per line), globs allowed, .gz read too",
+        help="loose-JSON files (one object per line; .gz read too), Parquet or Arrow files, or "
+        "folders of a Hugging Face dataset saved with save_to_disk; globs allowed",
     )
     group.add_argument(
         "--json-keys",
@@ -70,6 +97,29 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--keep-newlines",
         action="store_true",
         help="keep newlines between sentences when splitting",
+    )
+    group.add_argument(
+        "--sft",
+        action="store_true",
+        help="records are SFT data (conversations under 'messages', Alpaca's instruction/input/"
+        "output, or prompt/response): write the tokens as {output-prefix}_sft_document (each "
+        "conversation or record one document ending with the end-of-document token, as with "
+        "--append-eod) and their loss mask (1 on the replies) beside them as "
+        "..._sft_document_loss_mask",
+    )
+    group.add_argument(
+        "--sft-tokenizer-prompt-format",
+        default=TOKENIZER_TEMPLATE,
+        choices=PROMPT_FORMATS,
+        help="chat template of --sft conversations: default is the tokenizer's own (a Hugging "
+        "Face tokenizer folder's); or a built-in one (default: %(default)s)",
+    )
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template file (as Hugging Face's chat_template) for --sft "
+        "conversations, instead of --sft-tokenizer-prompt-format",
     )
     group = parser.add_argument_group(title="tokenizer")
     group.add_argument(
@@ -129,6 +179,9 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(problem)
     if args.dataset_impl != "mmap":
         parser.error(f"--dataset-impl {args.dataset_impl} is not supported; use mmap")
+    problem = _sft_flag_problem(args, parser.get_default("json_keys"))
+    if problem:
+        parser.error(problem)
     if args.keep_newlines and not args.split_sentences:
         print(
             "note: --keep-newlines only matters with --split-sentences; newlines inside "
@@ -140,6 +193,25 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _sft_flag_problem(args: argparse.Namespace, default_keys: list[str]) -> str | None:
+    """What is wrong with the SFT flags (None when nothing is)."""
+    template_flags = args.chat_template or args.sft_tokenizer_prompt_format != TOKENIZER_TEMPLATE
+    if not args.sft:
+        return (
+            "--sft-tokenizer-prompt-format and --chat-template need --sft"
+            if template_flags
+            else None
+        )
+    if args.split_sentences:
+        return "--split-sentences does not apply to --sft records (a conversation is a document)"
+    if args.json_keys != default_keys:
+        return (
+            f"--json-keys {' '.join(args.json_keys)}: --sft reads records by their keys "
+            "(messages; instruction, input, output; prompt, response)"
+        )
+    return template_problem(args.sft_tokenizer_prompt_format, args.chat_template)
+
+
 def preprocess(args: argparse.Namespace) -> int:
     """Run the conversion; returns the process exit code."""
     config = EncoderConfig(
@@ -149,6 +221,7 @@ def preprocess(args: argparse.Namespace) -> int:
         split_sentences=args.split_sentences,
         keep_newlines=args.keep_newlines,
         lang=args.lang,
+        sft=SFTConfig(args.sft_tokenizer_prompt_format, args.chat_template) if args.sft else None,
     )
     options = TokenizeOptions(
         workers=args.workers,
@@ -163,12 +236,15 @@ def preprocess(args: argparse.Namespace) -> int:
         print("\ninterrupted: no output was written", file=sys.stderr)
         return 130
     for prefix, builder in summary.outputs.items():
-        print(
-            f"wrote {prefix}.bin/.idx: {builder.num_documents} documents, "
-            f"{builder.num_sequences} sequences, {builder.num_tokens} tokens "
-            f"({builder.dtype.name})",
-            file=sys.stderr,
-        )
+        if prefix.endswith(LOSS_MASK_SUFFIX):
+            trained = int(np.memmap(prefix + ".bin", dtype=LOSS_MASK_DTYPE, mode="r").sum())
+            what = f"loss mask: {trained} of {builder.num_tokens} tokens trained on"
+        else:
+            what = (
+                f"{builder.num_documents} documents, {builder.num_sequences} sequences, "
+                f"{builder.num_tokens} tokens"
+            )
+        print(f"wrote {prefix}.bin/.idx: {what} ({builder.dtype.name})", file=sys.stderr)
     return 0
 
 

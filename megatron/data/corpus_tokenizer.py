@@ -1,7 +1,8 @@
 """Tokenize loose-JSON files into Megatron's `.bin/.idx` datasets, streaming, in parallel.
 
 The engine behind `tools/preprocess_data.py` and `--train-data` (Megatron-LM v1's loose-JSON
-training files, tokenized on first use). Lines go to a pool of `DocumentEncoder` workers in
+training files, tokenized on first use); Parquet files and saved Hugging Face datasets are read
+as JSON lines (`corpus_reader`). Lines go to a pool of `DocumentEncoder` workers in
 batches and come back in input order; at most a few batches per worker are in flight, so
 memory stays bounded on any input size. Progress (documents/s, MB/s, ETA) goes to stderr.
 Each output is written under a temporary name and renamed only once it is complete: a bad
@@ -18,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from megatron.atomic_files import discard, partial_path, publish
-from megatron.data.corpus_reader import CorpusReader, InputError
+from megatron.data.corpus_reader import CorpusReader, InputError, input_size
 from megatron.data.document_encoder import DocumentEncoder, EncodedBatch, EncoderConfig
 from megatron.data.indexed_dataset import IndexedDatasetBuilder
 from megatron.data.progress import Progress
@@ -47,7 +48,7 @@ class TokenizeOptions:
 
 @dataclass
 class TokenizeSummary:
-    """What a finished run wrote, per JSON key."""
+    """What a finished run wrote, per output file prefix."""
 
     documents: int
     bad_lines: int
@@ -105,7 +106,7 @@ class BatchWriter:
         self.outputs = outputs
         self.input_files = input_files
         self.options = options
-        total_bytes = sum(os.path.getsize(path) for path in input_files)
+        total_bytes = sum(input_size(path) for path in input_files)
         self.progress = Progress(total_bytes, options.log_interval)
         self.bad_lines = 0
         self.blank_lines = 0
@@ -136,7 +137,7 @@ def encode_in_order(
     writer: BatchWriter,
 ) -> None:
     """Send line batches to the worker pool and write the results back in input order."""
-    reader = CorpusReader(input_files)
+    reader = CorpusReader(input_files, config.record_keys())
     window = 4 * options.workers  # batches in flight: bounds memory on any input size
     context = multiprocessing.get_context(start_method)
     with context.Pool(options.workers, initializer=_init_worker, initargs=(config,)) as pool:
@@ -167,7 +168,8 @@ def tokenize_corpus(
     options: TokenizeOptions,
     start_method: str | None = None,
 ) -> TokenizeSummary:
-    """Write `{output_prefix}_{key}_{document|sentence}.bin/.idx` for every JSON key.
+    """Write `{output_prefix}_{key}_{document|sentence}.bin/.idx` for every JSON key (with
+    `config.sft`: `{output_prefix}_sft_document` and its `_loss_mask` beside it).
 
     Raises `InputError` for a bad line (unless skipped) or input without documents; nothing
     is then left under the final names that was not there before.
@@ -177,11 +179,10 @@ def tokenize_corpus(
     encoder = DocumentEncoder(config)
     start_method = start_method or default_start_method()
     _WORKER_ENCODER = encoder if start_method == "fork" else None
-    level = "sentence" if config.split_sentences else "document"
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     outputs = {
-        key: OutputDataset(f"{output_prefix}_{key}_{level}", encoder.dtype.type)
-        for key in config.json_keys
+        name: OutputDataset(output_prefix + suffix, dtype.type)
+        for name, (suffix, dtype) in encoder.outputs.items()
     }
     writer = BatchWriter(outputs, input_files, options)
     try:

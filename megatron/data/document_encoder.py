@@ -7,6 +7,10 @@ preprocess_data.py exactly: one sequence per document (or per non-empty sentence
 appended to the last sequence with `--append-eod`. Any tokenizer `create_tokenizer` builds
 works: GPT-2 BPE, SentencePiece, Llama2, Hugging Face, tiktoken or NullTokenizer.
 Lines that cannot be used are reported with their line number instead of crashing the run.
+
+With `sft` set, lines are SFT records instead (`megatron.data.sft_encoder`): each becomes one
+or more documents of tokens (ending with the end-of-document token) written to
+`_sft_document`, and their loss masks, written beside them to `_sft_document_loss_mask`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megatron.data.corpus_reader import BadLineError
 from megatron.data.indexed_dataset import DType
+from megatron.data.loss_mask import LOSS_MASK_DTYPE, LOSS_MASK_SUFFIX
+from megatron.data.sft_encoder import SFT_KEYS, SFTConfig, SFTEncoder
 from megatron.tokenizer.tokenizer import TokenizerConfig, create_tokenizer
 
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -34,6 +41,16 @@ class EncoderConfig:
     split_sentences: bool = False
     keep_newlines: bool = False
     lang: str = "english"
+    sft: SFTConfig | None = None
+    """SFT records (conversations, Alpaca, prompt/response) instead of `json_keys` documents."""
+
+    def record_keys(self) -> list[str]:
+        """The keys of a record this run reads (a table input reads only these columns)."""
+        return list(SFT_KEYS) if self.sft else list(self.json_keys)
+
+
+SFT_OUTPUT = "sft"
+SFT_LOSS_MASK_OUTPUT = "sft_loss_mask"
 
 
 @dataclass
@@ -51,15 +68,13 @@ class EncodedBatch:
 
     file_index: int
     num_documents: int = 0
+    """Documents written (a line of several SFT conversations makes several)."""
     num_bytes: int = 0
     num_blank_lines: int = 0
     # (line number, reason) of every line that could not be used, in line order.
     errors: list[tuple[int, str]] = field(default_factory=list)
     keys: dict[str, KeyTokens] = field(default_factory=dict)
-
-
-class BadLineError(ValueError):
-    """A line that cannot become a document; the message says why."""
+    """Per output (a JSON key, or the SFT tokens and loss mask)."""
 
 
 def _unicode_error_message(line: bytes, error: UnicodeDecodeError) -> str:
@@ -98,10 +113,21 @@ class DocumentEncoder:
             if config.split_sentences
             else lambda text: [text]
         )
+        self.sft = SFTEncoder(self.tokenizer, config.sft, self.dtype) if config.sft else None
+        # Output name -> (suffix of its file prefix after --output-prefix, dtype).
+        level = "sentence" if config.split_sentences else "document"
+        self.outputs: dict[str, tuple[str, np.dtype]] = (
+            {
+                SFT_OUTPUT: ("_sft_document", self.dtype),
+                SFT_LOSS_MASK_OUTPUT: ("_sft_document" + LOSS_MASK_SUFFIX, LOSS_MASK_DTYPE),
+            }
+            if self.sft
+            else {key: (f"_{key}_{level}", self.dtype) for key in config.json_keys}
+        )
 
     def encode_lines(self, file_index: int, first_line: int, lines: list[bytes]) -> EncodedBatch:
         """Encode consecutive raw lines; `first_line` is the 1-based number of `lines[0]`."""
-        batch = EncodedBatch(file_index, keys={k: KeyTokens() for k in self.config.json_keys})
+        batch = EncodedBatch(file_index, keys={name: KeyTokens() for name in self.outputs})
         for line_number, line in enumerate(lines, start=first_line):
             batch.num_bytes += len(line)
             if not line.strip():
@@ -112,21 +138,31 @@ class DocumentEncoder:
             except BadLineError as error:
                 batch.errors.append((line_number, str(error)))
                 continue
-            batch.num_documents += 1
-            for key, sentences in documents.items():
-                out = batch.keys[key]
-                out.tokens.extend(sentences)
-                out.sequence_lengths.extend(len(s) for s in sentences)
-                out.sequences_per_document.append(len(sentences))
+            batch.num_documents += len(next(iter(documents.values())))
+            for name, output_documents in documents.items():
+                out = batch.keys[name]
+                for sentences in output_documents:
+                    out.tokens.extend(sentences)
+                    out.sequence_lengths.extend(len(s) for s in sentences)
+                    out.sequences_per_document.append(len(sentences))
         for out in batch.keys.values():
-            # One array per key keeps the result cheap to send back to the main process.
+            # One array per output keeps the result cheap to send back to the main process.
             out.tokens = [np.concatenate(out.tokens)] if out.tokens else []
         return batch
 
-    def encode_line(self, line: bytes, strip_bom: bool = False) -> dict[str, list[np.ndarray]]:
-        """Token arrays of every key's sequences for one JSON line, or BadLineError."""
+    def encode_line(
+        self, line: bytes, strip_bom: bool = False
+    ) -> dict[str, list[list[np.ndarray]]]:
+        """Per output, the documents (each a list of sequences) of one JSON line, or
+        BadLineError: one document per key, or an SFT record's documents and loss masks."""
         record = parse_json_line(line, strip_bom)
-        return {key: self._encode_document(record, key) for key in self.config.json_keys}
+        if self.sft:
+            documents = self.sft.encode_record(record)
+            return {
+                SFT_OUTPUT: [[document.tokens] for document in documents],
+                SFT_LOSS_MASK_OUTPUT: [[document.loss_mask] for document in documents],
+            }
+        return {key: [self._encode_document(record, key)] for key in self.config.json_keys}
 
     def _encode_document(self, record: dict, key: str) -> list[np.ndarray]:
         if key not in record:

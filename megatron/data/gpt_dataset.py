@@ -15,6 +15,12 @@ three arrays are built (and cached as .npy files):
 Same data, split, sample count, sequence length and seed give the same samples, run after run,
 identical to Megatron-LM and Megatron-DeepSpeed.
 
+SFT data (`tools/preprocess_data.py --sft`) has a loss mask beside its tokens
+(`megatron.data.loss_mask`): where a run's datasets have one (or with `--sft`), each sample also
+carries `loss_mask`, one value per label, cut from the mask exactly as the tokens are. The
+indices depend on the document sizes alone, which tokens and mask share, so they are cached
+once for both.
+
 `build_train_valid_test_datasets` builds the three splits from one of Megatron-LM's data
 sources: `--data-path` cut by `--split`; `--train-data-path` / `--valid-data-path` /
 `--test-data-path`, each split the whole of its own datasets (blended by weight); or
@@ -37,6 +43,7 @@ from megatron.data.blendable_dataset import BlendableDataset, parse_data_path, s
 from megatron.data.cpp_helpers import load_helpers
 from megatron.data.index_cache import load_or_build_arrays
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetError, make_dataset
+from megatron.data.loss_mask import UnmaskedDocuments, has_loss_mask, loss_masks_of
 from megatron.data.mock_dataset import MOCK_DOCUMENTS, MockDocuments, mock_split_bounds
 from megatron.data.token_check import check_token_ids
 from megatron.utils import print_rank_0
@@ -113,9 +120,12 @@ class GPTDataset(torch.utils.data.Dataset):
         seed: int,
         data_cache_path: str | None = None,
         group: torch.distributed.ProcessGroup | None = None,
+        loss_masks: IndexedDataset | UnmaskedDocuments | None = None,
     ) -> None:
         self.name = name
         self.indexed_dataset = indexed_dataset
+        self.loss_masks = loss_masks
+        """The SFT loss masks beside the tokens (same sizes), or None."""
         label = data_prefix or "--mock-data"
         if len(documents) == 0:
             raise ValueError(f"{label}: the {name} split has no documents")
@@ -138,22 +148,28 @@ class GPTDataset(torch.utils.data.Dataset):
         return self.shuffle_idx.shape[0]
 
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
-        """{'text': seq_length + 1 token ids (int64)} of sample `idx`."""
+        """{'text': seq_length + 1 token ids (int64)} of sample `idx`; with loss masks also
+        {'loss_mask': seq_length floats}, one per label (the mask of tokens 1 .. seq_length)."""
         idx = int(self.shuffle_idx[idx])
+        sample = {"text": self._cut(self.indexed_dataset, idx).astype(np.int64)}
+        if self.loss_masks is not None:
+            sample["loss_mask"] = self._cut(self.loss_masks, idx)[1:].astype(np.float32)
+        return sample
+
+    def _cut(
+        self, documents: IndexedDataset | MockDocuments | UnmaskedDocuments, idx: int
+    ) -> np.ndarray:
+        """The seq_length + 1 values of sample `idx` (unshuffled) from `documents`."""
         doc_first, offset_first = (int(v) for v in self.sample_idx[idx])
         doc_last, offset_last = (int(v) for v in self.sample_idx[idx + 1])
         if doc_first == doc_last:
-            sample = self.indexed_dataset.get(
+            return documents.get(
                 self.doc_idx[doc_first], offset=offset_first, length=offset_last - offset_first + 1
             )
-        else:
-            parts = [self.indexed_dataset.get(self.doc_idx[doc_first], offset=offset_first)]
-            parts += [
-                self.indexed_dataset.get(self.doc_idx[i]) for i in range(doc_first + 1, doc_last)
-            ]
-            parts.append(self.indexed_dataset.get(self.doc_idx[doc_last], length=offset_last + 1))
-            sample = np.concatenate(parts)
-        return {"text": np.array(sample, dtype=np.int64)}
+        parts = [documents.get(self.doc_idx[doc_first], offset=offset_first)]
+        parts += [documents.get(self.doc_idx[i]) for i in range(doc_first + 1, doc_last)]
+        parts.append(documents.get(self.doc_idx[doc_last], length=offset_last + 1))
+        return np.concatenate(parts)
 
 
 def build_index_mappings(
@@ -300,17 +316,23 @@ def build_train_valid_test_datasets(
     cache while the others wait); the default is all ranks.
     """
     if config.mock_data:
+        if config.sft:
+            raise ValueError("--sft with --mock-data: synthetic documents have no loss masks")
         return _build_mock_splits(config, train_valid_test_num_samples, group)
-    if config.data_path:
-        return _build_blend_with_split(config, train_valid_test_num_samples, group)
     paths = (config.train_data_path, config.valid_data_path, config.test_data_path)
-    if not any(paths):
+    if not (config.data_path or any(paths)):
         raise ValueError(
             "no data: give --data-path, --train-data-path (and --valid-data-path, "
             "--test-data-path) or --mock-data"
         )
+    flags = ("--data-path", *PER_SPLIT_FLAGS)
+    given = [(path, flag) for path, flag in zip((config.data_path, *paths), flags) if path]
+    prefixes = [prefix for path, flag in given for prefix in parse_data_path(path, flag)[0]]
+    masked = config.sft or any(has_loss_mask(prefix) for prefix in prefixes)
+    if config.data_path:
+        return _build_blend_with_split(config, train_valid_test_num_samples, group, masked)
     return tuple(
-        _build_whole_blend(index, path, config, count, group) if path else None
+        _build_whole_blend(index, path, config, count, group, masked) if path else None
         for index, (path, count) in enumerate(zip(paths, train_valid_test_num_samples))
     )
 
@@ -319,14 +341,15 @@ def _build_blend_with_split(
     config: DataConfig,
     train_valid_test_num_samples: list[int],
     group: torch.distributed.ProcessGroup | None,
+    masked: bool = False,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
     """`--data-path`: every dataset cut by `--split`, each split blended by weight."""
     prefixes, weights = parse_data_path(config.data_path)
     if len(prefixes) == 1:
-        return _build_splits(prefixes[0], config, train_valid_test_num_samples, group)
+        return _build_splits(prefixes[0], config, train_valid_test_num_samples, group, masked)
     per_dataset = samples_per_dataset(weights, train_valid_test_num_samples)
     splits = [
-        _build_splits(prefix, config, counts, group)
+        _build_splits(prefix, config, counts, group, masked)
         for prefix, counts in zip(prefixes, per_dataset)
     ]
     blended = []
@@ -351,6 +374,7 @@ def _build_whole_blend(
     config: DataConfig,
     num_samples: int,
     group: torch.distributed.ProcessGroup | None,
+    masked: bool = False,
 ) -> torch.utils.data.Dataset:
     """One split from its own flag (`--train-data-path` ...): all documents of each dataset,
     blended by weight, as Megatron-LM's `blend_per_split` (--split is not read)."""
@@ -361,7 +385,7 @@ def _build_whole_blend(
         counts = [split_counts[0] for split_counts in samples_per_dataset(weights, [num_samples])]
     parts = []
     for prefix, count in zip(prefixes, counts):
-        indexed = _open_indexed(prefix, config)
+        indexed, loss_masks = _open_indexed(prefix, config, masked)
         print_rank_0(f" > {flag} {prefix}: all {len(indexed)} documents for {name}")
         documents = np.arange(len(indexed), dtype=np.int32)
         parts.append(
@@ -375,6 +399,7 @@ def _build_whole_blend(
                 config.seed,
                 config.data_cache_path,
                 group,
+                loss_masks,
             )
         )
     return parts[0] if len(parts) == 1 else BlendableDataset(parts, weights, num_samples)
@@ -410,8 +435,11 @@ def _build_mock_splits(
     )
 
 
-def _open_indexed(prefix: str, config: DataConfig) -> IndexedDataset:
-    """The indexed dataset at `prefix`, its ids checked against the vocabulary."""
+def _open_indexed(
+    prefix: str, config: DataConfig, masked: bool = False
+) -> tuple[IndexedDataset, IndexedDataset | UnmaskedDocuments | None]:
+    """The indexed dataset at `prefix`, its ids checked against the vocabulary, and, when the
+    run reads loss masks (`masked`), its mask (all ones where it has none but --sft is off)."""
     indexed = make_dataset(prefix, config.data_impl, skip_warmup=not config.mmap_warmup)
     # Like Megatron, GPT samples treat each sequence of the index as a document.
     num_documents = len(indexed)
@@ -423,7 +451,7 @@ def _open_indexed(prefix: str, config: DataConfig) -> IndexedDataset:
         )
     if config.vocab_size is not None:
         check_token_ids(indexed, prefix, config.vocab_size, config.data_cache_path)
-    return indexed
+    return indexed, (loss_masks_of(prefix, indexed, config.sft) if masked else None)
 
 
 def _build_splits(
@@ -431,8 +459,9 @@ def _build_splits(
     config: DataConfig,
     num_samples: list[int],
     group: torch.distributed.ProcessGroup | None,
+    masked: bool = False,
 ) -> tuple[GPTDataset | None, ...]:
-    indexed = _open_indexed(prefix, config)
+    indexed, loss_masks = _open_indexed(prefix, config, masked)
     num_documents = len(indexed)
     bounds = get_train_valid_test_split_(config.split, num_documents)
     print_rank_0(f" > {prefix}: {num_documents} documents, split {config.split!r}:")
@@ -457,6 +486,7 @@ def _build_splits(
                 config.seed,
                 config.data_cache_path,
                 group,
+                loss_masks,
             )
         )
     return tuple(datasets)

@@ -75,6 +75,7 @@ class HFTokenizer:
     def __init__(self, tokenizer_model: str) -> None:
         self.tokenizer_model = tokenizer_model
         named: dict[str, int | None] = {}
+        self._pretrained: Any = None  # the transformers tokenizer of a folder (chat template)
         if tokenizer_model.endswith(".json") and not os.path.exists(tokenizer_model):
             raise TokenizerFileError(f"--tokenizer-model {tokenizer_model}: no such file")
         if os.path.isfile(tokenizer_model):
@@ -84,7 +85,7 @@ class HFTokenizer:
             )
             length = backend.get_vocab_size(with_added_tokens=True)
         else:
-            pretrained = _load_pretrained(tokenizer_model)
+            pretrained = self._pretrained = _load_pretrained(tokenizer_model)
             backend = (
                 pretrained.backend_tokenizer if getattr(pretrained, "is_fast", False) else None
             )
@@ -93,9 +94,13 @@ class HFTokenizer:
             named = {name: getattr(pretrained, f"{name}_token_id", None) for name in SPECIAL_NAMES}
         if backend is not None:  # a fast tokenizer's encode is its Rust backend's, less overhead
             self._encode: Callable[[str], list[int]] = lambda text: backend.encode(text).ids
+            self._encode_plain: Callable[[str], list[int]] = lambda text: (
+                backend.encode(text, add_special_tokens=False).ids
+            )
             self._vocab: dict[str, int] = backend.get_vocab(with_added_tokens=True)
         else:
             self._encode, self._vocab = pretrained.encode, pretrained.get_vocab()
+            self._encode_plain = lambda text: pretrained.encode(text, add_special_tokens=False)
         # len(tokenizer), as Megatron-LM; larger only if some added id leaves a gap below it.
         self._vocab_size = max(length, max(self._vocab.values(), default=-1) + 1)
         self.eos_id = self._special(named.get("eos"), EOS_CANDIDATES)
@@ -176,3 +181,20 @@ class HFTokenizer:
     def detokenize(self, token_ids: Sequence[int] | np.ndarray) -> str:
         """The tokenizer's decoding of the ids, special tokens kept."""
         return self._decode(checked_ids(token_ids, self._vocab_size))
+
+    def tokenize_without_special_tokens(self, text: str) -> np.ndarray:
+        """Ids of `text` without the special tokens the tokenizer adds around a text (a
+        LLaMA's `<s>`); special-token text inside it still becomes those tokens. A chat
+        template's text is tokenized so, as `apply_chat_template` does: it writes them."""
+        return np.asarray(self._encode_plain(text), dtype=np.int32)
+
+    @property
+    def chat_template(self) -> str | dict | None:
+        """The tokenizer's own chat template (a folder's); None for a bare tokenizer.json."""
+        return getattr(self._pretrained, "chat_template", None)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """The text of `messages` rendered with the tokenizer's own chat template."""
+        return self._pretrained.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
