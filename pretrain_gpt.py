@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -54,7 +54,14 @@ def datasets_provider(args: argparse.Namespace, num_samples: list[int]) -> tuple
     return build_train_valid_test_datasets(DataConfig.from_args(args), num_samples)
 
 
-def _tokens_and_labels(data: dict, args: argparse.Namespace, device: torch.device) -> tuple:
+def tokens_and_labels(data: dict, args: argparse.Namespace, device: torch.device) -> tuple:
+    """A loader batch on `device`: tokens, labels, loss mask, attention mask, position ids.
+
+    Every label counts but, with --eod-mask-loss, those after an end-of-document token. A batch
+    that carries its own `loss_mask` (one per label: SFT data from tools/preprocess_data.py
+    --sft, finetune_llama.py's prompt/response samples) is multiplied into that: only the
+    labels it marks are trained on.
+    """
     text = data["text"].to(device, non_blocking=True).long()  # from pinned memory on GPUs
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
@@ -64,6 +71,8 @@ def _tokens_and_labels(data: dict, args: argparse.Namespace, device: torch.devic
         args.reset_attention_mask,
         args.eod_mask_loss,
     )
+    if "loss_mask" in data:
+        loss_mask = loss_mask * data["loss_mask"].to(device, non_blocking=True).float()
     return tokens, labels, loss_mask, attention_mask, position_ids
 
 
@@ -73,9 +82,10 @@ def get_batch(data_iterator: Iterator, args: argparse.Namespace) -> tuple:
     Under a sequence split (DeepSpeed-Ulysses, context parallelism) every rank of a sequence
     group reads the same samples and keeps its part of the tokens, labels and positions; the
     loss mask and the attention mask stay whole (the model returns the whole sequence's
-    losses; Ulysses' attention sees all of it, context parallelism's takes no mask).
+    losses; Ulysses' attention sees all of it, context parallelism's takes no mask). Under
+    `--reset-attention-mask` the attention mask is the document ids [b, s].
     """
-    tokens, labels, loss_mask, attention_mask, position_ids = _tokens_and_labels(
+    tokens, labels, loss_mask, attention_mask, position_ids = tokens_and_labels(
         next(data_iterator), args, current_device()
     )
     tokens, labels, position_ids = map(this_ranks_sequence_part, (tokens, labels, position_ids))
@@ -83,17 +93,23 @@ def get_batch(data_iterator: Iterator, args: argparse.Namespace) -> tuple:
 
 
 def get_batch_pipe(data: dict, args: argparse.Namespace) -> tuple:
-    """A raw batch as the pipeline stages take it: ((tokens, position_ids), (labels, mask)).
+    """A raw batch as the pipeline stages take it: ((tokens, position_ids), (labels, mask)),
+    with the document ids [b, s] third among the inputs under `--reset-attention-mask`.
 
     The tensors are already on this rank's device: the loader's batch is copied from pinned
     memory without blocking, and DeepSpeed's own `.clone().to(device)` of each is then a copy
     on the GPU. (Left on the CPU, DeepSpeed clones them into pageable memory and copies each
     with a blocking transfer per micro-batch.)
     """
-    tokens, labels, loss_mask, _, position_ids = _tokens_and_labels(data, args, current_device())
+    tokens, labels, loss_mask, document_ids, position_ids = tokens_and_labels(
+        data, args, current_device()
+    )
     # Context parallelism (Megatron's schedules): this rank's part, as in `get_batch`.
     tokens, labels, position_ids = map(this_ranks_sequence_part, (tokens, labels, position_ids))
-    return (tokens, position_ids), (labels, loss_mask)
+    inputs = (
+        (tokens, position_ids) if document_ids is None else (tokens, position_ids, document_ids)
+    )
+    return inputs, (labels, loss_mask)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple:
@@ -142,13 +158,22 @@ USER_ERRORS = (
 )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run `pretrain` with GPT's providers; a stopped run exits 1 with the reason."""
+def main(
+    argv: list[str] | None = None,
+    train_valid_test_datasets_provider: Callable = datasets_provider,
+    args_defaults: dict | None = None,
+) -> int:
+    """Run `pretrain` with GPT's providers; a stopped run exits 1 with the reason.
+
+    Other entry scripts (finetune_llama.py) pass their own datasets provider and the defaults
+    that set their flags' meaning.
+    """
     try:
         pretrain(
-            datasets_provider,
+            train_valid_test_datasets_provider,
             model_provider,
             forward_step,
+            args_defaults=args_defaults,
             argv=argv,
             pipeline_batch=PipelineBatch(
                 batch_fn=get_batch_pipe,

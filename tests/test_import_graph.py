@@ -70,7 +70,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # `megatron.training` resolves `pretrain` and its siblings from megatron.training.training.
 NAMESPACE_LAYER = {"megatron": "base", "megatron.training": "entry"}
 # Code above megatron, which megatron must never import.
-OUTSIDE = ("tools", "tests", "pretrain_gpt", "benchmarks")
+OUTSIDE = ("tools", "tests", "pretrain_gpt", "finetune_llama", "benchmarks")
 
 
 def megatron_modules() -> dict[str, str]:

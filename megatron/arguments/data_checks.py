@@ -88,6 +88,8 @@ def settle_data_sources(args: argparse.Namespace, typed: set[str] | None) -> Non
             f"{' and '.join(sources)}: give one data source (Megatron-LM: 'A single data "
             "source must be provided')"
         )
+    if given["--mock-data"] and getattr(args, "sft", False):
+        raise ArgumentError("--sft with --mock-data: the synthetic documents have no loss masks")
     split_typed = typed is not None and "split" in typed
     if given["--mock-data"] and split_typed:
         args.compat_notes.append(
@@ -111,6 +113,26 @@ def settle_data_sources(args: argparse.Namespace, typed: set[str] | None) -> Non
             parse_data_path(getattr(args, dest), flag)
         except ValueError as error:
             raise ArgumentError(str(error)) from None
+
+
+PROMPT_JSON_DATA = "prompt_json_data"
+"""The `args_defaults` key by which an entry script (finetune_llama.py) says that its
+`--data-path` is one Alpaca JSON file (Megatron-DeepSpeed's SupervisedDataset), not the
+prefixes of indexed datasets."""
+
+
+def check_prompt_json_file(args: argparse.Namespace) -> None:
+    """--data-path is one existing JSON file (finetune_llama.py's prompt/response records)."""
+    paths = list(args.data_path)
+    if len(paths) != 1:
+        raise ArgumentError(
+            f"--data-path {' '.join(paths)}: finetune_llama.py reads one Alpaca JSON file (a "
+            "list of {instruction, input, output} records)"
+        )
+    if not os.path.isfile(paths[0]):
+        raise ArgumentError(
+            f"--data-path {paths[0]}: no such file (finetune_llama.py reads one Alpaca JSON file)"
+        )
 
 
 def check_per_split_files(args: argparse.Namespace) -> None:

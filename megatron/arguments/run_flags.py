@@ -202,6 +202,13 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
         help="Sampler: single (one pass in order) or cyclic (reshuffled every epoch); single "
         "when unset.",
     )
+    group.add_argument(
+        "--repeated-dataloader",
+        action="store_true",
+        help="When the training samples run out, read them again from the first instead of "
+        "stopping (Megatron-DeepSpeed's; finetune_llama.py's Alpaca records are fewer than "
+        "--train-iters takes). A resumed run continues where the pass it stopped in was.",
+    )
 
 
 def add_learning_rate_flags(parser: argparse.ArgumentParser) -> None:

@@ -20,9 +20,11 @@ from megatron.arguments.checkpoint_format_flags import (
 from megatron.arguments.compat_flags import refuse_unsupported_flags
 from megatron.arguments.context_parallel_checks import settle_context_parallel
 from megatron.arguments.data_checks import (  # noqa: F401 - SHIPPED_* are imported from here
+    PROMPT_JSON_DATA,
     SHIPPED_GPT2_MERGES,
     SHIPPED_GPT2_VOCAB,
     check_per_split_files,
+    check_prompt_json_file,
     settle_data_sources,
     settle_tokenizer,
 )
@@ -338,7 +340,11 @@ def _pipeline_and_checkpoints(args: argparse.Namespace) -> None:
     if args.save is not None and args.save_interval is None:
         raise ArgumentError("--save needs --save-interval (how many iterations between saves)")
     if args.save_interval is not None and args.save is None:
-        raise ArgumentError("--save-interval needs --save (the directory to write to)")
+        # Megatron-DeepSpeed's finetune_llama.sh passes --save-interval 1500 and no --save.
+        args.compat_notes.append(
+            f" > --save-interval {args.save_interval} without --save: no checkpoint is written "
+            "(as Megatron-DeepSpeed)"
+        )
 
 
 def _data_files(args: argparse.Namespace) -> None:
@@ -351,6 +357,8 @@ def _data_files(args: argparse.Namespace) -> None:
     if getattr(args, "train_data", None):
         args.train_data_corpus = train_data_corpus(args)  # tokenized once training starts
         args.data_path = [args.train_data_corpus.data_prefix]
+    elif getattr(args, "data_path", None) and getattr(args, PROMPT_JSON_DATA, False):
+        check_prompt_json_file(args)
     elif getattr(args, "data_path", None):
         try:
             prefixes, _ = parse_data_path(args.data_path)

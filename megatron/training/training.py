@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron.checkpointing import TrainState
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
+from megatron.data.corpus_reader import InputError
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.dry_run import (
     dry_run_requested,
@@ -78,6 +79,32 @@ def _cyclic(loader) -> Iterator:  # noqa: ANN001 - a DataLoader or None
         yield from loader
 
 
+def repeated_train_iterator(
+    loader_from: Callable[[int], object], samples: int, global_micro_batch: int, consumed: int
+) -> Iterator:
+    """`--repeated-dataloader` over the sequential sampler: its passes over the `samples`
+    training samples, each from the first, without end (Megatron-DeepSpeed's RepeatingLoader).
+
+    A pass reads whole global micro-batches (`global_micro_batch` samples; the rest is left
+    out, as the sampler leaves it), so a run resumed at `consumed` samples starts at the same
+    sample of its pass that it would have read had it not stopped.
+    """
+    per_pass = samples - samples % global_micro_batch
+    if per_pass == 0:
+        raise InputError(
+            f"--repeated-dataloader: the training data has {samples} samples, fewer than one "
+            f"global micro-batch ({global_micro_batch}: --micro-batch-size x data-parallel size)"
+        )
+
+    def passes() -> Iterator:
+        yield from loader_from(consumed % per_pass)
+        again = loader_from(0)
+        while True:
+            yield from again
+
+    return passes()
+
+
 def build_data_iterators(
     datasets_provider: Callable, args: argparse.Namespace, state: TrainState
 ) -> tuple[Iterator | None, Iterator | None, Iterator | None]:
@@ -85,7 +112,8 @@ def build_data_iterators(
 
     Every rank reads its own micro-batches (the mmap'd dataset makes this cheap), so no
     broadcast across tensor-parallel ranks is needed; the sampler gives all ranks of one
-    data-parallel replica the same samples.
+    data-parallel replica the same samples. With --repeated-dataloader the training samples
+    are read again from the first when they run out (`repeated_train_iterator`).
     """
     eval_runs = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
     num_samples = [
@@ -109,11 +137,24 @@ def build_data_iterators(
             args.dataloader_type or "single",
         )
 
-    train = loader(train_ds, state.consumed_train_samples)
+    consumed = state.consumed_train_samples
+    if train_ds is None:
+        train = None
+    elif not getattr(args, "repeated_dataloader", False):
+        train = iter(loader(train_ds, consumed))
+    elif args.dataloader_type == "cyclic":  # its sampler reshuffles and goes on by itself
+        train = _cyclic(loader(train_ds, consumed))
+    else:
+        train = repeated_train_iterator(
+            lambda start: loader(train_ds, start),
+            len(train_ds),
+            args.micro_batch_size * dp_size,
+            consumed,
+        )
     valid = loader(valid_ds, state.consumed_valid_samples)
     test = loader(test_ds, 0)
     return (
-        iter(train) if train is not None else None,
+        train,
         _cyclic(valid) if valid is not None else None,
         _cyclic(test) if test is not None else None,
     )

@@ -91,6 +91,13 @@ def test_sequence_parallel_is_dropped_without_tensor_parallelism():
     assert validated("--sequence-parallel --tensor-model-parallel-size 2", 2).sequence_parallel
 
 
+def test_save_interval_without_save_saves_nothing_and_says_so():
+    """As Megatron-DeepSpeed (finetune_llama.sh passes --save-interval without --save)."""
+    args = validated("--save-interval 5")
+    assert args.save is None
+    assert any("--save-interval 5 without --save" in note for note in args.compat_notes)
+
+
 @pytest.mark.parametrize(
     "extra, world_size, message",
     [
@@ -103,7 +110,6 @@ def test_sequence_parallel_is_dropped_without_tensor_parallelism():
         ("--fp16 --bf16", 1, "--fp16 and --bf16"),
         ("--tensor-model-parallel-size 3", 3, r"--num-attention-heads \(4\).*size \(3\)"),
         ("--save /tmp/x", 1, "--save needs --save-interval"),
-        ("--save-interval 5", 1, "--save-interval needs --save"),
         ("--max-position-embeddings 16", 1, r"--seq-length \(32\).*--max-position-embeddings"),
         ("--train-samples 8", 1, "exactly one of --train-iters and --train-samples"),
         ("--min-lr 1", 1, r"--min-lr \(1.0\) is larger than --lr"),
