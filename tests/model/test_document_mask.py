@@ -142,6 +142,35 @@ def test_each_packed_document_gets_its_logits_alone(family, kernel, monkeypatch)
     assert (causal[38:] - packed[38:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_pipeline_stages_give_each_document_its_logits_alone(family, monkeypatch):
+    """PP=2 as Megatron's schedules cut the model (both stages here, in one process): the
+    document ids reach each stage as its keyword input; FlexAttention (eager on CPU)."""
+    from megatron.checkpointing.pipeline_stages import chunk_state_dict
+    from megatron.model.pipeline_chunks import GPTPipelineChunk
+
+    monkeypatch.setattr(attention, "kernel_for", lambda backend, device: "flex")
+    config = tiny_config(max_position_embeddings=160, **(LLAMA if family == "llama" else {}))
+    model = build_model(config).eval()
+    dense = model.state_dict()
+    stages = []
+    for stage in range(2):
+        chunk = GPTPipelineChunk(config, stage, 2, range(stage + 1, stage + 2)).eval()
+        chunk.load_state_dict(chunk_state_dict(dense, 2, 2, 1, stage, 0))
+        stages.append(chunk)
+    docs = _packed_batch([37, 1, 60, 30], 64, seed=4)
+    tokens = torch.cat(docs)[None]
+    ids, _, positions = get_ltor_masks_and_position_ids(tokens, EOD, True, True, False)
+    with torch.no_grad():
+        hidden = stages[0](tokens, positions, document_ids=ids)
+        packed = stages[1](hidden, document_ids=ids)[0]
+        start = 0
+        for doc in docs:
+            alone = model(doc[None])[0]
+            torch.testing.assert_close(packed[start : start + doc.numel()], alone)
+            start += doc.numel()
+
+
 def test_training_gradients_equal_the_dense_mask():
     """Per-document SDPA (the CPU training kernel) against the unfused dense reference."""
     tokens = torch.cat(_packed_batch([20, 44, 30, 34], 64))[None].repeat(2, 1)
