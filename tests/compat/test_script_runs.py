@@ -237,13 +237,14 @@ def test_examples_pretrain_gpt_distributed_fp16_torch_distributed_launch(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["--fp16", "--bf16"])
+@pytest.mark.parametrize("precision", ["--fp16"])
 def test_examples_distributed_with_mp_runs_megatrons_pipeline_schedule(
     precision: str, stdlib_dataset: str, tmp_path
 ) -> None:
     """examples/pretrain_gpt_distributed_with_mp.sh: TP=2 x PP=2 with --sequence-parallel and
     no DeepSpeed (Megatron's 1F1B on torch.distributed.pipelining), 4 processes under
-    torch.distributed.launch, in the script's fp16 and in bf16."""
+    torch.distributed.launch, in the script's fp16 (bf16 too until the CI budget of issue 41:
+    the same schedule without fp16's loss scaling)."""
     sizes = {
         **ITERATIONS,
         "--lr-warmup-fraction": [".1"],

@@ -47,7 +47,9 @@ CASES = {
     # ZeRO-2 runs ZeRO-1's optimizer class (DeepSpeedZeroOptimizer), its gradients partitioned:
     # tests/checkpointing/test_resume.py and the planner's runs cover it; left out for time.
 }
-RESUMED = ("plain-bf16", "plain-fp16", "zero1-bf16")
+RESUMED = ("plain-fp16", "zero1-bf16")
+"""(plain-bf16 resumed here too until the CI budget of issue 41: the plain path's half-precision
+resume is plain-fp16's, bf16's is ZeRO-1's.)"""
 
 
 class Runs:
