@@ -149,6 +149,14 @@ def _refuse_qwen_sliding_window(hf_config: dict[str, Any]) -> None:
         )
 
 
+def _llama_args(hf_config: dict[str, Any], *sizes: Any) -> dict[str, Any]:
+    """LLaMA's checkpoint args for a family whose biases config.json does not set: Qwen2's q/k/v
+    biases are fixed, Qwen3 (after its refusal) and Mistral have none."""
+    return megatron_args_from_llama(
+        {**hf_config, "attention_bias": False, "mlp_bias": False}, *sizes
+    )
+
+
 def megatron_args_from_qwen2(
     hf_config: dict[str, Any],
     tp_size: int,
@@ -166,10 +174,7 @@ def megatron_args_from_qwen2(
             f"config.json has head_dim={hf_config['head_dim']!r}, but transformers 4's Qwen2 "
             f"takes hidden_size / num_attention_heads = {hidden // heads}"
         )
-    plain = {**hf_config, "attention_bias": False, "mlp_bias": False}  # Qwen2's are fixed
-    args = megatron_args_from_llama(
-        plain, tp_size, pp_size, make_vocab_size_divisible_by, seq_length
-    )
+    args = _llama_args(hf_config, tp_size, pp_size, make_vocab_size_divisible_by, seq_length)
     return dict(args, add_qkv_bias=True)
 
 
@@ -189,10 +194,7 @@ def megatron_args_from_qwen3(
             "config.json has attention_bias=true: Qwen3's biases on the four attention "
             "projections alone are not built here (--add-qkv-bias covers q, k and v only)"
         )
-    plain = {**hf_config, "attention_bias": False, "mlp_bias": False}
-    args = megatron_args_from_llama(
-        plain, tp_size, pp_size, make_vocab_size_divisible_by, seq_length
-    )
+    args = _llama_args(hf_config, tp_size, pp_size, make_vocab_size_divisible_by, seq_length)
     return dict(args, qk_layernorm=True)
 
 
@@ -214,10 +216,7 @@ def megatron_args_from_mistral(
         raise CheckpointConversionError(
             f"config.json has sliding_window={window}; need at least 1 (or null: no window)"
         )
-    plain = {**hf_config, "attention_bias": False, "mlp_bias": False}  # Mistral has none
-    args = megatron_args_from_llama(
-        plain, tp_size, pp_size, make_vocab_size_divisible_by, seq_length
-    )
+    args = _llama_args(hf_config, tp_size, pp_size, make_vocab_size_divisible_by, seq_length)
     if window is not None and window < args["max_position_embeddings"]:
         args["window_size"] = (window - 1, 0)
     return args

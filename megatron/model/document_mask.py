@@ -38,18 +38,13 @@ class DocumentMask:
     _block_masks: dict = field(default_factory=dict, repr=False)
 
     def allowed(self, sq: int, sk: int, device: torch.device, q_offset: int = 0) -> torch.Tensor:
-        """Bool [b|1, sq, sk], True where query q_offset + i may attend key j."""
-        q = torch.arange(q_offset, q_offset + sq, device=device)[:, None]
-        k = torch.arange(sk, device=device)[None, :]
-        right = self.window[1] if self.window else 0
-        allowed = k <= q + right
-        if self.window is not None:
-            allowed = allowed & (k >= q - self.window[0])
-        allowed = allowed[None]
-        if self.document_ids is not None:
-            ids = self.document_ids.to(device)
-            allowed = allowed & (ids[:, q_offset : q_offset + sq, None] == ids[:, None, :sk])
-        return allowed
+        """Bool [b|1, sq, sk], True where query q_offset + i may attend key j (FlexAttention's
+        `mask_mod` over every pair)."""
+        q = torch.arange(q_offset, q_offset + sq, device=device)[None, :, None]
+        k = torch.arange(sk, device=device)[None, None, :]
+        rows = 1 if self.document_ids is None else self.document_ids.size(0)
+        b = torch.arange(rows, device=device)[:, None, None]
+        return _mask_mod(self, device)(b, None, q, k)
 
     def dense(self, sq: int, sk: int, device: torch.device, q_offset: int = 0) -> torch.Tensor:
         """Megatron's bool mask [b|1, 1, sq, sk], True = may not attend."""
