@@ -196,6 +196,54 @@ class RoutedMoEConfig:
     """Log each MoE layer's losses, not only their mean (`--moe-per-layer-logging`)."""
 
 
+@dataclass(frozen=True)
+class Fp8Config:
+    """FP8 matmuls in the transformer layers' linear layers through torchao's float8 training
+    (`--fp8-format`, `--fp8-recipe`; megatron.model.fp8). Weights, gradients, optimizer state
+    and checkpoints stay in the run's precision: FP8 is the format of the matmuls' inputs."""
+
+    format: str = "hybrid"
+    """`e4m3` (every operand E4M3) or `hybrid` (E4M3 forward, E5M2 gradients)."""
+    recipe: str = "tensorwise"
+    """`tensorwise`: one scale per tensor from its current amax (Transformer Engine's
+    Float8CurrentScaling, torchao's tensorwise recipe)."""
+    wgrad: bool = True
+    """The weight gradient's matmul in FP8 too (`--no-fp8-wgrad`: in the run's precision)."""
+    bf16_layers_at_start: int = 0
+    """The first N transformer layers keep their matmuls in the run's precision
+    (`--first-last-layers-bf16 --num-layers-at-start-in-bf16 N`)."""
+    bf16_layers_at_end: int = 0
+    """Likewise the last N layers (`--num-layers-at-end-in-bf16`)."""
+    param_gather: bool = False
+    """Under FSDP2 sharding, all-gather each weight in FP8 (`--fp8-param-gather`)."""
+
+    def __post_init__(self) -> None:
+        """Reject a format or recipe that is not built."""
+        if self.format not in ("e4m3", "hybrid"):
+            raise ValueError(f"Fp8Config.format must be e4m3 or hybrid, not {self.format!r}")
+        if self.recipe != "tensorwise":
+            raise ValueError(f"Fp8Config.recipe must be tensorwise, not {self.recipe!r}")
+
+    def covers_layer(self, layer_number: int, num_layers: int) -> bool:
+        """Whether transformer layer `layer_number` (1-based, of `num_layers`) runs in FP8."""
+        return self.bf16_layers_at_start < layer_number <= num_layers - self.bf16_layers_at_end
+
+
+def fp8_config_from_args(args: Namespace) -> Fp8Config | None:
+    """The FP8 settings of validated flags (megatron.arguments.fp8_flags); None without FP8."""
+    if getattr(args, "fp8", None) is None:
+        return None
+    keep = bool(getattr(args, "first_last_layers_bf16", False))
+    return Fp8Config(
+        format=args.fp8,
+        recipe=args.fp8_recipe,
+        wgrad=bool(getattr(args, "fp8_wgrad", True)),
+        bf16_layers_at_start=args.num_layers_at_start_in_bf16 if keep else 0,
+        bf16_layers_at_end=args.num_layers_at_end_in_bf16 if keep else 0,
+        param_gather=bool(getattr(args, "fp8_param_gather", False)),
+    )
+
+
 @dataclass
 class ModelConfig:
     """Shape and numerics of the GPT model, plus how its layers are split and recomputed.
@@ -301,6 +349,8 @@ class ModelConfig:
     """DeepSpeed-MoE layers (Megatron-DeepSpeed's `--num-experts` above 1), or None."""
     routed_moe: RoutedMoEConfig | None = None
     """Megatron-LM's MoE layers (`--num-experts` with its `--moe-*` flags), or None."""
+    fp8: Fp8Config | None = None
+    """FP8 matmuls in the transformer layers (`--fp8-format`), or None."""
 
     def __post_init__(self) -> None:
         """Fill the derived defaults and reject impossible shapes."""
@@ -422,6 +472,7 @@ class ModelConfig:
             and (get("context_parallel_size") or 1) == 1,
             moe=moe,
             routed_moe=routed_moe,
+            fp8=fp8_config_from_args(args),
         )
 
 

@@ -160,8 +160,8 @@ INERT: list[CompatFlag] = [
     ),
     *_inert(
         "Megatron-LM's choice between its local layers and Transformer Engine's kernels for the "
-        "same layers; torch's kernels run them here (FP8, Transformer Engine's other use, is "
-        "refused apart by its --fp8-* flags)",
+        "same layers; torch's kernels run them here (FP8, Transformer Engine's other use, runs "
+        "through torchao under --fp8-format)",
         "--transformer-impl:str",
     ),
     *_inert(
@@ -272,16 +272,10 @@ REFUSED: list[CompatFlag] = [
         accepts=_equals(0),
     ),
     *_refused(
-        "Transformer Engine and FP8 are not built here",
-        "--fp8-e4m3",
-        "--fp8-hybrid",
-        "--fp8-format:str",
-        "--no-fp8-wgrad",
-        "--fp8-margin:int",
-        "--fp8-interval:int",
-        "--fp8-amax-history-len:int",
-        "--fp8-amax-compute-algo:str",
-        "--fp8-param-gather",
+        "Transformer Engine's FP8 attention is not built here (FP8 runs the linear layers' "
+        "matmuls: --fp8-format)",
+        "--fp8-dot-product-attention",
+        "--fp8-multi-head-attention",
     ),
     *_refused(
         "gpt-oss's architecture (attention sinks, alternating sliding-window layers, the "

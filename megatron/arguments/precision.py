@@ -40,6 +40,8 @@ def check_precision_on_this_machine(args: argparse.Namespace) -> None:
                 f"{flag}: {detail}; drop the flag (the default SDPA attention picks flash "
                 "kernels by itself where they exist)"
             )
+    if getattr(args, "fp8", None) is not None:
+        _check_fp8_here(args)
     if not args.deepspeed or not (args.fp16 or args.bf16):
         return
     from deepspeed.accelerator import get_accelerator
@@ -57,6 +59,22 @@ def check_precision_on_this_machine(args: argparse.Namespace) -> None:
             f"does not support {half} here; use {other} with DeepSpeed, or drop --deepspeed "
             f"(the plain path runs --{half} under torch.autocast on any device)"
         )
+
+
+def _check_fp8_here(args: argparse.Namespace) -> None:
+    """FP8 needs torchao and, on GPUs, FP8 tensor cores: stop in one line where they are not."""
+    import torch
+
+    from megatron.model.fp8 import fp8_support
+
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    reason = fp8_support(device)
+    if reason is not None:
+        raise ArgumentError(f"--fp8-format {args.fp8}: {reason}")
 
 
 def _flash_flag(args: argparse.Namespace) -> str | None:
@@ -89,6 +107,13 @@ def precision_summary(args: argparse.Namespace, tf32: bool = False) -> str:
             "gradient accumulation fp32",
         ]
     parts.append(f"loss scaling {_loss_scaling(args)}")
+    fp8 = getattr(args, "fp8", None)
+    if fp8 is not None:
+        wgrad = "" if getattr(args, "fp8_wgrad", True) else ", weight gradients in high precision"
+        parts.append(
+            f"FP8 matmuls {fp8} {args.fp8_recipe} (torchao) in the transformer layers' linear "
+            f"layers{wgrad}"
+        )
     return " > precision: " + ", ".join(parts)
 
 

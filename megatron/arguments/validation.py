@@ -35,6 +35,7 @@ from megatron.arguments.ds_config import (
 )
 from megatron.arguments.ds_unused_sections import set_aside_unused_sections
 from megatron.arguments.errors import ArgumentError, flag_name
+from megatron.arguments.fp8_flags import settle_fp8
 from megatron.arguments.housekeeping_flags import check_housekeeping
 from megatron.arguments.moe_flags import settle_moe
 from megatron.arguments.muon_flags import check_muon_engine, settle_muon
@@ -527,6 +528,7 @@ def validate_args(
     check_housekeeping(args)
     settle_ulysses(args)
     settle_context_parallel(args)
+    settle_fp8(args)
     if args.deepspeed:
         settle_gradient_accumulation_dtype(args, args.deepspeed_config_dict, config_source)
     check_muon_engine(args)  # after the accumulation dtype: it picks DeepSpeed's wrapper

@@ -39,6 +39,7 @@ from megatron.model.attention import (
 )
 from megatron.model.context_parallel import ContextParallelAttention
 from megatron.model.document_mask import DocumentMask, layer_attention_mask
+from megatron.model.fp8 import use_fp8_matmuls
 from megatron.model.fused_ops import (
     bias_dropout_add,
     fuse_eagerly,
@@ -244,6 +245,8 @@ class ParallelTransformerLayer(nn.Module):
         else:
             self.mlp = ParallelMLP(config)
         self.moe_loss_coeff = config.moe.loss_coeff if self.is_moe else 0.0
+        if config.fp8 is not None and config.fp8.covers_layer(layer_number, config.num_layers):
+            use_fp8_matmuls(self, config.fp8)
 
     def forward(
         self,

@@ -31,6 +31,7 @@ from megatron.dry_run import (
     run_dry_run,
 )
 from megatron.initialize import initialize_megatron
+from megatron.model.fp8 import fp8_report
 from megatron.model.model_size import model_size_report
 from megatron.tokenizer import build_tokenizer
 from megatron.training.engines import PipelineBatch, TrainingEngine, engine_class
@@ -55,6 +56,8 @@ def build_engine(
     """
     print_rank_0(model_size_report(ModelConfig.from_args(args), args.seq_length))
     model = model_provider(args)
+    if getattr(args, "fp8", None) is not None:
+        print_rank_0(fp8_report(model))
     return engine_class(args.layout).create(model, args, forward_step_func, pipeline_batch)
 
 

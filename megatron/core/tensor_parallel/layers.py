@@ -9,6 +9,9 @@ Weights are created on the current default device (use `with torch.device(...)`)
 `use_cpu_initialization` the full master weight is drawn on the CPU and this rank keeps its
 slice, so the model does not depend on the tensor-parallel size; otherwise each rank draws its
 own shard from the model-parallel RNG stream (with one rank, both are the same draw).
+
+A linear layer's `fp8_matmul` (None: F.linear) replaces the local matmul of its shard, the
+communication around it unchanged (`megatron.model.fp8` sets it under `--fp8-format`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import (
     all_reduce_sum_over_tensor_parallel,
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     linear_over_sequence_parallel_gather,
     reduce_from_tensor_model_parallel_region,
@@ -33,6 +37,8 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
+LinearMatmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""F.linear's signature: (input, weight, bias) -> output; megatron.model.fp8's FP8 matmul."""
 
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
@@ -115,6 +121,33 @@ def _initialize_weight(
         weight.copy_(torch.cat(blocks[rank::world], dim=partition_dim))
 
 
+def _local_linear(
+    fp8_matmul: LinearMatmul | None,
+    input_: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """This rank's matmul: F.linear, or the FP8 one."""
+    if fp8_matmul is None:
+        return F.linear(input_, weight, bias)
+    return fp8_matmul(input_, weight, bias)
+
+
+def _gathered_fp8_linear(
+    fp8_matmul: LinearMatmul,
+    input_: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """The FP8 matmul of the sequence-parallel all-gather of the input (whose gradient is
+    reduce-scattered). Unlike `linear_over_sequence_parallel_gather` the gathered input is
+    kept for the backward, which torchao's FP8 matmul recasts from it."""
+    device = input_.device.type
+    if torch.is_autocast_enabled(device):  # the half type crosses the wire, as F.linear's path
+        input_ = input_.to(torch.get_autocast_dtype(device))
+    return fp8_matmul(gather_from_sequence_parallel_region(input_, True), weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = XA + b with A split by output columns; returns (output, bias or None).
 
@@ -167,17 +200,22 @@ class ColumnParallelLinear(nn.Module):
                 set_tensor_model_parallel_attributes(self.bias, 0, stride)
         else:
             self.register_parameter("bias", None)
+        self.fp8_matmul: LinearMatmul | None = None
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[s(/tp under SP), b, in] -> [s, b, out/tp] (or [s, b, out] with gather_output)."""
-        if not self.split:
-            bias = None if self.skip_bias_add else self.bias
-            return F.linear(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel:
+        if not self.split:
+            output = _local_linear(self.fp8_matmul, input_, self.weight, bias)
+            return output, (self.bias if self.skip_bias_add else None)
+        if self.sequence_parallel and self.fp8_matmul is not None:
+            output = _gathered_fp8_linear(self.fp8_matmul, input_, self.weight, bias)
+        elif self.sequence_parallel:
             output = linear_over_sequence_parallel_gather(input_, self.weight, bias)
         else:
-            output = F.linear(copy_to_tensor_model_parallel_region(input_), self.weight, bias)
+            output = _local_linear(
+                self.fp8_matmul, copy_to_tensor_model_parallel_region(input_), self.weight, bias
+            )
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output)
         return output, (self.bias if self.skip_bias_add else None)
@@ -229,17 +267,18 @@ class RowParallelLinear(nn.Module):
                 mark_sequence_parallel(self.bias)
         else:
             self.register_parameter("bias", None)
+        self.fp8_matmul: LinearMatmul | None = None
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[s, b, in/tp] -> [s(/tp under SP), b, out], summed over tensor-parallel ranks."""
         if not self.split:
-            partial = F.linear(input_, self.weight)
+            partial = _local_linear(self.fp8_matmul, input_, self.weight, None)
             if self.skip_bias_add or self.bias is None:
                 return partial, self.bias
             return partial + self.bias, None
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_)
-        partial = F.linear(input_, self.weight)
+        partial = _local_linear(self.fp8_matmul, input_, self.weight, None)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial)
         else:
