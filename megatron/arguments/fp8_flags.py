@@ -12,9 +12,10 @@ Names, defaults and meanings are Megatron-LM's (megatron/core/transformer/transf
 - `--fp8-margin`, `--fp8-amax-history-len`, `--fp8-amax-compute-algo` and `--fp8-interval`
   belong to the delayed recipe: Megatron-LM ignores them under tensorwise, and so does this
   code (a start-up note names them).
-- `--fp8-param-gather`: under FSDP2 sharding each weight is all-gathered in FP8 (torchao's
-  float8 all-gather); elsewhere the weights are gathered (or replicated) in the run's
-  precision, which under tensorwise scaling casts to the same FP8 numbers (a note says so).
+- `--fp8-param-gather`: under FSDP2 sharding (`--use-distributed-optimizer`,
+  `--use-torch-fsdp2`) each weight is all-gathered in FP8 (torchao's float8 all-gather: the
+  same FP8 numbers as casting the gathered weight, half the bytes); without sharding no weight
+  is gathered and a note says the flag has nothing to do.
 """
 
 from __future__ import annotations
@@ -141,11 +142,11 @@ def settle_fp8(args: argparse.Namespace) -> None:
             f" > note: {', '.join(ignored)} set the delayed recipe's amax history; "
             "no effect under tensorwise scaling (Megatron-LM ignores them there too)"
         )
-    if args.fp8_param_gather and args.layout.sharding != "fsdp2":
+    if args.fp8_param_gather and args.layout.sharding == "none":
         args.compat_notes.append(
-            " > note: --fp8-param-gather: weights are gathered in the run's precision here (FP8 "
-            "all-gather is torchao's under --use-torch-fsdp2); each matmul casts them to the "
-            "same FP8 numbers"
+            " > note: --fp8-param-gather: no weights are all-gathered here (FP8 all-gather is "
+            "torchao's under FSDP2 sharding: --use-distributed-optimizer or --use-torch-fsdp2); "
+            "each matmul casts the weights to FP8"
         )
     _check_layers_in_bf16(args)
     _check_dimensions(args)
