@@ -27,10 +27,14 @@ REFUSED = [
         128,
         ["--step-batch-size-schedule 0:16 2.4B:320", "Cannot specify both", "not built here"],
     ),
-    # Their mock data (--mock-data, NullTokenizer --vocab-size 128256) is built; FP8 is not
-    # (nor, behind it, gpt-oss's attention sinks, nor Megatron-FSDP's checkpoint format).
-    ("gptoss__02_train.json", 8, ["--fp8-format hybrid", "Transformer Engine and FP8"]),
-    ("megatron_fsdp__train_llama3_8b_fsdp_h100_fp8.json", 8, ["--fp8-format hybrid"]),
+    # Their mock data (--mock-data, NullTokenizer --vocab-size 128256) and FP8 are built;
+    # gpt-oss's attention sinks and Megatron-FSDP's own checkpoint format are not.
+    ("gptoss__02_train.json", 8, ["--enable-gpt-oss", "not built here"]),
+    (
+        "megatron_fsdp__train_llama3_8b_fsdp_h100_fp8.json",
+        8,
+        ["--ckpt-format fsdp_dtensor", "not built here"],
+    ),
     # DeepSeek-V3 on Megatron-FSDP: multi-latent attention (and multi-token prediction).
     (
         "megatron_fsdp__sbatch_mfsdp_deepseek_v3.json",
@@ -65,13 +69,16 @@ def test_stops_in_one_line_naming_what_is_not_built(
         assert word in message, message
 
 
-def test_fsdp_recipe_on_mock_data_plans_without_fp8_at_8_ranks() -> None:
-    """Without FP8 and Megatron-FSDP's own checkpoint format, the Llama-3 8B FSDP recipe's
-    mock data validates as Megatron-LM reads it (NullTokenizer's 128,256 ids padded to 128,256,
-    --split not read) and plans at its 8 ranks."""
+def test_fsdp_recipe_on_mock_data_plans_with_fp8_at_8_ranks() -> None:
+    """Without Megatron-FSDP's own checkpoint format, the Llama-3 8B FSDP recipe's mock data
+    validates as Megatron-LM reads it (NullTokenizer's 128,256 ids padded to 128,256, --split
+    not read) and plans at its 8 ranks, its FP8 flags on (tensorwise, said at start-up)."""
     script = load_script(os.path.join(HERE, "megatron_fsdp__train_llama3_8b_fsdp_h100_fp8.json"))
-    argv = with_values(script.argv, {flag: None for flag in (*FP8_FLAGS, "--ckpt-format")})
+    assert all(flag in script.argv for flag in FP8_FLAGS)
+    argv = with_values(script.argv, {"--ckpt-format": None})
     args = _validate(argv + ["--dry-run"], 8)
+    assert (args.fp8, args.fp8_recipe, args.fp8_param_gather) == ("hybrid", "tensorwise", True)
+    assert any("FP8 recipe tensorwise" in note for note in args.compat_notes)
     assert args.mock_data and args.data_path is None
     assert (args.tokenizer_type, args.vocab_size, args.tiktoken_pattern) == (
         "NullTokenizer",

@@ -1,7 +1,8 @@
 """Megatron-LM's current recipes (tests/compat/megatron_lm/*.json): how far they get today.
 
-Megatron-LM's Llama-3 8B recipe (`examples/llama/train_llama3_8b_h100_fp8.sh`, its bf16
-branch) passes `--context-parallel-size`. Some of its other flags are built by a later issue
+Megatron-LM's Llama-3 8B recipe (`examples/llama/train_llama3_8b_h100_fp8.sh` as written:
+FP8 hybrid with the delayed recipe's amax settings, which run as tensorwise scaling here and
+say so) passes `--context-parallel-size`. Some of its other flags are built by a later issue
 (Megatron-LM's training and data flags): `LATER` names each with its issue, and the first
 test checks that each is still refused in one line (unknown to the parser, or refused by
 validation), so the list must shrink as they land. Without them the command line validates
@@ -23,6 +24,7 @@ import os
 import pytest
 
 from megatron.arguments import ArgumentError, build_parser, typed_flags, validate_args
+from megatron.dry_run import run_dry_run
 from tests.compat.scripts import load_script, with_values
 from tests.compat.test_script_runs import _iteration_lines, _launch
 from tests.conftest import MERGE_FILE, VOCAB_FILE
@@ -104,6 +106,12 @@ def test_the_recipe_stops_only_at_flags_of_later_issues(stdlib_dataset: str, tmp
     args = _validate(_without_later(argv), script.world_size)
     assert args.context_parallel_size == 1 and args.layout.data_parallel == 8
     assert args.tokenizer_type == "HFTokenizer" and args.num_key_value_heads == 8
+    assert (args.fp8, args.fp8_recipe, args.fp8_param_gather) == ("hybrid", "tensorwise", True)
+    assert any("--fp8-amax-history-len, --fp8-amax-compute-algo" in n for n in args.compat_notes)
+    printed = io.StringIO()  # as written (its data and tokenizer elsewhere): the 8-rank plan
+    with contextlib.redirect_stdout(printed):
+        run_dry_run(script.argv + ["--dry-run", "--dry-run-world-size", "8"])
+    assert "dry run: 8 ranks = TP 1 x PP 1 x DP 8; plain FSDP2 optim_grads" in printed.getvalue()
     at_cp2 = _validate(_without_later(with_values(argv, {"--context-parallel-size": ["2"]})), 8)
     # Its DDP arguments: Megatron-LM's distributed optimizer, here on torch FSDP2.
     assert at_cp2.layout.describe() == "TP 1 x CP 2 x PP 1 x DP 4, bf16, FSDP2 optim_grads on plain"
@@ -135,6 +143,8 @@ def test_scaled_recipe_runs_at_cp2_and_a_second_launch_resumes(
     assert first.returncode == 0, first.stdout[-4000:]
     layout = "TP 1 x CP 2 x PP 1 x DP 1, bf16, FSDP2 optim_grads on plain"
     assert layout in first.stdout, first.stdout[-4000:]
+    # Its 2 layers' 4 linear layers each; the untied output layer stays in bf16.
+    assert "FP8 matmuls: 8 of this rank's 9 tensor-parallel linear layers" in first.stdout
     logged = _iteration_lines(first.stdout)
     assert [log["iteration"] for log in logged] == [1, 2, 3]
     second = _launch("torchrun", argv, ranks=2)  # the same command line again

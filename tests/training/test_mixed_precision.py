@@ -46,8 +46,16 @@ CASES = {
     "zero1-bf16": ["--bf16", "--zero-stage", "1"],
     # ZeRO-2 runs ZeRO-1's optimizer class (DeepSpeedZeroOptimizer), its gradients partitioned:
     # tests/checkpointing/test_resume.py and the planner's runs cover it; left out for time.
+    # FP8 matmuls (torchao) on both paths: fp32 master weights under autocast, and DeepSpeed's
+    # bf16 parameters.
+    "plain-bf16-fp8": ["--bf16", "--fp8-format", "hybrid"],
+    "zero1-bf16-fp8": ["--bf16", "--fp8-format", "hybrid", "--zero-stage", "1"],
 }
-RESUMED = ("plain-fp16", "zero1-bf16")
+# FP8 rounds each matmul operand to 3 (E4M3) or 2 (E5M2, gradients) mantissa bits, 2^-4 and
+# 2^-3 relative: the loss moved by up to 0.4% from fp32's in our runs. Megatron-LM's and the
+# issue's criterion for FP8 tracking bf16 is 2%; still 10 times smaller than the learning.
+FP8_RELATIVE_TOLERANCE = 2e-2
+RESUMED = ("plain-fp16", "zero1-bf16", "plain-bf16-fp8")
 """(plain-bf16 resumed here too until the CI budget of issue 41: the plain path's half-precision
 resume is plain-fp16's, bf16's is ZeRO-1's.)"""
 
@@ -249,12 +257,15 @@ def test_half_precision_tracks_fp32_for_50_iterations(
     assert len(logs) == len(fp32_losses) == ITERATIONS
     assert all(log["number of nan iterations"] == 0 for log in logs)
     assert all(log["number of skipped iterations"] == 0 for log in logs)
+    tolerance = FP8_RELATIVE_TOLERANCE if case.endswith("fp8") else RELATIVE_TOLERANCE
     for log, expected in zip(logs, fp32_losses):
-        assert log["lm loss"] == pytest.approx(expected, rel=RELATIVE_TOLERANCE), log
+        assert log["lm loss"] == pytest.approx(expected, rel=tolerance), log
     assert fp32_losses[-1] < fp32_losses[0] - 1.0  # the comparison is over real learning
     # DeepSpeed 0.19 has no fp32 accumulation of bf16 gradients at ZeRO 0 (see ds_config.py).
     accumulation = "bf16" if case == "zero0-bf16" else "fp32"
     assert f"gradient accumulation {accumulation}" in runs.output(case)
+    fp8_line = "FP8 matmuls hybrid tensorwise (torchao)"
+    assert (fp8_line in runs.output(case)) == case.endswith("fp8")
 
 
 @pytest.mark.slow
@@ -397,5 +408,6 @@ def test_half_precision_tracks_fp32_on_gpu(case: str, runs: Runs, gpu_fp32_run) 
     assert len(logs) == ITERATIONS
     assert all(log["number of nan iterations"] == 0 for log in logs)
     assert all(log["number of skipped iterations"] == 0 for log in logs)
+    tolerance = FP8_RELATIVE_TOLERANCE if case.endswith("fp8") else RELATIVE_TOLERANCE
     for log, expected in zip(logs, fp32_losses):
-        assert log["lm loss"] == pytest.approx(expected, rel=RELATIVE_TOLERANCE), log
+        assert log["lm loss"] == pytest.approx(expected, rel=tolerance), log
