@@ -2,19 +2,22 @@
 # Check the GPU code paths on a CUDA machine in one command, with everything tee'd to a log.
 #
 #   bash scripts/gpu_check.sh [LOG]     # LOG: benchmarks/results/<device>-<date>.txt by default
-#   WHEELS=.whl bash scripts/gpu_check.sh "$OUT/gpu_check.log"   # no DeepSpeed installed yet
+#   WHEELS=.whl bash scripts/gpu_check.sh "$OUT/gpu_check.log"   # no DeepSpeed/torchao yet
 #
-# Steps, in order (STEPS="..." runs a subset; each is PASS or FAIL in the closing summary, and
+# Steps, in order (STEPS="..." runs a subset; each is PASS or FAIL (fp8: or SKIP) in the summary;
 # a failed step does not stop the later ones):
 #   env     the GPU (nvidia-smi), Python, torch, the checkout
-#   deps    DeepSpeed importable; where it is not and WHEELS names a folder of wheels (DeepSpeed,
-#           pydantic, ...), installs them with no index into SITE (default /tmp/gpu_check_site)
-#           and puts that on PYTHONPATH (for a machine with no network and no DeepSpeed).
-#           Such a folder, made where there is network, for a Python 3.12 x86_64 machine:
+#   deps    DeepSpeed and torchao importable; where one is not and WHEELS names a folder of
+#           wheels (DeepSpeed, pydantic, ..., torchao), installs the missing one's wheels with no
+#           index into SITE (default /tmp/gpu_check_site) and puts that on PYTHONPATH (for a
+#           machine with no network). DeepSpeed is required; without torchao the fp8 step skips.
+#           Such a folder, made where there is network, for a Python 3.12 x86_64 machine (the
+#           git checkout ignores .whl/ through .git/info/exclude: carry it to the GPU machine):
 #             pip wheel --no-deps --no-build-isolation deepspeed==0.19.8 -w .whl
 #             pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #               --platform manylinux_2_17_x86_64 -d .whl pydantic==2.14.3 \
 #               pydantic-core==2.50.4 annotated-types typing-inspection typing-extensions hjson
+#             pip download torchao==0.18.0 --no-deps -d .whl   # its FP8 needs torch >= 2.11
 #   build   the two pybind11 extensions, in place (python setup.py build_ext --inplace)
 #   doctor  python -m megatron.doctor
 #   tests   pytest -m gpu over the suite, then the tests that touch CUDA and tests/model
@@ -28,6 +31,11 @@
 #           there), with its own data, checkpoints and run under WORK
 #   bench   benchmarks/gpu_throughput.py --model $BENCH_MODELS (default "124M 350M"): MFU through
 #           pretrain_gpt.py's engine, eager and --torch-compile, against a compiled nanoGPT
+#   fp8     benchmarks/fp8_throughput.py: pretrain_gpt.py --torch-compile on a 1B-class LLaMA,
+#           --bf16 and then --bf16 --fp8-format hybrid, 200 iterations each on the data step's
+#           corpus (built here if that step did not run): tokens/s of each, their ratio, and the
+#           loss agreement (about 3 minutes on an H100, two cold compiles included). SKIP, in
+#           one line, where FP8 cannot run: no torchao, or a GPU before sm_89 (Ada, Hopper)
 # Everything but the log goes to WORK (default: a new /tmp/gpu_check.XXXXXX, kept afterwards:
 # the corpus, each training run's log and its final checkpoint, about 0.6 GB per run).
 # Each step runs under a time limit. Exit status: 0 when every step passed, else 1.
@@ -47,19 +55,32 @@ model_args=${MODEL_ARGS:-"--num-layers 6 --hidden-size 512 --num-attention-heads
 model_args+=" --micro-batch-size $micro_batch_size"
 vocab=(--vocab-file dataset/gpt2-vocab.json --merge-file dataset/gpt2-merges.txt)
 
-# Install the wheels in $WHEELS into $site unless DeepSpeed already imports.
+# Install into $site the wheels in $WHEELS of what does not import: torchao's wheel where torchao
+# does not, all the others (DeepSpeed and its dependencies) where DeepSpeed does not.
 install_wheels() {
-  if "$python" -c 'import deepspeed' 2>/dev/null; then
-    echo "deepspeed already importable: nothing to install"
+  local missing="" wheels=() wheel
+  "$python" -c 'import deepspeed' 2>/dev/null || missing+=" deepspeed"
+  "$python" -c 'import torchao' 2>/dev/null || missing+=" torchao"
+  if [ -z "$missing" ]; then
+    echo "deepspeed and torchao already importable: nothing to install"
   elif [ -n "${WHEELS:-}" ] && compgen -G "$WHEELS/*.whl" >/dev/null; then
-    local wheels=("$WHEELS"/*.whl)
-    echo "installing ${#wheels[@]} wheel(s) from $WHEELS into $site (no index)"
-    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$site" "${wheels[@]}" || return 1
+    for wheel in "$WHEELS"/*.whl; do
+      case $(basename "$wheel") in
+        torchao-*) [[ $missing == *torchao* ]] && wheels+=("$wheel") ;;
+        *) [[ $missing == *deepspeed* ]] && wheels+=("$wheel") ;;
+      esac
+    done
+    echo "not importable:$missing; installing ${#wheels[@]} wheel(s) from $WHEELS into $site" \
+      "(no index)"
+    if [ "${#wheels[@]}" -gt 0 ]; then
+      "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" "${wheels[@]}" || return 1
+    fi
   else
-    echo "deepspeed is not importable and WHEELS names no folder of wheels"
-    return 1
+    echo "not importable:$missing; WHEELS names no folder of wheels"
   fi
+  "$python" -c 'import torchao; print("torchao", torchao.__version__, "from", torchao.__file__)' \
+    2>/dev/null || echo "torchao not importable: the fp8 step will skip"
   "$python" -c 'import deepspeed, pydantic
 print("deepspeed", deepspeed.__version__, "from", deepspeed.__file__, "| pydantic", pydantic.__version__)'
 }
@@ -145,6 +166,14 @@ train() {
   check_loss "$train_log" "$min_loss_drop"
 }
 
+# FP8 against bf16 on a 1B-class LLaMA (benchmarks/fp8_throughput.py) on the data step's corpus
+# in $1, which it builds first where that step did not run; each run's whole log in $1/fp8.
+fp8_bench() {
+  if [ ! -f "$1/corpus_content_document.idx" ]; then build_data "$1" || return 1; fi
+  "$python" benchmarks/fp8_throughput.py --data-path "$1/corpus_content_document" \
+    --work-dir "$1/fp8"
+}
+
 # A step runs as `bash gpu_check.sh --internal COMMAND...` under `timeout`, so that functions
 # above can be time-limited too and a timeout ends the whole process tree of the step.
 if [ "${1:-}" = --internal ]; then
@@ -158,7 +187,7 @@ device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n
 log=$(realpath -m "${1:-benchmarks/results/${device:-no-gpu}-$(date -u +%F).txt}")
 mkdir -p "$(dirname "$log")" && : > "$log"
 exec > >(tee -a "$log") 2>&1
-steps=${STEPS:-env deps build doctor tests data train quickstart bench}
+steps=${STEPS:-env deps build doctor tests data train quickstart bench fp8}
 work=${WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 mkdir -p "$work"
 start=$(date +%s)
@@ -202,7 +231,7 @@ print(f"{header} exists: {os.path.isfile(header)}")' ||
 fi
 
 if wants deps; then
-  if ! "$python" -c 'import deepspeed' 2>/dev/null; then
+  if ! "$python" -c 'import deepspeed, torchao' 2>/dev/null; then
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
   fi
   run_step deps 300 install_wheels
@@ -247,11 +276,26 @@ if wants bench; then
   run_step bench 900 "$python" benchmarks/gpu_throughput.py --model ${BENCH_MODELS:-124M 350M}
 fi
 
+if wants fp8; then
+  # Where FP8 cannot run (no torchao, or a GPU before sm_89), one line: the one pretrain_gpt.py
+  # --fp8-format would stop with. Any other failure of the check shows in the step's own run.
+  why=$("$python" benchmarks/fp8_throughput.py --check 2>/dev/null)
+  if [ $? -eq 3 ]; then
+    printf '\n==> [fp8] skipped: %s\n' "$why"
+    results+=("SKIP  fp8 ($why)")
+  else
+    run_step fp8 420 fp8_bench "$work"
+  fi
+fi
+
 printf '\n== summary (%ss in all; log %s)\n' "$(($(date +%s) - start))" "$log"
-failed=0
+failed=0 skipped=0
 for result in "${results[@]}"; do
   echo "  $result"
   if [[ $result == FAIL* ]]; then failed=$((failed + 1)); fi
+  if [[ $result == SKIP* ]]; then skipped=$((skipped + 1)); fi
 done
-echo "$((${#results[@]} - failed)) passed, $failed failed"
+summary="$((${#results[@]} - failed - skipped)) passed, $failed failed"
+if [ "$skipped" -gt 0 ]; then summary+=", $skipped skipped"; fi
+echo "$summary"
 [ "$failed" -eq 0 ]

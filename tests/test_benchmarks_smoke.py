@@ -3,7 +3,7 @@
 Timings are never asserted (a shared CI machine makes them noise); only the structure of the
 output and the values that do not depend on the clock (the schedule's predicted bubble, the
 first-step losses agreeing across layouts, the all-to-all calls and active parameters of an
-MoE step).
+MoE step, FP8 losses close to bf16's).
 """
 
 from __future__ import annotations
@@ -223,3 +223,43 @@ def test_routed_moe_step_quick_prints_every_setup() -> None:
     # bias (h), in each of the 2 layers (h 64, 4 experts).
     active = [int(rows[name]["active per token"].replace(",", "")) for name in ROUTED_MOE_SETUPS]
     assert [value - active[0] for value in active] == [0] + [2 * (64 * 4 + 64)] * 3, active
+
+
+@pytest.mark.slow
+def test_fp8_throughput_smoke_compares_bf16_and_fp8_runs(tmp_path) -> None:
+    """`benchmarks/fp8_throughput.py --smoke`: both pretrain_gpt.py runs finish, the second with
+    FP8 matmuls in every transformer linear layer; a loss row per iteration, tokens/s per run
+    and their ratio parse; the FP8 losses stay within 1% of bf16's (6 steps of a tiny LLaMA)."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO_ROOT, "benchmarks", "fp8_throughput.py"),
+            "--smoke",
+            "--work-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(tmp_path / "fp8.log") as fp8_log, open(tmp_path / "bf16.log") as bf16_log:
+        assert " > FP8 matmuls: 8 of this rank's 9 tensor-parallel linear layers" in fp8_log.read()
+        assert "FP8 matmuls" not in bf16_log.read()
+    lines = result.stdout.splitlines()
+    losses = [line.split("|")[1:-1] for line in lines if re.match(r"\| \d+ \| ", line)]
+    assert [int(row[0]) for row in losses] == list(range(1, 7)), result.stdout
+    for _, bf16, fp8, difference, *_ in losses:
+        assert abs(float(fp8) - float(bf16)) / float(bf16) < 0.01, losses
+        assert float(difference.strip().rstrip("%")) < 1.0, losses
+    tokens_per_s = {  # the runs' table: | run | ms/iter | tokens/s | ...
+        line.split("|")[1].strip(): float(line.split("|")[3].replace(",", ""))
+        for line in lines
+        if line.startswith(("| bf16 |", "| fp8 |"))
+    }
+    assert set(tokens_per_s) == {"bf16", "fp8"} and min(tokens_per_s.values()) > 0, tokens_per_s
+    assert any(re.match(r"fp8 / bf16 tokens/s: \d+\.\d{3}x \(steady", line) for line in lines)
+    agreement = [line for line in lines if line.startswith("loss agreement:")]
+    assert len(agreement) == 1 and "-> OK" in agreement[0], agreement

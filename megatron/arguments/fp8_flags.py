@@ -13,9 +13,12 @@ Names, defaults and meanings are Megatron-LM's (megatron/core/transformer/transf
   belong to the delayed recipe: Megatron-LM ignores them under tensorwise, and so does this
   code (a start-up note names them).
 - `--fp8-param-gather`: under FSDP2 sharding (`--use-distributed-optimizer`,
-  `--use-torch-fsdp2`) each weight is all-gathered in FP8 (torchao's float8 all-gather: the
-  same FP8 numbers as casting the gathered weight, half the bytes); without sharding no weight
-  is gathered and a note says the flag has nothing to do.
+  `--use-torch-fsdp2`) each FP8 layer's weight is all-gathered in FP8, 1 byte an element
+  (torchao's float8 all-gather, `megatron.model.fp8.cast_weights_before_all_gather`): cast
+  from the fp32 master weight with the amax of the whole weight: in fp32 the same FP8 numbers
+  as casting the gathered weight; under bf16 cast from the master itself rather than from its
+  bf16 copy, so a few percent of them differ by one FP8 step. Elsewhere a note says the flag
+  has nothing to do (DeepSpeed ZeRO-3 gathers its own way, in the run's precision).
 """
 
 from __future__ import annotations
@@ -143,10 +146,15 @@ def settle_fp8(args: argparse.Namespace) -> None:
             "no effect under tensorwise scaling (Megatron-LM ignores them there too)"
         )
     if args.fp8_param_gather and args.layout.sharding == "none":
+        gathered = (
+            "DeepSpeed ZeRO-3 all-gathers the weights in the run's precision"
+            if args.layout.zero_stage == 3
+            else "no weights are all-gathered here"
+        )
         args.compat_notes.append(
-            " > note: --fp8-param-gather: no weights are all-gathered here (FP8 all-gather is "
-            "torchao's under FSDP2 sharding: --use-distributed-optimizer or --use-torch-fsdp2); "
-            "each matmul casts the weights to FP8"
+            f" > note: --fp8-param-gather: {gathered} (FP8 all-gather is torchao's under FSDP2 "
+            "sharding: --use-distributed-optimizer or --use-torch-fsdp2); each matmul casts the "
+            "weights to FP8"
         )
     _check_layers_in_bf16(args)
     _check_dimensions(args)

@@ -17,7 +17,8 @@ What stays in the run's precision, as in Megatron-LM: the embedding, the output 
 MoE routers, Megatron-LM MoE's grouped expert matmul (torchao's FP8 grouped matmul is a GPU
 prototype), attention's softmax(QK^T)V, and the first / last layers under
 `--first-last-layers-bf16`. Parameters, gradients, optimizer state and checkpoints keep their
-dtypes: FP8 copies of weights exist only inside each matmul.
+dtypes: FP8 copies of weights exist only inside each matmul, or, under FSDP2 with
+`--fp8-param-gather`, in the all-gather that builds them (`cast_weights_before_all_gather`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class Float8Matmul:
     """F.linear(input, weight, bias) with input, weight and output gradient in FP8.
 
     The output has the input's dtype (under autocast, autocast's half type, as F.linear's);
-    the gradients reach the weight and the input in their own dtypes.
+    the gradients reach the weight and the input in their own dtypes. A weight FSDP2 gathered
+    in FP8 (`cast_weights_before_all_gather`) arrives cast and is used as it is.
     """
 
     def __init__(self, config: Fp8Config) -> None:
@@ -112,6 +114,8 @@ def _torchao_config(config: Fp8Config, float8_config):
     if config.format == "e4m3":
         # torchao's tensorwise default is Megatron-LM's hybrid: E5M2 output gradients.
         kwargs["cast_config_grad_output"] = cast(target_dtype=float8_config.e4m3_dtype)
+    if config.param_gather:
+        kwargs["enable_fsdp_float8_all_gather"] = True
     if not config.wgrad:
         disabled = float8_config.ScalingType.DISABLED
         kwargs["cast_config_input_for_grad_weight"] = cast(scaling_type=disabled)
@@ -138,6 +142,35 @@ def use_fp8_matmuls(layer: nn.Module, config: Fp8Config) -> int:
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.fp8_matmul = matmul
             count += 1
+    return count
+
+
+def cast_weights_before_all_gather(model: nn.Module) -> int:
+    """Under FSDP2, before `fully_shard`: make each FP8 layer's weight (where its config asks for
+    `param_gather`) torchao's `WeightWithDynamicFloat8CastTensor`, as `Float8Linear.from_float`
+    does under `enable_fsdp_float8_all_gather`; returns how many.
+
+    FSDP2 then casts each rank's shard of the fp32 weight to FP8 with one scale from the amax
+    over the shards (a one-number all-reduce per weight per gather), all-gathers the FP8 bytes,
+    and hands the layer a `Float8TrainingTensor` of FSDP2's compute dtype, which `Float8Matmul`
+    takes as already cast. The shard stays the fp32 master weight for the optimizer, the
+    gradient clipping and the checkpoints: the wrapper runs every other op on it and returns
+    plain tensors (a gathered full state dict holds plain fp32 tensors; loading copies into
+    the wrapped shard). torchao's `precompute_float8_dynamic_scale_for_fsdp` (torchtitan calls it
+    after each optimizer step) only trades those small all-reduces for one, with the same
+    scales, and finds `Float8Linear` modules only: not called here."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    count = 0
+    for module in model.modules():
+        matmul = getattr(module, "fp8_matmul", None)
+        if matmul is None or not matmul.config.param_gather:
+            continue
+        weight = module.weight
+        target_dtype = matmul.torchao_config.cast_config_weight.target_dtype
+        cast = WeightWithDynamicFloat8CastTensor(weight.detach(), matmul.mm_config, target_dtype)
+        module.weight = nn.Parameter(cast, requires_grad=weight.requires_grad)
+        count += 1
     return count
 
 

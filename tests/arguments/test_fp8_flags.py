@@ -74,6 +74,15 @@ def test_param_gather_without_sharding_has_nothing_to_gather() -> None:
     assert "--fp8-param-gather: no weights are all-gathered" in notes(
         validated("--fp8-format hybrid --fp8-param-gather")
     )
+    zero3 = (
+        "--fp8-format hybrid --fp8-param-gather --deepspeed --no-pipeline-parallel --zero-stage 3"
+    )
+    assert (
+        "--fp8-param-gather: DeepSpeed ZeRO-3 all-gathers the weights in the run's precision"
+        in notes(validated(zero3))
+    )
+    sharded = validated("--fp8-format hybrid --fp8-param-gather --use-torch-fsdp2", world_size=2)
+    assert "--fp8-param-gather" not in notes(sharded) and fp8_config_from_args(sharded).param_gather
 
 
 def test_first_and_last_layers_in_bf16() -> None:

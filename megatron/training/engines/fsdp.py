@@ -10,6 +10,10 @@ layer's experts are their own unit over the ranks holding the same experts (the 
 group, as torchtitan shards them), their gradients divided by the whole data-parallel size
 (Megatron-LM's scaling: every data-parallel rank's tokens reached them). Which flags choose
 which strategy: `megatron.arguments.sharding_flags`.
+
+With `--fp8-param-gather` the FP8 layers' weights are all-gathered in FP8, 1 byte an element
+(torchao's float8 all-gather, as torchtitan runs it: `megatron.model.fp8.
+cast_weights_before_all_gather`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 
 from megatron.core import parallel_state
 from megatron.layout import ParallelLayout
+from megatron.model.fp8 import cast_weights_before_all_gather
 from megatron.model.moe_layer import RoutedMoE, names_outside_data_parallel
 from megatron.utils import current_device
 
@@ -64,6 +69,9 @@ def shard_model(
         name: {key: getattr(param, key) for key in _PARAMETER_ATTRIBUTES if hasattr(param, key)}
         for name, param in model.named_parameters()
     }
+    # FSDP2 sends a unit's parameters of mixed dtypes (FP8 weights, norms) as bytes (uint8),
+    # which gloo carries too (it has no float8 type).
+    cast_weights_before_all_gather(model)
     policy = MixedPrecisionPolicy(
         param_dtype=_COMPUTE_DTYPES.get(layout.precision),
         reduce_dtype=torch.bfloat16 if grad_reduce_in_bf16 else torch.float32,
