@@ -110,6 +110,51 @@ def flops_per_token(config: ModelConfig, seq_length: int) -> int:
     return 3 * forward
 
 
+FP8_WEIGHT_SUFFIXES = (
+    "self_attention.query_key_value.weight",
+    "self_attention.dense.weight",
+    "dense_h_to_4h.weight",
+    "dense_4h_to_h.weight",
+)
+"""The weights of a transformer layer's tensor-parallel linear layers, which
+`megatron.model.fp8.use_fp8_matmuls` gives the FP8 matmul: attention's, the MLP's,
+DeepSpeed-MoE's experts' and PR-MoE's MLP's, a routed MoE layer's shared expert's. Not the
+routers, DeepSpeed-MoE's gate and coefficient, nor Megatron-LM MoE's stacked experts."""
+
+
+def runs_in_fp8(config: ModelConfig, layer_number: int) -> bool:
+    """Whether transformer layer `layer_number` (1-based) multiplies in FP8 (`config.fp8`)."""
+    return config.fp8 is not None and config.fp8.covers_layer(layer_number, config.num_layers)
+
+
+def fp8_layer_parameters(config: ModelConfig, layer_number: int) -> list[ParameterSpec]:
+    """The weights of layer `layer_number` (1-based) whose matmuls run in FP8 under
+    `config.fp8`; none without FP8 or in a layer kept in the run's precision."""
+    if not runs_in_fp8(config, layer_number):
+        return []
+    specs = layer_parameters(config, _experts(config)[layer_number - 1])
+    return [spec for spec in specs if spec.name.endswith(FP8_WEIGHT_SUFFIXES)]
+
+
+def fp8_weight_sizes(config: ModelConfig, tp: int, layer_number: int, ep: int = 1) -> list[int]:
+    """Elements one rank holds of each FP8 weight of layer `layer_number` (its experts' only
+    for the experts it holds), as `layer_tensor_sizes` counts them."""
+    experts = _experts(config)[layer_number - 1]
+    return _rank_sizes(fp8_layer_parameters(config, layer_number), config, tp, ep, experts)[0]
+
+
+def fp8_forward_flops_per_token(config: ModelConfig) -> int:
+    """Of a token's forward FLOPs (`flops_per_token` / 3), the FP8 matmuls': 2 per element of
+    each FP8 weight it passes (a DeepSpeed-MoE token passes its top-k experts)."""
+    top_k = config.moe.top_k if config.moe else 0
+    return sum(
+        2 * spec.numel
+        for number in range(1, config.num_layers + 1)
+        for spec in fp8_layer_parameters(config, number)
+        if spec.expert is None or spec.expert < top_k
+    )
+
+
 def model_size_report(config: ModelConfig, seq_length: int) -> str:
     """One line for the start-up log: parameters (total and, with MoE, active) and FLOPs."""
     total = num_parameters(config)

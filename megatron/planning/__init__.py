@@ -9,6 +9,7 @@ step time, from the validated flags and a small device table; it needs no device
 - `activations.py`, `memory.py`: what each rank holds, and its peak;
 - `routed_moe.py`: Megatron-LM MoE layers' activations and dispatcher bytes;
 - `communication.py`: collective payload bytes per iteration, by kind;
+- `fp8.py`: FP8 matmuls' transient copies (as torchao allocates them) and FP8 FLOPs;
 - `devices.py`, `roofline.py`: known GPUs; step time and MFU;
 - `suggestions.py`: changes that shrink a rank's peak;
 - `plan.py`: `build_plan`, `format_plan`, and the JSON of `--dry-run-json`.

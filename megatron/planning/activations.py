@@ -9,7 +9,8 @@ T' = T / tp in the sequence-parallel regions (norms, dropout, residual) under
 
 - each norm's input (T' x h, residual dtype) and statistics; its output as the next
   matmul's input (T' x h, compute dtype; sequence parallelism gathers it again in the
-  backward, as Megatron does);
+  backward, as Megatron does; an FP8 layer keeps the gathered T x h,
+  `fp8.keeps_gathered_input`);
 - query/key/value (T x (np + 2 nkv) hn / tp), the attention output (T x np hn / tp), and
   the softmax statistics; with the unfused kernel, or torch's math kernel (which CPU
   attention with dropout falls back to), the b x np/tp x s x s probabilities, their dropout
@@ -36,7 +37,9 @@ from collections.abc import Sequence
 
 from megatron.config import ModelConfig
 from megatron.core.tensor_parallel.cross_entropy import CHUNK_BYTES, CPU_CHUNK_BYTES
+from megatron.model.model_size import runs_in_fp8
 from megatron.planning.dtypes import dtypes
+from megatron.planning.fp8 import keeps_gathered_input
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.routed_moe import (
     is_routed_layer,
@@ -143,8 +146,8 @@ def layer_bytes(inputs: PlanInputs, kept: bool = True, layer_number: int | None 
     norm = region * h * size.residual + 2 * region * _FP32  # input, mean and rstd
     # Two norms, and the first's output as the next matmul's input: under sequence
     # parallelism only this rank's part, gathered again in the backward (the second's with
-    # the MLP, `_mlp_bytes`).
-    total = 2 * norm + region * h * size.compute
+    # the MLP, `_mlp_bytes`), unless FP8 keeps the gathered input.
+    total = 2 * norm + _matmul_input_tokens(inputs, layer_number) * h * size.compute
     selective = config.recompute_granularity == "selective"
     comm_type = _comm_type(inputs, layer_number)
     math = _math_attention(inputs, comm_type) and not selective
@@ -171,14 +174,23 @@ def _mlp_bytes(inputs: PlanInputs, layer_number: int | None) -> int:
     if is_routed_layer(config, layer_number):
         return routed_mlp_bytes(inputs, size)
     tokens = inputs.local_seq_length * inputs.micro_batch
-    region = tokens // tp if config.sequence_parallel else tokens
     ffn = config.ffn_hidden_size // tp
     mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
-    total = region * config.hidden_size * size.compute  # the input, as the matmul's
+    total = _matmul_input_tokens(inputs, layer_number) * config.hidden_size * size.compute
     total += tokens * mlp_in * size.activation_input + tokens * ffn * size.compute
     if config.activation == "swiglu":
         total += tokens * ffn * size.activation_input  # silu(gate), kept for the product
     return total
+
+
+def _matmul_input_tokens(inputs: PlanInputs, layer_number: int | None) -> int:
+    """Tokens of a column-parallel layer's input kept for the backward: this rank's part
+    under sequence parallelism, the whole gathered sequence where FP8 keeps it
+    (`fp8.keeps_gathered_input`), else every token."""
+    tokens = inputs.local_seq_length * inputs.micro_batch
+    if not inputs.model.sequence_parallel or keeps_gathered_input(inputs, layer_number):
+        return tokens
+    return tokens // inputs.tp
 
 
 def _recomputed_layers(config: ModelConfig, layers: int) -> tuple[int, int]:
@@ -232,7 +244,8 @@ def autocast_copy_bytes(
     """torch.autocast's half-precision copies of the weights a stage's matmuls use, kept by
     autograd until their backward: each of `layers` layers' four linear layers (a routed MoE
     layer's router and shared expert instead of the MLP's two; a recomputed layer casts again
-    in its backward) and the output layer. One copy however many micro-batches are in flight:
+    in its backward; none of an FP8 layer's, whose matmuls cast to FP8 themselves) and the
+    output layer. One copy however many micro-batches are in flight:
     the cast cache lives as long as the autocast region, which spans a whole micro-batch
     (plain path) or the whole pipeline schedule. `layer_numbers`: as in
     `stage_activation_bytes`."""
@@ -248,9 +261,11 @@ def autocast_copy_bytes(
     numbers = list(layer_numbers or range(1, layers + 1))
     total = 0
     for number in numbers[recomputed:]:
+        # An FP8 layer's linear layers hand their weights to torchao's matmul uncast.
+        fp8 = runs_in_fp8(config, number)
         if is_routed_layer(config, number):  # at TP 1
-            total += attention + routed_weight_copy_elements(config)
-        else:
+            total += (0 if fp8 else attention) + routed_weight_copy_elements(config, fp8)
+        elif not fp8:
             total += (attention + h * mlp_in + ffn * h) // tp
     if last:
         total += config.vocab_size // tp * h

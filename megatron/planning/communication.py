@@ -8,7 +8,8 @@ iteration, start-up and evaluation excluded. Collectives on groups of one rank c
   parallelism): see `tensor_parallel_bytes`; plus the vocabulary-parallel embedding, the
   output layer's input and the cross entropy's three [s, b] fp32 reductions.
 - data parallel: DDP's all-reduce of fp32 gradients once per iteration; torch FSDP2's
-  all-gathers and reduce-scatter (`fsdp_collectives`); DeepSpeed's per engine and ZeRO stage
+  all-gathers (FP8 weights in 1 byte under `--fp8-param-gather`) and reduce-scatter
+  (`fsdp_collectives`); DeepSpeed's per engine and ZeRO stage
   (see `data_parallel_bytes`).
 - pipeline: each micro-batch's [s, b, h] activation sent forward and its gradient sent
   back, and the tied embeddings' gradient all-reduce between the first and last stage.
@@ -27,11 +28,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron.deepspeed_facts import OptimizerWrapper, effective_overlap_comm
+from megatron.model.model_size import runs_in_fp8
 from megatron.planning.dtypes import dtypes
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.layout import RankRole
 from megatron.planning.model_states import (
     communication_bytes,
+    fp8_gathered_sizes,
     fsdp_units,
     reduce_bytes,
     weight_bytes,
@@ -51,7 +54,8 @@ def tensor_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
     sequence parallelism the two row-parallel outputs are all-reduced forward (2c) and the
     two column-parallel inputs' gradients backward (2r); with it each column-parallel layer
     all-gathers its input forward and again backward and reduce-scatters the input's
-    gradient (2c + r), each row-parallel layer reduce-scatters its output and all-gathers
+    gradient (2c + r; in an FP8 layer, which keeps the gathered input and casts it before
+    the gather, 2c), each row-parallel layer reduce-scatters its output and all-gathers
     that gradient (2c). Full recomputation repeats each layer's forward collectives. The
     gradients of replicated weights that each rank computes a part of (norms and row-parallel
     biases under sequence parallelism, the QK norms always) are summed as they are computed.
@@ -68,6 +72,11 @@ def tensor_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
         per_layer, forward = 2 * c + 2 * r, 2 * c
     recomputed = role.num_layers if config.recompute_granularity == "full" else 0
     total = role.num_layers * per_layer + recomputed * forward
+    if config.sequence_parallel:
+        # An FP8 layer's column-parallel layers keep their gathered input (no gather again in
+        # the backward) and reduce-scatter its gradient in the compute dtype: 2c, not 2c + r.
+        numbers = [n for chunk in role.layers for n in chunk]
+        total -= sum(runs_in_fp8(config, n) for n in numbers) * 2 * r
     if role.first:  # the vocabulary-parallel embedding's sum, forward (and with sequence
         total += 2 * r if config.sequence_parallel else r  # parallelism its scatter's gather)
     if config.sequence_parallel:
@@ -197,16 +206,27 @@ def fsdp_collectives(inputs: PlanInputs, role: RankRole, group: int) -> list[Col
     backward reduce-scatters each unit's summed gradients once, in the reduce dtype (the
     earlier ones skip it: set_requires_gradient_sync(False)). The root's gather opens the
     forward and its reduce-scatter closes the backward: neither hides.
+
+    With `--fp8-param-gather` the FP8 layers' linear weights travel in FP8, 1 byte an element
+    (c - 1 less), each after an all-reduce (MAX) of its shard's fp32 amax, 4 bytes, so that
+    every rank casts with one scale (torchao's `WeightWithDynamicFloat8CastTensor.
+    fsdp_pre_all_gather`, `reduce_amax=True`).
     """
     z, c, r = group, weight_bytes(inputs), reduce_bytes(inputs)
     padded = sum(-(-n // z) * z for n in role.tensor_sizes)
     root = -(-fsdp_units(role)[0] // z) * z
     passes = 2 if inputs.sharding == "optim_grads_params" else 1
-    gathers = passes * inputs.micro_batches * c * padded
-    return [
+    fp8 = [n for sizes in fp8_gathered_sizes(inputs, role).values() for n in sizes]
+    fp8_padded = sum(-(-n // z) * z for n in fp8)
+    gathers = passes * inputs.micro_batches * (c * padded - (c - 1) * fp8_padded)
+    collectives = [
         Collective("all_gather", gathers, group, "compute", True, c * root),
         Collective("reduce_scatter", r * padded, group, "backward", False, r * root),
     ]
+    if fp8:
+        amax = passes * inputs.micro_batches * _FP32 * len(fp8)
+        collectives.append(Collective("all_reduce", amax, group))
+    return collectives
 
 
 def _with_parameters(role: RankRole, count: int) -> RankRole:

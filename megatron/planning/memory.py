@@ -5,7 +5,10 @@ The peak is the largest of these moments of an iteration, each a sum of what is 
 - `forward`: the last warm-up forward has run (every micro-batch in flight keeps its
   activations), the loss works over the logits, earlier micro-batches' gradients held;
 - `backward`: the same as the backward starts and its gradient buckets are allocated (under
-  full recomputation, with the last checkpointed group's forward run again);
+  full recomputation, with the last checkpointed group's forward run again), with the first
+  FP8 matmul's transient copies (`fp8.py`);
+- `fp8 forward` (FP8 matmuls): the last layer's FP8 matmuls in the last warm-up forward,
+  their transient copies beside every kept activation, before the logits exist;
 - `boundary`: the last backward ends and gradients are reduced (flat copies);
 - `step`: every gradient reduced, the optimizer updating (its temporaries alive);
 - `embedding backward` (first stage): the embedding's dense gradient beside the held one,
@@ -30,6 +33,7 @@ from megatron.planning.activations import (
     logits_working_bytes,
     stage_activation_bytes,
 )
+from megatron.planning.fp8 import role_transient
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.layout import RankRole, micro_batches_in_flight
 from megatron.planning.model_states import States, gradient_bytes, model_states
@@ -131,18 +135,27 @@ def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
     # output weight's gradient.
     head_gradient = gradient_bytes(inputs) * role.parameters["head"] if role.last else 0
     recomputed = recomputed_group_bytes(inputs, role)  # the last group's, as it starts
+    # FP8 matmuls' transient copies (`fp8.py`): the first backward's, or under full
+    # recomputation its forward's run again, beside everything still kept.
+    fp8 = role_transient(inputs, role)
+    full = inputs.model.recompute_granularity == "full"
+    fp8_backward = max(fp8.backward, fp8.forward) if full else fp8.backward
     backward = _moment(
         fixed,
         gathered,
         first_gradient,
         {"activations": activations + recomputed, "logits": pipe_outputs},
-        {"buffers": states.backward_buckets, "gradients": head_gradient},
+        {"buffers": states.backward_buckets + fp8_backward, "gradients": head_gradient},
         {"weights": states.prefetched},
     )
     late = {"logits": pipe_outputs, "gradients": states.sharded_gradients}
     boundary = _moment(fixed, held, late, {"buffers": states.backward_buckets + states.reduction})
     step = _moment(fixed, held, late, {"buffers": states.step_temporaries})
     moments = {"forward": forward, "backward": backward, "boundary": boundary, "step": step}
+    if fp8.forward:
+        # The last layer's FP8 matmuls in the last warm-up forward: before the logits exist.
+        columns = {"activations": activations, "buffers": fp8.forward}
+        moments["fp8 forward"] = _moment(fixed, gathered, carried, columns)
     if states.gather_copy:
         moments["all-gather"] = _fsdp_root_gather(inputs, states, fixed, carried, activations)
     if role.first:

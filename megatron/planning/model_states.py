@@ -28,7 +28,8 @@ with --grad-reduce-in-bf16), Z the data x context ranks, units: each layer and t
 - both strategies: 4P/Z fp32 weights + 8P/Z Adam | 4P/Z gradient shard, from the
   reduce-scatter to the step | cP gathered weights of the units alive (optim_grads: every
   unit, kept to its backward; optim_grads_params: the root and one layer, two in the
-  backward's prefetch); rP whole gradients summed across micro-batches before the last
+  backward's prefetch; 1 byte an element for the FP8 layers' linear weights under
+  `--fp8-param-gather`); rP whole gradients summed across micro-batches before the last
   one's reduce-scatter; a unit's rP reduce-scatter input; a unit's second cP copy as it is
   gathered; 4P/Z AdamW
 """
@@ -44,6 +45,7 @@ from megatron.deepspeed_facts import (
     OptimizerWrapper,
     effective_overlap_comm,
 )
+from megatron.model.model_size import fp8_weight_sizes
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.layout import RankRole
 
@@ -340,22 +342,38 @@ def fsdp_units(role: RankRole) -> tuple[int, int]:
     return role.parameters.get("embedding", 0) + role.parameters.get("head", 0), layer
 
 
+def fp8_gathered_sizes(inputs: PlanInputs, role: RankRole) -> dict[int, list[int]]:
+    """FSDP2 with `--fp8-param-gather`: by layer number, the elements on a rank of `role` of
+    each weight it all-gathers in FP8, 1 byte an element (the FP8 layers' linear weights,
+    `megatron.model.fp8.cast_weights_before_all_gather`); empty otherwise."""
+    fp8 = inputs.model.fp8
+    if not inputs.fsdp or fp8 is None or not fp8.param_gather:
+        return {}
+    numbers = [n for chunk in role.layers for n in chunk]
+    return {n: fp8_weight_sizes(inputs.model, inputs.tp, n, inputs.ep) for n in numbers}
+
+
 def fsdp_states(inputs: PlanInputs, role: RankRole) -> States:
     """torch FSDP2 (`megatron.training.engines.fsdp`): fp32 parameters sharded with their
     gradients and Adam state, gathered in the compute dtype per unit (torch 2.13,
-    distributed/fsdp/_fully_shard)."""
+    distributed/fsdp/_fully_shard), the FP8-gathered weights in 1 byte."""
     z, c, r = inputs.zero_group, weight_bytes(inputs), reduce_bytes(inputs)
     # Each rank keeps ceil(n / Z) of every tensor (dim 0 padded to a multiple of Z).
     shard = sum(_ceil(n, z) for n in role.tensor_sizes)
     whole = shard * z
     root, layer = fsdp_units(role)
+    fp8 = fp8_gathered_sizes(inputs, role)
+    # c - 1 bytes less per element gathered in FP8; a gathered layer is the stage's least so.
+    fp8_whole = sum(_ceil(n, z) * z for sizes in fp8.values() for n in sizes)
+    fp8_layer = min((sum(sizes) for sizes in fp8.values()), default=0)
     if inputs.sharding == "optim_grads":
         # reshard_after_forward=False: every unit's gathered weights wait for its backward.
-        gathered, prefetched = c * whole, 0
+        gathered, prefetched = c * whole - (c - 1) * fp8_whole, 0
     else:
         # The root's forward spans the model's, one layer between its pre- and post-forward
         # hooks; the backward gathers the next layer while one runs (_backward_prefetch).
-        gathered, prefetched = c * (root + layer), c * layer
+        one_layer = c * layer - (c - 1) * fp8_layer
+        gathered, prefetched = c * root + one_layer, one_layer
     # Until the last micro-batch the gradients stay whole (set_requires_gradient_sync(False));
     # post_backward converts each to the reduce dtype when it differs from the gathered one
     # (_fsdp_param.py to_accumulated_grad_if_needed), and sums the next ones into it.

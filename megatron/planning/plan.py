@@ -17,6 +17,12 @@ from megatron.planning.communication import (
 )
 from megatron.planning.devices import Device
 from megatron.planning.dtypes import dtypes
+from megatron.planning.fp8 import (
+    Fp8Transient,
+    gathered_input_bytes,
+    linear_layer_count,
+    role_transient,
+)
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.layout import RankRole, rank_places, stage_roles
 from megatron.planning.memory import RankMemory, rank_memory
@@ -120,6 +126,18 @@ class Plan:
             "peak_bytes": self.peak_bytes,
             "notes": list(self.notes) + [NOT_MODELLED],
         }
+        fp8 = inputs.model.fp8
+        if fp8 is not None:
+            transient = _largest_fp8_transient(self)
+            result["fp8"] = {
+                "format": fp8.format,
+                "recipe": fp8.recipe,
+                "wgrad": fp8.wgrad,
+                "param_gather": fp8.param_gather and inputs.fsdp,
+                "linear_layers": linear_layer_count(inputs.model),
+                "transient_forward_bytes": transient.forward,
+                "transient_backward_bytes": transient.backward,
+            }
         if self.device is not None:
             estimate = self.estimate
             result["device"] = {
@@ -131,6 +149,9 @@ class Plan:
                 "tokens_per_second": estimate.tokens_per_s,
                 "bubble": estimate.bubble,
             }
+            if fp8 is not None:
+                result["device"]["fp8_flops_per_iteration"] = estimate.fp8_flops
+                result["device"]["fp8_peak_flops"] = self.device.fp8_flops
             if inputs.cp > 1:
                 result["device"]["context_parallel_exposed_seconds"] = estimate.context_parallel_s
                 result["device"]["context_parallel_hidden"] = estimate.context_parallel_hidden
@@ -146,7 +167,7 @@ def build_plan(inputs: PlanInputs, device: Device | None = None, notes: list | N
     if device is not None:
         busiest = max(roles, key=lambda plan: plan.communication["total"])
         estimate = estimate_step(inputs, busiest.role, device)
-    notes = list(notes or []) + deepspeed_notes(inputs)
+    notes = list(notes or []) + deepspeed_notes(inputs) + fp8_notes(inputs, device)
     moe = inputs.model.routed_moe
     if moe is not None and inputs.ep > 1 and capacity(moe, routed_tokens(inputs)) is None:
         notes.append(BALANCED_LOAD_NOTE)
@@ -169,6 +190,62 @@ def deepspeed_notes(inputs: PlanInputs) -> list[str]:
             "against torch.cuda.max_memory_allocated"
         )
     return notes
+
+
+def fp8_notes(inputs: PlanInputs, device: Device | None) -> list[str]:
+    """What an FP8 plan assumes: eager casts, and a device without FP8 tensor cores."""
+    if inputs.model.fp8 is None:
+        return []
+    notes = []
+    if inputs.model.torch_compile:
+        notes.append(
+            "FP8 casts planned as torchao runs them eagerly (fp32 scaled and clamped copies, 9 "
+            "bytes an element at each cast); torch.compile fuses them: the FP8 transient is "
+            "an upper bound"
+        )
+    if device is not None and device.fp8_flops is None:
+        notes.append(
+            f"{device.name} has no FP8 tensor cores: a run with --fp8-format stops there at "
+            f"start-up; its FP8 matmuls are timed at the {inputs.precision} peak"
+        )
+    return notes
+
+
+def _largest_fp8_transient(plan: Plan) -> Fp8Transient:
+    """The largest FP8 transient of any stage, by pass."""
+    transients = [role_transient(plan.inputs, role.role) for role in plan.roles]
+    return Fp8Transient(
+        forward=max(t.forward for t in transients), backward=max(t.backward for t in transients)
+    )
+
+
+def _fp8_line(plan: Plan) -> str:
+    """The FP8 line: the recipe, how many linear layers, the transient copies at the peak,
+    and what else FP8 changes in this plan."""
+    inputs = plan.inputs
+    fp8, config = inputs.model.fp8, inputs.model
+    transient = _largest_fp8_transient(plan)
+    largest = max(transient.forward, transient.backward)
+    line = (
+        f"  FP8 matmuls {fp8.format} {fp8.recipe}: {linear_layer_count(config)} linear "
+        f"layers; transient FP8 copies {largest / 2**20:.1f} MiB (largest per rank: forward "
+        f"{transient.forward / 2**20:.1f}, backward {transient.backward / 2**20:.1f} MiB, in "
+        f"'buffers'); embedding, output layer and attention core in {inputs.precision}"
+    )
+    if not fp8.wgrad:
+        line += "; weight gradients in high precision"
+    kept = max(
+        gathered_input_bytes(inputs, [n for chunk in role.role.layers for n in chunk])
+        for role in plan.roles
+    )
+    if kept:
+        line += f"; whole-sequence inputs kept +{kept / 2**20:.1f} MiB per micro-batch"
+    if fp8.param_gather and inputs.fsdp:
+        line += "; FSDP2 gathers their weights in FP8"
+    if plan.estimate is not None and plan.device.fp8_flops:
+        share = plan.estimate.fp8_flops / plan.estimate.executed_flops
+        line += f"; {share:.0%} of the FLOPs at {plan.device.fp8_flops / 1e12:,.0f} TFLOP/s FP8"
+    return line
 
 
 def _gib(count: float) -> str:
@@ -281,6 +358,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(_context_parallel_line(plan))
     if inputs.model.routed_moe is not None:
         lines.append(_routed_moe_line(plan))
+    if inputs.model.fp8 is not None:
+        lines.append(_fp8_line(plan))
     for note in plan.notes + [NOT_MODELLED]:
         lines.append(f"  note: {note}")
     return "\n".join(lines)

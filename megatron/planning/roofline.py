@@ -1,7 +1,8 @@
 """A simple roofline for one iteration: compute at a stated efficiency, communication at the
 device table's link bandwidths, the pipeline bubble on top.
 
-    compute  = FLOPs run by the rank (model FLOPs + recomputation) / (peak x efficiency)
+    compute  = FLOPs run by the rank (model FLOPs + recomputation) / (peak x efficiency),
+               the FP8 matmuls' share (`fp8.fp8_flops`) at the device's FP8 peak
     tp comm  = Megatron's tensor-parallel bytes x 2 (T-1)/T / link (an all-reduce; (T-1)/T
                with sequence parallelism, whose all-gathers and reduce-scatters replace it)
                + DeepSpeed's tensor-parallel all-gathers (pipeline sends, MoE tokens) x (T-1)/T
@@ -12,7 +13,8 @@ device table's link bandwidths, the pipeline bubble on top.
                Megatron-LM MoE's all-gather dispatcher's all-gathers and reduce-scatters
     cp comm  = context parallelism's exposed time (below)
     step     = (compute + tp comm) / (1 - bubble) + exposed dp comm + pp comm + a2a + cp comm
-    MFU      = model FLOPs of the rank / (step x peak)
+    MFU      = model FLOPs of the rank / (step x peak) (the bf16 or fp32 peak, also with FP8
+               matmuls: FP8's FLOPs are the same multiply-adds)
 
 Overlap, as the engines run it: a collective issued bucket by bucket as the backward produces
 gradients (DDP's reducer; DeepSpeed's ZeRO with `overlap_comm`, ZeRO-3's reduce-scatter)
@@ -53,6 +55,7 @@ from megatron.planning.communication import (
     tensor_parallel_bytes,
 )
 from megatron.planning.devices import Device
+from megatron.planning.fp8 import fp8_flops
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.layout import RankRole
 
@@ -78,6 +81,8 @@ class StepEstimate:
     """Context parallelism's communication time left exposed (part of `communication_s`)."""
     context_parallel_hidden: float = 0.0
     """The fraction of context parallelism's communication time hidden behind attention."""
+    fp8_flops: float = 0.0
+    """Of `executed_flops`, the FP8 matmuls' (at the FP8 peak, or the bf16 one without)."""
 
 
 def _recompute_factor(inputs: PlanInputs) -> float:
@@ -223,7 +228,9 @@ def estimate_step(
     model_flops = flops_per_token(inputs.model, inputs.seq_length) * tokens / (inputs.world_size)
     executed = model_flops * _recompute_factor(inputs)
     peak = device.fp32_flops if inputs.precision == "fp32" else device.bf16_flops
-    compute = executed / (peak * efficiency)
+    fp8 = fp8_flops(inputs)
+    fp8_peak = device.fp8_flops or peak
+    compute = (executed - fp8) / (peak * efficiency) + fp8 / (fp8_peak * efficiency)
     # The backward: what runs after each forward (recomputed forwards included).
     backward = compute * (executed - model_flops / 3) / executed if executed else 0.0
     tp = inputs.tp
@@ -261,4 +268,5 @@ def estimate_step(
         tokens_per_s=tokens / step,
         context_parallel_s=cp_comm,
         context_parallel_hidden=1.0 - cp_comm / cp_total if cp_total else 0.0,
+        fp8_flops=fp8,
     )

@@ -209,14 +209,15 @@ def routed_output_mask_bytes(inputs: PlanInputs, size: Dtypes) -> int:
     return min(size.mask, size.compute)
 
 
-def routed_weight_copy_elements(config: ModelConfig) -> int:
+def routed_weight_copy_elements(config: ModelConfig, fp8: bool = False) -> int:
     """Weights of a routed MoE layer's MLP part that torch.autocast casts once per region
     (the router's, unless `--moe-router-dtype` computes it outside autocast; the shared
-    expert's); the experts' own copies are per forward (`routed_mlp_bytes`)."""
+    expert's, unless `fp8`: its matmuls cast to FP8 themselves); the experts' own copies are
+    per forward (`routed_mlp_bytes`)."""
     moe, h = config.routed_moe, config.hidden_size
     total = 0 if moe.router_dtype is not None else moe.num_experts * h
     ffn = moe.shared_expert_ffn_hidden_size
-    if ffn:
+    if ffn and not fp8:
         mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
         total += h * mlp_in + ffn * h
     return total

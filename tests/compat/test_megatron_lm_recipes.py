@@ -112,6 +112,7 @@ def test_the_recipe_stops_only_at_flags_of_later_issues(stdlib_dataset: str, tmp
     with contextlib.redirect_stdout(printed):
         run_dry_run(script.argv + ["--dry-run", "--dry-run-world-size", "8"])
     assert "dry run: 8 ranks = TP 1 x PP 1 x DP 8; plain FSDP2 optim_grads" in printed.getvalue()
+    assert "FP8 matmuls hybrid tensorwise: 128 linear layers" in printed.getvalue()
     at_cp2 = _validate(_without_later(with_values(argv, {"--context-parallel-size": ["2"]})), 8)
     # Its DDP arguments: Megatron-LM's distributed optimizer, here on torch FSDP2.
     assert at_cp2.layout.describe() == "TP 1 x CP 2 x PP 1 x DP 4, bf16, FSDP2 optim_grads on plain"
