@@ -276,3 +276,28 @@ def test_gpt_at_tp2_equals_tp1_to_fp8_precision(world, layout: str) -> None:
         for name, grad in tp1["grads"].items():
             difference = (run["grads"][name] - grad).norm() / grad.norm().clamp_min(1e-12)
             assert difference < 2 * E5M2_ROUNDOFF, (name, float(difference))
+
+
+def _has_fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_fp8_gpu(), reason="needs a CUDA GPU with FP8 tensor cores (sm_89+)")
+def test_fp8_on_the_gpu_is_torchaos_and_a_gpt_tracks_bf16() -> None:
+    """On a GPU: the matmul is torchao's Float8Linear bitwise (cuBLAS's FP8 GEMM), and a bf16
+    GPT with FP8 matmuls gives the bf16 model's loss to FP8's rounding."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(64, 32, device="cuda", dtype=torch.bfloat16))
+    input_ = torch.randn(4, 16, 32, device="cuda", dtype=torch.bfloat16)
+    ours = run_linear(lambda x: Float8Matmul(HYBRID)(x, weight), [weight], input_)
+    reference = torchao_linear(weight.detach(), HYBRID).cuda().to(torch.bfloat16)
+    theirs = run_linear(reference, [reference.weight], input_)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    tokens, labels = (tensor.cuda() for tensor in random_batch(BATCH, SEQ, GPT["vocab_size"]))
+    losses = {}
+    for name, fp8 in (("bf16", None), ("fp8", HYBRID)):
+        model = build_model(tiny_config(**GPT, fp8=fp8)).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            losses[name], _ = loss_and_grads(model, tokens, labels)
+    assert abs(losses["fp8"].mean() - losses["bf16"].mean()) / losses["bf16"].mean() < 1e-2
