@@ -11,7 +11,8 @@ top-2) runs one step of 3 accumulated micro-batches both ways from the same weig
   loss' are bitwise equal: the aux losses get the same factor (read off the LM loss's gradient)
   and the backward sums the same terms in the same order;
 - DeepSpeed's engine (`train_step_deepspeed`), ZeRO-0 fp32 (the optimizer gets the gradients)
-  and ZeRO-1 fp16 (a loss scale of 2^8 on top of DeepSpeed's 1/3; the updated weights compared)
+  and ZeRO-1 fp16 (a loss scale of 2^8 on top of DeepSpeed's 1/3; the updated weights compared;
+  bf16 on CPUs where DeepSpeed has no fp16)
   against `engine.backward(lm + coeff x aux)`: bitwise equal likewise.
 - A coefficient of 0 takes the aux loss out of the gradients (the old sum with it removed).
 
@@ -185,7 +186,15 @@ def _check_plain(coeff: float) -> None:
     assert grads[gate].abs().sum() > 0
 
 
-def _engine(config: ModelConfig, stage: int, fp16: bool):
+def _half_on_this_cpu() -> str:
+    """fp16 where DeepSpeed's CPU accelerator runs it (oneDNN's fp16: AVX512-FP16 / AMX-FP16
+    CPUs), else bf16: DeepSpeed refuses fp16 on other CPUs, and so do our flags there."""
+    from deepspeed.accelerator import get_accelerator
+
+    return "fp16" if get_accelerator().is_fp16_supported() else "bf16"
+
+
+def _engine(config: ModelConfig, stage: int, half: str | None):
     import deepspeed
 
     model = _model(config, expert_groups=False)
@@ -193,11 +202,12 @@ def _engine(config: ModelConfig, stage: int, fp16: bool):
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": ACCUMULATED,
         "zero_optimization": {"stage": stage},
-        "fp16": {"enabled": fp16, "initial_scale_power": 8},
+        "fp16": {"enabled": half == "fp16", "initial_scale_power": 8},
+        "bf16": {"enabled": half == "bf16"},
         "gradient_clipping": 0.0,
         "wall_clock_breakdown": False,
     }
-    optimizer = _adamw(model, guarded=not (fp16 or stage))
+    optimizer = _adamw(model, guarded=not (half or stage))
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, mpu=parallel_state.deepspeed_mpu(), config=ds_config
     )
@@ -208,8 +218,9 @@ def _names(engine) -> dict:  # noqa: ANN001 - a DeepSpeedEngine
     return {param: name for name, param in engine.module.named_parameters()}
 
 
-def _check_deepspeed(stage: int, fp16: bool) -> None:
-    """train_step_deepspeed against engine.backward(lm + coeff x aux), bitwise."""
+def _check_deepspeed(stage: int, half: bool) -> None:
+    """train_step_deepspeed against engine.backward(lm + coeff x aux), bitwise (`half`: in
+    fp16, or bf16 on a CPU without fp16)."""
     import deepspeed
 
     from megatron.model.moe_aux_loss import MoEAuxLossAutoScaler
@@ -224,8 +235,9 @@ def _check_deepspeed(stage: int, fp16: bool) -> None:
     batches = _micro_batches()
     # With ZeRO-0 fp32 the client optimizer gets the gradients in param.grad; elsewhere
     # DeepSpeed's own optimizer keeps them, and the updated weights are compared instead.
-    see_grads = stage == 0 and not fp16
-    reference = _engine(config, stage, fp16)
+    precision = _half_on_this_cpu() if half else None
+    see_grads = stage == 0 and precision is None
+    reference = _engine(config, stage, precision)
     expected_grads = _grads_at_step(reference.optimizer, _names(reference)) if see_grads else {}
     MoEAuxLossAutoScaler.set_loss_scale(0.0)
     sums: dict[str, torch.Tensor] = {}
@@ -237,7 +249,7 @@ def _check_deepspeed(stage: int, fp16: bool) -> None:
         accumulate_reported(sums, reported)
     expected_losses = average_over_data_parallel(sums, ACCUMULATED)
 
-    engine = _engine(config, stage, fp16)
+    engine = _engine(config, stage, precision)
     grads = _grads_at_step(engine.optimizer, _names(engine)) if see_grads else {}
     args = types.SimpleNamespace(global_batch_size=MICRO * ACCUMULATED)
     result = train_step_deepspeed(_forward_step, iter(batches), engine, args)
@@ -291,7 +303,11 @@ CHECKS = {
     "plain torch: aux loss through autograd equals the old sum": (_check_plain, COEFF),
     "plain torch: coefficient 0.5 too": (_check_plain, 0.5),
     "DeepSpeed ZeRO-0 fp32: equals the old sum": (_check_deepspeed, 0, False),
-    "DeepSpeed ZeRO-1 fp16 (loss scale): equals the old sum": (_check_deepspeed, 1, True),
+    "DeepSpeed ZeRO-1 fp16 (loss scale; bf16 on a CPU without fp16): equals the old sum": (
+        _check_deepspeed,
+        1,
+        True,
+    ),
     "coefficient 0 drops the aux gradient": (_check_zero_coefficient_drops_the_aux_gradient,),
     "the tracker counts each forward of a step once": (_check_tracker_counts_step_forwards_once,),
 }
