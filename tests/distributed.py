@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import random
 import signal
 import socket
 import tempfile
@@ -51,8 +52,23 @@ class WorldTimeout(AssertionError):
     """A world ran past its deadline; the message holds every rank's Python stacks."""
 
 
+# Under pytest-xdist each worker draws ports from its own block below Linux's ephemeral range
+# (32768-60999), so two workers never pick the same free port between its check and its use.
+_WORKER_PORT_BASE, _WORKER_PORT_BLOCK = 20000, 1500
+
+
 def free_port() -> int:
     """A TCP port nobody listens on right now (for launchers that take a port number)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        start = _WORKER_PORT_BASE + int(worker[2:]) * _WORKER_PORT_BLOCK
+        for port in random.sample(range(start, start + _WORKER_PORT_BLOCK), 200):
+            with socket.socket() as sock:
+                try:
+                    sock.bind((HOST, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as sock:
         sock.bind((HOST, 0))
         return sock.getsockname()[1]
