@@ -118,7 +118,7 @@ def add_fp8_flags(parser: argparse.ArgumentParser) -> None:
 def settle_fp8(args: argparse.Namespace) -> None:
     """Check the FP8 flags against each other and the model; fill `fp8_recipe`; add notes."""
     if args.fp8 is None:
-        typed = [flag for dest, flag in _fp8_settings_typed(args)]
+        typed = _fp8_settings_typed(args)
         if typed:
             args.compat_notes.append(
                 f" > note: {', '.join(typed)} without --fp8-format: no effect (as in Megatron-LM)"
@@ -168,12 +168,15 @@ _NOT_BUILT = {
 }
 
 
-def _fp8_settings_typed(args: argparse.Namespace) -> list[tuple[str, str]]:
-    settings = [("fp8_recipe", "--fp8-recipe")] if args.fp8_recipe is not None else []
+def _fp8_settings_typed(args: argparse.Namespace) -> list[str]:
+    """The FP8 settings given away from their defaults (they mean nothing without a format)."""
+    settings = ["--fp8-recipe"] if args.fp8_recipe is not None else []
     if args.fp8_param_gather:
-        settings.append(("fp8_param_gather", "--fp8-param-gather"))
+        settings.append("--fp8-param-gather")
     if not args.fp8_wgrad:
-        settings.append(("fp8_wgrad", "--no-fp8-wgrad"))
+        settings.append("--no-fp8-wgrad")
+    if args.first_last_layers_bf16:
+        settings.append("--first-last-layers-bf16")
     return settings
 
 
