@@ -47,6 +47,7 @@ from megatron.model.fused_ops import (
 )
 from megatron.model.inference_params import InferenceParams
 from megatron.model.mlp import ParallelMLP, linear_kwargs
+from megatron.model.model_size import runs_in_fp8
 from megatron.model.moe import build_moe_mlp
 from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, attach_aux_loss
 from megatron.model.moe_layer import RoutedMoE
@@ -245,7 +246,7 @@ class ParallelTransformerLayer(nn.Module):
         else:
             self.mlp = ParallelMLP(config)
         self.moe_loss_coeff = config.moe.loss_coeff if self.is_moe else 0.0
-        if config.fp8 is not None and config.fp8.covers_layer(layer_number, config.num_layers):
+        if runs_in_fp8(config, layer_number):
             use_fp8_matmuls(self, config.fp8)
 
     def forward(
