@@ -1,7 +1,10 @@
-"""Import of the compiled C++ extensions, with an error that names the fix.
+"""What the base install lacks, and the fix to name: the compiled C++ extensions and the
+optional packages of pyproject.toml's extras.
 
-`pip install -e .` builds them: `megatron.data.helpers` (dataset index builders) and
-`megatron.tokenizer.bpe_engine` (the GPT-2 BPE encoder).
+`pip install -e .` builds the extensions: `megatron.data.helpers` (dataset index builders) and
+`megatron.tokenizer.bpe_engine` (the GPT-2 BPE encoder). A feature that needs an optional
+package stops in one line that ends with `install_hint` (tests/test_base_install.py runs them
+in an environment without the extras).
 """
 
 from __future__ import annotations
@@ -26,3 +29,9 @@ def load_extension(module_name: str) -> ModuleType:
             "compiler and the Python headers, e.g. `apt-get install g++ python3-dev`), or "
             "run `bash scripts/setup_env.sh`."
         ) from error
+
+
+def install_hint(packages: str, extra: str) -> str:
+    """How to install an optional dependency: `pip install {packages} (or pip install -e
+    '.[{extra}]')`, `extra` one of pyproject.toml's optional-dependencies."""
+    return f"pip install {packages} (or pip install -e '.[{extra}]')"

@@ -64,7 +64,7 @@ from megatron.checkpointing.shards import (  # noqa: E402
 )
 from megatron.config import ModelConfig, model_params_dtype  # noqa: E402
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding  # noqa: E402
-from tools.checkpoint import CONVERSION_ERRORS  # noqa: E402
+from tools.checkpoint import CONVERSION_ERRORS, require_hf_packages  # noqa: E402
 from tools.checkpoint.convert_to_hf import publish, write_folder  # noqa: E402
 from tools.checkpoint.hf_tokenizer import tokenizer_source  # noqa: E402
 from tools.cli_errors import UsageError, check_output_path, run_tool  # noqa: E402
@@ -213,6 +213,7 @@ def read_hf_weights(folder: str, mode: str | None, shards: int) -> dict:
     if mode in (None, "auto"):
         from tools.checkpoint.convert_from_hf import read_hf_model
 
+        require_hf_packages("--load-mode auto (transformers' from_pretrained)", ("transformers",))
         return read_hf_model(folder, "llama")[1]
     state: dict = {}
     for path in weight_files(folder, mode, shards):
@@ -221,6 +222,7 @@ def read_hf_weights(folder: str, mode: str | None, shards: int) -> dict:
 
             part = torch.load(path, map_location="cpu", weights_only=True)
         else:
+            require_hf_packages("--load-mode safetensor", ("safetensors",))
             from safetensors.torch import load_file
 
             part = load_file(path)
@@ -297,6 +299,7 @@ def hf_to_megatron(args: argparse.Namespace) -> None:
 
 def megatron_to_hf(args: argparse.Namespace) -> None:
     """The checkpoint in --load -> a Hugging Face LLaMA folder in --save/release."""
+    require_hf_packages("--to-hf-ckpt (a Hugging Face folder)")
     hf_config = read_hf_config(args.hf_ckpt_dir)
     print(f"reading checkpoint {args.load} ...", flush=True)
     dense = load_dense_checkpoint(args.load)

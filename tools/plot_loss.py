@@ -19,6 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from megatron.extensions import install_hint  # noqa: E402
 from megatron.training.monitor import parse_iteration_log, parse_validation_line  # noqa: E402
 from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
 
@@ -75,7 +76,8 @@ def plot_loss_curves(curves: LossCurves, output: str, title: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise ImportError("plotting needs matplotlib: pip install matplotlib") from None
+        hint = install_hint("matplotlib", "plot")
+        raise ImportError(f"plotting needs matplotlib: {hint}") from None
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FormatStrFormatter

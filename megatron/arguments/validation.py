@@ -10,6 +10,7 @@ config with the flags (`megatron.arguments.ds_config`) and keeps the result in
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 
 from megatron.arguments.checkpoint_format_flags import (
@@ -49,6 +50,7 @@ from megatron.arguments.v1_flags import train_data_corpus, translate_v1_flags
 from megatron.atomic_files import nearest_existing
 from megatron.compatibility import refusal
 from megatron.config import model_params_dtype
+from megatron.extensions import install_hint
 from megatron.layout import ParallelLayout
 from megatron.training.batch_schedule import BatchSizeSchedule
 
@@ -401,6 +403,16 @@ def _run_directories(args: argparse.Namespace) -> None:
             raise ArgumentError(f"{name} {path}: not writable by this user")
 
 
+def _logging_packages(args: argparse.Namespace) -> None:
+    """--wandb-project's package (the wandb extra), checked before anything starts: a W&B run
+    that cannot start would otherwise stop the job after its model was built."""
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ArgumentError(
+            f"--wandb-project {args.wandb_project}: needs the wandb package: "
+            f"{install_hint('wandb', 'wandb')}"
+        )
+
+
 def _schedule(args: argparse.Namespace) -> None:
     """Check the LR schedule's settings as the scheduler does: its errors name the flags."""
     from megatron.training.scheduler import check_schedule, scheduler_arguments
@@ -540,6 +552,7 @@ def validate_args(
         _dry_run_flags_alone(args)
         _data_files(args)
         _run_directories(args)
+        _logging_packages(args)
         _backend(args)
     args.params_dtype = model_params_dtype(args)
     if args.deepspeed:

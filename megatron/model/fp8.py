@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from megatron.config import Fp8Config
+from megatron.extensions import install_hint
 
-TORCHAO_FP8 = "torchao>=0.16 (pip install torchao, or this project's fp8 extra)"
+TORCHAO_FP8 = f"torchao>=0.16: {install_hint('torchao', 'fp8')}"
 
 # Transformer Engine's FP8 GEMMs and torch._scaled_mm need compute capability 8.9 (Ada) or
 # 9.0+ (Hopper, Blackwell).
@@ -158,14 +159,15 @@ def cast_weights_before_all_gather(model: nn.Module) -> int:
     plain tensors (a gathered full state dict holds plain fp32 tensors; loading copies into
     the wrapped shard). torchao's `precompute_float8_dynamic_scale_for_fsdp` (torchtitan calls it
     after each optimizer step) only trades those small all-reduces for one, with the same
-    scales, and finds `Float8Linear` modules only: not called here."""
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-
+    scales, and finds `Float8Linear` modules only: not called here. torchao is imported only
+    when such a layer exists: a run without FP8 needs no fp8 extra."""
     count = 0
     for module in model.modules():
         matmul = getattr(module, "fp8_matmul", None)
         if matmul is None or not matmul.config.param_gather:
             continue
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
         weight = module.weight
         target_dtype = matmul.torchao_config.cast_config_weight.target_dtype
         cast = WeightWithDynamicFloat8CastTensor(weight.detach(), matmul.mm_config, target_dtype)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron.extensions import install_hint
 from megatron.tokenizer.base import TokenizerFileError, checked_ids
 
 # End-of-text tokens of common tokenizer families (GPT-2/NeoX, LLaMA 1-2, LLaMA 3, Gemma...),
@@ -57,7 +58,8 @@ def _load_pretrained(name_or_folder: str) -> Any:
     except ImportError:
         raise ImportError(
             f"--tokenizer-model {name_or_folder}: loading a Hugging Face tokenizer folder needs "
-            "transformers: pip install transformers (a tokenizer.json file needs only tokenizers)"
+            f"transformers (a tokenizer.json file needs only tokenizers): "
+            f"{install_hint('transformers', 'hf')}"
         ) from None
     try:
         return AutoTokenizer.from_pretrained(name_or_folder, local_files_only=True)

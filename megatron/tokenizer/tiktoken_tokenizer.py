@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron.extensions import install_hint
 from megatron.tokenizer.base import TokenizerFileError, checked_ids
 
 PATTERNS = {
@@ -36,7 +37,7 @@ DEFAULT_VOCAB_SIZE = 2**17
 DEFAULT_NUM_SPECIAL_TOKENS = 1000
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
 """The special tokens every TikTokenizer has (its first ids unless reordered)."""
-PIP_HINT = "pip install tiktoken (or pip install -e '.[tiktoken]')"
+PIP_HINT = install_hint("tiktoken", "tiktoken")
 
 
 def _import_tiktoken() -> Any:

@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from megatron.extensions import install_hint
 from megatron.model.moe_aux_loss import PER_LAYER_PREFIX
 
 _MEGABYTE = 1024.0 * 1024.0
@@ -469,7 +470,9 @@ def _init_wandb(project: str, name: str | None, save_dir: str | None, config: di
     try:
         import wandb
     except ImportError as error:
-        raise RuntimeError("--wandb-project needs the wandb package: pip install wandb") from error
+        raise RuntimeError(
+            f"--wandb-project needs the wandb package: {install_hint('wandb', 'wandb')}"
+        ) from error
     env_mode = os.environ.get("WANDB_MODE")
     has_credentials = _wandb_credentials_found()
     mode = None  # wandb reads WANDB_MODE itself

@@ -76,7 +76,7 @@ from megatron.checkpointing.shards import (  # noqa: E402
     DenseCheckpoint,
     save_megatron_checkpoint,
 )
-from tools.checkpoint import CONVERSION_ERRORS  # noqa: E402
+from tools.checkpoint import CONVERSION_ERRORS, require_hf_packages  # noqa: E402
 from tools.checkpoint.hf_tokenizer import imported_tokenizer_args  # noqa: E402
 from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
 
@@ -328,6 +328,7 @@ def read_hf_folder(args: argparse.Namespace) -> DenseCheckpoint:
 
 def convert(args: argparse.Namespace) -> None:
     """Read the Hugging Face folder `--load`, write `--save` in Megatron's layout."""
+    require_hf_packages("reading a Hugging Face folder")
     read_hf_config(args.load)
     if holds_checkpoint(args.save) and not args.force:
         raise CheckpointConversionError(

@@ -51,7 +51,7 @@ from megatron.checkpointing.shards import (  # noqa: E402
     DenseCheckpoint,
     load_dense_checkpoint,
 )
-from tools.checkpoint import CONVERSION_ERRORS  # noqa: E402
+from tools.checkpoint import CONVERSION_ERRORS, require_hf_packages  # noqa: E402
 from tools.checkpoint.hf_tokenizer import (  # noqa: E402
     TokenizerSource,
     tokenizer_source,
@@ -148,6 +148,7 @@ def moe_overrides(args: argparse.Namespace) -> dict[str, bool]:
 
 def convert(args: argparse.Namespace) -> None:
     """Read `--load`, write the Hugging Face folder `--save`."""
+    require_hf_packages("writing a Hugging Face folder")
     check_destination(args.save, args.force)
     print(f"reading checkpoint {args.load} ...", flush=True)
     dense = load_dense_checkpoint(args.load, args.iteration, args.true_vocab_size)

@@ -17,6 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.path.pardir] * 2)))
 
+from megatron.extensions import install_hint  # noqa: E402
 from tools.cli_errors import ToolArgumentParser, run_tool  # noqa: E402
 
 
@@ -51,7 +52,10 @@ def complete(args: argparse.Namespace) -> str:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as error:
-        raise ImportError(f"{error}; install with pip install -e .[hf]") from None
+        raise ImportError(
+            f"sampling a Hugging Face folder needs transformers ({error}): "
+            f"{install_hint('transformers', 'hf')}"
+        ) from None
 
     tokenizer = AutoTokenizer.from_pretrained(args.load)
     model = AutoModelForCausalLM.from_pretrained(args.load).eval()  # the dtype it was saved in
