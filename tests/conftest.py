@@ -3,13 +3,17 @@ transformers 4.x for the Hugging Face exports."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -26,6 +30,39 @@ ORACLE_DIR = os.path.join(REPO_ROOT, ".cache", f"megatron-core-{MEGATRON_CORE_VE
 # Face exports must load in besides the installed 5.x: the last 4.46, inside `>=4.45`.
 TRANSFORMERS_4 = ("transformers==4.46.3", "tokenizers==0.20.3", "huggingface-hub==0.26.5")
 TRANSFORMERS_4_DIR = os.path.join(REPO_ROOT, ".cache", "transformers-4.46.3")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, ANN201
+    """`-n N --dist loadfile`: a test file's tests on one worker, and every module that runs in
+    the tests/core spawned worlds on one worker (tests/scheduling.py)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.scheduling import FileGroupScheduling
+
+    return FileGroupScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the longest scheduling groups first (tests/scheduling.py)."""
+    if hasattr(config, "workerinput"):
+        from tests.scheduling import longest_groups_first
+
+        longest_groups_first(items)
+
+
+@contextlib.contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Hold `.cache/{name}.lock` exclusively: two pytest-xdist workers (or two test runs) that
+    would build the same cached folder build it once, the second finding it done."""
+    os.makedirs(os.path.join(REPO_ROOT, ".cache"), exist_ok=True)
+    with open(os.path.join(REPO_ROOT, ".cache", f"{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +96,13 @@ def ensure_megatron_core_oracle() -> str:
     marker = os.path.join(ORACLE_DIR, "megatron", "core", "datasets", "helpers.py")
     if os.path.isfile(marker):
         return ORACLE_DIR
+    with cache_lock("megatron-core"):
+        if not os.path.isfile(marker):
+            _fetch_megatron_core_oracle()
+    return ORACLE_DIR
+
+
+def _fetch_megatron_core_oracle() -> None:
     with tempfile.TemporaryDirectory(
         dir=os.path.dirname(ORACLE_DIR) if os.path.isdir(os.path.dirname(ORACLE_DIR)) else None
     ) as scratch:
@@ -84,9 +128,7 @@ def ensure_megatron_core_oracle() -> str:
         with zipfile.ZipFile(wheels[0]) as wheel:
             wheel.extractall(unpacked)
         os.makedirs(os.path.dirname(ORACLE_DIR), exist_ok=True)
-        if not os.path.isfile(marker):
-            os.replace(unpacked, ORACLE_DIR)
-    return ORACLE_DIR
+        os.replace(unpacked, ORACLE_DIR)
 
 
 def ensure_transformers_4() -> str:
@@ -99,7 +141,13 @@ def ensure_transformers_4() -> str:
     marker = os.path.join(TRANSFORMERS_4_DIR, "transformers", "__init__.py")
     if os.path.isfile(marker):
         return TRANSFORMERS_4_DIR
-    os.makedirs(os.path.dirname(TRANSFORMERS_4_DIR), exist_ok=True)
+    with cache_lock("transformers-4"):
+        if not os.path.isfile(marker):
+            _install_transformers_4()
+    return TRANSFORMERS_4_DIR
+
+
+def _install_transformers_4() -> None:
     with tempfile.TemporaryDirectory(dir=os.path.dirname(TRANSFORMERS_4_DIR)) as scratch:
         target = os.path.join(scratch, "site-packages")
         command = [
@@ -122,9 +170,7 @@ def ensure_transformers_4() -> str:
                 f"could not fetch {TRANSFORMERS_4[0]}, the release our Hugging Face exports must "
                 f"load in besides 5.x: {' '.join(command)} failed:\n{result.stderr[-2000:]}"
             )
-        if not os.path.isfile(marker):
-            os.replace(target, TRANSFORMERS_4_DIR)
-    return TRANSFORMERS_4_DIR
+        os.replace(target, TRANSFORMERS_4_DIR)
 
 
 def run_transformers_4(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -148,14 +194,20 @@ def run_transformers_4(script: str, *args: str, timeout: int = 300) -> subproces
 
 
 def run_cli(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `python {script} {args}` in the repository root, as a user would; never raises."""
-    return subprocess.run(
+    """Run `python {script} {args}` in the repository root, as a user would (forked from the
+    preloaded process, tests/preloaded.py); stdout and stderr apart; never raises."""
+    from tests import preloaded
+
+    return preloaded.launch(
         [sys.executable, script, *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
+        os.path.join(REPO_ROOT, script),
+        list(args),
+        1,
+        "python",
+        dict(os.environ if env is None else env),
+        REPO_ROOT,
         timeout=300,
-        env=env,
+        separate_stderr=True,
     )
 
 
@@ -224,16 +276,33 @@ def hf_tokenizer_dir(_hf_bpe) -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _preloaded_launchers_end() -> Iterator[None]:
+    """End the preloaded processes that launched this session's runs (tests/preloaded.py)."""
+    yield
+    from tests import preloaded
+
+    preloaded.close_all()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _no_deepspeed_shared_memory_left() -> None:
     """Remove DeepSpeed's CPU all-reduce buffers that a rank killed mid-start left in /dev/shm.
 
     /dev/shm is RAM: a run whose rank died before megatron.initialize unlinked its 69 MB buffer
     would keep it until the machine restarts, and enough of them starve later tests of memory.
     """
+    from tests.distributed import worker_ports
+
     pattern = "/dev/shm/deepspeed_allreduce_buffer_*"
     before = set(glob.glob(pattern))
     yield
+    # Under pytest-xdist, only this worker's runs' buffers (named ..._{addr}_{port}_{rank}, the
+    # port from this worker's block): the other worker's live runs may not have mapped theirs.
+    ports = worker_ports()
     for path in set(glob.glob(pattern)) - before:
+        port = re.search(r"_(\d+)_\d+$", path)
+        if ports is not None and not (port and int(port.group(1)) in ports):
+            continue
         try:
             os.unlink(path)
         except FileNotFoundError:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 from megatron.training.monitor import parse_iteration_log
+from tests import preloaded
 from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE
 from tests.distributed import free_port
 
@@ -114,17 +115,20 @@ def tiny_gpt_flags(data_prefix: str) -> list[str]:
     ).split()
 
 
-def command(processes: int, flags: list[str], launcher: str = "torchrun") -> list[str]:
+def command(
+    processes: int, flags: list[str], launcher: str = "torchrun", port: int | None = None
+) -> list[str]:
     """`python pretrain_gpt.py` for one process, else `torchrun --nproc_per_node N` (or, with
-    `launcher="deepspeed"`, `deepspeed --num_gpus N`)."""
+    `launcher="deepspeed"`, `deepspeed --num_gpus N`) on `port` (a free one by default)."""
     script = os.path.join(REPO_ROOT, "pretrain_gpt.py")
     if processes == 1:
         return [sys.executable, script, *flags]
     program = os.path.join(os.path.dirname(sys.executable), launcher)
+    port = free_port() if port is None else port
     if launcher == "deepspeed":
-        options = ["--num_gpus", str(processes), "--master_port", str(free_port())]
+        options = ["--num_gpus", str(processes), "--master_port", str(port)]
     else:
-        options = [f"--nproc_per_node={processes}", f"--master_port={free_port()}"]
+        options = [f"--nproc_per_node={processes}", f"--master_port={port}"]
     return [program, *options, script, *flags]
 
 
@@ -138,8 +142,33 @@ def launch(
     """Run pretrain_gpt.py to the end; stdout and stderr together; never raises on failure.
 
     `env`: variables to set on top of the CPU environment (e.g. a fault to inject);
-    `launcher`: "torchrun" or "deepspeed", for more than one process.
+    `launcher`: "torchrun" or "deepspeed", for more than one process. The ranks are forked
+    from a preloaded process with the environment that launcher gives them (tests/preloaded.py;
+    `launch_for_real` starts the launcher itself).
     """
+    port = free_port()
+    return preloaded.launch(
+        command(processes, flags, launcher, port),
+        os.path.join(REPO_ROOT, "pretrain_gpt.py"),
+        flags,
+        processes,
+        launcher if processes > 1 else "python",
+        cpu_env(OMP_NUM_THREADS="1", MASTER_PORT=str(port), **(env or {})),
+        REPO_ROOT,
+        port,
+        timeout,
+    )
+
+
+def launch_for_real(
+    processes: int,
+    flags: list[str],
+    timeout: int = 300,
+    env: dict[str, str] | None = None,
+    launcher: str = "torchrun",
+) -> subprocess.CompletedProcess:
+    """`launch` through the launcher's own command line (`command`), every rank a new Python
+    process: for what depends on the launcher itself (its output, its error reports)."""
     return subprocess.run(
         command(processes, flags, launcher),
         cwd=REPO_ROOT,

@@ -1,0 +1,354 @@
+"""Launch a script's ranks forked from a process that has imported torch, DeepSpeed and megatron.
+
+Every `pretrain_gpt.py` launch of the suite used to start its launcher and each rank as new
+Python processes; each paid 3-6 CPU seconds importing torch, torch's compiler (which
+`torch.optim` pulls in), DeepSpeed and this project before its first step of a few hundred
+milliseconds: most of the suite's CPU time. Here a preloaded process (one per pytest worker and
+per set of import-time variables) forks the ranks instead, and each rank runs the script as
+`python script.py` would (`runpy.run_path` as `__main__`, `sys.argv` and `sys.path[0]` set,
+`os.environ` replaced, stdout and stderr into the run's log, Python's and numpy's global
+random states reseeded), with the environment its launcher would give it:
+
+- `torchrun --nproc_per_node N --master_port P`: RANK, LOCAL_RANK, WORLD_SIZE,
+  LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_*, GROUP_WORLD_SIZE, MASTER_ADDR/PORT,
+  TORCHELASTIC_RESTART_COUNT 0 and TORCHELASTIC_MAX_RESTARTS 0 (rank 0 serves the rendezvous
+  store instead of torchrun's agent); a failing rank has the others terminated (SIGTERM, then
+  SIGKILL after `TERMINATE_GRACE_S`) and the launch exits 1.
+- `deepspeed --num_gpus N --master_port P`: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE,
+  CROSS_RANK/SIZE, MASTER_ADDR/PORT and a leading `--local_rank=i` argument, as
+  deepspeed.launcher.launch passes them; the launch exits with the first failing rank's code.
+- one process: `python script.py ...`, its own exit code.
+
+What this cannot reproduce, and the suite keeps real launchers for: the launchers' own output,
+error reports and signal handling (tests/test_launch_scripts.py, the script runs in
+tests/compat, the SIGKILL and stalled-rank tests), `torchrun --max-restarts`, and a hash seed
+of its own per rank (the ranks share the preloaded process's `PYTHONHASHSEED`).
+tests/test_preloaded.py checks that a preloaded launch and the real launchers log the same
+losses and write the same checkpoint files.
+
+Variables read while those modules are imported (`IMPORT_TIME_PREFIXES`: OpenMP's, ATen's,
+DeepSpeed's accelerator, torch's and Python's own) cannot change per launch: a launch whose
+values differ gets a preloaded process of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import runpy
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+PRELOAD = (
+    "numpy",
+    "torch",
+    "torch._dynamo",  # torch.optim's constructors import it: 2 s a rank
+    "torch.distributed.run",
+    "deepspeed",
+    "deepspeed.runtime.zero.muon.muon_optimizer",  # deepspeed.initialize's sanity check
+    "megatron.training.engines.deepspeed",
+    "megatron.training.engines.megatron_schedules",
+    "megatron.checkpointing",
+    "pretrain_gpt",
+)
+IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "ATEN_", "DS_", "CUDA_", "PYTHON")
+IMPORT_TIME_PREFIXES += ("TORCH", "PYTORCH_", "LD_")
+TERMINATE_GRACE_S = 30.0
+HOST = "127.0.0.1"
+_ACCEPT_POLL_S = 2.0
+
+
+def import_time_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The variables of `env` that a preloaded process fixed when it imported its modules."""
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
+
+
+def rank_environments(launcher: str, processes: int, port: int) -> list[dict[str, str]]:
+    """The variables `launcher` ("torchrun", "deepspeed" or "python") sets for each rank."""
+    if launcher == "python":
+        return [{}]
+    common = {"MASTER_ADDR": HOST, "MASTER_PORT": str(port), "WORLD_SIZE": str(processes)}
+    ranks = []
+    for rank in range(processes):
+        env = dict(common, RANK=str(rank), LOCAL_RANK=str(rank))
+        if launcher == "torchrun":
+            env.update(
+                GROUP_RANK="0",
+                ROLE_RANK=str(rank),
+                ROLE_NAME="default",
+                LOCAL_WORLD_SIZE=str(processes),
+                GROUP_WORLD_SIZE="1",
+                ROLE_WORLD_SIZE=str(processes),
+                TORCHELASTIC_RESTART_COUNT="0",
+                TORCHELASTIC_MAX_RESTARTS="0",
+                TORCHELASTIC_RUN_ID="none",
+                TORCHELASTIC_USE_AGENT_STORE="False",
+                TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+            )
+        elif launcher == "deepspeed":
+            env.update(CROSS_RANK="0", CROSS_SIZE="1", LOCAL_SIZE=str(processes))
+        else:
+            raise ValueError(f"unknown launcher {launcher!r}")
+        ranks.append(env)
+    return ranks
+
+
+# ---------------------------------------------------------------------------------------------
+# The preloaded process (`python -m tests.preloaded SOCKET`).
+
+
+def _serve(socket_path: str) -> None:
+    for module in PRELOAD:
+        __import__(module)
+    if threading.active_count() != 1:
+        names = [thread.name for thread in threading.enumerate()]
+        raise SystemExit(f"preloading started threads {names}: forking would not be safe")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(8)
+    listener.settimeout(_ACCEPT_POLL_S)
+    parent = os.getppid()
+    print("ready", flush=True)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    while os.getppid() == parent:  # the pytest worker that started this one is alive
+        _reap()
+        try:
+            connection, _ = listener.accept()
+        except socket.timeout:
+            continue
+        if os.fork() == 0:
+            listener.close()
+            _launch(connection)  # returns only in a rank, which then runs its script
+            return
+        connection.close()
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _launch(connection: socket.socket) -> None:
+    """The launcher of one request: fork its ranks, supervise them, report their exit codes.
+
+    Returns only in a rank, to let the rank's script run and the interpreter end as a script's
+    would (atexit handlers, threads joined, streams flushed); the launcher itself `_exit`s.
+    """
+    try:
+        os.setsid()  # the ranks share this session: the client can kill the whole launch
+        request = json.loads(connection.makefile("r").readline())
+        environments = rank_environments(request["launcher"], request["processes"], request["port"])
+        children: dict[int, int] = {}
+        for rank in range(len(environments)):
+            pid = os.fork()
+            if pid == 0:
+                break
+            children[pid] = rank
+        else:
+            connection.sendall(f"started {os.getpid()}\n".encode())
+            codes, first_failure = _supervise(children, request["launcher"])
+            reply = {"codes": codes, "first_failure": first_failure}
+            connection.sendall((json.dumps(reply) + "\n").encode())
+            os._exit(0)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    connection.close()
+    _become_rank(request, rank, environments[rank])
+
+
+def _become_rank(request: dict, rank: int, rank_env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.environ.update(rank_env)
+    os.chdir(request["cwd"])
+    for descriptor, path in ((1, request["log"]), (2, request.get("errors") or request["log"])):
+        log = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(log, descriptor)
+        os.close(log)
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(stdin, 0)
+    os.close(stdin)
+    script = request["script"]
+    local_rank = [f"--local_rank={rank}"] if request["launcher"] == "deepspeed" else []
+    sys.argv = [script, *local_rank, *request["args"]]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    # A new process draws its own seeds; these were drawn once, in the preloaded process.
+    random.seed()
+    import numpy
+
+    numpy.random.seed()
+    runpy.run_path(script, run_name="__main__")
+
+
+def _supervise(children: dict[int, int], launcher: str) -> tuple[list[int], int]:
+    """Wait for every rank; once one fails, stop the others as the launchers do (torchrun:
+    SIGTERM, then SIGKILL after a grace period; deepspeed's: SIGKILL). Returns every rank's
+    exit code and the first failing one's (0 when none failed)."""
+    codes: list[int | None] = [None] * len(children)
+    first_failure, failed_at = 0, None
+    while any(code is None for code in codes):
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if failed_at is not None and time.monotonic() > failed_at + TERMINATE_GRACE_S:
+                _signal(children, codes, signal.SIGKILL)
+            time.sleep(0.05)
+            continue
+        if pid not in children:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        codes[children[pid]] = code
+        if code != 0 and failed_at is None:
+            first_failure, failed_at = code, time.monotonic()
+            _signal(children, codes, signal.SIGKILL if launcher == "deepspeed" else signal.SIGTERM)
+    return [int(code) for code in codes], first_failure
+
+
+def _signal(children: dict[int, int], codes: list, signum: int) -> None:
+    for pid, rank in children.items():
+        if codes[rank] is None:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+# ---------------------------------------------------------------------------------------------
+# The client (in the pytest process).
+
+
+class _Preloaded:
+    """One preloaded process, started on first use, ended with the pytest process."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.directory = tempfile.mkdtemp(prefix="preloaded_")
+        self.socket_path = os.path.join(self.directory, "socket")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.errors = open(os.path.join(self.directory, "stderr.txt"), "w")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.preloaded", self.socket_path],
+            cwd=root,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self.errors,
+            text=True,
+            start_new_session=True,
+        )
+        # Imports may print first (DeepSpeed logs its accelerator to stdout).
+        for line in self.process.stdout:
+            if line.strip() == "ready":
+                break
+        else:
+            self.process.wait()
+            raise RuntimeError(f"the preloaded launcher did not start:\n{self._stderr()}")
+
+    def run(self, request: dict, timeout: float) -> dict:
+        """Send one launch; wait for its exit codes (killing it past `timeout`): {"codes":
+        each rank's, "first_failure": the first non-zero one, or 0}."""
+        deadline = time.monotonic() + timeout
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.connect(self.socket_path)
+            connection.sendall((json.dumps(request) + "\n").encode())
+            replies = connection.makefile("r")
+            started = replies.readline().split()
+            if started[:1] != ["started"]:
+                raise RuntimeError(f"the preloaded launcher failed:\n{self._stderr()}")
+            session = int(started[1])
+            connection.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                return json.loads(replies.readline())
+            except (socket.timeout, TimeoutError, json.JSONDecodeError):
+                _kill_session(session)
+                raise
+
+    def _stderr(self) -> str:
+        with open(self.errors.name) as errors:
+            return errors.read()[-3000:]
+
+    def close(self) -> None:
+        """End the preloaded process; remove its folder."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.errors.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _kill_session(session: int) -> None:
+    try:
+        os.killpg(session, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+_PRELOADED: dict[tuple, _Preloaded] = {}
+
+
+def launch(
+    command: list[str],
+    script: str,
+    args: list[str],
+    processes: int,
+    launcher: str,
+    env: dict[str, str],
+    cwd: str,
+    port: int = 0,
+    timeout: float = 300,
+    separate_stderr: bool = False,
+) -> subprocess.CompletedProcess:
+    """Run `script args` on `processes` ranks as `launcher` would start them, forked from a
+    preloaded process; stdout and stderr together (or apart, `separate_stderr`), `command` (the
+    real launcher's command line) as `args`; raises `subprocess.TimeoutExpired` past `timeout`
+    (the ranks killed)."""
+    key = import_time_key(env)
+    if key not in _PRELOADED:
+        _PRELOADED[key] = _Preloaded(dict(env))
+    preloaded = _PRELOADED[key]
+    with (
+        tempfile.NamedTemporaryFile("r", prefix="launch_", suffix=".log") as log,
+        tempfile.NamedTemporaryFile("r", prefix="launch_", suffix=".err") as errors,
+    ):
+        request = dict(
+            script=script, args=args, processes=processes, launcher=launcher, env=env, cwd=cwd,
+            port=port, log=log.name, errors=errors.name if separate_stderr else None,
+        )  # fmt: skip
+        try:
+            reply = preloaded.run(request, timeout)
+        except (socket.timeout, TimeoutError) as error:
+            raise subprocess.TimeoutExpired(command, timeout, output=log.read()) from error
+        output, stderr = log.read(), errors.read() if separate_stderr else None
+    # torchrun exits 1 when a rank failed; deepspeed's launcher `sys.exit`s with the first
+    # failing rank's code (a signal's negative code as its low byte).
+    if launcher == "torchrun":
+        returncode = 1 if reply["first_failure"] else 0
+    elif launcher == "deepspeed":
+        returncode = reply["first_failure"] & 0xFF
+    else:
+        returncode = reply["codes"][0]
+    return subprocess.CompletedProcess(command, returncode, stdout=output, stderr=stderr)
+
+
+def close_all() -> None:
+    """End every preloaded process (at the end of the pytest session)."""
+    for preloaded in _PRELOADED.values():
+        preloaded.close()
+    _PRELOADED.clear()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
