@@ -15,7 +15,6 @@ import os
 import random
 import sysconfig
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -179,17 +178,14 @@ def test_hand_picked(reference, engine, slow_engine, text: str) -> None:
 
 
 def test_long_single_word(reference, engine, slow_engine) -> None:
+    # (How fast: benchmarks/bpe_engine_speed.py; a wall-clock bound here would fail on a
+    # loaded machine.)
     word = "a" * 20000
-    start = time.perf_counter()
-    ids = _ids(engine, word)
-    assert time.perf_counter() - start < 1.0
-    assert ids == reference.encode(word)
+    assert _ids(engine, word) == reference.encode(word)
 
     rng = random.Random(0)
     word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(20000))
-    start = time.perf_counter()
     ids = _ids(engine, word)
-    assert time.perf_counter() - start < 1.0
     assert ids == _ids(slow_engine, word)  # the fallback is checked against the reference
     shorter = word[:1500]  # the reference is quadratic; keep its share small
     assert _ids(engine, shorter) == reference.encode(shorter)
@@ -258,11 +254,19 @@ def test_rejects_non_str(engine) -> None:
         engine.encode(b"bytes")
 
 
-def test_construction_is_fast() -> None:
-    unicode_class_ranges()  # computed once per process
-    start = time.perf_counter()
+def test_construction_reuses_the_class_ranges(monkeypatch) -> None:
+    """The Unicode class table (the costly part of building an engine) is computed once per
+    process: a second engine does not scan the code points again."""
+    from megatron.tokenizer import native_bpe
+
+    first = unicode_class_ranges()
+
+    def scan(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the Unicode class ranges were computed again")
+
+    monkeypatch.setattr(native_bpe.regex, "finditer", scan)
     _load_engine()
-    assert time.perf_counter() - start < 0.5
+    assert unicode_class_ranges() is first
 
 
 def test_class_ranges_are_disjoint_and_sorted() -> None:
