@@ -2,10 +2,10 @@
 `load_args_from_checkpoint` takes them (sizes given on the command line kept, the other model
 flags overridden, each printed), before validation builds the model config.
 
-A run saved in Megatron's per-rank files and in torch_dist resumes from a command line without
-one architecture flag (DeepSpeed's files, plain and ZeRO-3, are read from hand-written ones);
-the rule itself is checked on a hand-written checkpoint file; a --load without a checkpoint is
-refused in one line.
+A run saved in each format (Megatron's per-rank files, torch_dist, DeepSpeed's) resumes from a
+command line without one architecture flag (DeepSpeed's ZeRO-3 rank files are read from a
+hand-written one too); the rule itself is checked on a hand-written checkpoint file; a --load
+without a checkpoint is refused in one line.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def _run_flags(data_prefix: str, save: str) -> list[str]:
 FORMATS = {
     "torch": [],
     "torch_dist": ["--ckpt-format", "torch_dist"],
+    "deepspeed": ["--deepspeed", "--zero-stage", "1", "--no-pipeline-parallel"],
 }
 
 
@@ -60,6 +61,10 @@ def test_a_command_without_the_architecture_resumes_with_the_saved_shape(
 
     save = str(tmp_path / "checkpoints")
     flags = _run_flags(stdlib_dataset, save) + FORMATS[fmt]
+    if fmt == "deepspeed":
+        config = tmp_path / "ds_config.json"
+        config.write_text("{}")
+        flags += ["--deepspeed_config", str(config)]
     first = launch(1, ARCHITECTURE + flags + ["--exit-interval", "2"])
     assert first.returncode == 0, first.stdout[-3000:]
     resumed = launch(1, flags + ["--load", save, "--use-checkpoint-args"])

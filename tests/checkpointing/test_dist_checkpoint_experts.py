@@ -8,9 +8,10 @@ rescaled to Megatron-LM's sum / DP). Each EP rank holds 2 of the 4 experts' stac
 (and Adam's moments): they are saved as the two halves of one [4, ...] tensor per layer, so
 neither half is lost to the deduplication of replicas (the bug this guards against wrote one
 rank's 2 experts as the whole stack). From the iteration-3 checkpoint of a 6-iteration run,
-iterations 4-6 at EP=1 in one process (the reference arithmetic) are the run's up to fp32
-sums in other orders, gradient norms included: the experts and their moments all loaded, and
-the sharded expert gradients scaled as one process scales them.
+iterations 4-6 at the same layout are the run's bit for bit, and at EP=1 in one process (DDP-
+free, the reference arithmetic) they are the same up to fp32 sums in other orders, gradient
+norms included: the experts and their moments all loaded, and the sharded expert gradients
+scaled as one process scales them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ ROUTED = dict(
 
 
 @pytest.mark.slow
-def test_sharded_experts_saved_at_ep2_resume_at_ep1(stdlib_dataset: str, tmp_path) -> None:
+def test_sharded_experts_saved_at_ep2_resume_at_ep2_and_ep1(stdlib_dataset: str, tmp_path) -> None:
     saved = str(tmp_path / "ep2")
     ep2 = dict(expert_model_parallel_size=2, use_distributed_optimizer=True, **ROUTED)
     straight = run(stdlib_dataset, 4, save=saved, save_interval=3, **ep2)
@@ -47,6 +48,10 @@ def test_sharded_experts_saved_at_ep2_resume_at_ep1(stdlib_dataset: str, tmp_pat
                 stored = metadata.state_dict_metadata[key]
                 assert stored.size[0] == 4, (key, stored.size)
                 assert sorted(chunk.offsets[0] for chunk in stored.chunks) == [0, 2], key
+    again = run(stdlib_dataset, 4, load=rolled_back(saved, 3, str(tmp_path / "a")), **ep2)
+    assert [log["iteration"] for log in again] == [4, 5, 6]
+    for mine, theirs in zip(again, straight[3:], strict=True):
+        assert (mine["lm loss"], mine["grad norm"]) == (theirs["lm loss"], theirs["grad norm"])
     one = run(stdlib_dataset, 1, load=rolled_back(saved, 3, str(tmp_path / "b")), **ROUTED)
     assert_same(one, straight[3:])
     assert all(log["moe loss"] > 0 for log in one)

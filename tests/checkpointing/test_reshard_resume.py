@@ -163,11 +163,12 @@ def test_pipeline_layouts_of_a_resharded_checkpoint_log_the_same_losses(
     iterations = [3, 4, 5]
     reference = _losses(launch(1, flags("--load", dirs["back_to_pp1"])), iterations)
     virtual = ["--virtual-pipeline-model-parallel-size", "2"]
-    # (1F1B PP=2 x DP=2 with the distributed optimizer ran here too until the CI budget of
-    # issue 41: the interleaved run below loads the same PP=2 files' layers.)
     # The pipelines at DP=2 shard the data-parallel state (torch FSDP2; 2 micro-batches of 2
     # per rank a step, their gradients reduce-scattered once): the same losses as PP=1 x DP=1.
     runs = {
+        "1F1B PP=2 x DP=2, distributed optimizer": (
+            4, [*_pp(2), "--use-distributed-optimizer", "--load", dirs["pp2"]],
+        ),
         "interleaved PP=2 x 2 x DP=2, FSDP2": (
             4, [*_pp(2), *virtual, "--use-torch-fsdp2", "--load", dirs["pp2_vpp2"]],
         ),
@@ -256,9 +257,8 @@ def test_moe_checkpoint_changes_expert_and_tensor_parallel_sizes(
             assert ranks[0][name].shape == (256, 64)
             assert torch.equal(ranks[0][name], ranks[1][name])
     _reshard(tp2, tp1, 1, 1)
-    # Back at TP=1 and the saved EP=2 (EP=1 from the weights alone is shown above; with the
-    # optimizer state, tests/checkpointing/test_dist_checkpoint_engines.py).
-    _assert_same_moe_losses(_moe_losses(run(2, "--load", tp1), 3), reference, "EP=2")
+    for ep in (1, 2):
+        _assert_same_moe_losses(_moe_losses(run(ep, "--load", tp1), 3), reference, f"EP={ep}")
 
     sampled = _tool(
         "generate_samples_gpt.py", "--load", original, "--prompt", "def", "--greedy",

@@ -38,6 +38,7 @@ def _ds(stage: int) -> list[str]:
 
 TP2 = ["--tensor-model-parallel-size", "2"]
 MOE_EP2 = "--no-pipeline-parallel --num-experts 4 --expert-interval 1 --moe-expert-parallel-size 2"
+MOE_ZERO0_FP32 = ["--deepspeed", "--zero-stage", "0", *MOE_EP2.split(), "--topk", "2"]
 MOE_ZERO1_BF16 = _ds(1) + MOE_EP2.split() + [
     "--topk", "1", "--bf16", "--create-moe-param-group", "--mlp-type", "residual",
 ]  # fmt: skip
@@ -47,17 +48,18 @@ MOE_MEGATRON_PP2 = PP2 + "--num-experts 4 --expert-interval 1 --topk 2".split()
 CASES = {
     # Megatron's layout: 2 tensor-parallel files, each with its RNG states; 2 x 2 virtual
     # stages under Megatron's interleaved 1F1B (files with model0, model1; 4 micro-batches per
-    # step; its plain 1F1B resumes in the MoE case at PP=2 below). DeepSpeed's: the plain
-    # engine (ZeRO-2), TP and PP splits (ZeRO-1); DeepSpeed-MoE at EP=2 (ZeRO-1 bf16 top-1
-    # PR-MoE with DeepSpeed's expert parameter groups); and DeepSpeed-MoE without DeepSpeed's
-    # engine, on Megatron's 1F1B at PP=2 (EP=1, top-2). (ZeRO-1 at DP=2 and fp32 ZeRO-0 MoE at
-    # EP=2 resumed here too until the CI budget of issue 41: ZeRO-2's and bf16 MoE's resumes
-    # cover their files.)
+    # step; its plain 1F1B resumes in the MoE case at PP=2 below). DeepSpeed's: the pipeline
+    # engine (ZeRO-1, also at PP=1), the plain engine (ZeRO-2), TP and PP splits; DeepSpeed-MoE
+    # at EP=2 (ZeRO-0 fp32 top-2; ZeRO-1 bf16 top-1 PR-MoE with DeepSpeed's expert parameter
+    # groups); and DeepSpeed-MoE without DeepSpeed's engine, on Megatron's 1F1B at PP=2 (EP=1,
+    # top-2).
     "megatron-tp2": (2, TP2),
     "megatron-pp2-vpp2": (2, PP2_4_LAYERS + ["--virtual-pipeline-model-parallel-size", "2"]),
+    "zero1-dp2": (2, _ds(1)),
     "zero2-dp2": (2, _ds(2)),
     "deepspeed-tp2": (2, _ds(1) + TP2),
     "deepspeed-pp2": (2, _ds(1) + PP2),
+    "moe-ep2-zero0-fp32": (2, MOE_ZERO0_FP32),
     "moe-ep2-zero1-bf16": (2, MOE_ZERO1_BF16),
     "moe-megatron-pp2": (2, MOE_MEGATRON_PP2),
 }

@@ -116,12 +116,10 @@ def test_zero3_s2_logs_the_losses_of_one_process(stdlib_dataset: str, tmp_path) 
 
 
 @pytest.mark.slow
-def test_zero1_s2_equals_one_process_and_resumes_at_s1(stdlib_dataset, tmp_path) -> None:
+def test_zero1_s2_equals_one_process_and_resumes_at_s1_and_s4(stdlib_dataset, tmp_path) -> None:
     """The 1.3B script (ZeRO-1): S=2 equals 1 process; saved at S=2, iteration 3, it resumes
-    at S=1 (through DeepSpeed's universal checkpoint) to iterations 4-6 of the run that never
-    stopped. (At S=4 too until the CI budget of issue 39: four ranks on two cores; the
-    universal checkpoint's other direction, more ranks, is tests/checkpointing/
-    test_deepspeed_tools.py's.)"""
+    at S=1 and at S=4 (through DeepSpeed's universal checkpoint) to iterations 4-6 of the run
+    that never stopped."""
     _, straight = _one_process_and_s2(
         ZERO1, stdlib_dataset, str(tmp_path), **{"--save-interval": ["3"]}
     )
@@ -155,7 +153,7 @@ def test_zero1_s2_equals_one_process_and_resumes_at_s1(stdlib_dataset, tmp_path)
         timeout=300,
     )
     assert convert.returncode == 0, convert.stdout[-3000:] + convert.stderr[-3000:]
-    for sequence_parallel, ranks in ((1, 1),):
+    for sequence_parallel, ranks in ((1, 1), (4, 4)):
         argv = _argv(
             ZERO1,
             str(tmp_path / f"resumed{sequence_parallel}"),

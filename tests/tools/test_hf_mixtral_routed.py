@@ -10,11 +10,17 @@ comes back bit for bit with args building the same model and the same logits, an
 Mixtral saved by transformers 5 at top-3 (which DeepSpeed-MoE cannot hold) gives its logits.
 What Mixtral's router does not compute is refused in one line naming the flag.
 
-(The real command lines end to end: tests/tools/test_hf_glm4_moe.py for Megatron-LM's MoE,
-tests/compat/test_megatron_lm_mixtral.py for the Mixtral recipe's trained export.)
+End to end (the real command lines): 3 `pretrain_gpt.py` iterations with Megatron-LM's flags,
+`convert_to_hf.py` (our logits in transformers), `convert_from_hf.py`, and `pretrain_gpt.py
+--load ... --finetune` with the printed flags trains from the import exactly as the trained
+checkpoint does with its own flags.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -26,21 +32,25 @@ from megatron.checkpointing.huggingface_mixtral import mixtral_differences  # no
 from megatron.checkpointing.shards import (  # noqa: E402
     CheckpointConversionError,
     load_dense_checkpoint,
+    save_megatron_checkpoint,
 )
 from megatron.tokenizer import GPT2BPETokenizer  # noqa: E402
-from tests.conftest import MERGE_FILE, VOCAB_FILE  # noqa: E402
+from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE  # noqa: E402
 from tests.one_line_errors import assert_one_line_error  # noqa: E402
+from tests.pretrain_runs import launch, tiny_gpt_flags  # noqa: E402
 from tests.tolerances import assert_close_reordered  # noqa: E402
 from tests.tools.hf_reader import read  # noqa: E402
 from tests.tools.hf_routed_moe import (  # noqa: E402
     export_folder,
+    first_losses,
     import_folder,
     our_reading,
+    printed_flags,
     random_routed_checkpoint,
     routed_args,
     routed_forward_terms,
 )
-from tests.tools.test_hf_conversion import our_logits, same_model  # noqa: E402
+from tests.tools.test_hf_conversion import TRUE_VOCAB, our_logits, same_model  # noqa: E402
 from tests.tools.test_hf_transformers4 import NEW_TOKENS, PROMPT  # noqa: E402
 from tools.checkpoint import convert_from_hf  # noqa: E402
 
@@ -168,3 +178,47 @@ def test_import_refuses_a_split_the_family_cannot_train(exported, tmp_path, caps
     argv = ["--load", exported[2], "--save", str(tmp_path / "ours"), *flags]
     assert_one_line_error(convert_from_hf.main(argv), capsys.readouterr().err, named)
     assert not (tmp_path / "ours").exists()
+
+
+MODEL_FLAGS = (
+    "--num-attention-heads 8 --num-key-value-heads 2 --ffn-hidden-size 96 --normalization "
+    "rmsnorm --swiglu --untie-embeddings-and-output-weights --disable-bias-linear "
+    "--use-rotary-position-embeddings --no-position-embedding "
+    "--rotary-position-embeddings-theta 500000 --num-experts 4 --moe-router-topk 2 "
+    "--moe-aux-loss-coeff 0.01"
+).split()
+"""A Mixtral-shaped model in Megatron-LM's flags (on tiny_gpt_flags' 2 layers, hidden 64)."""
+
+
+def _tool(name: str, *argv: str) -> subprocess.CompletedProcess:
+    tool = os.path.join(REPO_ROOT, "tools", "checkpoint", name)
+    done = subprocess.run([sys.executable, tool, *argv], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_trained_model_through_both_command_lines(stdlib_dataset, tmp_path):
+    """pretrain_gpt.py -> convert_to_hf.py -> transformers reads our logits ->
+    convert_from_hf.py -> pretrain_gpt.py --finetune with the printed flags: the first loss of
+    the trained checkpoint with its own flags (its random vocabulary padding rows zeroed, as
+    the export drops them)."""
+    names = ("trained", "hf", "back", "reference")
+    trained, hf_dir, back, reference = (str(tmp_path / name) for name in names)
+    data = [*tiny_gpt_flags(stdlib_dataset), "--global-batch-size", "4"]
+    training = ["--train-iters", "3", "--save-interval", "3", "--save", trained]
+    run = launch(1, [*data, *MODEL_FLAGS, *training])
+    assert run.returncode == 0, run.stdout[-4000:]
+    assert MIXTRAL in _tool("convert_to_hf.py", "--load", trained, "--save", hf_dir).stdout
+    dense = load_dense_checkpoint(trained)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
+    tokens = torch.randint(0, TRUE_VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    ours = our_logits(dense.state_dict, dense.args, tokens)
+    terms = routed_forward_terms(model_config(dense.args), tokens.numel())
+    assert_close_reordered(theirs, ours, terms=terms)
+    flags = printed_flags(_tool("convert_from_hf.py", "--load", hf_dir, "--save", back).stdout)
+    assert "--moe-router-topk" in flags and "--deepspeed" not in flags
+    dense.vocab_padding = dense.output_layer_padding = None
+    save_megatron_checkpoint(dense, reference, 1, 1)
+    assert first_losses(flags, data, [back]) == first_losses(MODEL_FLAGS, data, [reference])

@@ -30,11 +30,10 @@ TINY = ModelConfig(
 )  # fmt: skip
 """The model of `tiny_gpt_flags` (micro-batches of 2 x 64 tokens, 4 x 64 tokens a step)."""
 CASES = {
+    "pipeline-pp2-zero1-recompute": "--pipeline-model-parallel-size 2 --zero-stage 1 "
+    "--checkpoint-activations",
     "zero3-dp2": "--zero-stage 3 --no-pipeline-parallel",
 }
-"""(DeepSpeed's pipeline engine at PP=2 with ZeRO-1 and recomputation, compiled layer by
-layer, ran here until the CI budget of issue 41; its compiled stage loss is
-tests/model/test_pipeline.py's, its recomputed dropout tests/model/test_torch_compile.py's.)"""
 
 
 @pytest.mark.slow

@@ -34,13 +34,14 @@ def one_process(stdlib_dataset: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_plain_engine_c2_equals_one_process_and_resumes_at_c4(
+def test_plain_engine_c2_equals_one_process_and_resumes_at_c1_and_c4(
     stdlib_dataset: str, one_process: list[dict], tmp_path
 ) -> None:
     save = str(tmp_path / "save")
     # Stopped (and saved) after iteration 3, as a run that lost its nodes.
     # Per layer: all-to-all (DeepSpeed's, over deepspeed.comm without --deepspeed), then
-    # all-gathered keys and values; the resume at C=4 runs ring attention (the default).
+    # all-gathered keys and values; the resume at C=4 runs ring attention (the default), at
+    # C=1 plain attention.
     logged = run(
         stdlib_dataset,
         2,
@@ -51,7 +52,7 @@ def test_plain_engine_c2_equals_one_process_and_resumes_at_c4(
         exit_interval=3,
     )
     assert_same(logged, one_process[:3])
-    for size in (4,):  # C=1 resumes alike (checked by hand; one launch saved)
+    for size in (1, 4):
         resumed = run(
             stdlib_dataset,
             size,

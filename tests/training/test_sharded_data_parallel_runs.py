@@ -7,16 +7,20 @@ The tiny LLaMA-style model of `llama_runs` at DP=2 with 2 micro-batches per step
 - each strategy (optim_grads: `--use-distributed-optimizer`; optim_grads_params:
   `--use-torch-fsdp2`) logs DDP's losses and gradient norms in fp32 (up to fp32 sums in other
   orders; the distributed optimizer's run under `--torch-compile`); fp16 and bf16 track
-  them to half precision's accuracy (Megatron's schedules at PP=2 x DP=2 and TP=2 with
-  sequence parallelism x DP=2, against PP=1 x DP=1: tests/checkpointing/test_reshard_resume.py);
+  them to half precision's accuracy, and in bf16 both strategies log bf16 DDP's losses to
+  bf16's precision; at TP=2 with sequence parallelism on 4 ranks FSDP2 logs the unsharded
+  run's (Megatron's schedules at PP=2 x DP=2 and TP=2 with sequence parallelism x DP=2,
+  against PP=1 x DP=1: tests/checkpointing/test_reshard_resume.py);
 - a checkpoint saved by FSDP2 at DP=2 (weights gathered into Megatron's file, the optimizer
-  state into distrib_optim.pt) resumes bit for bit at DP=2, and at DP=1 unsharded, to the
-  iterations of the run that never stopped; that unsharded run's own checkpoint resumes
-  with the distributed optimizer at DP=2 (the optimizer state sharded on loading).
+  state into distrib_optim.pt) resumes bit for bit at DP=2, and at DP=1 both sharded and
+  unsharded, to the iterations of the run that never stopped; that unsharded run's own
+  checkpoint resumes with the distributed optimizer at DP=2 (the optimizer state sharded on
+  loading).
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -69,6 +73,7 @@ def test_resumes_bit_exactly_and_at_another_data_parallel_size(
     # At DP=1 without sharding: the gathered optimizer state loads into a plain AdamW; its
     # own checkpoint at iteration 4 (torch's optimizer state dict in the model file) loads
     # back into the distributed optimizer at DP=2, Adam's moments kept.
+    assert_same(run(stdlib_dataset, 1, load=save, use_torch_fsdp2=True, **BATCH), straight[3:])
     unsharded = str(tmp_path / "unsharded")
     flags = dict(save=unsharded, save_interval=100, exit_interval=4, **BATCH)
     assert_same(run(stdlib_dataset, 1, load=save, **flags), straight[3:4])
@@ -101,3 +106,32 @@ def test_half_precision_tracks_fp32_ddp(stdlib_dataset: str, ddp: list[dict]) ->
             assert log["number of skipped iterations"] == 0, (precision, log)
             assert log["number of nan iterations"] == 0, (precision, log)
             assert log["lm loss"] == pytest.approx(reference["lm loss"], rel=5e-3), precision
+
+
+def _assert_bf16_close(ours: list[dict], theirs: list[dict]) -> None:
+    """bf16 runs: the same rounding points in other orders (bf16's u = 2^-8 on the losses'
+    inputs, a few steps compounding): 1e-3 relative on the losses, 1% on the norms."""
+    for mine, their in zip(ours, theirs, strict=True):
+        assert math.isclose(mine["lm loss"], their["lm loss"], rel_tol=1e-3), (mine, their)
+        assert math.isclose(mine["grad norm"], their["grad norm"], rel_tol=1e-2), (mine, their)
+
+
+@pytest.mark.slow
+def test_bf16_both_strategies_track_bf16_ddp(stdlib_dataset: str) -> None:
+    """bf16: parameters all-gathered in bf16, gradients reduced in fp32, the fp32 master shards
+    stepped: DDP's bf16 run, rounded at the same points."""
+    reference = run(stdlib_dataset, 2, bf16=True, **BATCH)
+    for name, flags in STRATEGIES.items():
+        logs = run(stdlib_dataset, 2, bf16=True, **BATCH, **flags)
+        assert len(logs) == len(reference), name
+        _assert_bf16_close(logs, reference)
+
+
+@pytest.mark.slow
+def test_tp2_with_sequence_parallelism_on_four_ranks(stdlib_dataset: str) -> None:
+    """FSDP2 shards each tensor-parallel rank's shard; the layer norms' sequence-parallel
+    gradients are still summed over the TP ranks."""
+    sizes = dict(tensor_model_parallel_size=2, sequence_parallel=True, **BATCH)
+    assert_same(
+        run(stdlib_dataset, 4, use_torch_fsdp2=True, **sizes), run(stdlib_dataset, 4, **sizes)
+    )
