@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
 from megatron.tokenizer.base import TokenizerFileError
 from megatron.tokenizer.byte_encoding import bytes_to_unicode
-from megatron.tokenizer.native_bpe import build_native_engine
+from megatron.tokenizer.native_bpe import engine_from_data, native_engine_data
 
 END_OF_TEXT = "<|endoftext|>"
 # Merges file lines after '#version': two non-empty symbols separated by one space.
@@ -69,56 +70,94 @@ def _load_merges(merges_file: str) -> list[tuple[str, str]]:
     raise AssertionError("unreachable")
 
 
+@dataclass(frozen=True)
+class _CheckedFiles:
+    """What a vocabulary and merges file pair gives every tokenizer built from it (read-only)."""
+
+    encoder: dict[str, int]
+    engine_data: tuple[list[bytes], list[tuple[int, int, int]], list[int]]
+    token_bytes: list[bytes]
+
+
+# Checked files by the (path, modification time, size, inode) of both: a process that builds the
+# tokenizer again (evaluation, generation, a test's runs) reads and checks them once.
+_CHECKED_FILES: dict[tuple, _CheckedFiles] = {}
+_CHECKED_FILES_KEPT = 4
+
+
+def _file_stamp(path: str) -> tuple | None:
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None  # reported by the loaders, which name the flag
+    return os.path.realpath(path), status.st_mtime_ns, status.st_size, status.st_ino
+
+
+def _read_files(vocab_file: str, merge_file: str) -> _CheckedFiles:
+    """The checked contents of both files, read once per process while they are unchanged."""
+    key = (_file_stamp(vocab_file), _file_stamp(merge_file))
+    if None not in key and key in _CHECKED_FILES:
+        return _CHECKED_FILES[key]
+    encoder = _load_vocab(vocab_file)
+    if END_OF_TEXT not in encoder:
+        raise TokenizerFileError(f"--vocab-file {vocab_file}: has no {END_OF_TEXT} token")
+    merges = _load_merges(merge_file)
+    _check_files(encoder, merges, vocab_file, merge_file)
+    files = _CheckedFiles(encoder, native_engine_data(encoder, merges), _decoding_table(encoder))
+    if None not in key:
+        while len(_CHECKED_FILES) >= _CHECKED_FILES_KEPT:
+            del _CHECKED_FILES[next(iter(_CHECKED_FILES))]
+        _CHECKED_FILES[key] = files
+    return files
+
+
+def _check_files(
+    vocab: dict[str, int], merges: list[tuple[str, str]], vocab_file: str, merge_file: str
+) -> None:
+    """All 256 byte symbols exist and every merge uses known symbols (errors name lines)."""
+    for byte, symbol in bytes_to_unicode().items():
+        if symbol not in vocab:
+            raise TokenizerFileError(
+                f"--vocab-file {vocab_file}: byte {byte} (symbol {symbol!r}) is missing; "
+                "a byte-level BPE vocabulary needs all 256 byte symbols"
+            )
+    if all(left + right in vocab and left in vocab and right in vocab for left, right in merges):
+        return
+    for index, (left, right) in enumerate(merges):
+        for symbol in (left, right, left + right):
+            if symbol not in vocab:
+                raise TokenizerFileError(
+                    f"--merge-file {merge_file}:{index + 2}: symbol {symbol!r} is not "
+                    f"in --vocab-file {vocab_file}"
+                )
+
+
+def _decoding_table(encoder: dict[str, int]) -> list[bytes]:
+    """The bytes of every id (tokens outside the byte map, if any, as their UTF-8)."""
+    to_byte_values = {ord(char): byte for byte, char in bytes_to_unicode().items()}
+    table = [b""] * (max(encoder.values()) + 1)
+    for token, token_id in encoder.items():
+        spelled = token.translate(to_byte_values)
+        try:
+            table[token_id] = spelled.encode("latin-1")
+        except UnicodeEncodeError:
+            table[token_id] = token.encode("utf-8")
+    return table
+
+
 class GPT2BPETokenizer:
     """Megatron's GPT-2 tokenizer API (`tokenize`, `detokenize`, `vocab`, `eod`, ...)."""
 
     def __init__(self, vocab_file: str, merge_file: str) -> None:
         self.vocab_file, self.merge_file = vocab_file, merge_file
-        self.encoder = _load_vocab(vocab_file)
+        files = _read_files(vocab_file, merge_file)
+        self.encoder = dict(files.encoder)
         self.decoder = {token_id: token for token, token_id in self.encoder.items()}
-        if END_OF_TEXT not in self.encoder:
-            raise TokenizerFileError(f"--vocab-file {vocab_file}: has no {END_OF_TEXT} token")
         self.eod_id = self.encoder[END_OF_TEXT]
-        merges = _load_merges(merge_file)
-        self._check_files(merges)
-        self._engine = build_native_engine(self.encoder, merges)
-        self._token_bytes = self._decoding_table()
+        self._engine = engine_from_data(files.engine_data)
+        self._token_bytes = files.token_bytes
         # GPT-2's ids are 0..N-1: then a min/max check replaces a lookup per id when decoding.
         self._contiguous_ids = len(self._token_bytes) == len(self.encoder)
-
-    def _check_files(self, merges: list[tuple[str, str]]) -> None:
-        """All 256 byte symbols exist and every merge uses known symbols (errors name lines)."""
-        byte_encoder = bytes_to_unicode()
-        for byte, symbol in byte_encoder.items():
-            if symbol not in self.encoder:
-                raise TokenizerFileError(
-                    f"--vocab-file {self.vocab_file}: byte {byte} (symbol {symbol!r}) is missing; "
-                    "a byte-level BPE vocabulary needs all 256 byte symbols"
-                )
-        vocab = self.encoder
-        if all(
-            left + right in vocab and left in vocab and right in vocab for left, right in merges
-        ):
-            return
-        for index, (left, right) in enumerate(merges):
-            for symbol in (left, right, left + right):
-                if symbol not in vocab:
-                    raise TokenizerFileError(
-                        f"--merge-file {self.merge_file}:{index + 2}: symbol {symbol!r} is not "
-                        f"in --vocab-file {self.vocab_file}"
-                    )
-
-    def _decoding_table(self) -> list[bytes]:
-        """The bytes of every id (tokens outside the byte map, if any, as their UTF-8)."""
-        to_byte_values = {ord(char): byte for byte, char in bytes_to_unicode().items()}
-        table = [b""] * (max(self.decoder) + 1)
-        for token, token_id in self.encoder.items():
-            spelled = token.translate(to_byte_values)
-            try:
-                table[token_id] = spelled.encode("latin-1")
-            except UnicodeEncodeError:
-                table[token_id] = token.encode("utf-8")
-        return table
 
     @property
     def vocab_size(self) -> int:

@@ -239,3 +239,31 @@ def test_missing_byte_symbol_is_reported(tmp_path):
     del data["!"]
     with pytest.raises(TokenizerFileError, match="byte 33"):
         GPT2BPETokenizer(_write(tmp_path / "nobang.json", json.dumps(data)), merges)
+
+
+def test_unchanged_files_are_read_once_and_changed_files_again(tmp_path, monkeypatch):
+    """A second tokenizer from the same files reuses their checked contents (not its engine or
+    vocabulary dict); rewritten files are read again, a broken rewrite is reported."""
+    from megatron.tokenizer import gpt2_bpe
+
+    vocab, merges = _toy_vocabulary(tmp_path, False)
+    first = GPT2BPETokenizer(vocab, merges)
+    reads = []
+    monkeypatch.setattr(gpt2_bpe, "_load_vocab", lambda path: reads.append(path) or {})
+    second = GPT2BPETokenizer(vocab, merges)
+    assert reads == []
+    assert second.tokenize("the therapist") == first.tokenize("the therapist")
+    assert second._engine is not first._engine and second.encoder is not first.encoder
+    second.encoder["extra"] = 10**6  # a caller's change stays in its own tokenizer
+    assert "extra" not in GPT2BPETokenizer(vocab, merges).encoder
+    monkeypatch.undo()
+
+    fewer = open(merges, encoding="utf-8").read().replace("Ġt he\n", "")
+    _write(tmp_path / "toyFalse.txt", fewer)  # rewritten in place: another size
+    rebuilt = GPT2BPETokenizer(vocab, merges)
+    reference = ReferenceGPT2BPE(vocab, merges)
+    assert rebuilt.tokenize(" the there") == reference.encode(" the there")
+    assert rebuilt.tokenize(" the there") != first.tokenize(" the there")
+    _write(tmp_path / "toyFalse.txt", fewer + "Ġt zzz\n")
+    with pytest.raises(TokenizerFileError, match=r"toyFalse.txt:\d+: symbol 'zzz' is not in"):
+        GPT2BPETokenizer(vocab, merges)
