@@ -27,8 +27,11 @@ echo "[tests] ruff check and format check"
 "$python" -m ruff check .
 "$python" -m ruff format --check .
 
-reports=$(mktemp -d)
-trap 'rm -rf "$reports"' EXIT
+# JUnit reports of the last run, kept: `python scripts/test_durations.py .cache/test-reports/*.xml`
+# refreshes tests/durations.json from them.
+reports="$root/.cache/test-reports"
+rm -rf "$reports"
+mkdir -p "$reports"
 workers=${TEST_WORKERS:-2}
 parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 status=0
@@ -56,10 +59,13 @@ fi
 
 echo "[tests] pytest on $workers workers"
 run_pytest "${parallel[@]}" -m "not serial" --junitxml="$reports/parallel.xml"
-echo "[tests] pytest, the tests that run alone"
-serial=0
-"$python" -m pytest -m serial -q --junitxml="$reports/serial.xml" || serial=$?
-if [ "$serial" -ne 0 ] && [ "$serial" -ne 5 ]; then status=$serial; fi
+# (Collecting the suite again costs 10 s: only when a test is marked so.)
+if grep -rqs --include='*.py' "mark.serial" tests; then
+  echo "[tests] pytest, the tests that run alone"
+  serial=0
+  "$python" -m pytest -m serial -q --junitxml="$reports/serial.xml" || serial=$?
+  if [ "$serial" -ne 0 ] && [ "$serial" -ne 5 ]; then status=$serial; fi
+fi
 # Another machine's CPU sums in other orders: the distributed and layout-equivalence checks
 # again with one OpenMP thread and ATen's unvectorised kernels (the whole suite under each
 # variation, the Hugging Face comparisons too: scripts/run_tests_variations.sh).

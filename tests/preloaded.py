@@ -7,10 +7,12 @@ milliseconds: most of the suite's CPU time. Here a preloaded process (one per py
 per set of import-time variables) forks the ranks instead, and each rank runs the script as
 `python script.py` would (`runpy.run_path` as `__main__`, `sys.argv` and `sys.path[0]` set,
 `os.environ` replaced, stdout and stderr into the run's log, Python's and numpy's global
-random states reseeded), with the environment its launcher would give it:
+random states reseeded; at its end threads joined, `atexit` run, files flushed, the exit code
+as Python's, but no teardown of every object: `_run_as_main`), with the environment its
+launcher would give it:
 
-- `torchrun --nproc_per_node N --master_port P`: RANK, LOCAL_RANK, WORLD_SIZE,
-  LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_*, GROUP_WORLD_SIZE, MASTER_ADDR/PORT,
+- `torchrun --nproc_per_node N --master_port P`: OMP_NUM_THREADS=1 (unless set), RANK,
+  LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_*, GROUP_WORLD_SIZE, MASTER_ADDR/PORT,
   TORCHELASTIC_RESTART_COUNT 0 and TORCHELASTIC_MAX_RESTARTS 0 (rank 0 serves the rendezvous
   store instead of torchrun's agent); a failing rank has the others terminated (SIGTERM, then
   SIGKILL after `TERMINATE_GRACE_S`) and the launch exits 1.
@@ -33,6 +35,9 @@ values differ gets a preloaded process of its own.
 
 from __future__ import annotations
 
+import atexit
+import gc
+import io
 import json
 import os
 import random
@@ -46,6 +51,7 @@ import tempfile
 import threading
 import time
 import traceback
+from typing import NoReturn
 
 PRELOAD = (
     "numpy",
@@ -58,9 +64,18 @@ PRELOAD = (
     "megatron.training.engines.megatron_schedules",
     "megatron.checkpointing",
     "pretrain_gpt",
+    "torch.distributed.pipelining",  # megatron's pipeline schedules
+    "deepspeed.module_inject.auto_ep_config",  # DeepSpeed's config parser
+    "setuptools",  # DeepSpeed's op builder, asked whether an op is compatible
+    "megatron.data.corpus_tokenizer",  # tools/preprocess_data.py
 )
 IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "ATEN_", "DS_", "CUDA_", "PYTHON")
 IMPORT_TIME_PREFIXES += ("TORCH", "PYTORCH_", "LD_")
+# glibc's malloc in the preloaded process and so in its ranks: blocks up to 32 MiB (a tiny
+# model's logits over GPT-2's vocabulary) come from the heap and stay there when freed, instead
+# of being mapped afresh, and zero-filled page by page, at every step (a fifth of a launch's
+# system time, measured: tests/preloaded.py's launches only, not what users run).
+MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967295"
 TERMINATE_GRACE_S = 30.0
 HOST = "127.0.0.1"
 _ACCEPT_POLL_S = 2.0
@@ -71,8 +86,11 @@ def import_time_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
 
 
-def rank_environments(launcher: str, processes: int, port: int) -> list[dict[str, str]]:
-    """The variables `launcher` ("torchrun", "deepspeed" or "python") sets for each rank."""
+def rank_environments(
+    launcher: str, processes: int, port: int, caller_env: dict[str, str]
+) -> list[dict[str, str]]:
+    """The variables `launcher` ("torchrun", "deepspeed" or "python") sets for each rank, started
+    from `caller_env`."""
     if launcher == "python":
         return [{}]
     common = {"MASTER_ADDR": HOST, "MASTER_PORT": str(port), "WORLD_SIZE": str(processes)}
@@ -93,6 +111,8 @@ def rank_environments(launcher: str, processes: int, port: int) -> list[dict[str
                 TORCHELASTIC_USE_AGENT_STORE="False",
                 TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
             )
+            if processes > 1 and "OMP_NUM_THREADS" not in caller_env:
+                env["OMP_NUM_THREADS"] = "1"  # torchrun's default for more than one rank
         elif launcher == "deepspeed":
             env.update(CROSS_RANK="0", CROSS_SIZE="1", LOCAL_SIZE=str(processes))
         else:
@@ -108,6 +128,18 @@ def rank_environments(launcher: str, processes: int, port: int) -> list[dict[str
 def _serve(socket_path: str) -> None:
     for module in PRELOAD:
         __import__(module)
+    # The tokenizer most runs build: its files are then read and checked once, here (a rank
+    # still builds its own tokenizer from what this process read).
+    from megatron.tokenizer import GPT2BPETokenizer
+
+    dataset = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dataset")
+    GPT2BPETokenizer(
+        os.path.join(dataset, "gpt2-vocab.json"), os.path.join(dataset, "gpt2-merges.txt")
+    )
+    # The preloaded objects are never garbage: out of the collector's sight, a rank's collection
+    # (DeepSpeed's `see_memory_usage` runs one) neither walks them nor writes to their pages,
+    # which forked ranks share until written.
+    gc.freeze()
     if threading.active_count() != 1:
         names = [thread.name for thread in threading.enumerate()]
         raise SystemExit(f"preloading started threads {names}: forking would not be safe")
@@ -127,8 +159,7 @@ def _serve(socket_path: str) -> None:
             continue
         if os.fork() == 0:
             listener.close()
-            _launch(connection)  # returns only in a rank, which then runs its script
-            return
+            _launch(connection)  # never returns: the launcher and its ranks end in it
         connection.close()
 
 
@@ -142,16 +173,18 @@ def _reap() -> None:
             return
 
 
-def _launch(connection: socket.socket) -> None:
+def _launch(connection: socket.socket) -> NoReturn:
     """The launcher of one request: fork its ranks, supervise them, report their exit codes.
 
-    Returns only in a rank, to let the rank's script run and the interpreter end as a script's
-    would (atexit handlers, threads joined, streams flushed); the launcher itself `_exit`s.
+    Every process it makes `_exit`s: the launcher once its ranks ended, a rank once its
+    script ended (`_run_as_main`).
     """
     try:
         os.setsid()  # the ranks share this session: the client can kill the whole launch
         request = json.loads(connection.makefile("r").readline())
-        environments = rank_environments(request["launcher"], request["processes"], request["port"])
+        environments = rank_environments(
+            request["launcher"], request["processes"], request["port"], request["env"]
+        )
         children: dict[int, int] = {}
         for rank in range(len(environments)):
             pid = os.fork()
@@ -171,10 +204,16 @@ def _launch(connection: socket.socket) -> None:
     _become_rank(request, rank, environments[rank])
 
 
-def _become_rank(request: dict, rank: int, rank_env: dict[str, str]) -> None:
+def _become_rank(request: dict, rank: int, rank_env: dict[str, str]) -> NoReturn:
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ.update(rank_env)
+    threads = rank_env.get("OMP_NUM_THREADS")
+    if threads:
+        # Read by torch at its import, in the preloaded process: set as the rank's own would be.
+        import torch
+
+        torch.set_num_threads(int(threads))
     os.chdir(request["cwd"])
     for descriptor, path in ((1, request["log"]), (2, request.get("errors") or request["log"])):
         log = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -192,7 +231,44 @@ def _become_rank(request: dict, rank: int, rank_env: dict[str, str]) -> None:
     import numpy
 
     numpy.random.seed()
-    runpy.run_path(script, run_name="__main__")
+    os._exit(_run_as_main(script))
+
+
+def _run_as_main(script: str) -> int:
+    """Run `script` as `__main__` and end as the interpreter would, but for its last stage;
+    returns the exit code.
+
+    Python's exit joins the threads left running, calls the `atexit` functions (which also run
+    `weakref.finalize` callbacks, logging's flush and multiprocessing's clean-up), flushes the
+    standard streams, and then tears down every module and object. That last stage touches every
+    page inherited from the preloaded process (a copy for each) and took a third of a short
+    launch's CPU time; here open files are flushed instead, as their deallocation would.
+    """
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exit_:  # as Python's own handling of it
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # what interpreter exit runs first: wait for non-daemon threads
+    atexit._run_exitfuncs()
+    for generation in range(3):  # this rank's objects; what was preloaded is frozen
+        for candidate in gc.get_objects(generation):
+            # type(), not isinstance(): a dead weak proxy (torch.compile leaves some) raises
+            if issubclass(type(candidate), io.IOBase) and not candidate.closed:
+                try:
+                    candidate.flush()
+                except (OSError, ValueError):
+                    pass  # as a failing flush at deallocation: not the exit code's business
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    return code & 0xFF
 
 
 def _supervise(children: dict[int, int], launcher: str) -> tuple[list[int], int]:
@@ -242,7 +318,7 @@ class _Preloaded:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.preloaded", self.socket_path],
             cwd=root,
-            env=env,
+            env={"GLIBC_TUNABLES": MALLOC_TUNABLES, **env},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=self.errors,
