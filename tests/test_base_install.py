@@ -33,6 +33,8 @@ import pytest
 from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE, cache_lock
 from tests.distributed import free_port
 
+pytestmark = pytest.mark.slow  # a virtualenv of its own and launched runs
+
 BASE_DIR = os.path.join(REPO_ROOT, ".cache", "base-install")
 EXTRAS = {
     "torchao": "fp8",

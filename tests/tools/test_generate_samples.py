@@ -113,6 +113,7 @@ def continuations(output: str) -> list[str]:
     return [re.split(r"\nContext(?=: | prompt)", chunk)[0].rstrip("\n") for chunk in chunks]
 
 
+@pytest.mark.slow
 def test_greedy_prompt_then_tp2_gives_the_same_text(checkpoint):
     single = run_tool([sys.executable], "--load", checkpoint, *GREEDY)
     assert single.returncode == 0, single.stderr

@@ -197,6 +197,7 @@ def _tool(name: str, *argv: str) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow
 def test_trained_model_through_both_command_lines(stdlib_dataset, tmp_path):
     """pretrain_gpt.py -> convert_to_hf.py -> transformers reads our logits ->
     convert_from_hf.py -> pretrain_gpt.py --finetune with the printed flags: the first loss of

@@ -221,6 +221,7 @@ def _accumulated_gradient_error(world_size: int, stage: int, config_types: dict)
     return {"error": error, "optimizer": type(engine.optimizer).__name__}
 
 
+@pytest.mark.slow  # 64 micro-batches through DeepSpeed's engine: 45 s at ZeRO-1
 @pytest.mark.parametrize("stage", [1, 2])
 def test_deepspeed_bf16_accumulates_gradients_in_fp32(stage: int, tmp_path) -> None:
     """The config we fill (grad_accum_dtype fp32) against DeepSpeed's default (bf16): the
