@@ -125,11 +125,17 @@ else
   "$python" tools/checkpoint/convert_to_hf.py --load "$checkpoint" --save "$hf_dir" --force
 fi
 
-step 7 "completing the prompt '$prompt' (greedy, 48 tokens)"
-echo "--- from the checkpoint, with tools/generate_samples_gpt.py:"
+step 7 "completing the prompt '$prompt': two samples, then the greedy check of the export"
+# Sampled (top-k 40, nucleus 0.9, temperature 0.8): what the model writes. Greedy decoding of a
+# model this small soon repeats itself; it is here to check the export, token for token.
+echo "--- sampled from the checkpoint with tools/generate_samples_gpt.py (top-k 40, top-p 0.9):"
+"$python" tools/generate_samples_gpt.py --load "$checkpoint" --prompt "$prompt" \
+  --num-samples 2 --top_k 40 --top_p 0.9 --temperature 0.8 --seed 1234 \
+  --out-seq-length 64 2>&1 | sed -n '/^Context:/,$p'
+echo "--- greedy (48 tokens) from the checkpoint:"
 "$python" tools/generate_samples_gpt.py --load "$checkpoint" \
   --prompt "$prompt" --greedy --out-seq-length 48 2>&1 | sed -n '/^Context:/,$p'
-echo "--- from the Hugging Face export, with transformers:"
+echo "--- greedy from the Hugging Face export, with transformers (the same tokens):"
 "$python" tools/checkpoint/sample_hf.py --load "$hf_dir" --prompt "$prompt" --max-new-tokens 48
 
 step 8 "plotting the training and validation loss"
