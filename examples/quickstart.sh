@@ -126,11 +126,12 @@ else
 fi
 
 step 7 "completing the prompt '$prompt': two samples, then the greedy check of the export"
-# Sampled (top-k 40, nucleus 0.9, temperature 0.8): what the model writes. Greedy decoding of a
-# model this small soon repeats itself; it is here to check the export, token for token.
-echo "--- sampled from the checkpoint with tools/generate_samples_gpt.py (top-k 40, top-p 0.9):"
+# Sampled (nucleus 0.9, temperature 0.8; Megatron takes top-k or top-p, not both): what the
+# model writes. Greedy decoding of a model this small soon repeats itself; it is here to check
+# the export, token for token.
+echo "--- sampled from the checkpoint (tools/generate_samples_gpt.py, top-p 0.9, temperature 0.8):"
 "$python" tools/generate_samples_gpt.py --load "$checkpoint" --prompt "$prompt" \
-  --num-samples 2 --top_k 40 --top_p 0.9 --temperature 0.8 --seed 1234 \
+  --num-samples 2 --top_p 0.9 --temperature 0.8 --seed 1234 \
   --out-seq-length 64 2>&1 | sed -n '/^Context:/,$p'
 echo "--- greedy (48 tokens) from the checkpoint:"
 "$python" tools/generate_samples_gpt.py --load "$checkpoint" \
