@@ -9,6 +9,8 @@ import dataclasses
 import json
 import os
 import shlex
+import subprocess
+import sys
 
 import torch
 
@@ -18,6 +20,7 @@ from megatron.checkpointing.shards import DenseCheckpoint
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
 from megatron.text_generation import generate
+from tests.conftest import REPO_ROOT
 from tests.pretrain_runs import iteration_logs, launch
 from tests.tolerances import forward_terms
 from tests.tools.test_hf_conversion import ARGS, LLAMA_ARGS, TRUE_VOCAB, our_model
@@ -117,3 +120,13 @@ def first_losses(flags: list[str], data_flags: list[str], loads: list[str]) -> l
         assert f"loaded megatron checkpoint {load}" in run.stdout, run.stdout[-4000:]
         losses.append(iteration_logs(run.stdout)[0]["lm loss"])
     return losses
+
+
+def run_checkpoint_tool(name: str, *argv: str) -> subprocess.CompletedProcess:
+    """`python tools/checkpoint/{name} ARGV` in a new process, as a user runs it; must succeed."""
+    tool = os.path.join(REPO_ROOT, "tools", "checkpoint", name)
+    done = subprocess.run(
+        [sys.executable, tool, *argv], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -46,7 +44,7 @@ from megatron.checkpointing.shards import (  # noqa: E402
     save_megatron_checkpoint,
 )
 from megatron.tokenizer import GPT2BPETokenizer  # noqa: E402
-from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE  # noqa: E402
+from tests.conftest import MERGE_FILE, VOCAB_FILE  # noqa: E402
 from tests.one_line_errors import assert_one_line_error  # noqa: E402
 from tests.pretrain_runs import launch, tiny_gpt_flags  # noqa: E402
 from tests.tolerances import assert_close_reordered  # noqa: E402
@@ -62,6 +60,7 @@ from tests.tools.hf_routed_moe import (  # noqa: E402
     read_config,
     routed_args,
     routed_forward_terms,
+    run_checkpoint_tool,
 )
 from tests.tools.test_hf_conversion import TRUE_VOCAB, our_logits, same_model  # noqa: E402
 from tests.tools.test_hf_transformers4 import NEW_TOKENS, PROMPT  # noqa: E402
@@ -318,15 +317,6 @@ MODEL_FLAGS = (
 """The DeepSeek-V3 shape as pretrain_gpt.py flags (on tiny_gpt_flags' hidden 64, 64 tokens)."""
 
 
-def _tool(name: str, *argv: str) -> subprocess.CompletedProcess:
-    tool = os.path.join(REPO_ROOT, "tools", "checkpoint", name)
-    done = subprocess.run(
-        [sys.executable, tool, *argv], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
-
-
 @pytest.mark.slow
 def test_trained_model_through_both_command_lines(stdlib_dataset, tmp_path):
     """pretrain_gpt.py -> convert_to_hf.py -> transformers reads our logits ->
@@ -342,7 +332,9 @@ def test_trained_model_through_both_command_lines(stdlib_dataset, tmp_path):
     dense = load_dense_checkpoint(trained)
     bias = dense.state_dict["language_model.encoder.layers.1.mlp.router.expert_bias"]
     assert dense.iteration == 3 and bias.abs().max() > 0  # aux-loss-free balancing moved it
-    assert GLM in _tool("convert_to_hf.py", "--load", trained, "--save", hf_dir).stdout
+    assert (
+        GLM in run_checkpoint_tool("convert_to_hf.py", "--load", trained, "--save", hf_dir).stdout
+    )
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
     tokens = torch.randint(0, TRUE_VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -350,7 +342,9 @@ def test_trained_model_through_both_command_lines(stdlib_dataset, tmp_path):
     ours = our_logits(dense.state_dict, dense.args, tokens)
     terms = routed_forward_terms(model_config(dense.args), tokens.numel())
     assert_close_reordered(theirs, ours, terms=terms)
-    flags = printed_flags(_tool("convert_from_hf.py", "--load", hf_dir, "--save", back).stdout)
+    flags = printed_flags(
+        run_checkpoint_tool("convert_from_hf.py", "--load", hf_dir, "--save", back).stdout
+    )
     assert "--moe-layer-freq" in flags and "([0]*1+[1]*2)" in flags
     imported = load_dense_checkpoint(back)
     assert all(torch.equal(imported.state_dict[n], t) for n, t in dense.state_dict.items()

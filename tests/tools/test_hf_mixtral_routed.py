@@ -18,10 +18,6 @@ checkpoint does with its own flags.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -35,7 +31,7 @@ from megatron.checkpointing.shards import (  # noqa: E402
     save_megatron_checkpoint,
 )
 from megatron.tokenizer import GPT2BPETokenizer  # noqa: E402
-from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE  # noqa: E402
+from tests.conftest import MERGE_FILE, VOCAB_FILE  # noqa: E402
 from tests.one_line_errors import assert_one_line_error  # noqa: E402
 from tests.pretrain_runs import launch, tiny_gpt_flags  # noqa: E402
 from tests.tolerances import assert_close_reordered  # noqa: E402
@@ -49,6 +45,7 @@ from tests.tools.hf_routed_moe import (  # noqa: E402
     random_routed_checkpoint,
     routed_args,
     routed_forward_terms,
+    run_checkpoint_tool,
 )
 from tests.tools.test_hf_conversion import TRUE_VOCAB, our_logits, same_model  # noqa: E402
 from tests.tools.test_hf_transformers4 import NEW_TOKENS, PROMPT  # noqa: E402
@@ -190,13 +187,6 @@ MODEL_FLAGS = (
 """A Mixtral-shaped model in Megatron-LM's flags (on tiny_gpt_flags' 2 layers, hidden 64)."""
 
 
-def _tool(name: str, *argv: str) -> subprocess.CompletedProcess:
-    tool = os.path.join(REPO_ROOT, "tools", "checkpoint", name)
-    done = subprocess.run([sys.executable, tool, *argv], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
-
-
 @pytest.mark.slow
 def test_trained_model_through_both_command_lines(stdlib_dataset, tmp_path):
     """pretrain_gpt.py -> convert_to_hf.py -> transformers reads our logits ->
@@ -209,7 +199,10 @@ def test_trained_model_through_both_command_lines(stdlib_dataset, tmp_path):
     training = ["--train-iters", "3", "--save-interval", "3", "--save", trained]
     run = launch(1, [*data, *MODEL_FLAGS, *training])
     assert run.returncode == 0, run.stdout[-4000:]
-    assert MIXTRAL in _tool("convert_to_hf.py", "--load", trained, "--save", hf_dir).stdout
+    assert (
+        MIXTRAL
+        in run_checkpoint_tool("convert_to_hf.py", "--load", trained, "--save", hf_dir).stdout
+    )
     dense = load_dense_checkpoint(trained)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
     tokens = torch.randint(0, TRUE_VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -218,7 +211,9 @@ def test_trained_model_through_both_command_lines(stdlib_dataset, tmp_path):
     ours = our_logits(dense.state_dict, dense.args, tokens)
     terms = routed_forward_terms(model_config(dense.args), tokens.numel())
     assert_close_reordered(theirs, ours, terms=terms)
-    flags = printed_flags(_tool("convert_from_hf.py", "--load", hf_dir, "--save", back).stdout)
+    flags = printed_flags(
+        run_checkpoint_tool("convert_from_hf.py", "--load", hf_dir, "--save", back).stdout
+    )
     assert "--moe-router-topk" in flags and "--deepspeed" not in flags
     dense.vocab_padding = dense.output_layer_padding = None
     save_megatron_checkpoint(dense, reference, 1, 1)
