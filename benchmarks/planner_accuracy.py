@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 if REPO_ROOT not in sys.path:
@@ -95,11 +96,16 @@ def plan(
 
 
 def compare(
-    config: PlannerConfig, data_prefix: str, work_dir: str, in_process: bool = False
+    config: PlannerConfig,
+    data_prefix: str,
+    work_dir: str,
+    in_process: bool = False,
+    launch: Callable[..., subprocess.CompletedProcess] | None = None,
 ) -> list[dict]:
-    """One row per rank: predicted (`plan`) and measured peak memory and communication."""
+    """One row per rank: predicted (`plan`) and measured peak memory and communication
+    (`launch` starts the measured run: `planner_configs.run`'s)."""
     predicted, plan_seconds = plan(config, data_prefix, work_dir, in_process)
-    result = run(config, data_prefix, work_dir)
+    result = run(config, data_prefix, work_dir, launch=launch)
     if result["returncode"] != 0:
         raise RuntimeError(f"{config.name}: the run failed:\n{result['output'][-3000:]}")
     rows = []

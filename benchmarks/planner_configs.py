@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
@@ -351,20 +352,23 @@ def command(
     return [program, *options, *script, *flags]
 
 
-def run(config: PlannerConfig, data_prefix: str, work_dir: str, measured: bool = True) -> dict:
-    """Run `config` to the end; its return code, wall seconds, output and rank reports."""
+def run(
+    config: PlannerConfig,
+    data_prefix: str,
+    work_dir: str,
+    measured: bool = True,
+    launch: Callable[..., subprocess.CompletedProcess] | None = None,
+) -> dict:
+    """Run `config` to the end; its return code, wall seconds, output and rank reports.
+
+    `launch(argv, env, cwd, timeout)` starts the command line and returns it finished, stdout
+    and stderr together: by default as a user would (`subprocess.run`); the tests fork its
+    ranks from a preloaded process instead (`tests.preloaded.launch_command`).
+    """
     out = os.path.join(work_dir, config.name)
     argv = command(config, data_prefix, work_dir, out if measured else None)
     started = time.time()
-    done = subprocess.run(
-        argv,
-        cwd=REPO_ROOT,
-        env=cpu_env(OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=900,
-    )
+    done = (launch or _launch)(argv, cpu_env(OMP_NUM_THREADS="1"), REPO_ROOT, 900)
     reports = []
     for path in sorted(glob.glob(os.path.join(out, "rank*.json"))):
         with open(path) as file:
@@ -376,6 +380,15 @@ def run(config: PlannerConfig, data_prefix: str, work_dir: str, measured: bool =
         "reports": reports,
         "argv": argv,
     }
+
+
+def _launch(
+    argv: list[str], env: dict[str, str], cwd: str, timeout: float
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=timeout,
+    )  # fmt: skip
 
 
 def iteration_ms(result: dict) -> str:

@@ -36,8 +36,8 @@ the ratio of the medians); "vs loop" the same against moe-topK-loop. Parts of th
 timed from outside (nothing in megatron is edited): `torch.distributed.all_to_all_single`
 (what `expert_mappings` calls, looked up on `torch.distributed` at every call: the token
 all-to-alls forward and backward and the per-expert count exchange), `expert_mappings.
-_all_gather_single` / `_reduce_scatter_single` (the all-gather dispatcher's collectives, bound
-in that module at import, so wrapped there) are replaced by wrappers that add up wall time,
+all_gather_single` / `reduce_scatter_single` (the all-gather dispatcher's collectives, wrapped
+in that module, apart from the tensor-parallel ones) are replaced by wrappers that add up wall time,
 calls and input bytes on each rank; `torch.nn.functional.grouped_mm` calls are counted (to
 show the grouped path ran, not the loop it falls back to); the optimizer share is the step's
 own level-1 'optimizer' timer (expert-gradient reduction, clipping, AdamW). DDP's gradient
@@ -108,8 +108,8 @@ class PartClock:
         self.calls = dict.fromkeys(PARTS, 0)
         self.bytes = dict.fromkeys(PARTS, 0)
         self._wrap(dist, "all_to_all_single", "all-to-all")  # (output, input, ...)
-        self._wrap(expert_mappings, "_all_gather_single", "gather-scatter")
-        self._wrap(expert_mappings, "_reduce_scatter_single", "gather-scatter")
+        self._wrap(expert_mappings, "all_gather_single", "gather-scatter")
+        self._wrap(expert_mappings, "reduce_scatter_single", "gather-scatter")
         self._wrap(F, "grouped_mm", "grouped_mm", tensor_arg=0)
 
     def _wrap(self, owner: object, attribute: str, part: str, tensor_arg: int = 1) -> None:

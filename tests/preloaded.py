@@ -419,6 +419,36 @@ def launch(
     return subprocess.CompletedProcess(command, returncode, stdout=output, stderr=stderr)
 
 
+def launch_command(
+    command: list[str], env: dict[str, str], cwd: str, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`launch` for a launcher's command line as a user types it: `python SCRIPT ARGS`,
+    `torchrun --nproc_per_node N --master_port P SCRIPT ARGS` or `deepspeed --num_gpus N
+    --master_port P SCRIPT ARGS` (each option as `--name value` or `--name=value`); stdout and
+    stderr together. Any other launcher option is a ValueError: it would be dropped here."""
+    program = os.path.basename(command[0])
+    if program.startswith("python"):
+        return launch(command, command[1], command[2:], 1, "python", env, cwd, 0, timeout)
+    names = {"torchrun": ("--nproc_per_node", "--master_port"),
+             "deepspeed": ("--num_gpus", "--master_port")}  # fmt: skip
+    if program not in names:
+        raise ValueError(f"not a launcher this can emulate: {command[0]}")
+    options, index = {}, 1
+    while command[index].startswith("--"):
+        name, _, value = command[index].partition("=")
+        if not value:
+            index += 1
+            value = command[index]
+        if name not in names[program]:
+            raise ValueError(f"{program}'s {name} is not emulated (tests/preloaded.py)")
+        options[name] = value
+        index += 1
+    processes, port = int(options[names[program][0]]), int(options["--master_port"])
+    env = dict(env, MASTER_PORT=str(port))
+    script, args = command[index], command[index + 1 :]
+    return launch(command, script, args, processes, program, env, cwd, port, timeout)
+
+
 def close_all() -> None:
     """End every preloaded process (at the end of the pytest session)."""
     for preloaded in _PRELOADED.values():

@@ -232,7 +232,6 @@ def _ep_config(name: str) -> ModelConfig:
 def _forward_backward_collectives(config: ModelConfig, autocast: bool) -> dict[str, int]:
     """Payload bytes by op of one training forward and backward, as CommMeter counts them."""
     from benchmarks.run_meters import CommMeter
-    from megatron.core.tensor_parallel import expert_mappings
     from megatron.model import GPTModel
 
     torch.manual_seed(0)
@@ -242,18 +241,12 @@ def _forward_backward_collectives(config: ModelConfig, autocast: bool) -> dict[s
     positions = torch.arange(SEQ).expand(MICRO_BATCH, SEQ).contiguous()
     meter = CommMeter(settle=False)
     meter.install(ddp_python_allreduce=False)
-    # expert_mappings binds its all-gather and reduce-scatter at import: point them at the
-    # meter's wrappers.
-    bound = (expert_mappings._all_gather_single, expert_mappings._reduce_scatter_single)
-    expert_mappings._all_gather_single = torch.distributed.all_gather_single
-    expert_mappings._reduce_scatter_single = torch.distributed.reduce_scatter_single
     region = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     try:
         with region:
             losses = model(tokens, positions, None, labels=tokens)
         losses.float().sum().backward()
     finally:
-        expert_mappings._all_gather_single, expert_mappings._reduce_scatter_single = bound
         meter.uninstall()
     kinds = {"all_to_all_single": "all_to_all", "all_gather_single": "all_gather"}
     kinds["reduce_scatter_single"] = "reduce_scatter"

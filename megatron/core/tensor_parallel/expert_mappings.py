@@ -12,9 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from megatron.core.tensor_parallel.mappings import all_gather_single, reduce_scatter_single
 
 
 def _ep_size() -> int:
@@ -72,14 +70,14 @@ def exchange_counts_over_expert_parallel(counts: torch.Tensor) -> torch.Tensor:
 def _gather(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.contiguous()
     output = tensor.new_empty((tensor.size(0) * _ep_size(), *tensor.shape[1:]))
-    _all_gather_single(output, tensor, group=parallel_state.get_expert_model_parallel_group())
+    all_gather_single(output, tensor, group=parallel_state.get_expert_model_parallel_group())
     return output
 
 
 def _reduce_scatter(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.contiguous()
     output = tensor.new_empty((tensor.size(0) // _ep_size(), *tensor.shape[1:]))
-    _reduce_scatter_single(output, tensor, group=parallel_state.get_expert_model_parallel_group())
+    reduce_scatter_single(output, tensor, group=parallel_state.get_expert_model_parallel_group())
     return output
 
 

@@ -18,9 +18,21 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 
+
 # torch >= 2.10 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Looked up at each call, as every other collective here: a profiler or meter that wraps
+# torch.distributed's functions after this module was imported (benchmarks/run_meters.py) sees
+# these calls too.
+def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group: object) -> None:
+    """Gather `tensor` of every rank of `group` into `output`, concatenated along dim 0."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
+def reduce_scatter_single(output: torch.Tensor, tensor: torch.Tensor, group: object) -> None:
+    """Sum `tensor` over `group` and keep this rank's dim-0 part in `output`."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, tensor, group=group)
 
 
 def _tp_size() -> int:
@@ -75,7 +87,7 @@ def _gather_first_dim(tensor: torch.Tensor) -> torch.Tensor:
     output = torch.empty(
         (tensor.size(0) * world, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
     )
-    _all_gather_single(output, tensor, group=parallel_state.get_tensor_model_parallel_group())
+    all_gather_single(output, tensor, group=parallel_state.get_tensor_model_parallel_group())
     return output
 
 
@@ -87,7 +99,7 @@ def _reduce_scatter_first_dim(tensor: torch.Tensor) -> torch.Tensor:
     output = torch.empty(
         (tensor.size(0) // world, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
     )
-    _reduce_scatter_single(output, tensor, group=parallel_state.get_tensor_model_parallel_group())
+    reduce_scatter_single(output, tensor, group=parallel_state.get_tensor_model_parallel_group())
     return output
 
 
@@ -420,7 +432,7 @@ class _GatherContextParallelKeyValues(torch.autograd.Function):
         order = _gathered_to_natural_order(world, length, grad.device)
         grad = grad.index_select(2, inverse_order(order)).movedim(2, 0).contiguous()
         output = torch.empty((length, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        _reduce_scatter_single(output, grad, group=group)
+        reduce_scatter_single(output, grad, group=group)
         return output.movedim(0, 2)
 
 
