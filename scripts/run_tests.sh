@@ -17,6 +17,19 @@ if [ "${1:-}" = "--quick" ]; then
   quick=1
   shift
 fi
+# The full run's base-install check (tests/test_base_install.py) needs an environment of its
+# own, with the base dependencies only: it builds here, beside this one's install (pip keeps one
+# core busy), and the check finds it ready. Its log: .cache/base-install.log.
+base_build=
+if [ "$quick" = 0 ] && [ "$#" -eq 0 ]; then
+  if [ -n "${PYTHON:-}" ]; then interpreter=$PYTHON
+  elif [ -n "${VIRTUAL_ENV:-}" ] || [ -n "${CONDA_PREFIX:-}" ]; then interpreter=$(command -v python)
+  else interpreter=$(command -v python3)
+  fi
+  mkdir -p "$root/.cache"
+  "$interpreter" -m tests.base_env > "$root/.cache/base-install.log" 2>&1 &
+  base_build=$!
+fi
 python=$(bash scripts/setup_env.sh test | tail -n 1)
 # The environment's own tools first (deepspeed, torchrun, ninja): DeepSpeed's JIT-built ops
 # are rebuilt whenever a different ninja touches their shared build directory.
@@ -74,6 +87,7 @@ OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR="$root/.ca
   run_pytest "${parallel[@]}" -q -p no:cacheprovider --junitxml="$reports/one_thread.xml" \
   --ignore tests/core/test_spawn_checks.py \
   tests/core tests/model/test_gpt_parallel.py tests/model/test_pipeline.py tests/model/test_llama.py
+if [ -n "$base_build" ]; then wait "$base_build" || true; fi  # the check reported its failure
 echo "[tests] the slowest 30 tests of this run"
 "$python" scripts/test_durations.py --slowest 30 "$reports"/*.xml
 exit "$status"

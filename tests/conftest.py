@@ -3,8 +3,6 @@ transformers 4.x for the Hugging Face exports."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import glob
 import json
 import os
@@ -16,6 +14,8 @@ import zipfile
 from collections.abc import Iterator
 
 import pytest
+
+from tests.cached import cache_lock  # noqa: F401 - the suite's lock, used here and imported from here
 
 # Launchers and ninja from this interpreter's environment, as scripts/run_tests.sh arranges:
 # DeepSpeed rebuilds its JIT ops whenever another ninja touched their build directory.
@@ -54,19 +54,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         from tests.scheduling import longest_groups_first
 
         longest_groups_first(items)
-
-
-@contextlib.contextmanager
-def cache_lock(name: str) -> Iterator[None]:
-    """Hold `.cache/{name}.lock` exclusively: two pytest-xdist workers (or two test runs) that
-    would build the same cached folder build it once, the second finding it done."""
-    os.makedirs(os.path.join(REPO_ROOT, ".cache"), exist_ok=True)
-    with open(os.path.join(REPO_ROOT, ".cache", f"{name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

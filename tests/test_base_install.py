@@ -17,8 +17,9 @@ user would run it:
   extra (`pip install -e '.[hf]'`): the Hugging Face export, import and sampling, the loss
   plot, FP8, W&B, tiktoken, Parquet input, sentence splitting, a tokenizer folder.
 
-The environment is kept in `.cache/` for the next run while the project's build inputs stay
-the same (scripts/setup_env.sh's own stamp).
+The environment (tests/base_env.py) is kept in `.cache/` for the next run while the project's
+build inputs stay the same (scripts/setup_env.sh's own stamp); scripts/run_tests.sh builds it
+while the test environment installs.
 """
 
 from __future__ import annotations
@@ -26,16 +27,15 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE, cache_lock
+from tests import base_env
+from tests.conftest import MERGE_FILE, VOCAB_FILE
 from tests.distributed import free_port
 
 pytestmark = pytest.mark.slow  # a virtualenv of its own and launched runs
 
-BASE_DIR = os.path.join(REPO_ROOT, ".cache", "base-install")
 EXTRAS = {
     "torchao": "fp8",
     "transformers": "hf",
@@ -55,46 +55,13 @@ TINY_GPT = (
 ).split()
 
 
-def _copy_of_the_working_tree(destination: str) -> None:
-    """The files a clone of this working tree would have (tracked, and new ones not ignored),
-    over an earlier copy: files gone from the tree go, its built extensions stay."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    names = {name for name in listed.split("\0") if os.path.isfile(os.path.join(REPO_ROOT, name))}
-    for root, _dirs, files in os.walk(destination):
-        for file in files:
-            name = os.path.relpath(os.path.join(root, file), destination)
-            if name not in names and not name.endswith((".so", ".pyc")) and ".egg-info" not in name:
-                os.unlink(os.path.join(root, file))
-    for name in names:
-        target = os.path.join(destination, name)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        shutil.copy2(os.path.join(REPO_ROOT, name), target)
-
-
 @pytest.fixture(scope="module")
 def base() -> tuple[str, str]:
     """(python of the base environment, the copy of the working tree it installed)."""
-    source, python = os.path.join(BASE_DIR, "src"), os.path.join(BASE_DIR, "venv", "bin", "python")
-    with cache_lock("base-install"):
-        _copy_of_the_working_tree(source)
-        if not os.path.exists(python):
-            subprocess.run([sys.executable, "-m", "venv", os.path.dirname(os.path.dirname(python))])
-        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-        setup = subprocess.run(
-            ["bash", os.path.join(source, "scripts", "setup_env.sh")],
-            cwd=source,  # its import check must find the copy's megatron, not this tree's
-            env=dict(env, PYTHON=python),
-            capture_output=True,
-            text=True,
-            timeout=1200,
-        )
-        assert setup.returncode == 0, setup.stderr[-4000:]
-        assert setup.stdout.strip().splitlines()[-1] == python, setup.stdout
+    try:
+        python, source = base_env.build()
+    except base_env.BuildError as error:
+        pytest.fail(f"scripts/setup_env.sh failed in the base environment:\n{error}")
     found = _run(python, "-c", _IMPORTABLE, *EXTRAS, cwd=source)
     assert found.returncode == 0 and found.stdout.split() == [], found.stdout + found.stderr
     return python, source
@@ -115,7 +82,7 @@ def _env(python: str, **overrides: str) -> dict[str, str]:
         MASTER_PORT=str(free_port()),
         # DeepSpeed's JIT-built ops of this environment apart from the test environment's (a
         # build directory that another environment's ninja touched is built again).
-        TORCH_EXTENSIONS_DIR=os.path.join(BASE_DIR, "torch_extensions"),
+        TORCH_EXTENSIONS_DIR=os.path.join(base_env.BASE_DIR, "torch_extensions"),
     )
     env.update(overrides)
     return env
