@@ -51,6 +51,7 @@ from tests.compat.finetune_llama_fixtures import (
 from tests.compat.scripts import SCRIPTS_DIR, Script, localized, with_values
 from tests.conftest import REPO_ROOT
 from tests.distributed import free_port
+from tests.preloaded import launch_command
 from tests.pretrain_runs import cpu_env
 from tests.tolerances import assert_close_reordered, forward_terms
 from tools import hf2megads_weight_converter
@@ -112,7 +113,9 @@ def stage_argv(stage: str, fixtures: dict[str, str], values: dict[str, list[str]
 
 
 def launch(script: str, argv: list[str]) -> subprocess.CompletedProcess:
-    """`deepspeed --num_gpus RANKS script argv` on CPU; stdout and stderr together."""
+    """`deepspeed --num_gpus RANKS script argv` on CPU, its ranks forked from the preloaded
+    process with the environment the launcher gives them (tests/preloaded.py); stdout and
+    stderr together."""
     command = [
         os.path.join(os.path.dirname(sys.executable), "deepspeed"),
         "--num_gpus",
@@ -122,15 +125,7 @@ def launch(script: str, argv: list[str]) -> subprocess.CompletedProcess:
         os.path.join(REPO_ROOT, script),
         *argv,
     ]
-    return subprocess.run(
-        command,
-        cwd=REPO_ROOT,
-        env=cpu_env(OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-    )
+    return launch_command(command, cpu_env(OMP_NUM_THREADS="1"), REPO_ROOT, timeout=600)
 
 
 def our_logits(checkpoint: str, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:

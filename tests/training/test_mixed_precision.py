@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -30,6 +29,7 @@ from megatron.training.step import PlainTrainer, train_step_plain
 from tests.checkpointing.compare import differences, load_any, rolled_back
 from tests.conftest import MERGE_FILE, REPO_ROOT, VOCAB_FILE
 from tests.distributed import free_port, run_distributed
+from tests.preloaded import launch_command
 from tests.pretrain_runs import cpu_env, iteration_logs, launch, tiny_gpt_flags
 
 ITERATIONS = 50
@@ -326,13 +326,11 @@ def _torchrun_pretrain_gpt_sh(dataset: str, save: str, precision: list[str]) -> 
         "--save", save, "--load", save,
     ]  # fmt: skip
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    done = subprocess.run(
+    # Its rank forked from the preloaded process, with the environment torchrun gives it.
+    done = launch_command(
         [torchrun, "--nproc_per_node=1", f"--master_port={free_port()}", "pretrain_gpt.py"] + flags,
-        cwd=REPO_ROOT,
-        env=cpu_env(OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        cpu_env(OMP_NUM_THREADS="1"),
+        REPO_ROOT,
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:]
