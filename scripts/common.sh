@@ -16,9 +16,14 @@ if ! command -v deepspeed >/dev/null 2>&1 && [ -x "$ROOT/.venv/bin/deepspeed" ];
 fi
 PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
 
-# Number of visible CUDA (or ROCm) GPUs on this node; 0 on a CPU-only machine.
+# Number of visible CUDA (or ROCm) GPUs on this node; 0 on a CPU-only machine, and where
+# CUDA_VISIBLE_DEVICES is set but empty (torch sees no GPU then; asking it costs a 2 s import).
 count_gpus() {
   local count=0
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ] && [ -z "${CUDA_VISIBLE_DEVICES//[[:space:],]/}" ]; then
+    echo 0
+    return 0
+  fi
   if command -v nvidia-smi >/dev/null 2>&1; then
     count=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
     if [ "${count:-0}" -gt 0 ] && [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
