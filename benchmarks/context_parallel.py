@@ -12,7 +12,7 @@ biases, fp32, dropout 0, no recomputation), built as `megatron.model.GPTModel` f
 load-balanced layout, `mappings.this_ranks_sequence_part`), the whole-sequence mean loss,
 backward (ring attention, `--cp-comm-type p2p`), the gradients summed over the C ranks (what
 DDP does over data x context ranks, here one all-reduce per parameter) and AdamW. C = 1 is one
-process without context parallelism, the baseline. Each C runs in its own world of C spawned
+process without context parallelism, the baseline. Each C runs in its own world of C fresh
 gloo processes (one torch thread each), one after the other, every world training on the
 same fixed sample, so the first-step losses must agree (printed). **C = 4 puts 4 processes on
 2 cores**: its step time measures time-sharing as much as context parallelism.
@@ -45,13 +45,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from machine import describe_machine, format_ms, free_port  # noqa: E402
+from worlds import start_world  # noqa: E402  (benchmarks/worlds.py)
 
 from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
@@ -184,8 +184,8 @@ def worker(rank: int, size: int, shape: dict, settings: dict, out_dir: str) -> N
 
 def run_world(size: int, shape: dict, settings: dict, out_dir: str) -> list[dict]:
     """Spawn a world of `size` ranks; each rank's results."""
-    os.environ["MASTER_PORT"] = str(free_port())
-    mp.spawn(worker, args=(size, shape, settings, out_dir), nprocs=size, join=True)
+    # Each world's port in its ranks' environment: the fork server keeps the first world's.
+    start_world(worker, (size, shape, settings, out_dir), size, {"MASTER_PORT": str(free_port())})
     ranks = []
     for rank in range(size):
         with open(os.path.join(out_dir, f"{size}-{rank}.json")) as file:
@@ -259,7 +259,7 @@ def main() -> None:
     shape.update(heads=cli.heads, kv_heads=cli.kv_heads)
     settings = {"warmup": cli.warmup, "rounds": cli.rounds}
     os.environ["OMP_NUM_THREADS"] = "1"
-    print(describe_machine("one torch thread per rank, C spawned processes per world"))
+    print(describe_machine("one torch thread per rank, C processes per world"))
     started = time.time()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as out_dir:

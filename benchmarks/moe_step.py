@@ -5,7 +5,7 @@ CPU, and the share of the step spent in DeepSpeed's all-to-all.
     python benchmarks/moe_step.py --quick              # smoke run: 2 layers, h 64, 3 rounds
     python benchmarks/moe_step.py --experts 4 --topk 2 --rounds 20
 
-Two spawned gloo processes (data-parallel 2, one torch thread each), trained by the project's
+Two fresh gloo processes (data-parallel 2, one torch thread each), trained by the project's
 own step: `megatron.arguments.parse_args` on one flag list, `setup_model_and_optimizer(
 pretrain_gpt.model_provider, args)` (`--deepspeed --no-pipeline-parallel`, a config file
 holding only ZeRO stage 0), then `train_step_deepspeed` with `pretrain_gpt.forward_step`, as
@@ -58,7 +58,6 @@ from itertools import cycle
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 if REPO_ROOT not in sys.path:
@@ -74,6 +73,7 @@ from machine import (  # noqa: E402  (benchmarks/machine.py)
     model_shape,
     undisturbed,
 )
+from worlds import start_world  # noqa: E402  (benchmarks/worlds.py)
 
 import pretrain_gpt  # noqa: E402
 from megatron.arguments import parse_args  # noqa: E402
@@ -277,7 +277,7 @@ def run(setups: list[Setup], shape: dict, settings: dict) -> dict:
             json.dump({"zero_optimization": {"stage": 0}}, file)
         out_path = os.path.join(scratch, "records.json")
         settings = dict(settings, config_path=config_path)
-        mp.spawn(worker, (setups, shape, settings, out_path), nprocs=RANKS, join=True)
+        start_world(worker, (setups, shape, settings, out_path), RANKS)
         with open(out_path, encoding="utf-8") as file:
             return json.load(file)
 

@@ -7,7 +7,7 @@
 One GPT, one global batch of m micro-batches, trained by the project's own step
 (`megatron.arguments.parse_args` on one flag list, `setup_model_and_optimizer(
 pretrain_gpt.model_provider, args)`, then `train_step_plain` or `train_step_megatron_schedules` as
-`TrainingLoop.step` calls them) in four layouts, each in freshly spawned gloo processes:
+`TrainingLoop.step` calls them) in four layouts, each in fresh gloo processes:
 
 - pp1:   1 process, no pipeline (`GPTModel`, `train_step_plain`): the baseline, always run;
 - dp2:   2 data-parallel processes (DDP), m/2 micro-batches each: the other use of 2 cores;
@@ -71,7 +71,6 @@ from itertools import cycle
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 if REPO_ROOT not in sys.path:
@@ -86,6 +85,7 @@ from machine import (  # noqa: E402  (benchmarks/machine.py)
     model_shape,
     other_cores,
 )
+from worlds import start_world  # noqa: E402  (benchmarks/worlds.py)
 
 import pretrain_gpt  # noqa: E402
 from megatron.arguments import parse_args  # noqa: E402
@@ -297,7 +297,8 @@ def run_layout(layout: Layout, shape: dict, settings: dict) -> dict[int, list[li
     )
     with tempfile.TemporaryDirectory() as scratch:
         out_path = os.path.join(scratch, "records.json")
-        mp.spawn(worker, (layout, shape, settings, out_path), nprocs=layout.processes, join=True)
+        env = {"MASTER_PORT": str(port)}  # the fork server keeps the first world's environment
+        start_world(worker, (layout, shape, settings, out_path), layout.processes, env)
         with open(out_path, encoding="utf-8") as file:
             return {int(m): ranks for m, ranks in json.load(file).items()}
 

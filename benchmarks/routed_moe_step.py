@@ -7,7 +7,7 @@ step spent in the dispatcher's collectives.
     python benchmarks/routed_moe_step.py --quick        # smoke run: 2 layers, h 64, 3 rounds
     python benchmarks/routed_moe_step.py --experts 4 --topk 1 2 --rounds 20
 
-Two spawned gloo processes (data-parallel 2, one torch thread each), trained by the project's
+Two fresh gloo processes (data-parallel 2, one torch thread each), trained by the project's
 own plain engine (no DeepSpeed): `megatron.arguments.parse_args` on one flag list,
 `build_engine(pretrain_gpt.model_provider, args, pretrain_gpt.forward_step)`, then one
 `TrainingLoop.step` per step (DDP, clipping, AdamW, the expert-gradient reduction, the LR
@@ -64,7 +64,6 @@ from itertools import cycle
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
@@ -81,6 +80,7 @@ from machine import (  # noqa: E402  (benchmarks/machine.py)
     model_shape,
     undisturbed,
 )
+from worlds import start_world  # noqa: E402  (benchmarks/worlds.py)
 
 import pretrain_gpt  # noqa: E402
 from megatron.arguments import parse_args  # noqa: E402
@@ -277,7 +277,7 @@ def run(setups: list[Setup], shape: dict, settings: dict) -> dict:
     )
     with tempfile.TemporaryDirectory() as scratch:
         out_path = os.path.join(scratch, "records.json")
-        mp.spawn(worker, (setups, shape, settings, out_path), nprocs=RANKS, join=True)
+        start_world(worker, (setups, shape, settings, out_path), RANKS)
         with open(out_path, encoding="utf-8") as file:
             return json.load(file)
 

@@ -9,7 +9,7 @@ One long-sequence GPT, trained by the project's own step: `megatron.arguments.pa
 one flag list, `setup_model_and_optimizer(pretrain_gpt.model_provider, args)` (`--deepspeed
 --no-pipeline-parallel`, a config file holding only ZeRO stage 0), then `train_step_deepspeed`
 with `pretrain_gpt.forward_step`, as `TrainingLoop.step` calls them. Each S runs in its own
-world of S spawned gloo processes (one torch thread each; data-parallel 1, micro-batch 1, so
+world of S fresh gloo processes (one torch thread each; data-parallel 1, micro-batch 1, so
 every S trains on the same sample): the S ranks each hold 1/S of the sequence, and attention
 runs head-split between DeepSpeed's all-to-alls (`megatron.model.attention.UlyssesAttention`
 around `deepspeed.sequence.layer.DistributedAttention`). S = 1 is one process without Ulysses,
@@ -64,7 +64,6 @@ from itertools import cycle
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 if REPO_ROOT not in sys.path:
@@ -81,6 +80,7 @@ from machine import (  # noqa: E402  (benchmarks/machine.py)
     undisturbed,
 )
 from moe_step import PARTS, PartClock  # noqa: E402  (benchmarks/moe_step.py)
+from worlds import multiprocessing_context, start_world  # noqa: E402  (benchmarks/worlds.py)
 
 import pretrain_gpt  # noqa: E402
 from megatron.arguments import parse_args  # noqa: E402
@@ -246,8 +246,10 @@ def run(sizes: list[int], shape: dict, settings: dict) -> dict[int, list[list[di
         DS_ACCELERATOR="cpu",
         OMP_NUM_THREADS="1",
     )
-    began, spawn = time.perf_counter(), mp.get_context("spawn")
-    barriers = {size: spawn.Barrier(size + 1) for size in sizes}  # the world's ranks + this one
+    began = time.perf_counter()
+    mp_context = multiprocessing_context()
+    # Each world's ranks and this process.
+    barriers = {size: mp_context.Barrier(size + 1) for size in sizes}
     with tempfile.TemporaryDirectory() as scratch:
         config_path = os.path.join(scratch, "ds_config.json")
         with open(config_path, "w", encoding="utf-8") as file:
@@ -255,12 +257,12 @@ def run(sizes: list[int], shape: dict, settings: dict) -> dict[int, list[list[di
         settings = dict(settings, config_path=config_path, ports={s: free_port() for s in sizes})
         outputs = {size: os.path.join(scratch, f"records-{size}.json") for size in sizes}
         contexts = [
-            mp.start_processes(
+            start_world(
                 worker,
                 (size, shape, settings, barriers[size], outputs[size]),
-                nprocs=size,
+                size,
                 join=False,
-                start_method="spawn",
+                preload=("deepspeed",),  # each rank's first import
             )
             for size in sizes
         ]
