@@ -5,6 +5,7 @@ All metadata lives in pyproject.toml. The extensions need only a C++17 compiler 
 Python headers: no Makefile, no python3-config, no CUDA toolkit.
 """
 
+import os
 import sys
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -22,7 +23,13 @@ HELP = (
 
 
 class BuildHelpers(build_ext):
-    """build_ext that says what is missing when the compiler step fails."""
+    """build_ext that compiles the extensions side by side (one per core, unless `-j` says
+    otherwise: 17 s one after the other) and says what is missing when the compiler fails."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if self.parallel is None:
+            self.parallel = min(len(self.extensions), os.cpu_count() or 1)
 
     def run(self) -> None:
         try:
