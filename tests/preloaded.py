@@ -16,15 +16,20 @@ launcher would give it:
   TORCHELASTIC_RESTART_COUNT 0 and TORCHELASTIC_MAX_RESTARTS 0 (rank 0 serves the rendezvous
   store instead of torchrun's agent); a failing rank has the others terminated (SIGTERM, then
   SIGKILL after `TERMINATE_GRACE_S`) and the launch exits 1.
+- `python -m torch.distributed.launch` (torch's legacy launcher, torchrun underneath): the same,
+  and a leading `--local-rank=i` argument unless `--use-env` is given.
 - `deepspeed --num_gpus N --master_port P`: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE,
   CROSS_RANK/SIZE, MASTER_ADDR/PORT and a leading `--local_rank=i` argument, as
   deepspeed.launcher.launch passes them; the launch exits with the first failing rank's code.
 - one process: `python script.py ...`, its own exit code.
 
 What this cannot reproduce, and the suite keeps real launchers for: the launchers' own output,
-error reports and signal handling (tests/test_launch_scripts.py, the script runs in
-tests/compat, the SIGKILL and stalled-rank tests), `torchrun --max-restarts`, and a hash seed
-of its own per rank (the ranks share the preloaded process's `PYTHONHASHSEED`).
+error reports and signal handling (the SIGKILL and stalled-rank tests), `torchrun
+--max-restarts`, the launchers under their other names (the first launch of each v1 script,
+Megatron's examples under `torch.distributed.launch` once, the base install's runs), and a
+hash seed of its own per rank (the ranks share the preloaded process's `PYTHONHASHSEED`).
+`launch_command` takes a launcher's command line as typed; tests/launcher_shim.py puts
+stand-ins for the launchers on a launch script's PATH.
 tests/test_preloaded.py checks that a preloaded launch and the real launchers log the same
 losses and write the same checkpoint files.
 
@@ -79,6 +84,7 @@ MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_thresh
 TERMINATE_GRACE_S = 30.0
 HOST = "127.0.0.1"
 _ACCEPT_POLL_S = 2.0
+TORCHRUN_LIKE = ("torchrun", "torch.distributed.launch")
 
 
 def import_time_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
@@ -89,15 +95,15 @@ def import_time_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
 def rank_environments(
     launcher: str, processes: int, port: int, caller_env: dict[str, str]
 ) -> list[dict[str, str]]:
-    """The variables `launcher` ("torchrun", "deepspeed" or "python") sets for each rank, started
-    from `caller_env`."""
+    """The variables `launcher` ("torchrun", "torch.distributed.launch", "deepspeed" or "python")
+    sets for each rank, started from `caller_env`."""
     if launcher == "python":
         return [{}]
     common = {"MASTER_ADDR": HOST, "MASTER_PORT": str(port), "WORLD_SIZE": str(processes)}
     ranks = []
     for rank in range(processes):
         env = dict(common, RANK=str(rank), LOCAL_RANK=str(rank))
-        if launcher == "torchrun":
+        if launcher in TORCHRUN_LIKE:
             env.update(
                 GROUP_RANK="0",
                 ROLE_RANK=str(rank),
@@ -223,7 +229,10 @@ def _become_rank(request: dict, rank: int, rank_env: dict[str, str]) -> NoReturn
     os.dup2(stdin, 0)
     os.close(stdin)
     script = request["script"]
-    local_rank = [f"--local_rank={rank}"] if request["launcher"] == "deepspeed" else []
+    local_rank = {
+        "deepspeed": [f"--local_rank={rank}"],
+        "torch.distributed.launch": [f"--local-rank={rank}"],
+    }.get(request["launcher"], [])
     sys.argv = [script, *local_rank, *request["args"]]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     # A new process draws its own seeds; these were drawn once, in the preloaded process.
@@ -336,21 +345,10 @@ class _Preloaded:
     def run(self, request: dict, timeout: float) -> dict:
         """Send one launch; wait for its exit codes (killing it past `timeout`): {"codes":
         each rank's, "first_failure": the first non-zero one, or 0}."""
-        deadline = time.monotonic() + timeout
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-            connection.connect(self.socket_path)
-            connection.sendall((json.dumps(request) + "\n").encode())
-            replies = connection.makefile("r")
-            started = replies.readline().split()
-            if started[:1] != ["started"]:
-                raise RuntimeError(f"the preloaded launcher failed:\n{self._stderr()}")
-            session = int(started[1])
-            connection.settimeout(max(deadline - time.monotonic(), 0.001))
-            try:
-                return json.loads(replies.readline())
-            except (socket.timeout, TimeoutError, json.JSONDecodeError):
-                _kill_session(session)
-                raise
+        try:
+            return send_launch(self.socket_path, request, timeout)
+        except LaunchNotStarted:
+            raise RuntimeError(f"the preloaded launcher failed:\n{self._stderr()}") from None
 
     def _stderr(self) -> str:
         with open(self.errors.name) as errors:
@@ -365,6 +363,42 @@ class _Preloaded:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+class LaunchNotStarted(RuntimeError):
+    """The preloaded process did not start the launch (its stderr says why)."""
+
+
+def send_launch(socket_path: str, request: dict, timeout: float) -> dict:
+    """Send one launch to the preloaded process listening on `socket_path`; wait for its exit
+    codes (killing its ranks past `timeout`, then raising TimeoutError): {"codes": each rank's,
+    "first_failure": the first non-zero one, or 0}."""
+    deadline = time.monotonic() + timeout
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.connect(socket_path)
+        connection.sendall((json.dumps(request) + "\n").encode())
+        replies = connection.makefile("r")
+        started = replies.readline().split()
+        if started[:1] != ["started"]:
+            raise LaunchNotStarted(socket_path)
+        session = int(started[1])
+        connection.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            return json.loads(replies.readline())
+        except (socket.timeout, TimeoutError, json.JSONDecodeError):
+            _kill_session(session)
+            raise
+
+
+def exit_code(launcher: str, reply: dict) -> int:
+    """The launch's exit code as `launcher` ends with it: torchrun 1 when a rank failed; the
+    deepspeed launcher `sys.exit`s with the first failing rank's code (a signal's negative code
+    as its low byte); `python` its one process's."""
+    if launcher in TORCHRUN_LIKE:
+        return 1 if reply["first_failure"] else 0
+    if launcher == "deepspeed":
+        return reply["first_failure"] & 0xFF
+    return reply["codes"][0]
+
+
 def _kill_session(session: int) -> None:
     try:
         os.killpg(session, signal.SIGKILL)
@@ -373,6 +407,14 @@ def _kill_session(session: int) -> None:
 
 
 _PRELOADED: dict[tuple, _Preloaded] = {}
+
+
+def preloaded_for(env: dict[str, str]) -> _Preloaded:
+    """The preloaded process of `env`'s import-time variables, started on first use."""
+    key = import_time_key(env)
+    if key not in _PRELOADED:
+        _PRELOADED[key] = _Preloaded(dict(env))
+    return _PRELOADED[key]
 
 
 def launch(
@@ -391,10 +433,7 @@ def launch(
     preloaded process; stdout and stderr together (or apart, `separate_stderr`), `command` (the
     real launcher's command line) as `args`; raises `subprocess.TimeoutExpired` past `timeout`
     (the ranks killed)."""
-    key = import_time_key(env)
-    if key not in _PRELOADED:
-        _PRELOADED[key] = _Preloaded(dict(env))
-    preloaded = _PRELOADED[key]
+    preloaded = preloaded_for(env)
     with (
         tempfile.NamedTemporaryFile("r", prefix="launch_", suffix=".log") as log,
         tempfile.NamedTemporaryFile("r", prefix="launch_", suffix=".err") as errors,
@@ -408,45 +447,74 @@ def launch(
         except (socket.timeout, TimeoutError) as error:
             raise subprocess.TimeoutExpired(command, timeout, output=log.read()) from error
         output, stderr = log.read(), errors.read() if separate_stderr else None
-    # torchrun exits 1 when a rank failed; deepspeed's launcher `sys.exit`s with the first
-    # failing rank's code (a signal's negative code as its low byte).
-    if launcher == "torchrun":
-        returncode = 1 if reply["first_failure"] else 0
-    elif launcher == "deepspeed":
-        returncode = reply["first_failure"] & 0xFF
-    else:
-        returncode = reply["codes"][0]
+    returncode = exit_code(launcher, reply)
     return subprocess.CompletedProcess(command, returncode, stdout=output, stderr=stderr)
+
+
+# The launcher options a preloaded launch reproduces, by launcher: (processes, port) and the
+# single-node options it can ignore (with the only values that keep a launch on this machine).
+_LAUNCHER_OPTIONS = {
+    "torchrun": ("--nproc_per_node", "--master_port"),
+    "torch.distributed.launch": ("--nproc_per_node", "--master_port"),
+    "deepspeed": ("--num_gpus", "--master_port"),
+}
+_SINGLE_NODE = {
+    "--nnodes": ("1",),
+    "--num_nodes": ("1",),
+    "--node_rank": ("0",),
+    "--master_addr": ("localhost", "127.0.0.1"),
+}
+_DEFAULT_PORT = 29500  # torchrun's and DeepSpeed's
+
+
+def parse_command(command: list[str]) -> tuple[str, int, int, str, list[str]]:
+    """(launcher, processes, port, script, its arguments) of a command line as a user types it:
+    `python SCRIPT.py ARGS`, `torchrun --nproc_per_node N --master_port P SCRIPT ARGS` (or
+    `python -m torch.distributed.launch` with the same options), `deepspeed
+    --num_gpus N --master_port P SCRIPT ARGS` (options as `--name value` or `--name=value`, with
+    `-` or `_`; one node). Anything else is a ValueError: it would not be launched as typed."""
+    program = os.path.basename(command[0])
+    if program == "deepspeed.pt":  # the deepspeed launcher under its 2020 name
+        program = "deepspeed"
+    if program.startswith("python") and command[1:3] == ["-m", "torch.distributed.launch"]:
+        program, command = "torch.distributed.launch", command[2:]
+    elif program.startswith("python"):
+        if len(command) < 2 or not command[1].endswith(".py"):
+            raise ValueError(f"not a script run: {' '.join(command[:2])}")
+        return "python", 1, 0, command[1], command[2:]
+    if program not in _LAUNCHER_OPTIONS:
+        raise ValueError(f"not a launcher this can emulate: {command[0]}")
+    processes_option, port_option = _LAUNCHER_OPTIONS[program]
+    options, index = {}, 1
+    while index < len(command) and command[index].startswith("--"):
+        name, equals, value = command[index].partition("=")
+        name = name.replace("-", "_").replace("__", "--", 1)
+        if program == "torch.distributed.launch" and name == "--use_env" and not equals:
+            program, index = "torchrun", index + 1  # the ranks read LOCAL_RANK: torchrun's way
+            continue
+        if not equals:
+            index += 1
+            value = command[index] if index < len(command) else ""
+        ignorable = value in _SINGLE_NODE.get(name, ())
+        if name not in (processes_option, port_option) and not ignorable:
+            raise ValueError(f"{program}'s {name} {value} is not emulated (tests/preloaded.py)")
+        options[name] = value
+        index += 1
+    if index >= len(command) or processes_option not in options:
+        raise ValueError(f"no script or no {processes_option} in {' '.join(command)}")
+    port = int(options.get(port_option, _DEFAULT_PORT))
+    return program, int(options[processes_option]), port, command[index], command[index + 1 :]
 
 
 def launch_command(
     command: list[str], env: dict[str, str], cwd: str, timeout: float = 300
 ) -> subprocess.CompletedProcess:
-    """`launch` for a launcher's command line as a user types it: `python SCRIPT ARGS`,
-    `torchrun --nproc_per_node N --master_port P SCRIPT ARGS` or `deepspeed --num_gpus N
-    --master_port P SCRIPT ARGS` (each option as `--name value` or `--name=value`); stdout and
-    stderr together. Any other launcher option is a ValueError: it would be dropped here."""
-    program = os.path.basename(command[0])
-    if program.startswith("python"):
-        return launch(command, command[1], command[2:], 1, "python", env, cwd, 0, timeout)
-    names = {"torchrun": ("--nproc_per_node", "--master_port"),
-             "deepspeed": ("--num_gpus", "--master_port")}  # fmt: skip
-    if program not in names:
-        raise ValueError(f"not a launcher this can emulate: {command[0]}")
-    options, index = {}, 1
-    while command[index].startswith("--"):
-        name, _, value = command[index].partition("=")
-        if not value:
-            index += 1
-            value = command[index]
-        if name not in names[program]:
-            raise ValueError(f"{program}'s {name} is not emulated (tests/preloaded.py)")
-        options[name] = value
-        index += 1
-    processes, port = int(options[names[program][0]]), int(options["--master_port"])
-    env = dict(env, MASTER_PORT=str(port))
-    script, args = command[index], command[index + 1 :]
-    return launch(command, script, args, processes, program, env, cwd, port, timeout)
+    """`launch` for a launcher's command line as a user types it (`parse_command`); stdout and
+    stderr together."""
+    launcher, processes, port, script, args = parse_command(command)
+    if launcher != "python":
+        env = dict(env, MASTER_PORT=str(port))
+    return launch(command, script, args, processes, launcher, env, cwd, port, timeout)
 
 
 def close_all() -> None:

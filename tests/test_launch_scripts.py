@@ -2,8 +2,10 @@
 
 Each script is checked by `bash -n` and shellcheck, then run as shipped (shortened through its
 environment variables and extra arguments) on a small dataset built here, on CPU processes over
-gloo. Launcher lines for GPUs and several nodes are checked with stand-in `nvidia-smi`,
-`deepspeed` and `torchrun` commands that print what they were given.
+gloo, the launch it ends in forked from the preloaded process (tests/launcher_shim.py: the
+stand-in `python`, `torchrun` and `deepspeed` it puts first on PATH). Launcher lines for GPUs
+and several nodes are checked with stand-in `nvidia-smi`, `deepspeed` and `torchrun` commands
+that print what they were given.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from megatron.arguments.parser import build_parser, typed_flags
 from megatron.arguments.validation import validate_args
 from megatron.training.monitor import parse_iteration_log, parse_validation_line
 from tests.conftest import REPO_ROOT
+from tests.launcher_shim import shim_env
 from tests.pretrain_runs import cpu_env
 
 # script -> (launcher, processes on a CPU machine, tensor-parallel size)
@@ -148,7 +151,7 @@ def test_script_trains(script: str, dataset: str, tmp_path) -> None:
         TENSORBOARD_DIR=str(tensorboard),
         **SHORT_ENV,
     )
-    result = _run(script, *SHORT_ARGS, env=env)
+    result = _run(script, *SHORT_ARGS, env=shim_env(env))
     output = result.stdout
     assert result.returncode == 0, output[-6000:]
     command = output.splitlines()[0]
@@ -187,7 +190,7 @@ def test_rerun_resumes_from_the_checkpoint(dataset: str, tmp_path) -> None:
         TENSORBOARD_DIR=str(tmp_path / "tensorboard"),
         **SHORT_ENV,
     )
-    env.update(TRAIN_ITERS="2")
+    env = shim_env(dict(env, TRAIN_ITERS="2"))
     first = _run("scripts/pretrain_gpt2.sh", *SHORT_ARGS, "--eval-iters", "0", env=env)
     assert first.returncode == 0, first.stdout[-6000:]
     assert [fields["iteration"] for fields in _iterations(first.stdout)] == [1, 2]

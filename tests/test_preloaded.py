@@ -17,6 +17,8 @@ import pytest
 
 from tests import preloaded
 from tests.checkpointing.compare import differences
+from tests.distributed import free_port
+from tests.launcher_shim import shim_env
 from tests.pretrain_runs import iteration_logs, launch, launch_for_real, tiny_gpt_flags
 
 pytestmark = pytest.mark.slow
@@ -81,3 +83,75 @@ def test_exit_codes_environment_and_timeout(tmp_path) -> None:
         preloaded.launch(["x"], str(script), ["hang"], 2, "torchrun", timeout=5, **common)
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(script) not in ps  # every rank of the timed-out launch was killed
+
+
+def test_command_lines_are_read_as_the_launchers_read_them() -> None:
+    parse = preloaded.parse_command
+    assert parse(["/venv/bin/python", "s.py", "--x"]) == ("python", 1, 0, "s.py", ["--x"])
+    assert parse(["torchrun", "--nproc-per-node=2", "--nnodes", "1", "--node_rank", "0",
+                  "--master_addr", "localhost", "--master_port", "6000", "s.py", "--x"]) == (
+        "torchrun", 2, 6000, "s.py", ["--x"])  # fmt: skip
+    assert parse(["deepspeed.pt", "--num_nodes", "1", "--num_gpus", "2", "s.py"]) == (
+        "deepspeed", 2, 29500, "s.py", [])  # fmt: skip
+    legacy = ["python3", "-m", "torch.distributed.launch", "--nproc_per_node", "4"]
+    assert parse([*legacy, "s.py"]) == ("torch.distributed.launch", 4, 29500, "s.py", [])
+    assert parse([*legacy, "--use-env", "s.py"])[0] == "torchrun"  # LOCAL_RANK only
+    for refused in (
+        ["python", "-c", "print(1)"],
+        ["torchrun", "--nnodes", "2", "--nproc_per_node", "2", "s.py"],
+        ["torchrun", "--max-restarts", "1", "--nproc_per_node", "2", "s.py"],
+        ["deepspeed", "--hostfile", "hosts", "--num_gpus", "2", "s.py"],
+        ["deepspeed", "--num_gpus", "2"],
+        ["accelerate", "launch", "s.py"],
+    ):
+        with pytest.raises(ValueError):
+            parse(refused)
+
+
+def test_the_legacy_launcher_passes_local_rank(tmp_path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    done = preloaded.launch_command(
+        ["python", "-m", "torch.distributed.launch", "--nproc_per_node", "2", str(script), "a"],
+        env,
+        str(tmp_path),
+    )
+    assert done.returncode == 0, done.stdout
+    assert sorted(done.stdout.splitlines()) == [
+        f"rank {rank} of 2 argv ['--local-rank={rank}', 'a'] cwd {tmp_path}" for rank in (0, 1)
+    ]
+
+
+_WHICH = """import os, sys
+print("forked" if "deepspeed" in sys.modules else "started", os.environ.get("RANK", "0"))
+sys.exit(int(sys.argv[-1]) if sys.argv[-1].isdigit() and os.environ.get("RANK") == "1" else 0)
+"""
+
+
+def test_a_launch_scripts_launchers_are_stood_in_for(tmp_path) -> None:
+    """tests/launcher_shim.py: a script's `torchrun`, `deepspeed` and `$PYTHON script.py` are
+    forked from the preloaded process; anything else runs the real program."""
+    script = tmp_path / "which.py"
+    script.write_text(_WHICH)
+    env = shim_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+
+    def sh(line: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+
+    port = free_port()
+    for line, code, expected in (
+        (f"torchrun --nproc_per_node 2 --nnodes 1 --master_port {port} which.py", 0,
+         ["forked 0", "forked 1"]),
+        (f"deepspeed --num_gpus 2 --master_port {port} which.py 3", 3, ["forked 0", "forked 1"]),
+        (f"torchrun --nproc_per_node 2 --master_port {port} which.py 5", 1,
+         ["forked 0", "forked 1"]),
+        ('"$PYTHON" which.py', 0, ["forked 0"]),
+        ("python -c 'import sys; print(\"deepspeed\" in sys.modules)'", 0, ["False"]),
+        # An import-time variable the preloaded process did not import with: the real python.
+        ('OMP_NUM_THREADS=2 "$PYTHON" which.py', 0, ["started 0"]),
+    ):  # fmt: skip
+        done = sh(line)
+        assert done.returncode == code, (line, done.stdout, done.stderr)
+        assert sorted(done.stdout.split("\n")[:-1]) == expected, (line, done.stdout, done.stderr)

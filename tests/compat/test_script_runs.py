@@ -23,11 +23,11 @@ import sys
 import pytest
 
 from megatron.training.monitor import parse_iteration_log, parse_validation_line
-from tests import preloaded
 from tests.checkpointing.compare import rolled_back
 from tests.compat.scripts import SCRIPTS_DIR, bf16_for_cpu, load_script, localized, with_values
 from tests.conftest import REPO_ROOT
 from tests.distributed import free_port
+from tests.preloaded import launch_command
 from tests.pretrain_runs import cpu_env
 
 SEQ, GLOBAL_BATCH = 32, 4
@@ -62,11 +62,17 @@ TOKENS = {
 ITERATIONS = {"--train-iters": ["10"], "--lr-decay-iters": None, "--exit-interval": None}
 
 
-def _launch(launcher: str, argv: list[str], env: dict[str, str] | None = None, ranks: int = 2):
-    """pretrain_gpt.py with `argv` on `ranks` ranks as `launcher` starts them: "deepspeed" and
-    "torchrun" forked from the preloaded process (tests/preloaded.py) with the environment
-    they give each rank; "torch.distributed.launch" (the legacy launcher Megatron's examples
-    still call) for real."""
+def _launch(
+    launcher: str,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    ranks: int = 2,
+    for_real: bool = False,
+):
+    """pretrain_gpt.py with `argv` on `ranks` ranks as `launcher` ("deepspeed", "torchrun" or
+    "torch.distributed.launch", the legacy launcher Megatron's examples still call) starts
+    them: forked from the preloaded process (tests/preloaded.py) with the environment it gives
+    each rank, or (`for_real`) through the launcher itself."""
     script = os.path.join(REPO_ROOT, "pretrain_gpt.py")
     port = free_port()
     bin_dir = os.path.dirname(sys.executable)
@@ -95,11 +101,8 @@ def _launch(launcher: str, argv: list[str], env: dict[str, str] | None = None, r
         ],
     }
     full_env = cpu_env(OMP_NUM_THREADS="1", MASTER_PORT=str(port), **(env or {}))
-    if launcher != "torch.distributed.launch":
-        return preloaded.launch(
-            commands[launcher] + argv, script, argv, ranks, launcher, full_env, REPO_ROOT, port,
-            timeout=600,
-        )  # fmt: skip
+    if not for_real:
+        return launch_command(commands[launcher] + argv, full_env, REPO_ROOT, timeout=600)
     return subprocess.run(
         commands[launcher] + argv,
         cwd=REPO_ROOT,
@@ -157,9 +160,10 @@ def _run(
     scratch: str,
     cpu_bf16: bool,
     ranks: int = 2,
+    for_real: bool = False,
 ):
     argv = _script_argv(name, sizes, dataset, scratch, cpu_bf16)
-    done = _launch(launcher, argv, ranks=ranks)
+    done = _launch(launcher, argv, ranks=ranks, for_real=for_real)
     assert done.returncode == 0, done.stdout[-4000:]
     logs = _iteration_lines(done.stdout)
     assert logs, done.stdout[-4000:]
@@ -242,6 +246,7 @@ def test_examples_pretrain_gpt_distributed_fp16_torch_distributed_launch(
         stdlib_dataset,
         str(tmp_path),
         False,
+        for_real=True,  # the legacy launcher itself, once (tests/preloaded.py emulates it)
     )
     assert logs[-1]["iteration"] == 10
     assert all(log["number of nan iterations"] == 0 for log in logs)

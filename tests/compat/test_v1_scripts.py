@@ -27,6 +27,7 @@ from megatron.training.monitor import parse_iteration_log
 from tests.compat.scripts import bf16_for_cpu, load_script, localized, with_values
 from tests.conftest import REPO_ROOT
 from tests.distributed import free_port
+from tests.preloaded import launch_command
 from tests.pretrain_runs import cpu_env
 
 V1_DIR = os.path.join(os.path.dirname(__file__), "v1_scripts")
@@ -159,7 +160,11 @@ TINY = {
 }
 
 
-def _launch(launcher: str, argv: list[str], cwd: str) -> subprocess.CompletedProcess:
+def _launch(
+    launcher: str, argv: list[str], cwd: str, for_real: bool = True
+) -> subprocess.CompletedProcess:
+    """pretrain_gpt2.py with `argv` on 2 ranks through `launcher` itself, or (not `for_real`)
+    forked from the preloaded process as it would start them (tests/preloaded.py)."""
     script = os.path.join(REPO_ROOT, "pretrain_gpt2.py")
     bin_dir = os.path.dirname(sys.executable)
     port = str(free_port())
@@ -170,6 +175,8 @@ def _launch(launcher: str, argv: list[str], cwd: str) -> subprocess.CompletedPro
         "torch.distributed.launch": [sys.executable, "-m", "torch.distributed.launch"]
         + ["--nproc_per_node", "2", "--nnodes", "1", "--master_port", port, script],
     }
+    if not for_real:
+        return launch_command(commands[launcher] + argv, cpu_env(OMP_NUM_THREADS="1"), cwd, 600)
     return subprocess.run(
         commands[launcher] + argv,
         cwd=cwd,
@@ -206,7 +213,8 @@ def _run_twice(name: str, launcher: str, sizes: dict, work: str, scratch: str) -
     losses = [log["lm loss"] for log in _iterations(first.stdout)]
     assert [log["iteration"] for log in _iterations(first.stdout)] == [1, 2, 3, 4, 5]
     assert sum(losses[-2:]) < sum(losses[:2]) - 0.5, losses
-    second = _launch(launcher, argv, work)
+    # The resume: the launcher's part was seen in the first launch.
+    second = _launch(launcher, argv, work, for_real=False)
     assert second.returncode == 0, second.stdout[-4000:]
     assert "--train-data webtext: tokenizing" not in second.stdout  # the cached tokens serve
     assert "at iteration 5" in second.stdout  # loaded the first launch's checkpoint
