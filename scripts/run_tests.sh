@@ -19,7 +19,8 @@ if [ "${1:-}" = "--quick" ]; then
 fi
 # The full run's base-install check (tests/test_base_install.py) needs an environment of its
 # own, with the base dependencies only: it builds here, beside this one's install (pip keeps one
-# core busy), and the check finds it ready. Its log: .cache/base-install.log.
+# core busy) and below its priority, and the check finds it ready. Its log:
+# .cache/base-install.log.
 base_build=
 if [ "$quick" = 0 ] && [ "$#" -eq 0 ]; then
   if [ -n "${PYTHON:-}" ]; then interpreter=$PYTHON
@@ -27,7 +28,7 @@ if [ "$quick" = 0 ] && [ "$#" -eq 0 ]; then
   else interpreter=$(command -v python3)
   fi
   mkdir -p "$root/.cache"
-  "$interpreter" -m tests.base_env > "$root/.cache/base-install.log" 2>&1 &
+  nice -n 10 "$interpreter" -m tests.base_env > "$root/.cache/base-install.log" 2>&1 &
   base_build=$!
 fi
 python=$(bash scripts/setup_env.sh test | tail -n 1)
