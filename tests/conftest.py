@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cached import cache_lock  # noqa: F401 - the suite's lock, used here and imported from here
+from tests.cached import CACHE_DIR, REPO_ROOT, cache_lock  # noqa: F401 - re-exported
 
 # Launchers and ninja from this interpreter's environment, as scripts/run_tests.sh arranges:
 # DeepSpeed rebuilds its JIT ops whenever another ninja touched their build directory.
@@ -24,16 +24,15 @@ os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.g
 # cores (two workers, their spawned worlds' ranks), and spinning threads took half the CPU time
 # of tests/core's worlds (measured). Set before torch is imported; the arithmetic is unchanged.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 VOCAB_FILE = os.path.join(REPO_ROOT, "dataset", "gpt2-vocab.json")
 MERGE_FILE = os.path.join(REPO_ROOT, "dataset", "gpt2-merges.txt")
 # The released megatron-core whose writer, helpers and GPTDataset our outputs must equal.
 MEGATRON_CORE_VERSION = "0.16.1"
-ORACLE_DIR = os.path.join(REPO_ROOT, ".cache", f"megatron-core-{MEGATRON_CORE_VERSION}")
+ORACLE_DIR = os.path.join(CACHE_DIR, f"megatron-core-{MEGATRON_CORE_VERSION}")
 # The transformers 4.x release (and the tokenizers / huggingface-hub it needs) that our Hugging
 # Face exports must load in besides the installed 5.x: the last 4.46, inside `>=4.45`.
 TRANSFORMERS_4 = ("transformers==4.46.3", "tokenizers==0.20.3", "huggingface-hub==0.26.5")
-TRANSFORMERS_4_DIR = os.path.join(REPO_ROOT, ".cache", "transformers-4.46.3")
+TRANSFORMERS_4_DIR = os.path.join(CACHE_DIR, "transformers-4.46.3")
 
 
 @pytest.hookimpl(tryfirst=True)
