@@ -113,7 +113,16 @@ def test_the_legacy_launcher_passes_local_rank(tmp_path) -> None:
     script.write_text(_SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     done = preloaded.launch_command(
-        ["python", "-m", "torch.distributed.launch", "--nproc_per_node", "2", str(script), "a"],
+        [
+            "python",
+            "-m",
+            "torch.distributed.launch",
+            "--nproc_per_node",
+            "2",
+            f"--master_port={free_port()}",
+            str(script),
+            "a",
+        ],  # fmt: skip
         env,
         str(tmp_path),
     )
@@ -140,12 +149,13 @@ def test_a_launch_scripts_launchers_are_stood_in_for(tmp_path) -> None:
         return subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=120)  # fmt: skip
 
-    port = free_port()
+    ports = [free_port() for _ in range(3)]  # one per launch, as the suite's other launches
     for line, code, expected in (
-        (f"torchrun --nproc_per_node 2 --nnodes 1 --master_port {port} which.py", 0,
+        (f"torchrun --nproc_per_node 2 --nnodes 1 --master_port {ports[0]} which.py", 0,
          ["forked 0", "forked 1"]),
-        (f"deepspeed --num_gpus 2 --master_port {port} which.py 3", 3, ["forked 0", "forked 1"]),
-        (f"torchrun --nproc_per_node 2 --master_port {port} which.py 5", 1,
+        (f"deepspeed --num_gpus 2 --master_port {ports[1]} which.py 3", 3,
+         ["forked 0", "forked 1"]),
+        (f"torchrun --nproc_per_node 2 --master_port {ports[2]} which.py 5", 1,
          ["forked 0", "forked 1"]),
         ('"$PYTHON" which.py', 0, ["forked 0"]),
         ("python -c 'import sys; print(\"deepspeed\" in sys.modules)'", 0, ["False"]),
