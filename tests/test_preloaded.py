@@ -54,7 +54,9 @@ def test_a_preloaded_launch_runs_as_the_launcher_would(launcher, stdlib_dataset,
 
 _SCRIPT = """import os, sys, time
 rank = int(os.environ.get("RANK", "0"))
-print(f"rank {rank} of {os.environ.get('WORLD_SIZE')} argv {sys.argv[1:]} cwd {os.getcwd()}")
+# One write per line: both ranks share the unbuffered pipe, and print's separate writes interleave.
+line = f"rank {rank} of {os.environ.get('WORLD_SIZE')} argv {sys.argv[1:]} cwd {os.getcwd()}"
+sys.stdout.write(line + "\\n")
 if sys.argv[-1] == "fail" and rank == 1:
     sys.exit(3)
 if sys.argv[-1] in ("fail", "hang"):
@@ -133,7 +135,9 @@ def test_the_legacy_launcher_passes_local_rank(tmp_path) -> None:
 
 
 _WHICH = """import os, sys
-print("forked" if "deepspeed" in sys.modules else "started", os.environ.get("RANK", "0"))
+# One write per line: both ranks share the unbuffered pipe, and print's separate writes interleave.
+how = "forked" if "deepspeed" in sys.modules else "started"
+sys.stdout.write(f"{how} {os.environ.get('RANK', '0')}\\n")
 sys.exit(int(sys.argv[-1]) if sys.argv[-1].isdigit() and os.environ.get("RANK") == "1" else 0)
 """
 
