@@ -62,10 +62,11 @@ class DeepSpeedWholeTensors(WholeTensors):
         return [state]
 
     def load_targets(self) -> list[dict[str, torch.Tensor]]:
-        """fp32 zeros of each parameter's whole shape; the buffers themselves."""
+        """fp32 zeros of each parameter's whole shape, on its device (where the run's device
+        mesh reads them); the buffers themselves."""
         state = dict(self.module.state_dict())
         for name, param in self.module.named_parameters():
-            state[name] = torch.zeros(_whole_shape(param), dtype=torch.float32)
+            state[name] = torch.zeros(_whole_shape(param), dtype=torch.float32, device=param.device)
         return [state]
 
     def _step(self) -> torch.Tensor | None:

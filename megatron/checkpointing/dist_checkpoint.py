@@ -79,24 +79,17 @@ class _TensorParallelView:
     """Wraps this rank's tensor-parallel shards as slices of the global tensors (DTensors)."""
 
     def __init__(self, chunk_states: list[dict[str, torch.Tensor]], args: argparse.Namespace):
-        self.mesh = None
+        # The run's mesh sliced by name; the local shards sit on its device (DTensor would copy
+        # a tensor on another device, and a load would then fill the copy).
+        tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+        expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
+        mesh = parallel_state.get_device_mesh() if tensor_parallel or expert_parallel else None
+        self.mesh = mesh["tp"] if tensor_parallel else None
         self.expert_tensor_parallel = getattr(args, "enable_expert_tensor_parallelism", False)
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            group = parallel_state.get_tensor_model_parallel_group()
-            device = next(iter(chunk_states[0].values())).device.type
-            self.mesh = DeviceMesh.from_group(group, device)
         self.swiglu = set().union(*(swiglu_tensors(state) for state in chunk_states))
         # Megatron-LM's stacked experts: rank r of the expert-parallel group holds the r-th
         # block of experts, a slice along dim 0 of the whole stack.
-        self.expert_mesh = None
-        if parallel_state.get_expert_model_parallel_world_size() > 1:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            group = parallel_state.get_expert_model_parallel_group()
-            device = next(iter(chunk_states[0].values())).device.type
-            self.expert_mesh = DeviceMesh.from_group(group, device)
+        self.expert_mesh = mesh["ep"] if expert_parallel else None
 
     def global_view(self, local_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (this rank's shard of `local_name`) as a slice of the global tensor."""

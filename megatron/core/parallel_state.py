@@ -1,10 +1,16 @@
-"""Tensor, pipeline and data parallel process groups, held in one object.
+"""The run's one named device mesh, and the process groups sliced from it by name.
 
-`initialize_model_parallel(tp, pp, sp)` splits the world into groups in Megatron's rank order
-(tensor-parallel ranks adjacent, then data parallel, then pipeline stages outermost), so a
-checkpoint's `mp_rank_XX_YYY` names and a launcher's node layout mean what they mean in
-Megatron-LM. The query functions mirror Megatron's names; `deepspeed_mpu()` bundles the ones
-DeepSpeed calls (`deepspeed.initialize(mpu=...)`, `deepspeed.checkpointing.configure(mpu, ...)`).
+`initialize_model_parallel(tp, pp, sp, cp, ep)` builds one torch `DeviceMesh` with the
+dimensions `MESH_DIM_NAMES` (pp, edp, ep, cp, tp: Megatron-LM's rank order, tensor-parallel
+ranks adjacent, pipeline stages outermost, the expert dimensions folded into data parallelism
+as megatron-core folds them) and the flattened ones `FLATTENED_DIMS` (dp, dp_cp, edp_cp,
+model, stage). Every group is a slice of it by name, and FSDP2 and torch.distributed.checkpoint
+take their meshes from it (`get_device_mesh()["dp_cp"]`), so a checkpoint's `mp_rank_XX_YYY`
+names and a launcher's node layout mean what they mean in Megatron-LM, and a new parallel
+dimension is a new name here. (Megatron's embedding group, the first and last stage of each
+pipeline, is the one group that is not a slice.) The query functions mirror Megatron's
+names; `deepspeed_mpu()` bundles the ones DeepSpeed calls (`deepspeed.initialize(mpu=...)`,
+`deepspeed.checkpointing.configure(mpu, ...)`).
 
 DeepSpeed-Ulysses (`--ds-sequence-parallel-size S`, Megatron-DeepSpeed's layout, TP = PP = 1):
 S adjacent ranks form a sequence-parallel group that splits each sample's tokens; the
@@ -21,8 +27,13 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class ParallelConfigError(ValueError):
@@ -62,34 +73,53 @@ class ParallelState:
     expert_ranks: list[int] = field(default_factory=list)
     expert_data_ranks: list[int] = field(default_factory=list)
     stage_group: dist.ProcessGroup | None = None
+    mesh: DeviceMesh | None = None
 
 
 _STATE: ParallelState | None = None
 
 
-def generate_rank_groups(
+MESH_DIM_NAMES = ("pp", "edp", "ep", "cp", "tp")
+"""The device mesh's dimensions, outermost first (Megatron-LM's rank order tp-cp-ep-dp-pp read
+from the right): pipeline stage; `edp`, which block of EP data-parallel ranks (the
+data-parallel index // EP); `ep`, the position in that block (which experts a rank holds);
+`cp`, the sequence split (context parallelism or DeepSpeed-Ulysses, never both); `tp`, the
+tensor-parallel rank, fastest."""
+
+FLATTENED_DIMS = {
+    "dp": ("edp", "ep"),  # data parallel: the ranks holding identical dense weights
+    "dp_cp": ("edp", "ep", "cp"),  # where dense gradients are summed and ZeRO state split
+    "edp_cp": ("edp", "cp"),  # the ranks holding the same experts (expert data parallel)
+    "model": ("pp", "tp"),  # one model replica
+    "stage": ("edp", "ep", "cp", "tp"),  # every rank of one pipeline stage
+}
+"""Named groups of several mesh dimensions, flattened into one (`mesh["dp_cp"]`)."""
+
+# Each kind of group: the mesh dimensions its ranks span, and the order in which the groups
+# are listed (outermost first), as megatron-core's RankGenerator lists them.
+_KINDS = {
+    "tensor": (("tp",), ("pp", "edp", "ep", "cp")),
+    "data": (("edp", "ep"), ("pp", "cp", "tp")),
+    "pipeline": (("pp",), ("edp", "ep", "cp", "tp")),
+    "model": (("pp", "tp"), ("edp", "ep", "cp")),
+    "sequence": (("cp",), ("pp", "edp", "ep", "tp")),
+    "sequence_data": (("edp", "ep", "cp"), ("pp", "tp")),
+    "stage": (("edp", "ep", "cp", "tp"), ("pp",)),
+    "expert": (("ep",), ("pp", "cp", "edp", "tp")),
+    "expert_data": (("edp", "cp"), ("pp", "ep", "tp")),
+}
+
+
+def mesh_shape(
     world_size: int,
     tensor_model_parallel_size: int,
     pipeline_model_parallel_size: int,
     sequence_parallel_size: int = 1,
     context_parallel_size: int = 1,
     expert_parallel_size: int = 1,
-) -> dict[str, list[list[int]]]:
-    """All groups of each kind for a world, in Megatron-LM's order (pure: no communication).
-
-    Ranks are numbered tensor-parallel fastest, then the sequence split (context-parallel or
-    Ulysses ranks), then data parallel, then pipeline stages: rank = t + TP x (c + C x (d + DP
-    x p)). With a sequence split there are also `sequence` groups (the ranks that split each
-    sample) and `sequence_data` groups (those and their data-parallel peers: where gradients
-    are summed and ZeRO state partitioned; Megatron-LM's data-parallel group "with context
-    parallel").
-
-    With expert parallelism (Megatron-LM's MoE, `--expert-model-parallel-size` EP above 1)
-    there are also `expert` groups, EP consecutive data-parallel ranks that split each MoE
-    layer's experts between them, and `expert_data` groups, the ranks that hold the same
-    experts (the same position in their expert group, over the data-parallel and sequence
-    ranks): where expert gradients are averaged.
-    """
+) -> dict[str, int]:
+    """The size of each of `MESH_DIM_NAMES` for these flags; raises `ParallelConfigError`
+    (naming the flags) when they do not fit the world."""
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     sp, cp = sequence_parallel_size, context_parallel_size
     if tp < 1 or pp < 1 or sp < 1 or cp < 1:
@@ -117,48 +147,77 @@ def generate_rank_groups(
             f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
             f"x --pipeline-model-parallel-size ({pp}){sizes} = {tp * pp * split}"
         )
-    dp = world_size // (tp * pp * split)
+    dp, ep = world_size // (tp * pp * split), expert_parallel_size
+    if dp % ep != 0:
+        raise ParallelConfigError(
+            f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp}): "
+            "the experts are split over data-parallel ranks"
+        )
+    return {"pp": pp, "edp": dp // ep, "ep": ep, "cp": split, "tp": tp}
 
-    def rank(t: int, c: int, d: int, p: int) -> int:
-        return t + tp * (c + split * (d + dp * p))
 
-    T, C, D, P = range(tp), range(split), range(dp), range(pp)  # noqa: N806
-    groups = {
-        "tensor": [[rank(t, c, d, p) for t in T] for p in P for d in D for c in C],
-        "data": [[rank(t, c, d, p) for d in D] for p in P for c in C for t in T],
-        "pipeline": [[rank(t, c, d, p) for p in P] for d in D for c in C for t in T],
-        # A model replica: every stage's tensor-parallel ranks at one data (and split) index;
-        # a sequence peer's identical weights are another replica, not counted twice.
-        "model": [sorted(rank(t, c, d, p) for t in T for p in P) for d in D for c in C],
-    }
+def _groups_along(ranks: torch.Tensor, spans: tuple[str, ...], outer: tuple[str, ...]):
+    """The groups of `ranks` (a tensor with `MESH_DIM_NAMES` dims) spanning `spans`, listed
+    in `outer`'s order: each group's ranks in mesh order."""
+    order = [MESH_DIM_NAMES.index(name) for name in (*outer, *spans)]
+    size = 1
+    for name in spans:
+        size *= ranks.size(MESH_DIM_NAMES.index(name))
+    return ranks.permute(order).reshape(-1, size).tolist()
+
+
+def generate_rank_groups(
+    world_size: int,
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    sequence_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
+) -> dict[str, list[list[int]]]:
+    """All groups of each kind for a world, as slices of the device mesh (pure: no
+    communication), in the order megatron-core's RankGenerator lists them.
+
+    Ranks are numbered tensor-parallel fastest, then the sequence split (context-parallel or
+    Ulysses ranks), then data parallel, then pipeline stages: rank = t + TP x (c + C x (d + DP
+    x p)). With a sequence split there are also `sequence` groups (the ranks that split each
+    sample) and `sequence_data` groups (those and their data-parallel peers: where gradients
+    are summed and ZeRO state partitioned; Megatron-LM's data-parallel group "with context
+    parallel").
+
+    With expert parallelism (Megatron-LM's MoE, `--expert-model-parallel-size` EP above 1)
+    there are also `expert` groups, EP consecutive data-parallel ranks that split each MoE
+    layer's experts between them, and `expert_data` groups, the ranks that hold the same
+    experts (the same position in their expert group, over the data-parallel and sequence
+    ranks): where expert gradients are averaged.
+    """
+    shape = mesh_shape(
+        world_size,
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        sequence_parallel_size,
+        context_parallel_size,
+        expert_parallel_size,
+    )
+    ranks = torch.arange(world_size).reshape(tuple(shape.values()))
+    kinds = ["tensor", "data", "pipeline", "model"]
+    kinds += ["sequence", "sequence_data"] if shape["cp"] > 1 else []
+    kinds += ["stage"] if shape["pp"] > 1 else []
+    kinds += ["expert", "expert_data"] if shape["ep"] > 1 else []
+    groups = {kind: _groups_along(ranks, *_KINDS[kind]) for kind in kinds}
     # The tied word embedding lives on the first and the last stage.
     groups["embedding"] = [sorted({group[0], group[-1]}) for group in groups["pipeline"]]
-    if split > 1:
-        groups["sequence"] = [[rank(t, c, d, p) for c in C] for p in P for d in D for t in T]
-        groups["sequence_data"] = [
-            sorted(rank(t, c, d, p) for c in C for d in D) for p in P for t in T
-        ]
-    if pp > 1:  # every rank of one pipeline stage (with PP = 1: the world)
-        groups["stage"] = [sorted(rank(t, c, d, p) for t in T for c in C for d in D) for p in P]
-    ep = expert_parallel_size
-    if ep > 1:
-        if dp % ep != 0:
-            raise ParallelConfigError(
-                f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp}): "
-                "the experts are split over data-parallel ranks"
-            )
-        blocks, E = range(dp // ep), range(ep)  # noqa: N806
-        # In megatron-core's order of its expert rank generator ("tp-ep-dp-pp").
-        groups["expert"] = [
-            [rank(t, c, b * ep + e, p) for e in E] for p in P for c in C for b in blocks for t in T
-        ]
-        groups["expert_data"] = [
-            sorted(rank(t, c, b * ep + e, p) for c in C for b in blocks)
-            for p in P
-            for e in E
-            for t in T
-        ]
     return groups
+
+
+def build_device_mesh(shape: dict[str, int], device_type: str) -> DeviceMesh:
+    """The run's one named device mesh (`MESH_DIM_NAMES`, with `FLATTENED_DIMS` flattened in);
+    every rank must call it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=MESH_DIM_NAMES)
+    for name, dims in FLATTENED_DIMS.items():
+        mesh[dims]._flatten(name)
+    return mesh
 
 
 def initialize_model_parallel(
@@ -168,13 +227,14 @@ def initialize_model_parallel(
     context_parallel_size: int = 1,
     expert_parallel_size: int = 1,
 ) -> ParallelState:
-    """Create the TP, PP, DP, model, embedding, sequence-split (context-parallel or Ulysses)
-    and expert-parallel groups; every rank must call it."""
+    """Build the device mesh and take the TP, PP, DP, model, sequence-split (context-parallel
+    or Ulysses) and expert-parallel groups from it by name, plus Megatron's embedding group;
+    every rank must call it."""
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed initialized first")
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    all_groups = generate_rank_groups(
+    shape = mesh_shape(
         world_size,
         tensor_model_parallel_size,
         pipeline_model_parallel_size,
@@ -182,49 +242,56 @@ def initialize_model_parallel(
         context_parallel_size,
         expert_parallel_size,
     )
-    mine: dict[str, tuple[dist.ProcessGroup | None, list[int]]] = {}
+    # NCCL carries CUDA tensors only: on GPUs the mesh (and FSDP2's, DCP's slices) is CUDA's.
+    mesh = build_device_mesh(shape, "cuda" if dist.get_backend() == "nccl" else "cpu")
+
+    def group(name: str) -> tuple[dist.ProcessGroup, list[int]]:
+        return mesh[name].get_group(), mesh[name].mesh.tolist()
+
+    # The first and last stage of each pipeline: new_group is collective over the whole
+    # world, so every rank creates every such group (once per distinct set of ranks).
+    ranks = torch.arange(world_size).reshape(tuple(shape.values()))
+    embedding: tuple[dist.ProcessGroup | None, list[int]] = (None, [])
     made: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    for kind, groups in all_groups.items():
-        for ranks in groups:
-            # new_group is collective over the whole world: every rank creates every group,
-            # once per distinct set of ranks.
-            if tuple(ranks) not in made:
-                made[tuple(ranks)] = dist.new_group(ranks)
-            if rank in ranks:
-                mine[kind] = (made[tuple(ranks)], ranks)
-    embedding_group, embedding_ranks = mine.get("embedding", (None, []))
-    split = max(sequence_parallel_size, context_parallel_size)
+    for pipeline in _groups_along(ranks, *_KINDS["pipeline"]):
+        ends = tuple(sorted({pipeline[0], pipeline[-1]}))
+        if ends not in made:
+            made[ends] = dist.new_group(list(ends))
+        if rank in ends:
+            embedding = (made[ends], list(ends))
+    split, ep = shape["cp"] > 1, shape["ep"] > 1
+    # Without a sequence split a rank holds its whole sequence: no sequence group, and the
+    # sequence-data-parallel group is the data-parallel one. Without expert parallelism every
+    # rank holds every expert: their gradients are averaged with the dense ones.
+    sequence_data = group("dp_cp") if split else group("dp")
+    expert_data = group("edp_cp") if ep else sequence_data
     _STATE = ParallelState(
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        data_parallel_size=world_size
-        // (tensor_model_parallel_size * pipeline_model_parallel_size * split),
-        tensor_group=mine["tensor"][0],
-        pipeline_group=mine["pipeline"][0],
-        data_group=mine["data"][0],
-        model_group=mine["model"][0],
-        embedding_group=embedding_group,
-        tensor_ranks=mine["tensor"][1],
-        pipeline_ranks=mine["pipeline"][1],
-        data_ranks=mine["data"][1],
-        model_ranks=mine["model"][1],
-        embedding_ranks=embedding_ranks,
-        sequence_split_size=split,
+        tensor_model_parallel_size=shape["tp"],
+        pipeline_model_parallel_size=shape["pp"],
+        data_parallel_size=shape["edp"] * shape["ep"],
+        tensor_group=group("tp")[0],
+        pipeline_group=group("pp")[0],
+        data_group=group("dp")[0],
+        model_group=group("model")[0],
+        embedding_group=embedding[0],
+        tensor_ranks=group("tp")[1],
+        pipeline_ranks=group("pp")[1],
+        data_ranks=group("dp")[1],
+        model_ranks=group("model")[1],
+        embedding_ranks=embedding[1],
+        sequence_split_size=shape["cp"],
         context_parallel=context_parallel_size > 1,
-        # Without a sequence split a rank holds its whole sequence, and the
-        # sequence-data-parallel group is the data-parallel one (no group of one rank is made).
-        sequence_group=mine.get("sequence", (None,))[0],
-        sequence_data_group=mine.get("sequence_data", mine["data"])[0],
-        sequence_ranks=mine.get("sequence", (None, [rank]))[1],
-        sequence_data_ranks=mine.get("sequence_data", mine["data"])[1],
-        # Without expert parallelism every rank holds every expert: their gradients are
-        # averaged with the dense ones.
-        expert_parallel_size=expert_parallel_size,
-        expert_group=mine.get("expert", (None,))[0],
-        expert_data_group=mine.get("expert_data", mine.get("sequence_data", mine["data"]))[0],
-        expert_ranks=mine.get("expert", (None, [rank]))[1],
-        expert_data_ranks=mine.get("expert_data", mine.get("sequence_data", mine["data"]))[1],
-        stage_group=mine.get("stage", (None,))[0],
+        sequence_group=group("cp")[0] if split else None,
+        sequence_data_group=sequence_data[0],
+        sequence_ranks=group("cp")[1] if split else [rank],
+        sequence_data_ranks=sequence_data[1],
+        expert_parallel_size=shape["ep"],
+        expert_group=group("ep")[0] if ep else None,
+        expert_data_group=expert_data[0],
+        expert_ranks=group("ep")[1] if ep else [rank],
+        expert_data_ranks=expert_data[1],
+        stage_group=group("stage")[0] if shape["pp"] > 1 else None,
+        mesh=mesh,
     )
     return _STATE
 
@@ -245,6 +312,12 @@ def get_parallel_state() -> ParallelState:
     if _STATE is None:
         raise RuntimeError("model parallel groups are not initialized")
     return _STATE
+
+
+def get_device_mesh() -> DeviceMesh:
+    """The run's named device mesh (`MESH_DIM_NAMES` and `FLATTENED_DIMS`): FSDP2 and
+    torch.distributed.checkpoint slice it by name (`get_device_mesh()["dp_cp"]`)."""
+    return get_parallel_state().mesh
 
 
 def _rank_in(ranks_attr: str) -> int:

@@ -322,6 +322,38 @@ def _check_bad_sizes_leave_no_state(rank: int, world: int) -> None:
     assert not ps.model_parallel_is_initialized()
 
 
+MESH_CONFIGS = [(1, 1, 2, 2), (2, 1, 1, 2), (1, 2, 2, 1), (2, 2, 1, 1), (1, 1, 1, 4)]
+"""(TP, PP, CP, EP) layouts of 4 ranks whose device mesh is checked against the groups."""
+
+# The group kind each mesh name is, when that kind exists.
+MESH_NAME_KINDS = {"tp": "tensor", "pp": "pipeline", "dp": "data", "model": "model",
+                   "cp": "sequence", "dp_cp": "sequence_data", "stage": "stage",
+                   "ep": "expert", "edp_cp": "expert_data"}  # fmt: skip
+
+
+def _check_mesh(rank: int, world: int, tp: int, pp: int, cp: int, ep: int) -> None:
+    """Each named slice of the device mesh holds the ranks of its kind of group, and the
+    accessors hand out those very groups."""
+    ps.initialize_model_parallel(tp, pp, context_parallel_size=cp, expert_parallel_size=ep)
+    mesh = ps.get_device_mesh()
+    assert mesh.mesh_dim_names == ps.MESH_DIM_NAMES
+    groups = generate_rank_groups(world, tp, pp, context_parallel_size=cp, expert_parallel_size=ep)
+    for name, kind in MESH_NAME_KINDS.items():
+        ranks = mesh[name].mesh.tolist()
+        if kind in groups:
+            assert ranks == _my_group(groups, kind, rank), (name, kind)
+        assert dist.get_process_group_ranks(mesh[name].get_group()) == ranks, name
+    assert ps.get_tensor_model_parallel_group() is mesh["tp"].get_group()
+    assert ps.get_sequence_data_parallel_group() is mesh["dp_cp" if cp > 1 else "dp"].get_group()
+    if ep > 1:
+        assert ps.get_expert_model_parallel_group() is mesh["ep"].get_group()
+        assert ps.get_expert_data_parallel_group() is mesh["edp_cp"].get_group()
+        assert _sum_over(ps.get_expert_data_parallel_group(), rank) == sum(
+            _my_group(groups, "expert_data", rank)
+        )
+    ps.destroy_model_parallel()
+
+
 SPAWN_WORLD_SIZES = [4]
 
 
@@ -329,6 +361,8 @@ def spawn_body(checks, rank: int, world: int) -> None:
     """The 4-rank world: every configuration's queries, then a bad configuration."""
     for tp, pp in SPAWNED_CONFIGS:
         checks.run(f"queries tp={tp} pp={pp}", _check_queries, rank, world, tp, pp)
+    for sizes in MESH_CONFIGS:
+        checks.run(f"mesh {sizes}", _check_mesh, rank, world, *sizes)
     checks.run("bad sizes", _check_bad_sizes_leave_no_state, rank, world)
 
 
@@ -344,6 +378,12 @@ def test_queries_match_generated_groups_on_four_ranks(spawned, tp, pp):
     spawned.assert_ok(f"queries tp={tp} pp={pp}")
 
 
+@pytest.mark.parametrize("sizes", MESH_CONFIGS)
+def test_device_mesh_slices_are_the_groups_on_four_ranks(spawned, sizes):
+    """The one device mesh: every named slice is its kind of group, the accessors' groups."""
+    spawned.assert_ok(f"mesh {sizes}")
+
+
 def test_bad_sizes_on_four_ranks_leave_no_state(spawned):
     """initialize_model_parallel(3, 1) on 4 ranks raises the config error on every rank."""
     spawned.assert_ok("bad sizes")
@@ -352,4 +392,5 @@ def test_bad_sizes_on_four_ranks_leave_no_state(spawned):
 def test_spawned_body_ran_every_check(spawned):
     """Nothing escaped the checks, and no check ran that no test looks at."""
     expected = {f"queries tp={tp} pp={pp}" for tp, pp in SPAWNED_CONFIGS} | {"bad sizes"}
+    expected |= {f"mesh {sizes}" for sizes in MESH_CONFIGS}
     assert spawned.names() == expected, spawned.per_rank[0].get(BODY)

@@ -26,7 +26,6 @@ from megatron.core import parallel_state
 from megatron.layout import ParallelLayout
 from megatron.model.fp8 import cast_weights_before_all_gather
 from megatron.model.moe_layer import RoutedMoE, names_outside_data_parallel
-from megatron.utils import current_device
 
 # What our layers and the optimizer read from a parameter; FSDP2 makes new ones (DTensors).
 _PARAMETER_ATTRIBUTES = (
@@ -55,16 +54,15 @@ def shard_model(
     all-gather as soon as its own is copied out (FSDP2's explicit forward prefetch), rather
     than when the next layer starts; FSDP2 overlaps the gradient reduce-scatter with the
     backward on its own (`--overlap-grad-reduce` changes nothing more)."""
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    group = parallel_state.get_sequence_data_parallel_group()
-    _broadcast_initial_states(model, group)
-    mesh = DeviceMesh.from_group(group, current_device().type)
+    _broadcast_initial_states(model, parallel_state.get_sequence_data_parallel_group())
+    # Dense weights are sharded over the data-parallel and sequence-split ranks, experts over
+    # the ranks holding the same experts: two slices of the run's device mesh.
+    mesh = parallel_state.get_device_mesh()["dp_cp"]
     expert_mesh = None
     if parallel_state.get_expert_model_parallel_world_size() > 1:
-        expert_group = parallel_state.get_expert_data_parallel_group()
-        expert_mesh = DeviceMesh.from_group(expert_group, current_device().type)
+        expert_mesh = parallel_state.get_device_mesh()["edp_cp"]
     attributes = {
         name: {key: getattr(param, key) for key in _PARAMETER_ATTRIBUTES if hasattr(param, key)}
         for name, param in model.named_parameters()
