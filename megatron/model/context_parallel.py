@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron.core import parallel_state
+from megatron.core.process_groups import RankGroup
 from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker
 from megatron.core.tensor_parallel.mappings import (
     RingTransfer,
@@ -195,15 +195,14 @@ class RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel: BlockKernel):
-        size = parallel_state.get_context_parallel_world_size()
-        rank = parallel_state.get_context_parallel_rank()
+    def forward(ctx, q, k, v, kernel: BlockKernel, ring: RankGroup):
+        size, rank = ring.size, ring.rank
         heads, chunk = q.size(1), q.size(2) // 2
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         key_values = (k, v)
         for step in range(size):
-            transfer = RingTransfer(list(key_values)) if step < size - 1 else None
+            transfer = RingTransfer(list(key_values), ring.group) if step < size - 1 else None
             kind = _ring_block(rank, step, size)
             keys, values = (_expand_heads(t, heads) for t in key_values)
             rows, q_in, k_in, v_in, causal = _block_inputs(kind, q, keys, values, chunk)
@@ -213,15 +212,14 @@ class RingAttention(torch.autograd.Function):
                 key_values = tuple(transfer.wait())
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel = kernel
+        ctx.kernel, ctx.ring = kernel, ring
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        kernel = ctx.kernel
-        size = parallel_state.get_context_parallel_world_size()
-        rank = parallel_state.get_context_parallel_rank()
+        kernel, ring = ctx.kernel, ctx.ring
+        size, rank = ring.size, ring.rank
         heads, groups, chunk = q.size(1), k.size(1), q.size(2) // 2
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         key_values = (k, v)
@@ -230,7 +228,7 @@ class RingAttention(torch.autograd.Function):
         incoming = None
         pending: RingTransfer | None = None
         for step in range(size):
-            transfer = RingTransfer(list(key_values)) if step < size - 1 else None
+            transfer = RingTransfer(list(key_values), ring.group) if step < size - 1 else None
             kind = _ring_block(rank, step, size)
             keys, values = (_expand_heads(t, heads) for t in key_values)
             rows, q_in, k_in, v_in, causal = _block_inputs(kind, q, keys, values, chunk)
@@ -252,11 +250,11 @@ class RingAttention(torch.autograd.Function):
                 incoming = pending.wait()
                 grads = [mine + theirs for mine, theirs in zip(grads, incoming, strict=True)]
             # Behind the block, to the next rank (the last step's goes to the block's owner).
-            pending = RingTransfer(grads)
+            pending = RingTransfer(grads, ring.group)
             if transfer is not None:
                 key_values = tuple(transfer.wait())
         grad_k, grad_v = pending.wait()
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
 
 
 def draw_dropout_seed() -> int:
@@ -271,16 +269,17 @@ class ContextParallelAttention(nn.Module):
     """[s/C, b, np, hn] query, [s/C, b, nkv, hn] key/value -> context [s/C, b, np * hn], causal
     over the whole sequence by `comm_type` (`p2p`, `allgather` or `a2a`; module docstring)."""
 
-    def __init__(self, core: CoreAttention, comm_type: str, recompute: bool) -> None:
+    def __init__(
+        self, core: CoreAttention, comm_type: str, recompute: bool, ring: RankGroup
+    ) -> None:
         super().__init__()
         self.core = core
+        self.ring = ring  # the context-parallel group
         self.comm_type = comm_type
         self.recompute = recompute
         self.a2a = None
         if comm_type == "a2a":
-            self.a2a = UlyssesAttention(
-                core, parallel_state.get_context_parallel_group(), recompute, context_parallel=True
-            )
+            self.a2a = UlyssesAttention(core, ring.group, recompute, context_parallel=True)
         # Point-to-point transfers and DeepSpeed's all-to-alls run eagerly inside a compiled
         # layer.
         run_eagerly_when_compiled(self, "forward")
@@ -295,7 +294,7 @@ class ContextParallelAttention(nn.Module):
         dropout_p = self.core.dropout_p if self.training else 0.0
         seed = draw_dropout_seed() if dropout_p > 0.0 else 0
         kernel = BlockKernel(self.core.scale, dropout_p, seed)
-        context = RingAttention.apply(query, key, value, kernel)  # [b, np, s/C, hn]
+        context = RingAttention.apply(query, key, value, kernel, self.ring)  # [b, np, s/C, hn]
         b, heads, s, hn = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, heads * hn)
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.core.process_groups import ModelGroups
 from megatron.core.tensor_parallel import (
     VocabParallelEmbedding,
     get_cuda_rng_tracker,
@@ -24,9 +25,10 @@ class Embedding(nn.Module):
     The word embedding is also the output layer (tied logits).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, groups: ModelGroups) -> None:
         super().__init__()
         self.config = config
+        self.sequence_split = sequence_is_split(config, groups)
         init_method = init_method_normal(config.init_method_std)
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size,
@@ -63,7 +65,7 @@ class Embedding(nn.Module):
         rng = contextlib.nullcontext()
         if self.config.sequence_parallel:
             embeddings = scatter_to_sequence_parallel_region(embeddings)
-        if sequence_is_split(self.config):  # independent dropout on each rank's part
+        if self.sequence_split:  # independent dropout on each rank's part
             rng = get_cuda_rng_tracker().fork() if self.training else rng
         with rng:
             return F.dropout(embeddings, self.config.hidden_dropout, self.training)

@@ -3,7 +3,8 @@
 The output layer is the word embedding matrix (tied, GPT-2) or, with
 `--untie-embeddings-and-output-weights` (LLaMA), its own `language_model.output_layer`.
 
-    model = GPTModel(config)
+    model = GPTModel(config, groups)             # groups: this rank's ModelGroups
+                                                 # (default: sliced from the device mesh)
     loss = model(tokens, labels=labels)          # per-token loss [b, s], fp32 (under
                                                  # DeepSpeed-Ulysses the whole sequence's)
     logits = model(tokens)                       # [b, s, vocab / tp] (or vocab)
@@ -22,9 +23,7 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.core.parallel_state import (
-    get_tensor_model_parallel_world_size as tensor_parallel_world_size,
-)
+from megatron.core.process_groups import ModelGroups, this_rank_groups
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     linear_with_vocab_parallel_weight,
@@ -53,10 +52,10 @@ def output_layer(config: ModelConfig) -> ColumnParallelLinear:
 class TransformerLanguageModel(nn.Module):
     """`embedding` + `encoder` (the layer stack and its final norm) [+ `output_layer`]."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, groups: ModelGroups) -> None:
         super().__init__()
-        self.embedding = Embedding(config)
-        self.encoder = ParallelTransformer(config)
+        self.embedding = Embedding(config, groups)
+        self.encoder = ParallelTransformer(config, groups)
         if config.untie_embeddings_and_output_weights:
             self.output_layer = output_layer(config)
 
@@ -108,11 +107,11 @@ def loss_from_logits(
     return vocab_parallel_cross_entropy(logits, target, check_labels=check_labels).transpose(0, 1)
 
 
-def compile_stage_loss(config: ModelConfig) -> bool:
+def compile_stage_loss(config: ModelConfig, groups: ModelGroups) -> bool:
     """Whether a pipeline's last stage computes its loss compiled (`loss_from_logits(...,
     compiled=True)`): under `--torch-compile` at TP=1, as `GPTModel` would in its whole-model
     graph (with TP the loss's all-reduces stay in the eager vocab-parallel loop)."""
-    return config.torch_compile and tensor_parallel_world_size() == 1
+    return config.torch_compile and groups.tensor.size == 1
 
 
 @functools.cache
@@ -124,10 +123,13 @@ def compiled_loss_from_logits():
 class GPTModel(nn.Module):
     """The GPT language model (one implementation; `pipeline.py` rearranges its layers)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, groups: ModelGroups | None = None) -> None:
+        """`groups`: the process groups this rank's layers communicate over (default: this
+        rank's, sliced from the run's device mesh; one process's outside torch.distributed)."""
         super().__init__()
         self.config = config
-        self.language_model = TransformerLanguageModel(config)
+        self.groups = this_rank_groups() if groups is None else groups
+        self.language_model = TransformerLanguageModel(config, self.groups)
 
     def word_embeddings_weight(self) -> torch.Tensor:
         """The (vocab-split) embedding matrix."""
@@ -161,7 +163,7 @@ class GPTModel(nn.Module):
         elif (
             self.config.torch_compile
             and self.config.compile_whole_model
-            and tensor_parallel_world_size() == 1
+            and self.groups.tensor.size == 1
         ):
             # No collective inside the model: one graph from the ids to the loss.
             return compiled_gpt_forward()(self, input_ids, position_ids, attention_mask, labels)

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.core import parallel_state
 from megatron.model.mlp import ParallelMLP
 
 
@@ -55,9 +54,10 @@ def build_moe_mlp(config: ModelConfig, num_experts: int) -> nn.Module:
     )
 
 
-def set_up_expert_groups(model: nn.Module) -> None:
-    """Give `model`'s MoE layers DeepSpeed's expert-parallel groups, as `deepspeed.initialize`
-    does, for the engines that are not DeepSpeed's; nothing for a dense model.
+def set_up_expert_groups(model: nn.Module, mpu: object) -> None:
+    """Give `model`'s MoE layers DeepSpeed's expert-parallel groups, built from `mpu`
+    (the run's `deepspeed_mpu()`), as `deepspeed.initialize` does, for the engines that
+    are not DeepSpeed's; nothing for a dense model.
 
     DeepSpeed builds the groups from our `mpu` (its pipeline stages are ours) over
     `deepspeed.comm`, which `megatron.initialize` starts for MoE runs. Every rank must call
@@ -74,6 +74,6 @@ def set_up_expert_groups(model: nn.Module) -> None:
             "DeepSpeed-MoE needs deepspeed.comm: call deepspeed.init_distributed() over the "
             "process group first (megatron.initialize does for --num-experts runs)"
         )
-    groups.mpu = parallel_state.deepspeed_mpu()
+    groups.mpu = mpu
     for layer in layers:
         layer.set_deepspeed_parallelism()

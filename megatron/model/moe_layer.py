@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.core import parallel_state
+from megatron.core.process_groups import ModelGroups
 from megatron.core.tensor_parallel.expert_mappings import (
     all_to_all_over_expert_parallel,
     exchange_counts_over_expert_parallel,
@@ -46,18 +46,19 @@ EXPERT_GROUP_NAME = "expert_model_parallel"
 class RoutedMoE(nn.Module):
     """[s, b, h] -> ([s, b, h], None): routed experts (plus the shared expert, if any)."""
 
-    def __init__(self, config: ModelConfig, layer_number: int = 1) -> None:
+    def __init__(self, config: ModelConfig, layer_number: int, groups: ModelGroups) -> None:
         super().__init__()
         moe = config.routed_moe
         assert moe is not None
-        ep = parallel_state.get_expert_model_parallel_world_size()
+        self.groups = groups
+        ep = groups.expert.size
         if moe.num_experts % ep != 0:
             raise ValueError(
                 f"--num-experts {moe.num_experts} is not divisible by "
                 f"--expert-model-parallel-size {ep}"
             )
         self.num_local_experts = moe.num_experts // ep
-        self.first_expert = parallel_state.get_expert_model_parallel_rank() * self.num_local_experts
+        self.first_expert = groups.expert.rank * self.num_local_experts
         self.dispatcher = moe.dispatcher
         self.router = TopKRouter(config, layer_number)
         self.experts = GroupedExperts(config, self.num_local_experts, self.first_expert)
@@ -93,7 +94,7 @@ class RoutedMoE(nn.Module):
         expert_ids, token_ids = routing_map.t().nonzero(as_tuple=True)  # [N] each
         weights = probs.t()[expert_ids, token_ids]  # [N]
         permuted = tokens[token_ids]  # [N, h]
-        ep, local = parallel_state.get_expert_model_parallel_world_size(), self.num_local_experts
+        ep, local = self.groups.expert.size, self.num_local_experts
         counts = routing_map.sum(dim=0).view(ep, local)  # [EP, local]: to each rank's experts
         received_counts = exchange_counts_over_expert_parallel(counts)  # [EP, local]: from each
         sent, received = counts.sum(dim=1).tolist(), received_counts.sum(dim=1).tolist()
@@ -156,15 +157,13 @@ def routed_moe_layers(model: nn.Module) -> list[RoutedMoE]:
 def reduce_expert_gradients(model: nn.Module) -> None:
     """With expert parallelism, the routed experts' gradients (left out of the data-parallel
     reduction): see `reduce_expert_gradient`. Without it, they are averaged with the rest."""
-    if parallel_state.get_expert_model_parallel_world_size() == 1:
-        return
-    # FSDP2 (DTensor gradients) averaged them over the expert-data ranks already
-    # (engines/fsdp.py): Megatron-LM's scaling is their sum / DP.
-    sharded_scale = (
-        parallel_state.get_expert_data_parallel_world_size()
-        / parallel_state.get_sequence_data_parallel_world_size()
-    )
     for layer in routed_moe_layers(model):
+        groups = layer.groups
+        if groups.expert.size == 1:
+            continue
+        # FSDP2 (DTensor gradients) averaged them over the expert-data ranks already
+        # (engines/fsdp.py): Megatron-LM's scaling is their sum / DP.
+        sharded_scale = groups.expert_data_size / groups.sequence_data_size
         for param in layer.experts.parameters():
             if param.grad is None:
                 continue
@@ -177,10 +176,9 @@ def reduce_expert_gradients(model: nn.Module) -> None:
 def update_expert_biases(model: nn.Module) -> None:
     """After a step's backward: move the aux-loss-free routers' expert biases toward even
     loads, counted over every rank of this pipeline stage (Megatron-LM's TP x DP x CP)."""
-    group = parallel_state.get_stage_group()
     for layer in routed_moe_layers(model):
         if layer.router.expert_bias is not None:
-            layer.router.update_expert_bias(group)
+            layer.router.update_expert_bias(layer.groups.stage)
 
 
 def finish_moe_backward(model: nn.Module) -> None:
@@ -197,7 +195,7 @@ def names_outside_data_parallel(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if isinstance(module, RoutedMoE):
             names += [f"{name}.router.{buffer}" for buffer, _ in module.router.named_buffers()]
-            if parallel_state.get_expert_model_parallel_world_size() > 1:
+            if module.groups.expert.size > 1:
                 names += [
                     f"{name}.experts.{param}" for param, _ in module.experts.named_parameters()
                 ]

@@ -23,7 +23,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.core import parallel_state
+from megatron.core.process_groups import ModelGroups, this_rank_groups
 from megatron.core.tensor_parallel import checkpoint
 from megatron.model.document_mask import layer_attention_mask
 from megatron.model.embedding import Embedding
@@ -70,8 +70,8 @@ class ParallelTransformerLayerPipe(ParallelTransformerLayer):
     The class name is the one DeepSpeed's `GPTModelPipe` recompute rule looks for.
     """
 
-    def __init__(self, config: ModelConfig, layer_number: int) -> None:
-        super().__init__(config, layer_number)
+    def __init__(self, config: ModelConfig, layer_number: int, groups: ModelGroups) -> None:
+        super().__init__(config, layer_number, groups)
         self.window = config.window_size
 
     def forward(
@@ -125,7 +125,7 @@ def masked_mean_loss(
     """Mean per-token loss over the positions where `loss_mask` is 1 (all if no mask).
 
     `compiled`: the per-token loss runs under `torch.compile` (`loss_from_logits`; GPTModelPipe
-    binds `compile_stage_loss(config)`: DeepSpeed calls this outside the compiled layers).
+    binds `compile_stage_loss(config, groups)`: DeepSpeed calls this outside the compiled layers).
     """
     if isinstance(labels, torch.Tensor):
         return loss_from_logits(logits, labels, check_labels, compiled).mean()
@@ -136,23 +136,31 @@ def masked_mean_loss(
 
 
 class GPTModelPipe(PipelineModule):
-    """GPT-2 split into pipeline stages over the groups of `parallel_state`.
+    """GPT-2 split into pipeline stages over `groups` (default: this rank's, from the run's
+    device mesh).
 
     The class name matters: DeepSpeed recomputes only `ParallelTransformerLayerPipe` layers
     of a `GPTModelPipe` when activation checkpointing is on.
     """
 
-    def __init__(self, config: ModelConfig, partition_method: str = "type:transformer") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        partition_method: str = "type:transformer",
+        groups: ModelGroups | None = None,
+    ) -> None:
+        groups = this_rank_groups() if groups is None else groups
         # DeepSpeed records the tied attribute from the first spec with the key.
         tied = "word_embeddings.weight"
         untied = config.untie_embeddings_and_output_weights
-        specs = [
-            LayerSpec(EmbeddingPipe, config)
+        embedding = (
+            LayerSpec(EmbeddingPipe, config, groups)
             if untied
-            else TiedLayerSpec(EMBEDDING_KEY, EmbeddingPipe, config, tied_weight_attr=tied)
-        ]
+            else TiedLayerSpec(EMBEDDING_KEY, EmbeddingPipe, config, groups, tied_weight_attr=tied)
+        )
+        specs = [embedding]
         specs += [
-            LayerSpec(ParallelTransformerLayerPipe, config, number)
+            LayerSpec(ParallelTransformerLayerPipe, config, number, groups)
             for number in range(1, config.num_layers + 1)
         ]
         norm = RMSNormPipe if config.normalization == "rmsnorm" else LayerNormPipe
@@ -161,13 +169,16 @@ class GPTModelPipe(PipelineModule):
             LayerSpec(LMHeadPipe, config)
             if untied
             else TiedLayerSpec(
-                EMBEDDING_KEY, EmbeddingPipe, config, forward_fn=_logits, tied_weight_attr=tied
+                EMBEDDING_KEY,
+                EmbeddingPipe,
+                config,
+                groups,
+                forward_fn=_logits,
+                tied_weight_attr=tied,
             )
         )
         topology = PipeModelDataParallelTopology(
-            num_pp=parallel_state.get_pipeline_model_parallel_world_size(),
-            num_mp=parallel_state.get_tensor_model_parallel_world_size(),
-            num_dp=parallel_state.get_data_parallel_world_size(),
+            num_pp=groups.pipeline.size, num_mp=groups.tensor.size, num_dp=groups.data.size
         )
         recompute = config.recompute_granularity == "full"
         super().__init__(
@@ -175,7 +186,7 @@ class GPTModelPipe(PipelineModule):
             loss_fn=partial(
                 masked_mean_loss,
                 check_labels=config.check_labels,
-                compiled=compile_stage_loss(config),
+                compiled=compile_stage_loss(config, groups),
             ),
             topology=topology,
             partition_method=partition_method,
@@ -184,6 +195,7 @@ class GPTModelPipe(PipelineModule):
                 function, config.distribute_saved_activations, *inputs
             ),
         )
+        self.groups = groups
 
     def _synchronize_tied_weights(self) -> None:
         """DeepSpeed's broadcast of the tied embedding weight, outside autograd.

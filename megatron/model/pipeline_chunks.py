@@ -23,11 +23,8 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.core.parallel_state import get_context_parallel_world_size
-from megatron.core.parallel_state import (
-    get_tensor_model_parallel_world_size as tensor_parallel_world_size,
-)
 from megatron.core.pipeline_parallel.layout import chunk_layer_numbers, stage_index
+from megatron.core.process_groups import ModelGroups, this_rank_groups
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.tensor_parallel.mappings import gather_sequence_parts
 from megatron.model.embedding import Embedding
@@ -46,11 +43,15 @@ HEAD_KEY = "word_embeddings_for_head"
 class _ChunkLanguageModel(nn.Module):
     """`embedding` (first stage), `encoder` (its layers [+ final norm]), `output_layer`."""
 
-    def __init__(self, config: ModelConfig, layers: range, first: bool, last: bool) -> None:
+    def __init__(
+        self, config: ModelConfig, groups: ModelGroups, layers: range, first: bool, last: bool
+    ) -> None:
         super().__init__()
         if first:
-            self.embedding = Embedding(config)
-        self.encoder = ParallelTransformer(config, layer_numbers=layers, post_layer_norm=last)
+            self.embedding = Embedding(config, groups)
+        self.encoder = ParallelTransformer(
+            config, groups, layer_numbers=layers, post_layer_norm=last
+        )
         if last and config.untie_embeddings_and_output_weights:
             self.output_layer = output_layer(config)
 
@@ -58,12 +59,23 @@ class _ChunkLanguageModel(nn.Module):
 class GPTPipelineChunk(nn.Module):
     """One pipeline stage of the GPT: a contiguous run of layers and the ends it owns."""
 
-    def __init__(self, config: ModelConfig, stage: int, num_stages: int, layers: range) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        stage: int,
+        num_stages: int,
+        layers: range,
+        groups: ModelGroups | None = None,
+    ) -> None:
+        """`groups`: as `GPTModel`'s (default: this rank's, from the run's device mesh)."""
         super().__init__()
         self.config = config
+        self.groups = this_rank_groups() if groups is None else groups
         self.stage, self.num_stages = stage, num_stages
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
-        self.language_model = _ChunkLanguageModel(config, layers, self.is_first, self.is_last)
+        self.language_model = _ChunkLanguageModel(
+            config, self.groups, layers, self.is_first, self.is_last
+        )
         tied = not config.untie_embeddings_and_output_weights
         if self.is_last and tied and not self.is_first:
             # Megatron's head copy: made equal to the first stage's embedding after build.
@@ -110,27 +122,35 @@ class GPTPipelineChunk(nn.Module):
         logits = logits_from_hidden(hidden, self.output_weight(), self.config)
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab / tp]
-        compiled = compile_stage_loss(self.config)  # no whole-model graph holds this loss
+        compiled = compile_stage_loss(self.config, self.groups)  # no whole-model graph holds it
         losses = loss_from_logits(logits, labels, self.config.check_labels, compiled)  # [b, s(/cp)]
         # Context parallelism: the whole sequence's losses, as GPTModel returns them.
         return gather_sequence_parts(losses, self.config.sequence_split_gradient_scale)
 
 
-def activation_shape(config: ModelConfig, micro_batch_size: int, seq_length: int) -> tuple:
+def activation_shape(
+    config: ModelConfig, micro_batch_size: int, seq_length: int, groups: ModelGroups
+) -> tuple:
     """[s(/cp)(/tp under sequence parallelism), b, h]: what one stage sends the next."""
-    tokens = seq_length // get_context_parallel_world_size()
+    tokens = seq_length // groups.context.size
     if config.sequence_parallel:
-        tokens //= tensor_parallel_world_size()
+        tokens //= groups.tensor.size
     return (tokens, micro_batch_size, config.hidden_size)
 
 
 def build_pipeline_chunks(
-    config: ModelConfig, pp_rank: int, pp_size: int, virtual_size: int = 1
+    config: ModelConfig,
+    pp_rank: int,
+    pp_size: int,
+    virtual_size: int = 1,
+    groups: ModelGroups | None = None,
 ) -> nn.ModuleList:
-    """This pipeline rank's model chunks, in schedule order (chunk c is stage c x PP + rank)."""
+    """This pipeline rank's model chunks, in schedule order (chunk c is stage c x PP + rank);
+    `groups` as `GPTModel`'s."""
+    groups = this_rank_groups() if groups is None else groups
     chunks = nn.ModuleList()
     for chunk in range(virtual_size):
         layers = chunk_layer_numbers(config.num_layers, pp_size, virtual_size, pp_rank, chunk)
         stage = stage_index(pp_rank, chunk, pp_size)
-        chunks.append(GPTPipelineChunk(config, stage, pp_size * virtual_size, layers))
+        chunks.append(GPTPipelineChunk(config, stage, pp_size * virtual_size, layers, groups))
     return chunks

@@ -22,7 +22,7 @@ from torch import nn
 from torch.compiler import is_compiling
 
 from megatron.config import ModelConfig
-from megatron.core import parallel_state
+from megatron.core.process_groups import ModelGroups
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -75,9 +75,9 @@ class ParallelAttention(nn.Module):
     as megatron-core's `finalize_model_grads` does).
     """
 
-    def __init__(self, config: ModelConfig, layer_number: int) -> None:
+    def __init__(self, config: ModelConfig, layer_number: int, groups: ModelGroups) -> None:
         super().__init__()
-        world = parallel_state.get_tensor_model_parallel_world_size()
+        world = groups.tensor.size
         self.heads_per_partition = divide(
             config.num_attention_heads, world, "--num-attention-heads"
         )
@@ -107,18 +107,16 @@ class ParallelAttention(nn.Module):
         self.core_attention = CoreAttention(config, layer_number)
         # Context parallelism: this rank holds 2 of 2C chunks; keys and values travel.
         self.context_parallel = None
-        if parallel_state.get_context_parallel_world_size() > 1:
+        if groups.context.size > 1:
             comm_type = config.cp_comm_types[(layer_number - 1) % len(config.cp_comm_types)]
             self.context_parallel = ContextParallelAttention(
-                self.core_attention, comm_type, self.recompute_core
+                self.core_attention, comm_type, self.recompute_core, groups.context
             )
         # DeepSpeed-Ulysses: this rank holds 1/S of the sequence, the core sees all of it.
         self.ulysses = None
-        if parallel_state.get_ulysses_world_size() > 1:
+        if groups.ulysses.size > 1:
             self.ulysses = UlyssesAttention(
-                self.core_attention,
-                parallel_state.get_ulysses_group(),
-                self.recompute_core,
+                self.core_attention, groups.ulysses.group, self.recompute_core
             )
         self.rotary = (
             RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
@@ -223,15 +221,15 @@ class ParallelTransformerLayer(nn.Module):
     so N layers compile once. Generation with a key/value cache stays eager.
     """
 
-    def __init__(self, config: ModelConfig, layer_number: int) -> None:
+    def __init__(self, config: ModelConfig, layer_number: int, groups: ModelGroups) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
-        self.sequence_split = sequence_is_split(config)
+        self.sequence_split = sequence_is_split(config, groups)
         self.bias_dropout_fusion = config.bias_dropout_fusion
         self.torch_compile = config.torch_compile
         self.input_layernorm = build_norm(config)
-        self.self_attention = ParallelAttention(config, layer_number)
+        self.self_attention = ParallelAttention(config, layer_number, groups)
         self.post_attention_layernorm = build_norm(config)
         experts = config.moe.experts_per_layer[layer_number - 1] if config.moe else 1
         self.is_moe = experts > 1  # DeepSpeed-MoE
@@ -242,7 +240,7 @@ class ParallelTransformerLayer(nn.Module):
         if self.is_moe:
             self.mlp = build_moe_mlp(config, experts)
         elif self.is_routed_moe:
-            self.mlp = RoutedMoE(config, layer_number)
+            self.mlp = RoutedMoE(config, layer_number, groups)
         else:
             self.mlp = ParallelMLP(config)
         self.moe_loss_coeff = config.moe.loss_coeff if self.is_moe else 0.0
@@ -313,13 +311,14 @@ class ParallelTransformer(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
+        groups: ModelGroups,
         layer_numbers: range | None = None,
         post_layer_norm: bool = True,
     ) -> None:
         super().__init__()
         self.config = config
         numbers = layer_numbers or range(1, config.num_layers + 1)
-        self.layers = nn.ModuleList(ParallelTransformerLayer(config, n) for n in numbers)
+        self.layers = nn.ModuleList(ParallelTransformerLayer(config, n, groups) for n in numbers)
         if post_layer_norm:
             self.final_layernorm = build_norm(config)
         self.has_moe = any(layer.is_moe or layer.is_routed_moe for layer in self.layers)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.core import parallel_state
+from megatron.core.process_groups import ModelGroups
 from megatron.core.tensor_parallel import mark_sequence_parallel
 
 
@@ -92,11 +92,11 @@ def run_eagerly_when_compiled(module: nn.Module, method: str) -> None:
     setattr(module, method, torch.compiler.disable(getattr(module, method)))
 
 
-def sequence_is_split(config: ModelConfig) -> bool:
+def sequence_is_split(config: ModelConfig, groups: ModelGroups) -> bool:
     """Whether each rank holds its own part of the sequence (Megatron's sequence parallelism,
     DeepSpeed-Ulysses or context parallelism): its hidden dropout then draws from the per-rank
     model-parallel stream."""
-    return config.sequence_parallel or parallel_state.get_sequence_split_world_size() > 1
+    return config.sequence_parallel or groups.sequence_split_size > 1
 
 
 def build_norm(

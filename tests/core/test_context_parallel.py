@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
+from megatron.core.process_groups import this_rank_groups
 from megatron.core.tensor_parallel.mappings import this_ranks_sequence_part
 from tests.core.spawn_checks import BODY
 from tests.tolerances import assert_close_reordered
@@ -66,7 +67,7 @@ def _run_layer(config: ModelConfig, hidden: torch.Tensor, grad: torch.Tensor) ->
     from megatron.model.transformer import ParallelAttention
 
     torch.manual_seed(11)
-    layer = ParallelAttention(config, layer_number=1)
+    layer = ParallelAttention(config, 1, this_rank_groups())
     hidden = hidden.detach().requires_grad_()
     output, bias = layer(hidden, None)
     output = output if bias is None else output + bias

@@ -89,7 +89,7 @@ def _model(config: ModelConfig, expert_groups: bool = True) -> torch.nn.Module:
     torch.manual_seed(1234)
     model = GPTModel(config)
     if expert_groups:
-        set_up_expert_groups(model)
+        set_up_expert_groups(model, parallel_state.deepspeed_mpu())
     return model
 
 

@@ -182,7 +182,7 @@ def _pipeline_trainer(config: ModelConfig, rank: int):  # noqa: ANN202
     from megatron.training.megatron_schedules_step import MicroBatchLoss, PipelineTrainer
 
     chunks = build_pipeline_chunks(config, rank, 2)
-    set_up_expert_groups(chunks)
+    set_up_expert_groups(chunks, parallel_state.deepspeed_mpu())
     # The norm is summed over the stages, as in a run (the pipeline group).
     optimizer = _adamw(chunks.parameters(), parallel_state.get_model_parallel_group())
     loss = MicroBatchLoss(_masked_mean)
@@ -191,7 +191,7 @@ def _pipeline_trainer(config: ModelConfig, rank: int):  # noqa: ANN202
         loss,
         torch.device("cpu"),
         (MICRO, SEQ),
-        activation_shape(config, MICRO, SEQ),
+        activation_shape(config, MICRO, SEQ, chunks[0].groups),
         torch.float32,
     )
     return PipelineTrainer(
@@ -216,7 +216,7 @@ def _check_pp2_equals_pp1(experts: tuple[int, ...]) -> None:
     rank = parallel_state.get_pipeline_model_parallel_rank()
     torch.manual_seed(1234)
     model = GPTModel(config)  # the reference, whole on each rank: no collective touches it
-    set_up_expert_groups(model)
+    set_up_expert_groups(model, parallel_state.deepspeed_mpu())
     reference = PlainTrainer(
         model, _adamw(model.parameters(), None), _Scheduler(), None, None, MICROBATCHES
     )

@@ -143,7 +143,7 @@ def _check_pipeline(
         loss,
         torch.device("cpu"),
         (MICRO, SEQ),
-        activation_shape(config, MICRO, SEQ),
+        activation_shape(config, MICRO, SEQ, chunks[0].groups),
         torch.float32,
     )
     tokens, labels, mask = _batch(microbatches)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.core.parallel_state import ParallelConfigError, generate_rank_groups
+from megatron.core.process_groups import this_rank_groups
 from megatron.model.document_mask import DocumentMask
 from tests.core.spawn_checks import BODY
 from tests.tolerances import assert_close_reordered
@@ -68,7 +69,7 @@ def _run_layer(config: ModelConfig, hidden: torch.Tensor, grad: torch.Tensor, ma
     from megatron.model.transformer import ParallelAttention
 
     torch.manual_seed(11)
-    layer = ParallelAttention(config, layer_number=1)
+    layer = ParallelAttention(config, 1, this_rank_groups())
     hidden = hidden.detach().requires_grad_()
     output, bias = layer(hidden, mask)
     output = output if bias is None else output + bias
@@ -206,7 +207,8 @@ def _check_dropout_is_drawn_per_ulysses_rank(world: int) -> None:
         assert len({tuple(part.tolist()) for part in split}) == world
         config = _config(hidden_dropout=0.5, attention_dropout=0.5)
         torch.manual_seed(3)  # the same weights on every rank
-        embedding, layer = Embedding(config), ParallelTransformerLayer(config, layer_number=1)
+        groups = this_rank_groups()
+        embedding, layer = Embedding(config, groups), ParallelTransformerLayer(config, 1, groups)
         # The same tokens at the same positions on every rank: only the masks can differ.
         ids = torch.arange(BATCH * SEQ // world).reshape(BATCH, -1) % config.vocab_size
         embedded = _gathered(embedding(ids).detach())

@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
+from megatron.core.process_groups import this_rank_groups
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.model import flops_per_token, num_parameters
 from megatron.model.attention import RotaryEmbedding, apply_rotary_pos_emb
@@ -149,7 +150,7 @@ def repeated_kv_attention(attention: ParallelAttention, x: torch.Tensor) -> torc
 @pytest.mark.parametrize("backend", ["sdpa", "unfused"])
 def test_grouped_query_attention_matches_repeated_kv_reference(single_rank, kv_heads, backend):
     attention = ParallelAttention(
-        config(num_key_value_heads=kv_heads, attention_backend=backend), layer_number=1
+        config(num_key_value_heads=kv_heads, attention_backend=backend), 1, this_rank_groups()
     )
     assert attention.query_key_value.weight.shape == ((8 + 2 * kv_heads) * 8, 64)
     x = torch.randn(SEQ, BATCH, 64, requires_grad=True)
@@ -169,7 +170,7 @@ def test_grouped_query_attention_matches_repeated_kv_reference(single_rank, kv_h
 
 def test_one_kv_head_per_query_head_is_the_gpt2_layout(single_rank):
     """With nkv = nq the grouped rows are checkpoint version 3.0's [np, 3, hn]."""
-    attention = ParallelAttention(config(num_key_value_heads=8), layer_number=1)
+    attention = ParallelAttention(config(num_key_value_heads=8), 1, this_rank_groups())
     x = torch.randn(SEQ, BATCH, 64)
     query, key, value = attention._query_key_value(x)
     rows = attention.query_key_value.weight.view(8, 3, 8, 64)

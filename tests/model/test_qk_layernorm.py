@@ -16,6 +16,7 @@ import torch
 
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
+from megatron.core.process_groups import this_rank_groups
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.model.attention import RotaryEmbedding, apply_rotary_pos_emb
 from megatron.model.transformer import ParallelAttention
@@ -124,7 +125,7 @@ def reference_attention(attention: ParallelAttention, x: torch.Tensor) -> torch.
 @pytest.mark.parametrize("backend", ["sdpa", "unfused"])
 def test_qk_layernorm_attention_matches_a_dense_reference(single_rank, backend):
     attention = ParallelAttention(
-        ModelConfig(**{**QWEN, "attention_backend": backend}), layer_number=1
+        ModelConfig(**{**QWEN, "attention_backend": backend}), 1, this_rank_groups()
     )
     names = {name: tuple(p.shape) for name, p in attention.named_parameters()}
     assert names == {

@@ -443,12 +443,14 @@ def gather_context_parallel_key_values(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class RingTransfer:
-    """Send tensors to the next rank of the context-parallel ring and receive the previous
-    rank's (same shapes) without waiting: `wait()` returns what arrived. Ring attention starts
-    one before computing on the block in hand, so the transfer hides behind the attention."""
+    """Send tensors to the next rank of the context-parallel ring (`group`, default this
+    rank's) and receive the previous rank's (same shapes) without waiting: `wait()` returns
+    what arrived. Ring attention starts one before computing on the block in hand, so the
+    transfer hides behind the attention."""
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        group = parallel_state.get_context_parallel_group()
+    def __init__(self, tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+        if group is None:
+            group = parallel_state.get_context_parallel_group()
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         following = dist.get_global_rank(group, (rank + 1) % world)
         previous = dist.get_global_rank(group, (rank - 1) % world)

@@ -16,6 +16,7 @@ import torch
 from megatron.checkpointing.save_load import CheckpointTarget
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
+from megatron.core.process_groups import this_rank_groups
 from megatron.deepspeed_facts import (
     deepspeed_optimizer_wrapper,
     guards_steps,
@@ -51,7 +52,7 @@ class DeepSpeedEngine(TrainingEngine):
     @staticmethod
     def build_model(config: ModelConfig, layout: ParallelLayout) -> torch.nn.Module:
         """The whole GPT."""
-        return GPTModel(config)
+        return GPTModel(config, this_rank_groups())
 
     @classmethod
     def create(
@@ -160,7 +161,7 @@ class DeepSpeedPipeEngine(DeepSpeedEngine):
         """GPT as DeepSpeed's `PipelineModule` (this rank builds its stage's layers)."""
         from megatron.model.pipeline import GPTModelPipe
 
-        return GPTModelPipe(config)
+        return GPTModelPipe(config, groups=this_rank_groups())
 
     def train_step(
         self, data_iterator: Iterator, global_batch_size: int, timers: Timers

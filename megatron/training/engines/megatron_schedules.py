@@ -16,6 +16,7 @@ import torch
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import PipelineRunner, initialize_tied_embedding
+from megatron.core.process_groups import this_rank_groups
 from megatron.layout import Engine, ParallelLayout
 from megatron.model.moe import set_up_expert_groups
 from megatron.model.pipeline_chunks import activation_shape, build_pipeline_chunks
@@ -49,6 +50,7 @@ class MegatronSchedulesEngine(PlainEngine):
             parallel_state.get_pipeline_model_parallel_rank(),
             layout.pipeline_parallel,
             layout.virtual_pipeline,
+            this_rank_groups(),
         )
 
     @classmethod
@@ -63,7 +65,8 @@ class MegatronSchedulesEngine(PlainEngine):
         if pipeline_batch is None:
             raise ValueError("Megatron's pipeline schedules need the entry script's PipelineBatch")
         model.to(current_device())
-        set_up_expert_groups(model)  # what deepspeed.initialize does on DeepSpeed's engines
+        # What deepspeed.initialize does on DeepSpeed's engines.
+        set_up_expert_groups(model, parallel_state.deepspeed_mpu())
         initialize_tied_embedding(model)
         if args.layout.sharding != "none":
             # After tying (the head copy starts equal to the embedding), before the optimizer.
@@ -86,7 +89,9 @@ class MegatronSchedulesEngine(PlainEngine):
                 loss,
                 current_device(),
                 (args.micro_batch_size, args.seq_length),
-                activation_shape(model[0].config, args.micro_batch_size, args.seq_length),
+                activation_shape(
+                    model[0].config, args.micro_batch_size, args.seq_length, model[0].groups
+                ),
                 model[0].config.torch_dtype,
             ),
             batch_fn=lambda data: pipeline_batch.batch_fn(data, args),

@@ -16,6 +16,7 @@ import torch
 from megatron.checkpointing.save_load import CheckpointTarget
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
+from megatron.core.process_groups import this_rank_groups
 from megatron.layout import Engine, ParallelLayout
 from megatron.model import GPTModel
 from megatron.model.moe import set_up_expert_groups
@@ -48,7 +49,7 @@ class PlainEngine(TrainingEngine):
     @staticmethod
     def build_model(config: ModelConfig, layout: ParallelLayout) -> torch.nn.Module:
         """The whole GPT."""
-        return GPTModel(config)
+        return GPTModel(config, this_rank_groups())
 
     @classmethod
     def create(
@@ -62,7 +63,8 @@ class PlainEngine(TrainingEngine):
         (with the context-parallel ranks, whose gradients of their parts of each sequence the
         model scales so that DDP's average is their sum)."""
         model.to(current_device())
-        set_up_expert_groups(model)  # what deepspeed.initialize does on DeepSpeed's engines
+        # What deepspeed.initialize does on DeepSpeed's engines.
+        set_up_expert_groups(model, parallel_state.deepspeed_mpu())
         if args.layout.sharding != "none":
             # FSDP2 first: the optimizer then holds each parameter's 1/DP shard.
             model = shard_model(
