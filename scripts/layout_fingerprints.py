@@ -1,7 +1,7 @@
 """Fingerprint fixed-seed runs over many layouts, to show a refactor changed no number.
 
 Runs `pretrain_gpt.py` of a checkout (`--checkout`, this one by default) for 4 iterations on
-each layout below (TP/SP/PP/VPP/DP/CP/EP/Ulysses/FSDP2/ZeRO on the four engines; a tiny
+each layout below (TP/SP/PP/VPP/DP/CP/EP/Ulysses/FSDP2/ZeRO on the four engines, 21 in all; a tiny
 LLaMA-style model, fp32 or bf16, real GPT-2-tokenized text) and writes, per layout, the logged
 iteration lines (loss, gradient norm, ...) and a SHA-1 of every tensor and number in the
 checkpoint it saves at the end (model, optimizer, RNG state; saved argument namespaces are left
@@ -83,6 +83,21 @@ LAYOUTS: dict[str, tuple[int, str, dict | None]] = {
         "--deepspeed --no-pipeline-parallel --ds-sequence-parallel-size 2",
         {"zero_optimization": {"stage": 1}},
     ),
+    "deepspeed-ulysses-s2-zero3": (
+        2,
+        "--deepspeed --ds-sequence-parallel-size 2",
+        {"zero_optimization": {"stage": 3}},
+    ),
+    "deepspeed-cp2-zero1": (
+        2,
+        "--deepspeed --no-pipeline-parallel --context-parallel-size 2",
+        {"zero_optimization": {"stage": 1}},
+    ),
+    "deepspeed-cp2-zero3": (
+        2,
+        "--deepspeed --context-parallel-size 2",
+        {"zero_optimization": {"stage": 3}},
+    ),
     "deepspeed-moe-ep2": (
         2,
         "--deepspeed --no-pipeline-parallel --num-experts 2 --moe-expert-parallel-size 2",
@@ -121,9 +136,9 @@ def _digest_into(found: dict[str, str], key: str, value: object) -> None:
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().contiguous()
         raw = value.reshape(-1).view(torch.uint8)
-        found[key] = f"{value.dtype} {list(value.shape)} " + hashlib.sha1(
-            raw.numpy().tobytes()
-        ).hexdigest()
+        found[key] = (
+            f"{value.dtype} {list(value.shape)} " + hashlib.sha1(raw.numpy().tobytes()).hexdigest()
+        )
     elif isinstance(value, dict):
         for name, item in value.items():
             if name not in ("args", "ds_config", "ds_version", "saved_args"):
@@ -157,13 +172,16 @@ def checkpoint_digests(save: str) -> dict[str, str]:
     return found
 
 
+_TIMING = ("time", "per second", "TFLOP", "throughput", "ETA")
+"""Words of the log fields that vary from run to run (timings, rates, the ETA)."""
+
+
 def iteration_lines(output: str) -> list[str]:
     """The log's iteration lines with their timing fields dropped."""
     lines = []
     for line in output.splitlines():
         if " iteration " in line and "lm loss" in line:
-            fields = [f for f in line.split("|") if "time" not in f and "per second" not in f
-                      and "TFLOP" not in f and "throughput" not in f and "ETA" not in f]  # fmt: skip
+            fields = [f for f in line.split("|") if not any(word in f for word in _TIMING)]
             lines.append("|".join(field.strip() for field in fields[1:]))
     return lines
 
