@@ -90,6 +90,7 @@ from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.initialize import set_random_seed  # noqa: E402
 from megatron.model import flops_per_token, num_parameters  # noqa: E402
+from megatron.settled_args import with_settled  # noqa: E402
 from megatron.training import setup_model_and_optimizer  # noqa: E402
 from megatron.training.step import StepResult, train_step_deepspeed, train_step_plain  # noqa: E402
 
@@ -210,8 +211,8 @@ def build_setup(
         argv += ["--deepspeed", "--deepspeed_config", path, "--no-pipeline-parallel"]
     with contextlib.redirect_stdout(io.StringIO()):  # the LR-style line, the model-size report
         args = parse_args(argv, world_size=1)
-        args.padded_vocab_size = vocab
-        args.eod_token_id = min(GPT2_EOD, vocab - 1)
+        # What a run learns from its tokenizer, here from the shape.
+        args = with_settled(args, padded_vocab_size=vocab, eod_token_id=min(GPT2_EOD, vocab - 1))
         set_random_seed(seed)  # the same initial weights for all three
         model, _, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, args)
     data = cycle(batches)

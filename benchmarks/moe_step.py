@@ -81,6 +81,7 @@ from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.initialize import set_random_seed  # noqa: E402
 from megatron.model import num_parameters  # noqa: E402
+from megatron.settled_args import with_settled  # noqa: E402
 from megatron.training import setup_model_and_optimizer  # noqa: E402
 from megatron.training.step import train_step_deepspeed  # noqa: E402
 
@@ -190,8 +191,10 @@ def build(setup: Setup, shape: dict, config_path: str, seed: int) -> tuple[Calla
     argv = megatron_flags(setup, shape, config_path, seed)
     with contextlib.redirect_stdout(io.StringIO()):  # the start-up report
         args = parse_args(argv, world_size=RANKS)
-        args.padded_vocab_size = shape["vocab_size"]
-        args.eod_token_id = shape["vocab_size"] - 1
+        # What a run learns from its tokenizer, here from the shape.
+        args = with_settled(
+            args, padded_vocab_size=shape["vocab_size"], eod_token_id=shape["vocab_size"] - 1
+        )
         set_random_seed(seed)
         engine, _, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, args)
     config = ModelConfig.from_args(args)

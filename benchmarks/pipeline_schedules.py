@@ -96,6 +96,7 @@ from megatron.core.pipeline_parallel.layout import bubble_fraction  # noqa: E402
 from megatron.core.pipeline_parallel.schedules import initialize_tied_embedding  # noqa: E402
 from megatron.initialize import set_random_seed  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
+from megatron.settled_args import with_settled  # noqa: E402
 from megatron.training import setup_model_and_optimizer  # noqa: E402
 from megatron.training.engines import PipelineBatch  # noqa: E402
 from megatron.training.megatron_schedules_step import train_step_megatron_schedules  # noqa: E402
@@ -220,8 +221,10 @@ def time_layout(layout: Layout, shape: dict, microbatches: int, settings: dict) 
     argv = megatron_flags(shape, layout, microbatches, settings["seed"])
     with contextlib.redirect_stdout(io.StringIO()):  # the model-size report
         args = parse_args(argv, world_size=layout.processes)
-        args.padded_vocab_size = shape["vocab_size"]
-        args.eod_token_id = shape["vocab_size"] - 1
+        # What a run learns from its tokenizer, here from the shape.
+        args = with_settled(
+            args, padded_vocab_size=shape["vocab_size"], eod_token_id=shape["vocab_size"] - 1
+        )
         set_random_seed(settings["seed"])
         pipeline_batch = PipelineBatch(pretrain_gpt.get_batch_pipe, pretrain_gpt.loss_func)
         trainer, _, _ = setup_model_and_optimizer(

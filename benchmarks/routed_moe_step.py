@@ -89,6 +89,7 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.tensor_parallel import expert_mappings  # noqa: E402
 from megatron.initialize import set_random_seed  # noqa: E402
 from megatron.model import num_parameters  # noqa: E402
+from megatron.settled_args import with_settled  # noqa: E402
 from megatron.training.loop import TrainingLoop  # noqa: E402
 from megatron.training.monitor import Timers  # noqa: E402
 from megatron.training.training import build_engine  # noqa: E402
@@ -199,8 +200,10 @@ def build(setup: Setup, shape: dict, seed: int) -> tuple[TrainingLoop, object, d
     """The setup's training loop (plain engine), its data and its parameter counts."""
     with contextlib.redirect_stdout(io.StringIO()):  # the model-size report
         args = parse_args(megatron_flags(setup, shape, seed), world_size=RANKS)
-        args.padded_vocab_size = shape["vocab_size"]
-        args.eod_token_id = shape["vocab_size"] - 1
+        # What a run learns from its tokenizer, here from the shape.
+        args = with_settled(
+            args, padded_vocab_size=shape["vocab_size"], eod_token_id=shape["vocab_size"] - 1
+        )
         set_random_seed(seed)
         engine = build_engine(pretrain_gpt.model_provider, args, pretrain_gpt.forward_step)
     config = ModelConfig.from_args(args)

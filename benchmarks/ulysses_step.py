@@ -86,6 +86,7 @@ import pretrain_gpt  # noqa: E402
 from megatron.arguments import parse_args  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.initialize import set_random_seed  # noqa: E402
+from megatron.settled_args import with_settled  # noqa: E402
 from megatron.training import setup_model_and_optimizer  # noqa: E402
 from megatron.training.step import train_step_deepspeed  # noqa: E402
 
@@ -154,8 +155,10 @@ def build(size: int, shape: dict, settings: dict) -> tuple:
     argv = megatron_flags(size, shape, settings["config_path"], settings["seed"])
     with contextlib.redirect_stdout(io.StringIO()):  # the start-up report
         args = parse_args(argv, world_size=size)
-        args.padded_vocab_size = shape["vocab_size"]
-        args.eod_token_id = shape["vocab_size"] - 1
+        # What a run learns from its tokenizer, here from the shape.
+        args = with_settled(
+            args, padded_vocab_size=shape["vocab_size"], eod_token_id=shape["vocab_size"] - 1
+        )
         set_random_seed(settings["seed"])
         engine, _, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, args)
     generator = torch.Generator().manual_seed(settings["seed"])

@@ -330,7 +330,8 @@ class ModelConfig:
     """Under a sequence split (DeepSpeed-Ulysses or context parallelism over S ranks), the factor
     on the gradient of each rank's part of the per-token losses: S where the gradient reduction
     averages over the split ranks whose parts must add up (DDP over data x context ranks,
-    ZeRO-3's reduce-scatter); 1 where DeepSpeed sums them (`args.sequence_parallel_loss_scale`)."""
+    ZeRO-3's reduce-scatter); 1 where DeepSpeed sums them (`Engine.sequence_split_gradient_scale`,
+    read off the run's layout)."""
     cp_comm_types: tuple[str, ...] = ("p2p",)
     """Per layer, how context-parallel attention exchanges keys and values (`--cp-comm-type`):
     `p2p` (ring attention), `allgather` (all-gather K/V) or `a2a` (all-to-all, head-split)."""
@@ -458,7 +459,9 @@ class ModelConfig:
                 get("distribute_saved_activations") or get("partition_activations")
             ),
             check_labels=bool(get("check_labels")),
-            sequence_split_gradient_scale=get("sequence_parallel_loss_scale") or 1,
+            sequence_split_gradient_scale=(
+                args.layout.sequence_split_gradient_scale if get("layout") else 1
+            ),
             cp_comm_types=_cp_comm_types(args),
             bias_gelu_fusion=bool(get("bias_gelu_fusion", True)),
             bias_dropout_fusion=bool(get("bias_dropout_fusion", True)),

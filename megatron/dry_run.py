@@ -25,7 +25,7 @@ from megatron.arguments.ds_config import load_deepspeed_config
 from megatron.arguments.v1_flags import OLDER_SPELLINGS
 from megatron.atomic_files import atomic_outputs
 from megatron.planning.devices import Device, find_device
-from megatron.planning.inputs import PlanInputs, PlanningError
+from megatron.planning.inputs import PlanInputs, PlanningError, with_vocabulary
 from megatron.planning.plan import Plan, build_plan, format_plan
 from megatron.planning.suggestions import (
     Change,
@@ -72,6 +72,7 @@ def _device_type(device: Device | None) -> str:
 
 def plan_from_args(args: argparse.Namespace, device: Device | None = None) -> Plan:
     """The plan of validated `args` (on `device`, else this machine's device type)."""
+    args = with_vocabulary(args)  # the tokenizer's sizes, as a run learns them
     inputs = PlanInputs.from_args(args, _device_type(device))
     notes = list(getattr(args, "plan_notes", []))
     if device is None and inputs.device_type == "cpu":

@@ -231,7 +231,6 @@ def initialize_megatron(
             f"the launcher started {dist.get_world_size()} processes but WORLD_SIZE said "
             f"{args.world_size}"
         )
-    args.rank = dist.get_rank()
     layout = args.layout  # the groups come from the settled layout
     parallel_state.initialize_model_parallel(
         layout.tensor_parallel,

@@ -47,6 +47,17 @@ class Engine(enum.Enum):
         """The engine as a user reads it in an error line."""
         return _DESCRIPTIONS[self]
 
+    def sequence_split_gradient_scale(self, split: int, zero_stage: int) -> int:
+        """The factor on the gradient of each rank's part of the per-token losses when `split`
+        ranks share each sequence (context parallelism or DeepSpeed-Ulysses): `split` where
+        this engine's gradient reduction averages over the split ranks, whose parts must add
+        up (DDP and Megatron's schedules over data x context ranks; DeepSpeed's ZeRO-3
+        reduce-scatter over sequence x data ranks), 1 where it sums them (DeepSpeed's ZeRO 0-2
+        over its sequence-data-parallel group)."""
+        if split == 1 or (self.uses_deepspeed and zero_stage != 3):
+            return 1
+        return split
+
 
 _DESCRIPTIONS = {
     Engine.PLAIN: "the plain torch engine (DDP; no --deepspeed)",
@@ -180,6 +191,11 @@ class ParallelLayout:
     def sequence_split(self) -> int:
         """Ranks that split each sample's tokens (context-parallel or Ulysses), else 1."""
         return self.ulysses * self.context_parallel
+
+    @property
+    def sequence_split_gradient_scale(self) -> int:
+        """This run's `Engine.sequence_split_gradient_scale` (`ModelConfig` takes it)."""
+        return self.engine.sequence_split_gradient_scale(self.sequence_split, self.zero_stage)
 
     @property
     def optimizer_sharded_ranks(self) -> int:

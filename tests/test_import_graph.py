@@ -59,6 +59,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "megatron.config",
             "megatron.layout",
+            "megatron.settled_args",
             "megatron.deepspeed_facts",
             "megatron.utils",
             "megatron.atomic_files",

@@ -166,7 +166,7 @@ def _tokenizer(args: argparse.Namespace, saved: dict) -> Tokenizer:
             raise FileNotFoundError(
                 f"{flag} {chosen[name]} does not exist (from the checkpoint's args unless given)"
             )
-    return build_tokenizer(argparse.Namespace(**chosen, rank=1))  # rank 1: no log lines
+    return build_tokenizer(argparse.Namespace(**chosen), verbose=False)
 
 
 def model_config(saved: dict, padded_vocab_size: int, args: argparse.Namespace) -> ModelConfig:

@@ -63,7 +63,11 @@ from megatron.checkpointing.shards import (  # noqa: E402
     save_megatron_checkpoint,
 )
 from megatron.config import ModelConfig, model_params_dtype  # noqa: E402
-from megatron.tokenizer import build_tokenizer, vocab_size_with_padding  # noqa: E402
+from megatron.settled_args import with_settled  # noqa: E402
+from megatron.tokenizer.tokenizer import (  # noqa: E402
+    tokenizer_with_sizes,
+    vocab_size_with_padding,
+)
 from tools.checkpoint import CONVERSION_ERRORS, require_hf_packages  # noqa: E402
 from tools.checkpoint.convert_to_hf import publish, write_folder  # noqa: E402
 from tools.checkpoint.hf_tokenizer import tokenizer_source  # noqa: E402
@@ -157,12 +161,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.to_hf_ckpt and not args.load:
         raise UsageError("--to-hf-ckpt needs --load (the checkpoint to convert)")
     check_output_path(args.save, "--save", is_folder=True)
-    args.rank = 0
     try:
-        build_tokenizer(args)  # sets args.padded_vocab_size, as the fine-tune will
+        _, sizes = tokenizer_with_sizes(args, verbose=True)  # the padding the fine-tune will use
     except ValueError as error:  # a missing or unreadable tokenizer, named by its flag
         raise CheckpointConversionError(str(error)) from None
-    return args
+    return with_settled(args, **sizes)
 
 
 def read_hf_config(folder: str) -> dict:

@@ -3,10 +3,8 @@
 C ranks split every sample's tokens in Megatron's load-balanced layout (the sequence cut
 into 2C chunks, rank r holding chunks r and 2C-1-r), so the sequence must divide by 2C.
 Which engines run it is in `megatron.compatibility`; what else it cannot run with is refused
-here in one line each. It also sets the factor on each rank's part of the loss gradient
-(`args.sequence_parallel_loss_scale`): C where the gradient reduction averages over the
-context ranks whose parts must add up (DDP and Megatron's schedules over data x context
-ranks, ZeRO-3's reduce-scatter), 1 where DeepSpeed's ZeRO 0-2 sums them.
+here in one line each. (The factor on each rank's part of the loss gradient is the engine's:
+`megatron.layout.Engine.sequence_split_gradient_scale`.)
 """
 
 from __future__ import annotations
@@ -14,13 +12,12 @@ from __future__ import annotations
 import argparse
 
 from megatron.arguments.errors import ArgumentError
-from megatron.arguments.ulysses_checks import zero3_sequence_split_scale
-from megatron.layout import Engine
+from megatron.arguments.ulysses_checks import check_zero3_reduce_scatter
 
 
 def settle_context_parallel(args: argparse.Namespace) -> None:
     """Refuse, in one line each, what context parallelism cannot run with (size 1: only the
-    flags that need it), and set `args.sequence_parallel_loss_scale` under it."""
+    flags that need it)."""
     cp = args.context_parallel_size
     comm_types = list(getattr(args, "cp_comm_type", None) or ["p2p"])
     _check_comm_types(args, comm_types)
@@ -44,12 +41,8 @@ def settle_context_parallel(args: argparse.Namespace) -> None:
             f"{flag} with --reset-attention-mask: document masks across the ring are not "
             "built here (context parallelism attends causally over whole sequences)"
         )
-    layout = args.layout
-    if layout.engine.uses_deepspeed:
-        if layout.zero_stage == 3:
-            args.sequence_parallel_loss_scale = zero3_sequence_split_scale(args, flag, cp)
-    elif layout.engine in (Engine.PLAIN, Engine.MEGATRON_SCHEDULES):
-        args.sequence_parallel_loss_scale = cp
+    if args.layout.engine.uses_deepspeed and args.layout.zero_stage == 3:
+        check_zero3_reduce_scatter(args, flag)
 
 
 def _check_comm_types(args: argparse.Namespace, comm_types: list[str]) -> None:

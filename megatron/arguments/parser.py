@@ -34,6 +34,7 @@ from megatron.arguments import (
 from megatron.arguments.errors import ArgumentError
 from megatron.arguments.precision import check_precision_on_this_machine
 from megatron.arguments.validation import validate_args
+from megatron.settled_args import with_settled
 
 __all__ = ["ArgumentError", "build_parser", "parse_args", "typed_flags", "validate_args"]
 
@@ -131,7 +132,8 @@ def parse_args(
         if args.use_checkpoint_args:  # the model's flags from --load, before validation
             notes = checkpoint_args.load_args_from_checkpoint(args, parser, typed)
         args = validate_args(args, world_size, typed)
-        args.compat_notes[:0] = notes  # printed at start-up with the other notes
+        # Printed at start-up with the other notes.
+        args = with_settled(args, compat_notes=notes + args.compat_notes)
         if not args.dry_run:  # a dry run plans for the job's devices, not this machine's
             check_precision_on_this_machine(args)  # the devices, apart from the flags' logic
         return args

@@ -15,10 +15,8 @@ from megatron.arguments.errors import ArgumentError
 
 
 def settle_ulysses(args: argparse.Namespace) -> None:
-    """Refuse, in one line each, what DeepSpeed-Ulysses cannot run with (size 1: nothing), and
-    set `args.sequence_parallel_loss_scale`."""
+    """Refuse, in one line each, what DeepSpeed-Ulysses cannot run with (size 1: nothing)."""
     sp = args.ds_sequence_parallel_size
-    args.sequence_parallel_loss_scale = 1
     if sp == 1:
         return
     flag = f"--ds-sequence-parallel-size {sp}"
@@ -39,16 +37,16 @@ def settle_ulysses(args: argparse.Namespace) -> None:
             "built here (each rank would add its own load-balancing loss)"
         )
     if args.zero_stage == 3:
-        args.sequence_parallel_loss_scale = zero3_sequence_split_scale(args, flag, sp)
+        check_zero3_reduce_scatter(args, flag)
 
 
-def zero3_sequence_split_scale(args: argparse.Namespace, flag: str, size: int) -> int:
+def check_zero3_reduce_scatter(args: argparse.Namespace, flag: str) -> None:
     """ZeRO-3's reduce-scatter averages gradients over all sequence x data ranks, where the
     sequence ranks' parts must add up (ZeRO 1-2 and its own bucketed all-reduce divide by the
     data-parallel size only): the gradient each rank back-propagates from its part of the
-    losses is S times its share (`ModelConfig.sequence_split_gradient_scale`, returned here),
-    so the average is the sum. Its other reduction, without reduce-scatter, would then be S
-    times too large, so it is refused rather than guessed per bucket."""
+    losses is S times its share (`Engine.sequence_split_gradient_scale`), so the average is
+    the sum. Its other reduction, without reduce-scatter, would then be S times too large, so
+    it is refused rather than guessed per bucket."""
     zero = (args.deepspeed_config_dict or {}).get("zero_optimization", {})
     if zero.get("reduce_scatter", True) is False:
         raise ArgumentError(
@@ -56,4 +54,3 @@ def zero3_sequence_split_scale(args: argparse.Namespace, flag: str, size: int) -
             "reduces some gradient buckets by sum and others by average over the sequence "
             "ranks; leave reduce_scatter on (its default)"
         )
-    return size

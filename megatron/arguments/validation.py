@@ -52,6 +52,7 @@ from megatron.compatibility import refusal
 from megatron.config import model_params_dtype
 from megatron.extensions import install_hint
 from megatron.layout import ParallelLayout
+from megatron.settled_args import settle
 from megatron.training.batch_schedule import BatchSizeSchedule
 
 
@@ -559,7 +560,7 @@ def validate_args(
         args.deepspeed_config_notes += set_aside_unused_sections(
             args, args.deepspeed_config_dict, config_source
         )
-    return args
+    return settle(args)  # read-only from here on
 
 
 def batch_arithmetic(args: argparse.Namespace) -> str:

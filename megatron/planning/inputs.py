@@ -24,6 +24,7 @@ from megatron.deepspeed_facts import (
     optimizer_wrapper,
 )
 from megatron.layout import Engine
+from megatron.settled_args import with_settled
 
 # GPT-2's vocabulary size: the plan's vocabulary when the tokenizer's files are not here.
 GPT2_VOCAB_SIZE = 50257
@@ -155,7 +156,7 @@ class PlanInputs:
     @classmethod
     def from_args(cls, args: argparse.Namespace, device_type: str) -> PlanInputs:
         """The plan's view of validated `args` on a machine with `device_type` tensors."""
-        config = ModelConfig.from_args(_with_vocabulary(args))
+        config = ModelConfig.from_args(with_vocabulary(args))
         zero = _zero_settings(args)
         engine = PLANNER_ENGINES[args.layout.engine]
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
@@ -182,8 +183,8 @@ class PlanInputs:
         )
 
 
-def _with_vocabulary(args: argparse.Namespace) -> argparse.Namespace:
-    """`args` with `padded_vocab_size` set, as `build_tokenizer` sets it in a real run.
+def with_vocabulary(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with `padded_vocab_size` added (a new namespace), as a real run adds it.
 
     A dry run needs no files: with the tokenizer's files here (or with NullTokenizer, which
     reads none) the tokenizer is built (as the run would), without them GPT-2's 50,257 tokens
@@ -191,27 +192,26 @@ def _with_vocabulary(args: argparse.Namespace) -> argparse.Namespace:
     """
     if getattr(args, "padded_vocab_size", None):
         return args
-    from megatron.tokenizer.tokenizer import build_tokenizer, vocab_size_with_padding
+    from megatron.tokenizer.tokenizer import tokenizer_with_sizes, vocab_size_with_padding
 
     files = [getattr(args, name, None) for name in ("vocab_file", "tokenizer_model")]
     fileless = getattr(args, "tokenizer_type", None) == "NullTokenizer"
     if fileless or any(path and os.path.exists(path) for path in files):
-        quiet = argparse.Namespace(**{**vars(args), "rank": 1})  # no start-up lines: a plan
-        build_tokenizer(quiet)
-        args.tokenizer_vocab_size = quiet.tokenizer_vocab_size
-        args.padded_vocab_size = quiet.padded_vocab_size
-        return args
-    args.plan_notes = getattr(args, "plan_notes", []) + [
+        _, sizes = tokenizer_with_sizes(args, verbose=False)  # no start-up lines: a plan
+        return with_settled(args, **sizes)
+    note = (
         f"vocabulary: the tokenizer's files are not here; assumed GPT-2's {GPT2_VOCAB_SIZE:,} "
         "tokens"
-    ]
-    args.padded_vocab_size = vocab_size_with_padding(
+    )
+    padded = vocab_size_with_padding(
         GPT2_VOCAB_SIZE,
         getattr(args, "make_vocab_size_divisible_by", 128),
         args.tensor_model_parallel_size,
         verbose=False,
     )
-    return args
+    return with_settled(
+        args, plan_notes=[*getattr(args, "plan_notes", []), note], padded_vocab_size=padded
+    )
 
 
 def _zero_settings(args: argparse.Namespace) -> ZeroSettings:

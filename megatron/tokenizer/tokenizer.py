@@ -183,25 +183,43 @@ def vocab_size_with_padding(
     return padded
 
 
-def build_tokenizer(args: Namespace) -> Tokenizer:
-    """Build the tokenizer named by --tokenizer-type and set `args.padded_vocab_size`.
+def tokenizer_with_sizes(
+    args: Namespace, verbose: bool | None = None
+) -> tuple[Tokenizer, dict[str, int]]:
+    """The tokenizer named by --tokenizer-type, and the vocabulary sizes it gives the run:
+    `tokenizer_vocab_size` (the tokenizer's size: the dataset's token ids must be below it)
+    and `padded_vocab_size` (the embedding's rows). Nothing is set on `args`.
 
     Reads the `TokenizerConfig` fields (`tokenizer_type`, `vocab_file`, `merge_file`,
-    `tokenizer_model`, `vocab_extra_ids`, `vocab_size`, ...), and optionally `rank` (only
-    rank 0 logs), `make_vocab_size_divisible_by` (default 128) and
-    `tensor_model_parallel_size`. Sets `args.tokenizer_vocab_size` (the tokenizer's size) and
-    `args.padded_vocab_size`.
+    `tokenizer_model`, `vocab_extra_ids`, `vocab_size`, ...), and optionally
+    `make_vocab_size_divisible_by` (default 128) and `tensor_model_parallel_size`. `verbose`
+    (default: on rank 0 only, `args.rank` as Megatron's, else torch.distributed's) prints what
+    is built and the padding.
     """
-    verbose = getattr(args, "rank", 0) == 0
+    if verbose is None and getattr(args, "rank", None) is not None:
+        verbose = args.rank == 0  # Megatron's `args.rank`
+    elif verbose is None:
+        import torch.distributed as dist  # here: the data tools tokenize without torch
+
+        verbose = not dist.is_initialized() or dist.get_rank() == 0
     config = TokenizerConfig.from_args(args)
     if verbose:
         print(f"> building {config.tokenizer_type} tokenizer ...", flush=True)
     tokenizer = create_tokenizer(config)
-    args.tokenizer_vocab_size = tokenizer.vocab_size  # the dataset's token ids must be below
-    args.padded_vocab_size = vocab_size_with_padding(
+    padded = vocab_size_with_padding(
         tokenizer.vocab_size,
         getattr(args, "make_vocab_size_divisible_by", 128),
         getattr(args, "tensor_model_parallel_size", 1),
         verbose=verbose,
     )
+    return tokenizer, {"tokenizer_vocab_size": tokenizer.vocab_size, "padded_vocab_size": padded}
+
+
+def build_tokenizer(args: Namespace, verbose: bool | None = None) -> Tokenizer:
+    """Megatron's `build_tokenizer`: `tokenizer_with_sizes`, setting the two sizes on `args`
+    (a namespace of one's own; a validated run's is read-only and takes them with
+    `megatron.settled_args.with_settled`)."""
+    tokenizer, sizes = tokenizer_with_sizes(args, verbose)
+    for name, value in sizes.items():
+        setattr(args, name, value)
     return tokenizer

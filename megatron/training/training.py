@@ -33,7 +33,8 @@ from megatron.dry_run import (
 from megatron.initialize import initialize_megatron
 from megatron.model.fp8 import fp8_report
 from megatron.model.model_size import model_size_report
-from megatron.tokenizer import build_tokenizer
+from megatron.settled_args import with_settled
+from megatron.tokenizer.tokenizer import tokenizer_with_sizes
 from megatron.training.engines import PipelineBatch, TrainingEngine, engine_class
 from megatron.training.failures import collective_failures_reported
 from megatron.training.loop import TrainingLoop
@@ -228,10 +229,13 @@ def convert_loaded_checkpoint(
     optimizer state, scheduler, counters, random generators) in that format to
     `--ckpt-convert-save/FORMAT`, synchronously, then stop. Into torch_dist the layout is the
     saved one; out of torch_dist any layout the command line asks for."""
-    args.ckpt_format = args.ckpt_convert_format
-    args.save = os.path.join(args.ckpt_convert_save, args.ckpt_convert_format)
-    args.async_save = False
-    engine.save(state)
+    args = with_settled(
+        args,
+        ckpt_format=args.ckpt_convert_format,
+        save=os.path.join(args.ckpt_convert_save, args.ckpt_convert_format),
+        async_save=False,
+    )
+    engine.save(state, args)
     print_rank_0(
         f"> converted checkpoint: {args.load} -> {args.ckpt_format} in {args.save} "
         f"(iteration {state.iteration}, optimizer state included)"
@@ -247,9 +251,12 @@ def _set_up_and_train(
     start: float,
 ) -> TrainState:
     """Everything of `pretrain` after initialization."""
-    tokenizer = build_tokenizer(args)  # sets args.padded_vocab_size
-    args.eod_token_id = tokenizer.eod
-    args.true_vocab_size = tokenizer.vocab_size  # saved in checkpoints for the conversion tools
+    tokenizer, sizes = tokenizer_with_sizes(args)
+    # What the run learns from its tokenizer joins the settled flags (a new namespace): the
+    # embedding's padded rows; the true size, saved in checkpoints for the conversion tools.
+    args = with_settled(
+        args, **sizes, eod_token_id=tokenizer.eod, true_vocab_size=tokenizer.vocab_size
+    )
     predicted_peaks = predicted_peak_bytes(args, current_device().type)
     print_rank_0(predicted_peak_line(predicted_peaks))
     # --log-timers-to-tensorboard asks for the timers whatever --timing-log-level says (which

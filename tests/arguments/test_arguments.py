@@ -7,6 +7,7 @@ import pytest
 from megatron.arguments import ArgumentError, build_parser, parse_args, typed_flags, validate_args
 from megatron.arguments.validation import batch_arithmetic, format_arguments
 from megatron.config import ModelConfig
+from megatron.settled_args import with_settled
 
 BASE = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -71,7 +72,7 @@ def test_checkpoint_activations_means_full_uniform_recompute():
         "uniform",
         2,
     )
-    args.padded_vocab_size = 128
+    args = with_settled(args, padded_vocab_size=128)
     config = ModelConfig.from_args(args)
     assert config.recompute_granularity == "full" and config.recompute_num_layers == 2
     assert config.params_dtype == "float32" and config.attention_backend == "sdpa"
@@ -81,7 +82,7 @@ def test_check_labels_flag_reaches_model_config():
     """--check-labels (off by default) becomes ModelConfig.check_labels."""
     for extra, expected in (("", False), ("--check-labels", True)):
         args = validated(extra)
-        args.padded_vocab_size = 128
+        args = with_settled(args, padded_vocab_size=128)
         assert ModelConfig.from_args(args).check_labels is expected
 
 

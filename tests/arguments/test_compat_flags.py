@@ -10,6 +10,7 @@ import pytest
 from megatron.arguments import ArgumentError, build_parser, typed_flags, validate_args
 from megatron.arguments.compat_flags import INERT, REFUSED
 from megatron.config import ModelConfig
+from megatron.settled_args import with_settled
 
 BASE = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -110,7 +111,7 @@ def test_llama_architecture_flags_reach_the_model_config() -> None:
         "--untie-embeddings-and-output-weights --disable-bias-linear "
         "--position-embedding-type rope --rotary-base 500000 --norm-epsilon 1e-6"
     )
-    args.padded_vocab_size = 128
+    args = with_settled(args, padded_vocab_size=128)
     config = ModelConfig.from_args(args)
     assert (config.normalization, config.activation) == ("rmsnorm", "swiglu")
     assert config.num_key_value_heads == 2 and config.untie_embeddings_and_output_weights
@@ -119,7 +120,7 @@ def test_llama_architecture_flags_reach_the_model_config() -> None:
     # Megatron-DeepSpeed's SwiGLU width rule: int(8h / 3 / 64) * 64.
     assert config.ffn_hidden_size == int(4 * args.hidden_size * 2 / 3 / 64) * 64
     nope = validated("--no-position-embedding")
-    nope.padded_vocab_size = 128
+    nope = with_settled(nope, padded_vocab_size=128)
     assert ModelConfig.from_args(nope).position_embedding_type == "none"
 
 
@@ -152,7 +153,7 @@ def test_megatron_spellings_map_onto_ours() -> None:
     assert args.override_lr_scheduler and args.recompute_granularity == "selective"
     assert args.num_layers == 2 and args.apply_query_key_layer_scaling is False
     assert args.distributed_timeout_minutes == 3
-    args.padded_vocab_size = 128  # set from the tokenizer at start-up
+    args = with_settled(args, padded_vocab_size=128)  # set from the tokenizer at start-up
     assert ModelConfig.from_args(args).rotary_base == 500000.0
     args = validated(
         "--use-checkpoint-opt_param-scheduler --checkpoint-activations "

@@ -11,6 +11,7 @@ import pytest
 from megatron.arguments import ArgumentError, build_parser, typed_flags, validate_args
 from megatron.config import ModelConfig
 from megatron.layout import Engine
+from megatron.settled_args import with_settled
 
 BASE = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -28,8 +29,7 @@ def validated(extra: str, world_size: int = 4):
     argv = (BASE + " " + extra).split()
     parser = build_parser()
     args = validate_args(parser.parse_args(argv), world_size, typed_flags(parser, argv))
-    args.padded_vocab_size = 128  # what the tokenizer sets before the model is built
-    return args
+    return with_settled(args, padded_vocab_size=128)  # what the tokenizer adds at start-up
 
 
 def test_data_parallel_size_is_world_over_tp_cp_pp() -> None:
@@ -40,7 +40,7 @@ def test_data_parallel_size_is_world_over_tp_cp_pp() -> None:
     assert layout.describe() == "TP 2 x CP 2 x PP 1 x DP 2, fp32 on plain"
     assert layout.optimizer_sharded_ranks == 4
     # DDP averages over data x context ranks, whose parts of each sequence must add up.
-    assert args.sequence_parallel_loss_scale == 2
+    assert args.layout.sequence_split_gradient_scale == 2
     assert ModelConfig.from_args(args).sequence_split_gradient_scale == 2
 
 
@@ -50,13 +50,13 @@ def test_deepspeed_sums_the_context_ranks_except_zero3(tmp_path, stage, scale) -
         f"{_deepspeed(tmp_path, stage)} --no-pipeline-parallel --context-parallel-size 2"
     )
     assert args.layout.engine is Engine.DEEPSPEED
-    assert args.sequence_parallel_loss_scale == scale
+    assert args.layout.sequence_split_gradient_scale == scale
 
 
 def test_megatron_schedules_run_it() -> None:
     args = validated("--context-parallel-size 2 --pipeline-model-parallel-size 2")
     assert args.layout.engine is Engine.MEGATRON_SCHEDULES
-    assert args.sequence_parallel_loss_scale == 2
+    assert args.layout.sequence_split_gradient_scale == 2
 
 
 def test_comm_type_per_layer() -> None:

@@ -11,6 +11,7 @@ import pytest
 from megatron.arguments import ArgumentError, build_parser, typed_flags, validate_args
 from megatron.config import ModelConfig
 from megatron.layout import Engine
+from megatron.settled_args import with_settled
 
 BASE = (
     "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -32,7 +33,7 @@ def validated(extra: str, world_size: int = 2):
     argv = (BASE + " " + extra).split()
     parser = build_parser()
     args = validate_args(parser.parse_args(argv), world_size, typed_flags(parser, argv))
-    args.padded_vocab_size = 128
+    args = with_settled(args, padded_vocab_size=128)
     return args
 
 

@@ -35,7 +35,7 @@ def test_data_parallel_size_is_world_over_s(tmp_path) -> None:
     assert (args.ds_sequence_parallel_size, args.data_parallel_size) == (2, 2)
     assert args.gradient_accumulation_steps == 2  # 4 = micro 1 x 2 x data-parallel 2
     assert args.deepspeed_config_dict["train_batch_size"] == 4
-    assert args.sequence_parallel_loss_scale == 1
+    assert args.layout.sequence_split_gradient_scale == 1
 
 
 def test_zero3_scales_each_part_by_s(tmp_path) -> None:
@@ -43,7 +43,7 @@ def test_zero3_scales_each_part_by_s(tmp_path) -> None:
         f"{_config(tmp_path, stage=3)} --zero-stage 3 --no-pipeline-parallel "
         "--ds-sequence-parallel-size 4"
     )
-    assert args.sequence_parallel_loss_scale == 4
+    assert args.layout.sequence_split_gradient_scale == 4
 
 
 @pytest.mark.parametrize(

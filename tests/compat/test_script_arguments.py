@@ -86,7 +86,7 @@ def test_script_parses_and_validates_or_is_refused_in_one_line(
         # DeepSpeed-Ulysses over 4 of the 8 ranks: 2 data-parallel replicas of 4 sequence parts;
         # under ZeRO-3 each part's loss is scaled by 4 for DeepSpeed's averaging reduce-scatter.
         assert (args.ds_sequence_parallel_size, args.data_parallel_size) == (4, 2)
-        assert args.sequence_parallel_loss_scale == (4 if args.zero_stage == 3 else 1)
+        assert args.layout.sequence_split_gradient_scale == (4 if args.zero_stage == 3 else 1)
     if name == "MoE__ds_pretrain_gpt_350M_PR-MoE32or64":
         # EP 64 over its 32-expert layers: as DeepSpeed before 0.7 ran the script, they
         # spread over 32 ranks (DeepSpeed 0.7+ would assert num_experts % ep_size == 0).

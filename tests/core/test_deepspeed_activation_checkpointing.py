@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.settled_args import with_settled
 from tests.core.spawn_checks import BODY
 
 SEQ, BATCH, HIDDEN = 16, 2, 64
@@ -37,8 +38,7 @@ def _args(section: dict):
     args = parser.parse_args(FLAGS)
     args.deepspeed_config_dict = {"activation_checkpointing": section}
     args = validate_args(args, dist.get_world_size(), typed_flags(parser, FLAGS))
-    args.padded_vocab_size = 128
-    return args
+    return with_settled(args, padded_vocab_size=128)
 
 
 def _checkpoint_nodes(loss: torch.Tensor) -> list:

@@ -54,6 +54,7 @@ from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
+from megatron.settled_args import with_settled  # noqa: E402
 from megatron.text_generation import generate  # noqa: E402
 from megatron.tokenizer.hf_tokenizer import HFTokenizer  # noqa: E402
 from tests.conftest import REPO_ROOT, TRANSFORMERS_4, run_transformers_4  # noqa: E402
@@ -389,7 +390,7 @@ def test_printed_flags_build_the_imported_model(imported, family):
     flags = imported[family]["flags"]
     run = "--micro-batch-size 2 --train-iters 10 --lr 1e-3".split()
     args = validate_args(build_parser().parse_args(flags + run), 1)
-    args.padded_vocab_size = 1024
+    args = with_settled(args, padded_vocab_size=1024)
     loaded = load_dense_checkpoint(imported[family]["ours"])
     assert fields(ModelConfig.from_args(args)) == fields(model_config(loaded.args))
 

@@ -30,6 +30,7 @@ from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.layout import Engine
 from megatron.model import GPTModel
+from megatron.settled_args import with_settled
 from megatron.training.step import StepResult
 
 NUM_LAYERS = 2
@@ -315,8 +316,8 @@ def build(  # noqa: ANN201
 
     args = parse_args(layout.argv(config_dir, extra), world_size=layout.world_size)
     # What pretrain() takes from the tokenizer.
-    args.padded_vocab_size = vocab_size_with_padding(VOCAB, DIVISIBLE_BY, layout.tp, False)
-    args.eod_token_id = 0
+    padded = vocab_size_with_padding(VOCAB, DIVISIBLE_BY, layout.tp, False)
+    args = with_settled(args, padded_vocab_size=padded, eod_token_id=0)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(layout.tp, layout.pp)
     set_random_seed(args.seed)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron.arguments import ArgumentError, build_parser, typed_flags, validate_args
+from megatron.settled_args import with_settled
 from megatron.training.monitor import IterationStats, format_iteration_log, parse_iteration_log
 from megatron.training.run_hooks import RunHooks
 
@@ -129,7 +130,7 @@ def test_decoupled_lr_gives_the_input_and_output_layers_their_own_peak_and_floor
         "--untie-embeddings-and-output-weights",
         tmp_path,
     )
-    args.padded_vocab_size = 128
+    args = with_settled(args, padded_vocab_size=128)
     model = GPTModel(ModelConfig.from_args(args))
     groups = _param_groups(model, args)
     decoupled = [g for g in groups if g["name"] == "decoupled_lr"]

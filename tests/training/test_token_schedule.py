@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron.checkpointing import TrainState
+from megatron.settled_args import with_settled
 from megatron.training.scheduler import (
     OptimizerParamScheduler,
     SchedulerMismatchError,
@@ -308,7 +309,7 @@ def test_loop_stops_at_train_tokens_and_feeds_the_scheduler(monkeypatch):
         "--lr-warmup-tokens 300 --lr-decay-tokens 2000 --log-interval 1000 --eval-interval 0"
     ).split()
     args = validate_args(build_parser().parse_args(argv), 1)
-    args.padded_vocab_size = 128
+    args = with_settled(args, padded_vocab_size=128)
     scheduler = scheduler_from_args(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()), args)
     engine = SimpleNamespace(scheduler=scheduler)  # the loop's step is replaced below
     loop = TrainingLoop(args, engine, Timers(0), None)

@@ -117,9 +117,10 @@ class TrainingEngine(abc.ABC):
     def checkpoint_target(self) -> CheckpointTarget:
         """What `save_checkpoint` writes and `load_checkpoint` fills."""
 
-    def save(self, state: TrainState) -> None:
-        """Save `state` to `--save` in this engine's layout (a collective)."""
-        save_checkpoint(state, self.checkpoint_target(), self.args)
+    def save(self, state: TrainState, args: argparse.Namespace | None = None) -> None:
+        """Save `state` to `--save` in this engine's layout (a collective); `args`: other
+        settled flags to save by (`--ckpt-convert-format`'s format and directory)."""
+        save_checkpoint(state, self.checkpoint_target(), self.args if args is None else args)
 
     def load(self) -> TrainState:
         """Resume from `--load` when it holds a checkpoint; the state to continue from."""
