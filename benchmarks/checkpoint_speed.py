@@ -17,7 +17,7 @@ two moments: the checkpoint is the weights plus `exp_avg` and `exp_avg_sq` (~1.5
 The two ways of writing and reading the same state, timed in the same run:
 
 - ours: `megatron.checkpointing.save_checkpoint(TrainState(iteration=1), target,
-  scheduler, args)` with `args.deepspeed = False`: the Megatron layout (nested `model` dict,
+  scheduler, args)` with `args.deepspeed` False: the Megatron layout (nested `model` dict,
   `optimizer`, `opt_param_scheduler`, `args`, `rng_state` gathered over the data-parallel
   group, `train_state`), written under `iter_0000001.partial/`, the file fsynced, the staging
   directories fsynced, renamed, the parent fsynced, then the tracker file written atomically.

@@ -5,14 +5,28 @@
 - Every process group and every FSDP2 / torch.distributed.checkpoint mesh is a slice of the one
   device mesh (`parallel_state.get_device_mesh()[name]`): nothing builds a mesh back from a
   group with `DeviceMesh.from_group`.
+- `validate_args` returns the settled run, read-only: no code past megatron/arguments/ assigns
+  an attribute of `args`, and the namespace itself refuses it.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 
+import pytest
+
+from megatron.arguments import parse_args
+from megatron.checkpointing.file_format import plain_args
+from megatron.settled_args import SettledArgs, SettledArgsError, with_settled
 from tests.conftest import REPO_ROOT
+
+FLAGS = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+    "--max-position-embeddings 64 --micro-batch-size 2 --train-iters 2 --lr 1e-3 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 100"
+).split()
 
 
 def _python_files(*folders: str) -> dict[str, str]:
@@ -50,6 +64,47 @@ def test_no_mesh_is_rebuilt_from_a_process_group() -> None:
     assert lines_matching(r"\bfrom_group\(", files) == []
 
 
+def test_no_code_past_validation_assigns_to_args() -> None:
+    """Only megatron/arguments/ (which builds the namespace) assigns `args.name`; a copy made
+    to be saved (`saved_args`) and the tools' own parsers are other namespaces."""
+    files = _python_files("megatron", "tools", "benchmarks")
+    files["pretrain_gpt.py"] = open(os.path.join(REPO_ROOT, "pretrain_gpt.py")).read()
+    files["finetune_llama.py"] = open(os.path.join(REPO_ROOT, "finetune_llama.py")).read()
+    outside = {
+        path: text for path, text in files.items() if not path.startswith("megatron/arguments/")
+    }
+    found = lines_matching(
+        r"(?<![\w.])(self\.)?args\.\w+ *(\+|-|\*)?= |setattr\((self\.)?args,", outside
+    )
+    # The tools' own argparse namespaces, before any validation.
+    allowed = (
+        "tools/preprocess_data.py:",
+        "tools/files_to_jsonl.py:",
+        "benchmarks/fp8_throughput.py:",
+        "megatron/tokenizer/tokenizer.py:",
+    )  # Megatron's build_tokenizer(args) API
+    assert [line for line in found if not line.startswith(allowed)] == []
+
+
+def test_the_settled_args_refuse_every_change() -> None:
+    """parse_args returns a read-only namespace; with_settled makes a new one, the old one
+    unchanged; pickling and the checkpoint's plain copy still work."""
+    args = parse_args(FLAGS)
+    assert isinstance(args, SettledArgs)
+    with pytest.raises(SettledArgsError, match=r"args\.lr cannot be set after validate_args"):
+        args.lr = 1.0
+    with pytest.raises(SettledArgsError, match=r"args\.new_name cannot be set"):
+        args.new_name = 1
+    with pytest.raises(SettledArgsError, match=r"args\.lr cannot be deleted"):
+        del args.lr
+    assert args.lr == 1e-3
+    later = with_settled(args, padded_vocab_size=128, lr=2e-3)
+    assert isinstance(later, SettledArgs) and later.lr == 2e-3 and later.padded_vocab_size == 128
+    assert args.lr == 1e-3 and not hasattr(args, "padded_vocab_size")
+    assert vars(pickle.loads(pickle.dumps(later))) == vars(later)
+    assert type(plain_args(later)).__name__ == "Namespace"  # what checkpoints save
+
+
 def test_the_searches_find_what_they_look_for() -> None:
     """The searches above are not vacuous: they see a planted line, and the files exist."""
     planted = {"megatron/model/x.py": "a = 1\nsize = parallel_state.get_x()\n"}
@@ -59,3 +114,5 @@ def test_the_searches_find_what_they_look_for() -> None:
     model = _python_files("megatron/model")
     assert "megatron/model/gpt_model.py" in model and len(model) > 10
     assert lines_matching(r"get_device_mesh\(\)\[", _python_files("megatron"))
+    planted = {"megatron/training/x.py": "    self.args.lr = 1\n    args.save += 'x'\n"}
+    assert len(lines_matching(r"(?<![\w.])(self\.)?args\.\w+ *(\+|-|\*)?= ", planted)) == 2
