@@ -33,7 +33,8 @@ class _InFlight:
 
 
 class AsyncSaves:
-    """The one torch_dist save this process has in flight, if any."""
+    """The one torch_dist save a run has in flight, if any: each engine holds one
+    (`TrainingEngine.background_saves`, handed to the saves in its `CheckpointTarget`)."""
 
     def __init__(self) -> None:
         self._in_flight: _InFlight | None = None
@@ -87,7 +88,3 @@ class AsyncSaves:
             f"  successfully saved checkpoint at iteration {in_flight.iteration:7d} "
             f"(written in the background in {time.time() - in_flight.started:.1f}s)"
         )
-
-
-ASYNC_SAVES = AsyncSaves()
-"""This process's background saves (one process, one run)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron.atomic_files import atomic_outputs
 from megatron.checkpointing import commit as checkpoint_commit
-from megatron.checkpointing.async_save import ASYNC_SAVES
+from megatron.checkpointing.async_save import AsyncSaves
 from megatron.checkpointing.checks import (
     RESHARD_TOOL,
     CheckpointError,
@@ -149,6 +149,9 @@ class CheckpointTarget:
     """The module is DeepSpeed's `PipelineModule` (`GPTModelPipe` parameter names)."""
     engine_name: str = "plain"
     """Saved in the checkpoint's args (`engine`), e.g. for the optimizer-partition check."""
+    background_saves: AsyncSaves = field(default_factory=AsyncSaves)
+    """The run's `--async-save` save in flight (the engine's, the same for every target it
+    describes), committed before the next save starts."""
 
 
 def _client_state(
@@ -247,10 +250,11 @@ def _save_dist_files(state, target: CheckpointTarget, args: argparse.Namespace) 
             common["loss_scaler"] = scaler
     from torch.distributed.checkpoint.api import CheckpointException
 
-    ASYNC_SAVES.finish()  # at most one save in flight: the previous one is committed first
+    saves = target.background_saves
+    saves.finish()  # at most one save in flight: the previous one is committed first
     final = checkpoint_directory(args.save, state.iteration)
     staging = checkpoint_commit.begin(final, previous_checkpoint(args.save))
-    background = ASYNC_SAVES.background() if getattr(args, "async_save", False) else None
+    background = saves.background() if getattr(args, "async_save", False) else None
     failure = None
     try:
         future = save_dist_checkpoint(
@@ -263,7 +267,7 @@ def _save_dist_files(state, target: CheckpointTarget, args: argparse.Namespace) 
             background=background,
         )
         if future is not None:
-            ASYNC_SAVES.started(future, final, state.iteration)
+            saves.started(future, final, state.iteration)
             return False
     except OSError as error:
         failure = describe_failure(error, args.save, tree_bytes(staging))

@@ -33,6 +33,7 @@ from megatron.core.tensor_parallel.cross_entropy import check_labels_in_vocabula
 from megatron.core.tensor_parallel.mappings import gather_sequence_parts
 from megatron.model.embedding import Embedding
 from megatron.model.inference_params import InferenceParams
+from megatron.model.moe_aux_loss import AuxLossTracker
 from megatron.model.transformer import ParallelTransformer
 from megatron.model.utils import init_method_normal
 
@@ -52,10 +53,12 @@ def output_layer(config: ModelConfig) -> ColumnParallelLinear:
 class TransformerLanguageModel(nn.Module):
     """`embedding` + `encoder` (the layer stack and its final norm) [+ `output_layer`]."""
 
-    def __init__(self, config: ModelConfig, groups: ModelGroups) -> None:
+    def __init__(
+        self, config: ModelConfig, groups: ModelGroups, moe_losses: AuxLossTracker
+    ) -> None:
         super().__init__()
         self.embedding = Embedding(config, groups)
-        self.encoder = ParallelTransformer(config, groups)
+        self.encoder = ParallelTransformer(config, groups, moe_losses)
         if config.untie_embeddings_and_output_weights:
             self.output_layer = output_layer(config)
 
@@ -125,11 +128,13 @@ class GPTModel(nn.Module):
 
     def __init__(self, config: ModelConfig, groups: ModelGroups | None = None) -> None:
         """`groups`: the process groups this rank's layers communicate over (default: this
-        rank's, sliced from the run's device mesh; one process's outside torch.distributed)."""
+        rank's, sliced from the run's device mesh; one process's outside torch.distributed).
+        The model makes its own MoE loss tracker (`moe_losses`, read by the steps)."""
         super().__init__()
         self.config = config
         self.groups = this_rank_groups() if groups is None else groups
-        self.language_model = TransformerLanguageModel(config, self.groups)
+        self.moe_losses = AuxLossTracker()
+        self.language_model = TransformerLanguageModel(config, self.groups, self.moe_losses)
 
     def word_embeddings_weight(self) -> torch.Tensor:
         """The (vocab-split) embedding matrix."""

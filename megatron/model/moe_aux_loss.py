@@ -13,12 +13,14 @@ before its backward (1 / accumulated micro-batches, the fp16 loss scale, ...). W
 holds the loss it backpropagates (plain torch, DeepSpeed's engine), `scale_aux_losses_like`
 reads it off that loss's own gradient, so it is exact whatever DeepSpeed's optimizer scales
 by; under Megatron's pipeline schedules, whose earlier stages never see the loss, the step sets
-it once per step (`MoEAuxLossAutoScaler.set_loss_scale`), as Megatron's schedules do.
+it once per step (`AuxLossTracker.set_backward_scale`), as Megatron's schedules do.
 
-The logged value goes through `MOE_AUX_LOSSES`, one `AuxLossTracker` per process, as Megatron
-core logs its aux losses through a process-wide tracker: the model's outputs stay the
-per-token losses (what pipeline stages send and the forward-step contract returns), and the
-step reads one sum per step instead of scanning layers for state.
+The logged value and that scale belong to the run, not the process: one `AuxLossTracker` per
+model, made with it (`GPTModel`, a rank's pipeline chunks, `GPTModelPipe`) and handed to its
+layers at construction; the steps find it with `moe_losses_of(model)`. The model's outputs stay
+the per-token losses (what pipeline stages send and the forward-step contract returns), and
+the step reads one sum per step instead of scanning layers for state. (Megatron core keeps the
+same tracker process-wide; two models in one process here keep theirs apart.)
 """
 
 from __future__ import annotations
@@ -35,33 +37,27 @@ PER_LAYER_PREFIX = "moe/"
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """Returns the output unchanged; the backward gives `aux_loss` the main loss's gradient."""
-
-    main_loss_backward_scale: torch.Tensor | float = 1.0
-    """The gradient the main loss gets in the current backward (see the module docstring)."""
+    """Returns the output unchanged; the backward gives `aux_loss` the main loss's gradient,
+    as `tracker` (the model's `AuxLossTracker`) holds it then."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, tracker) -> torch.Tensor:  # noqa: ANN001
         """`output` itself; `aux_loss` is kept for the backward."""
         ctx.save_for_backward(aux_loss)
+        ctx.tracker = tracker
         return output
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # noqa: ANN001
         """`grad_output` unchanged, and the main loss's backward scale for `aux_loss`."""
         (aux_loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        return grad_output, torch.ones_like(aux_loss) * scale
-
-    @staticmethod
-    def set_loss_scale(scale: torch.Tensor | float) -> None:
-        """Set the gradient the aux losses get in the backward passes that follow."""
-        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+        return grad_output, torch.ones_like(aux_loss) * ctx.tracker.backward_scale, None
 
 
-def scale_aux_losses_like(loss: torch.Tensor, factor: float = 1.0) -> None:
+def scale_aux_losses_like(loss: torch.Tensor, tracker: AuxLossTracker, factor: float = 1.0) -> None:
     """Give the aux losses of the forward behind `loss` the gradient `loss` gets in its backward
-    (times `factor`: per-token loss backpropagates a sum, `megatron.training.token_loss`).
+    (times `factor`: per-token loss backpropagates a sum, `megatron.training.token_loss`);
+    `tracker` is the model's (`moe_losses_of`).
 
     A hook on `loss` records its gradient when the backward reaches it, which is before any
     layer's `MoEAuxLossAutoScaler` runs (they lie upstream of the loss), so the aux losses get
@@ -70,7 +66,7 @@ def scale_aux_losses_like(loss: torch.Tensor, factor: float = 1.0) -> None:
 
     def take_scale(grad: torch.Tensor) -> None:
         # A copy: the hook's tensor belongs to autograd.
-        MoEAuxLossAutoScaler.set_loss_scale(grad.detach() * factor)
+        tracker.set_backward_scale(grad.detach() * factor)
 
     if loss.requires_grad:
         loss.register_hook(take_scale)
@@ -93,11 +89,17 @@ class AuxLossTracker:
     """
 
     def __init__(self) -> None:
+        self.backward_scale: torch.Tensor | float = 1.0
+        """The gradient the main loss gets in the current backward (the module docstring)."""
         self._total: torch.Tensor | None = None
         self._open = False
         self._forward: list[torch.Tensor] | None = None
         self._metrics: dict[tuple[str, int], torch.Tensor] = {}
         self._layers = (1, False)  # the model's MoE layers, per-layer logging
+
+    def set_backward_scale(self, scale: torch.Tensor | float) -> None:
+        """Set the gradient the aux losses get in the backward passes that follow."""
+        self.backward_scale = scale
 
     def start(self) -> None:
         """Begin a step: forget any earlier total and sum the forwards from now on."""
@@ -144,12 +146,21 @@ class AuxLossTracker:
         return reported
 
 
-MOE_AUX_LOSSES = AuxLossTracker()
-"""This process's tracker: the MoE layers fill it, the training and evaluation steps read it."""
-
-
-def attach_aux_loss(output: torch.Tensor, loss: torch.Tensor, coeff: float) -> torch.Tensor:
+def attach_aux_loss(
+    output: torch.Tensor, loss: torch.Tensor, coeff: float, tracker: AuxLossTracker
+) -> torch.Tensor:
     """`output` of an MoE layer carrying `coeff x loss` into the backward; `loss` is recorded
-    for the log line."""
-    MOE_AUX_LOSSES.record(loss)
-    return MoEAuxLossAutoScaler.apply(output, loss * coeff)
+    in the model's `tracker` for the log line."""
+    tracker.record(loss)
+    return MoEAuxLossAutoScaler.apply(output, loss * coeff, tracker)
+
+
+def moe_losses_of(model: torch.nn.Module) -> AuxLossTracker:
+    """The tracker `model`'s layers record into (through any wrapper: DDP, FSDP2, DeepSpeed's
+    engine, a rank's list of pipeline chunks, which share one); a new, empty one for a model
+    without transformer layers."""
+    for module in model.modules():
+        tracker = getattr(module, "moe_losses", None)
+        if isinstance(tracker, AuxLossTracker):
+            return tracker
+    return AuxLossTracker()

@@ -36,6 +36,7 @@ from megatron.core.tensor_parallel.expert_mappings import (
     reduce_scatter_to_expert_parallel_region,
 )
 from megatron.model.mlp import ParallelMLP
+from megatron.model.moe_aux_loss import AuxLossTracker
 from megatron.model.moe_experts import GroupedExperts
 from megatron.model.moe_router import TopKRouter
 
@@ -46,7 +47,13 @@ EXPERT_GROUP_NAME = "expert_model_parallel"
 class RoutedMoE(nn.Module):
     """[s, b, h] -> ([s, b, h], None): routed experts (plus the shared expert, if any)."""
 
-    def __init__(self, config: ModelConfig, layer_number: int, groups: ModelGroups) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_number: int,
+        groups: ModelGroups,
+        moe_losses: AuxLossTracker,
+    ) -> None:
         super().__init__()
         moe = config.routed_moe
         assert moe is not None
@@ -60,7 +67,7 @@ class RoutedMoE(nn.Module):
         self.num_local_experts = moe.num_experts // ep
         self.first_expert = groups.expert.rank * self.num_local_experts
         self.dispatcher = moe.dispatcher
-        self.router = TopKRouter(config, layer_number)
+        self.router = TopKRouter(config, layer_number, moe_losses)
         self.experts = GroupedExperts(config, self.num_local_experts, self.first_expert)
         if ep > 1:  # each rank holds other experts: DeepSpeed's mark, read by the grad norm
             for param in self.experts.parameters():

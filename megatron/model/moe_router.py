@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig, RoutedMoEConfig
-from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, attach_aux_loss
+from megatron.model.moe_aux_loss import AuxLossTracker, attach_aux_loss
 from megatron.model.utils import init_method_normal
 
 ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
@@ -31,13 +31,14 @@ LOGGED_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_bal
 class TopKRouter(nn.Module):
     """hidden [T, h] -> (routing weights [T, E], routing map [T, E] bool), E = all experts."""
 
-    def __init__(self, config: ModelConfig, layer_number: int = 1) -> None:
+    def __init__(self, config: ModelConfig, layer_number: int, moe_losses: AuxLossTracker) -> None:
         super().__init__()
         moe = config.routed_moe
         assert moe is not None
         self.moe: RoutedMoEConfig = moe
         self.layer_number = layer_number
         """The layer's number in the model (from 1), for the logged losses."""
+        self.moe_losses = moe_losses  # the model's tracker (megatron.model.moe_aux_loss)
         self.weight = nn.Parameter(
             torch.empty(moe.num_experts, config.hidden_size, dtype=config.torch_dtype)
         )
@@ -55,17 +56,17 @@ class TopKRouter(nn.Module):
         training = self.training and torch.is_grad_enabled()
         if training and self.moe.z_loss_coeff:
             z_loss = torch.logsumexp(logits.float(), dim=-1).square().mean()
-            MOE_AUX_LOSSES.record_metric("z_loss", self.layer_number, z_loss)
-            logits = attach_aux_loss(logits, z_loss * self.moe.z_loss_coeff, 1.0)
+            self.moe_losses.record_metric("z_loss", self.layer_number, z_loss)
+            logits = attach_aux_loss(logits, z_loss * self.moe.z_loss_coeff, 1.0, self.moe_losses)
         probs, routing_map = topk_routing(logits, self.moe, self.expert_bias)
         if self.moe.capacity_factor is not None:
             probs, routing_map = drop_over_capacity(probs, routing_map, self.moe)
         if training and self.moe.load_balancing != "none" and self.moe.aux_loss_coeff > 0:
             loss = load_balancing_loss(logits, self.moe, seq_length)
-            MOE_AUX_LOSSES.record_metric(
+            self.moe_losses.record_metric(
                 LOGGED_NAMES[self.moe.load_balancing], self.layer_number, loss
             )
-            probs = attach_aux_loss(probs, loss * self.moe.aux_loss_coeff, 1.0)
+            probs = attach_aux_loss(probs, loss * self.moe.aux_loss_coeff, 1.0, self.moe_losses)
         if training and self.expert_bias is not None:
             self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs, routing_map

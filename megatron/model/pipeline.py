@@ -33,6 +33,7 @@ from megatron.model.gpt_model import (
     loss_from_logits,
     output_layer,
 )
+from megatron.model.moe_aux_loss import AuxLossTracker
 from megatron.model.transformer import ParallelTransformerLayer
 from megatron.model.utils import LayerNorm, RMSNorm
 
@@ -70,8 +71,14 @@ class ParallelTransformerLayerPipe(ParallelTransformerLayer):
     The class name is the one DeepSpeed's `GPTModelPipe` recompute rule looks for.
     """
 
-    def __init__(self, config: ModelConfig, layer_number: int, groups: ModelGroups) -> None:
-        super().__init__(config, layer_number, groups)
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_number: int,
+        groups: ModelGroups,
+        moe_losses: AuxLossTracker,
+    ) -> None:
+        super().__init__(config, layer_number, groups, moe_losses)
         self.window = config.window_size
 
     def forward(
@@ -150,6 +157,7 @@ class GPTModelPipe(PipelineModule):
         groups: ModelGroups | None = None,
     ) -> None:
         groups = this_rank_groups() if groups is None else groups
+        moe_losses = AuxLossTracker()  # this stage's layers' (read as self.moe_losses)
         # DeepSpeed records the tied attribute from the first spec with the key.
         tied = "word_embeddings.weight"
         untied = config.untie_embeddings_and_output_weights
@@ -160,7 +168,7 @@ class GPTModelPipe(PipelineModule):
         )
         specs = [embedding]
         specs += [
-            LayerSpec(ParallelTransformerLayerPipe, config, number, groups)
+            LayerSpec(ParallelTransformerLayerPipe, config, number, groups, moe_losses)
             for number in range(1, config.num_layers + 1)
         ]
         norm = RMSNormPipe if config.normalization == "rmsnorm" else LayerNormPipe
@@ -196,6 +204,7 @@ class GPTModelPipe(PipelineModule):
             ),
         )
         self.groups = groups
+        self.moe_losses = moe_losses
 
     def _synchronize_tied_weights(self) -> None:
         """DeepSpeed's broadcast of the tied embedding weight, outside autograd.

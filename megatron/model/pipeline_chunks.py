@@ -34,6 +34,7 @@ from megatron.model.gpt_model import (
     loss_from_logits,
     output_layer,
 )
+from megatron.model.moe_aux_loss import AuxLossTracker
 from megatron.model.transformer import ParallelTransformer
 from megatron.model.utils import init_method_normal
 
@@ -44,13 +45,19 @@ class _ChunkLanguageModel(nn.Module):
     """`embedding` (first stage), `encoder` (its layers [+ final norm]), `output_layer`."""
 
     def __init__(
-        self, config: ModelConfig, groups: ModelGroups, layers: range, first: bool, last: bool
+        self,
+        config: ModelConfig,
+        groups: ModelGroups,
+        moe_losses: AuxLossTracker,
+        layers: range,
+        first: bool,
+        last: bool,
     ) -> None:
         super().__init__()
         if first:
             self.embedding = Embedding(config, groups)
         self.encoder = ParallelTransformer(
-            config, groups, layer_numbers=layers, post_layer_norm=last
+            config, groups, moe_losses, layer_numbers=layers, post_layer_norm=last
         )
         if last and config.untie_embeddings_and_output_weights:
             self.output_layer = output_layer(config)
@@ -66,15 +73,18 @@ class GPTPipelineChunk(nn.Module):
         num_stages: int,
         layers: range,
         groups: ModelGroups | None = None,
+        moe_losses: AuxLossTracker | None = None,
     ) -> None:
-        """`groups`: as `GPTModel`'s (default: this rank's, from the run's device mesh)."""
+        """`groups`: as `GPTModel`'s (default: this rank's, from the run's device mesh);
+        `moe_losses`: the tracker a rank's chunks share (default: the chunk's own)."""
         super().__init__()
         self.config = config
         self.groups = this_rank_groups() if groups is None else groups
+        self.moe_losses = AuxLossTracker() if moe_losses is None else moe_losses
         self.stage, self.num_stages = stage, num_stages
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.language_model = _ChunkLanguageModel(
-            config, self.groups, layers, self.is_first, self.is_last
+            config, self.groups, self.moe_losses, layers, self.is_first, self.is_last
         )
         tied = not config.untie_embeddings_and_output_weights
         if self.is_last and tied and not self.is_first:
@@ -148,9 +158,12 @@ def build_pipeline_chunks(
     """This pipeline rank's model chunks, in schedule order (chunk c is stage c x PP + rank);
     `groups` as `GPTModel`'s."""
     groups = this_rank_groups() if groups is None else groups
+    moe_losses = AuxLossTracker()  # one per rank: its step reads the chunks' sum once
     chunks = nn.ModuleList()
     for chunk in range(virtual_size):
         layers = chunk_layer_numbers(config.num_layers, pp_size, virtual_size, pp_rank, chunk)
         stage = stage_index(pp_rank, chunk, pp_size)
-        chunks.append(GPTPipelineChunk(config, stage, pp_size * virtual_size, layers, groups))
+        chunks.append(
+            GPTPipelineChunk(config, stage, pp_size * virtual_size, layers, groups, moe_losses)
+        )
     return chunks

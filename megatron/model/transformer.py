@@ -49,7 +49,7 @@ from megatron.model.inference_params import InferenceParams
 from megatron.model.mlp import ParallelMLP, linear_kwargs
 from megatron.model.model_size import runs_in_fp8
 from megatron.model.moe import build_moe_mlp
-from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, attach_aux_loss
+from megatron.model.moe_aux_loss import AuxLossTracker, attach_aux_loss
 from megatron.model.moe_layer import RoutedMoE
 from megatron.model.utils import (
     build_norm,
@@ -221,9 +221,16 @@ class ParallelTransformerLayer(nn.Module):
     so N layers compile once. Generation with a key/value cache stays eager.
     """
 
-    def __init__(self, config: ModelConfig, layer_number: int, groups: ModelGroups) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_number: int,
+        groups: ModelGroups,
+        moe_losses: AuxLossTracker,
+    ) -> None:
         super().__init__()
         self.layer_number = layer_number
+        self.moe_losses = moe_losses  # the model's tracker (megatron.model.moe_aux_loss)
         self.hidden_dropout = config.hidden_dropout
         self.sequence_split = sequence_is_split(config, groups)
         self.bias_dropout_fusion = config.bias_dropout_fusion
@@ -240,7 +247,7 @@ class ParallelTransformerLayer(nn.Module):
         if self.is_moe:
             self.mlp = build_moe_mlp(config, experts)
         elif self.is_routed_moe:
-            self.mlp = RoutedMoE(config, layer_number, groups)
+            self.mlp = RoutedMoE(config, layer_number, groups, moe_losses)
         else:
             self.mlp = ParallelMLP(config)
         self.moe_loss_coeff = config.moe.loss_coeff if self.is_moe else 0.0
@@ -292,7 +299,7 @@ class ParallelTransformerLayer(nn.Module):
             # DeepSpeed's MoE: (output with the experts' biases in it, gate loss, counts). The
             # weighted gate loss reaches the backward through the output (moe_aux_loss.py).
             mlp_out, balancing, _ = self.mlp(self.post_attention_layernorm(hidden))
-            mlp_out = attach_aux_loss(mlp_out, balancing, self.moe_loss_coeff)
+            mlp_out = attach_aux_loss(mlp_out, balancing, self.moe_loss_coeff, self.moe_losses)
             mlp_bias = None
         else:
             mlp_out, mlp_bias = self.mlp(self.post_attention_layernorm(hidden))
@@ -312,13 +319,18 @@ class ParallelTransformer(nn.Module):
         self,
         config: ModelConfig,
         groups: ModelGroups,
+        moe_losses: AuxLossTracker,
         layer_numbers: range | None = None,
         post_layer_norm: bool = True,
     ) -> None:
+        """`groups`: the model's process groups; `moe_losses`: its MoE loss tracker."""
         super().__init__()
         self.config = config
+        self.moe_losses = moe_losses
         numbers = layer_numbers or range(1, config.num_layers + 1)
-        self.layers = nn.ModuleList(ParallelTransformerLayer(config, n, groups) for n in numbers)
+        self.layers = nn.ModuleList(
+            ParallelTransformerLayer(config, n, groups, moe_losses) for n in numbers
+        )
         if post_layer_norm:
             self.final_layernorm = build_norm(config)
         self.has_moe = any(layer.is_moe or layer.is_routed_moe for layer in self.layers)
@@ -365,7 +377,7 @@ class ParallelTransformer(nn.Module):
         # recomputation in the backward, which runs outside this scope).
         scope = None
         if self.has_moe:
-            scope = MOE_AUX_LOSSES.forward(self.moe_loss_coeff, *self.moe_metrics)
+            scope = self.moe_losses.forward(self.moe_loss_coeff, *self.moe_metrics)
         if inference_params is None:  # generation applies the window itself
             attention_mask = layer_attention_mask(attention_mask, self.config.window_size)
         with scope or contextlib.nullcontext():

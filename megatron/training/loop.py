@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import TrainState
-from megatron.checkpointing.async_save import ASYNC_SAVES
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.model.model_size import flops_per_token
@@ -216,12 +215,13 @@ class TrainingLoop:
                 self._save(state)
                 saved_at = state.iteration
             elif getattr(args, "async_save", False):
-                ASYNC_SAVES.poll()  # commit a background save once every rank has written it
+                # Commit a background save once every rank has written it.
+                self.engine.background_saves.poll()
             if self._should_exit(state):
                 break
         if args.save and saved_at != state.iteration:
             self._save(state)
-        ASYNC_SAVES.finish()  # the last save is committed before the run ends
+        self.engine.background_saves.finish()  # committed before the run ends
 
     def _report_memory(self, iteration: int) -> None:
         """Megatron's memory line from every data-parallel rank 0 (one per TP x PP rank, as

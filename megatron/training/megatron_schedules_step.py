@@ -28,7 +28,7 @@ from megatron.core.pipeline_parallel.schedules import (
     sync_tied_embedding_grads,
 )
 from megatron.core.tensor_parallel.mappings import sum_over_pipeline
-from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, MOE_LOSS, MoEAuxLossAutoScaler
+from megatron.model.moe_aux_loss import MOE_LOSS, moe_losses_of
 from megatron.training.monitor import Timers
 from megatron.training.optimizer import is_expert_param
 from megatron.training.step import (
@@ -105,7 +105,7 @@ def _global_batch(data_iterator: Iterator, trainer: PipelineTrainer, microbatche
 def _moe_loss_over_stages(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
     """This step's 'moe loss' (and Megatron-LM's named MoE losses) of every stage's MoE layers,
     summed over the stages; {} for a dense model. A collective of the pipeline group."""
-    stage = MOE_AUX_LOSSES.pop()
+    stage = moe_losses_of(trainer.model).pop()
     if trainer.model[0].config.moe is None and trainer.model[0].config.routed_moe is None:
         return {}
     # A stage may hold no MoE layer (--expert-interval, --moe-layer-freq): it adds nothing.
@@ -151,8 +151,9 @@ def train_step_megatron_schedules(
     # micro-batches afterwards): every stage's MoE losses get the same (per-token loss: times
     # a micro-batch's tokens, which the division by the step's tokens cancels).
     per_token = trainer.loss.per_token
-    MoEAuxLossAutoScaler.set_loss_scale(scale * (aux_loss_factor(args) if per_token else 1.0))
-    MOE_AUX_LOSSES.start()
+    moe_losses = moe_losses_of(trainer.model)
+    moe_losses.set_backward_scale(scale * (aux_loss_factor(args) if per_token else 1.0))
+    moe_losses.start()
     with trainer.autocast():
         trainer.loss.run(trainer.runner, microbatches, batch, train=True)
     timers("forward-backward").stop()
@@ -196,7 +197,7 @@ def evaluate_megatron_schedules(
     microbatches = trainer.gradient_accumulation_steps
     trainer.loss.scale = 1.0
     trainer.loss.reported = []
-    MOE_AUX_LOSSES.start()
+    moe_losses_of(trainer.model).start()
     trainer.model.eval()
     try:
         for _ in range(eval_iters):

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import sum_sharded_sequence_parallel_grads
-from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, scale_aux_losses_like
+from megatron.model.moe_aux_loss import moe_losses_of, scale_aux_losses_like
 from megatron.model.moe_layer import finish_moe_backward, update_expert_biases
 from megatron.training.monitor import Timers
 from megatron.training.token_loss import (
@@ -135,11 +135,13 @@ def train_step_deepspeed(
     sums: dict[str, torch.Tensor] = {}
     micro_batches = engine.gradient_accumulation_steps()
     forward_backward.start()
-    MOE_AUX_LOSSES.start()
+    moe_losses = moe_losses_of(engine.module)
+    moe_losses.start()
     for index in range(micro_batches):
         output, loss_func = forward_step_func(data_iterator, engine, args)
         loss, _, reported = split_loss_outputs(loss_func(output), per_token=False)
-        scale_aux_losses_like(loss)  # the MoE losses get what DeepSpeed scales `loss` by
+        # The MoE losses get what DeepSpeed scales `loss` by.
+        scale_aux_losses_like(loss, moe_losses)
         engine.backward(loss)  # scales by 1/accumulation steps itself
         if index == micro_batches - 1:  # the boundary: this engine.step updates the weights
             forward_backward.stop()
@@ -151,7 +153,7 @@ def train_step_deepspeed(
         engine.step(lr_kwargs={"increment": increment})
         accumulate_reported(sums, reported)
     optimizer_step.stop()
-    accumulate_reported(sums, MOE_AUX_LOSSES.pop())
+    accumulate_reported(sums, moe_losses.pop())
     losses = average_over_data_parallel(sums, micro_batches)
     return StepResult(
         losses=losses,
@@ -234,17 +236,18 @@ def train_step_plain(
     divisor = 1 if per_token else micro_batches
     tokens = TokenCount()
     timers("forward-backward", 1).start()
-    MOE_AUX_LOSSES.start()
+    moe_losses = moe_losses_of(trainer.model)
+    moe_losses.start()
     for index in range(micro_batches):
         with trainer.no_sync(index == micro_batches - 1):
             with trainer.autocast():
                 output, loss_func = forward_step_func(data_iterator, trainer.model, args)
                 loss, num_tokens, reported = split_loss_outputs(loss_func(output), per_token)
-            scale_aux_losses_like(loss, aux_loss_factor(args) if per_token else 1.0)
+            scale_aux_losses_like(loss, moe_losses, aux_loss_factor(args) if per_token else 1.0)
             (loss.float() * (scale / divisor)).backward()
         tokens.add(num_tokens)
         accumulate_reported(sums, reported)
-    accumulate_reported(sums, MOE_AUX_LOSSES.pop())
+    accumulate_reported(sums, moe_losses.pop())
     timers("forward-backward").stop()
     timers("optimizer", 1).start()
     params = [param for group in trainer.optimizer.param_groups for param in group["params"]]
@@ -310,13 +313,14 @@ def evaluate_forward_steps(
     the data-parallel ranks (the plain engine's and DeepSpeed's evaluation)."""
     module.eval()
     sums: dict[str, torch.Tensor] = {}
-    MOE_AUX_LOSSES.start()
+    moe_losses = moe_losses_of(module)
+    moe_losses.start()
     with torch.no_grad():
         for _ in range(micro_batches):
             with autocast():
                 output, loss_func = forward_step_func(data_iterator, module, args)
                 reported = loss_func(output)[-1]
             accumulate_reported(sums, reported)
-    accumulate_reported(sums, MOE_AUX_LOSSES.pop())
+    accumulate_reported(sums, moe_losses.pop())
     module.train()
     return average_over_data_parallel(sums, micro_batches)

@@ -17,7 +17,7 @@ top-2) runs one step of 3 accumulated micro-batches both ways from the same weig
 - A coefficient of 0 takes the aux loss out of the gradients (the old sum with it removed).
 
 The reference keeps the autograd route present but gives it a zero gradient
-(`set_loss_scale(0)`): it adds exact zeros to the gate's gradients, so the reference is the old
+(`set_backward_scale(0)`): it adds exact zeros to the gate's gradients, so the reference is the old
 computation.
 """
 
@@ -154,7 +154,6 @@ def _assert_equal(actual: dict, expected: dict, what: str) -> None:
 
 def _check_plain(coeff: float) -> None:
     """train_step_plain's gradients and reports against the old sum, bitwise."""
-    from megatron.model.moe_aux_loss import MoEAuxLossAutoScaler
     from megatron.training.step import (
         PlainTrainer,
         accumulate_reported,
@@ -165,7 +164,7 @@ def _check_plain(coeff: float) -> None:
     config = _config(coeff)
     batches = _micro_batches()
     reference = _model(config)
-    MoEAuxLossAutoScaler.set_loss_scale(0.0)  # the autograd route adds exact zeros
+    reference.moe_losses.set_backward_scale(0.0)  # the autograd route adds exact zeros
     sums: dict[str, torch.Tensor] = {}
     for tokens, labels, mask in batches:
         loss, reported = _old_loss(reference, reference(tokens, labels=labels), mask, coeff)
@@ -223,7 +222,6 @@ def _check_deepspeed(stage: int, half: bool) -> None:
     fp16, or bf16 on a CPU without fp16)."""
     import deepspeed
 
-    from megatron.model.moe_aux_loss import MoEAuxLossAutoScaler
     from megatron.training.step import (
         accumulate_reported,
         average_over_data_parallel,
@@ -239,7 +237,7 @@ def _check_deepspeed(stage: int, half: bool) -> None:
     see_grads = stage == 0 and precision is None
     reference = _engine(config, stage, precision)
     expected_grads = _grads_at_step(reference.optimizer, _names(reference)) if see_grads else {}
-    MoEAuxLossAutoScaler.set_loss_scale(0.0)
+    reference.module.moe_losses.set_backward_scale(0.0)
     sums: dict[str, torch.Tensor] = {}
     for tokens, labels, mask in batches:
         output = reference(tokens, labels=labels)
@@ -264,17 +262,16 @@ def _check_deepspeed(stage: int, half: bool) -> None:
 
 def _check_zero_coefficient_drops_the_aux_gradient() -> None:
     """At --moe-loss-coeff 0 the gradients are those of the LM loss alone."""
-    from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, MoEAuxLossAutoScaler
-
     config = _config(0.0)
     tokens, labels, mask = _micro_batches()[0]
     results = []
     for scale in (1.0, 0.0):  # the aux route with its gradient, then without
         model = _model(config)
-        MoEAuxLossAutoScaler.set_loss_scale(scale)
-        MOE_AUX_LOSSES.start()
+        model.moe_losses.set_backward_scale(scale)
+        model.moe_losses.start()
         _masked_mean(mask, model(tokens, labels=labels))[0].backward()
-        results.append(({n: p.grad for n, p in model.named_parameters()}, MOE_AUX_LOSSES.pop()))
+        reported = model.moe_losses.pop()
+        results.append(({n: p.grad for n, p in model.named_parameters()}, reported))
     (with_route, reported), (without_route, _) = results
     _assert_equal(with_route, without_route, "gradients")
     assert reported["moe loss"].item() == 0.0
@@ -282,19 +279,16 @@ def _check_zero_coefficient_drops_the_aux_gradient() -> None:
 
 def _check_tracker_counts_step_forwards_once() -> None:
     """Forwards outside a step add nothing; a recomputation in the backward adds nothing."""
-    from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, MoEAuxLossAutoScaler
-
     tokens, labels, mask = _micro_batches()[0]
     totals = {}
     for recompute in (None, "full"):
         config = dataclasses.replace(_config(), recompute_granularity=recompute)
         model = _model(config)
         model(tokens, labels=labels)  # outside a step
-        MoEAuxLossAutoScaler.set_loss_scale(1.0)
-        MOE_AUX_LOSSES.start()
+        model.moe_losses.start()
         _masked_mean(mask, model(tokens, labels=labels))[0].backward()
-        totals[recompute] = MOE_AUX_LOSSES.pop()["moe loss"]
-        assert MOE_AUX_LOSSES.pop() == {}, "pop ends the step"
+        totals[recompute] = model.moe_losses.pop()["moe loss"]
+        assert model.moe_losses.pop() == {}, "pop ends the step"
     assert torch.equal(totals[None], totals["full"]), totals
 
 
@@ -318,8 +312,6 @@ def spawn_body(checks, rank: int, world: int) -> None:
     import deepspeed
     from deepspeed.utils import groups
 
-    from megatron.model.moe_aux_loss import MoEAuxLossAutoScaler
-
     # DeepSpeed's engine asks for the launcher's LOCAL_RANK, which this in-process world lacks.
     local_rank = os.environ.get("LOCAL_RANK")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -330,7 +322,6 @@ def spawn_body(checks, rank: int, world: int) -> None:
             checks.run(name, fn, *arguments)
     finally:
         groups.mpu = None  # the modules after this one set DeepSpeed up their own way
-        MoEAuxLossAutoScaler.set_loss_scale(1.0)
         parallel_state.destroy_model_parallel()
         if local_rank is None:
             del os.environ["LOCAL_RANK"]

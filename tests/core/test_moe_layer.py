@@ -265,7 +265,6 @@ def _check_recomputation_keeps_the_moe_loss_gradient() -> None:
 
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.model import GPTModel
-    from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, MoEAuxLossAutoScaler
 
     deepspeed.init_distributed(dist_backend="gloo")
     groups.mpu = parallel_state.mpu
@@ -289,11 +288,10 @@ def _check_recomputation_keeps_the_moe_loss_gradient() -> None:
                     module.set_deepspeed_parallelism()
             # The MoE loss (x its 0.1 coefficient) reaches the backward through the layers;
             # its value is read after the backward, which recomputes the layers.
-            MoEAuxLossAutoScaler.set_loss_scale(1.0)
-            MOE_AUX_LOSSES.start()
+            model.moe_losses.start()
             lm = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
             lm.backward()
-            balancing = MOE_AUX_LOSSES.pop()["moe loss"]
+            balancing = model.moe_losses.pop()["moe loss"]
         finally:
             tp_random.use_builtin_checkpointing()
         results[mode] = (

@@ -288,15 +288,12 @@ def spawn_body(checks, rank: int, world: int) -> None:
     """Every check; DeepSpeed's groups module is left as found."""
     from deepspeed.utils import groups
 
-    from megatron.model.moe_aux_loss import MoEAuxLossAutoScaler
-
     try:
         for name, arguments in CHECKS.items():
             checks.run(name, _check_pp2_equals_pp1, *arguments)
             parallel_state.destroy_model_parallel()
     finally:
         groups.mpu = None
-        MoEAuxLossAutoScaler.set_loss_scale(1.0)
         parallel_state.destroy_model_parallel()
 
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from megatron.config import ModelConfig, RoutedMoEConfig
 from megatron.core import parallel_state
 from megatron.core.process_groups import this_rank_groups
+from megatron.model.moe_aux_loss import AuxLossTracker
 from megatron.model.moe_layer import RoutedMoE, reduce_expert_gradients, update_expert_biases
 from megatron.model.moe_router import load_balancing_loss
 from tests.core.spawn_checks import BODY
@@ -51,7 +52,7 @@ def _config(top_k: int, **moe) -> ModelConfig:
 
 def _layer(config: ModelConfig, seed: int = 5) -> RoutedMoE:
     torch.manual_seed(seed)
-    return RoutedMoE(config, 1, this_rank_groups()).train()
+    return RoutedMoE(config, 1, this_rank_groups(), AuxLossTracker()).train()
 
 
 def _tokens(seed: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from megatron.core import parallel_state
 from megatron.core.parallel_state import ParallelConfigError, generate_rank_groups
 from megatron.core.process_groups import this_rank_groups
 from megatron.model.document_mask import DocumentMask
+from megatron.model.moe_aux_loss import AuxLossTracker
 from tests.core.spawn_checks import BODY
 from tests.tolerances import assert_close_reordered
 
@@ -208,7 +209,10 @@ def _check_dropout_is_drawn_per_ulysses_rank(world: int) -> None:
         config = _config(hidden_dropout=0.5, attention_dropout=0.5)
         torch.manual_seed(3)  # the same weights on every rank
         groups = this_rank_groups()
-        embedding, layer = Embedding(config, groups), ParallelTransformerLayer(config, 1, groups)
+        embedding, layer = (
+            Embedding(config, groups),
+            ParallelTransformerLayer(config, 1, groups, AuxLossTracker()),
+        )
         # The same tokens at the same positions on every rank: only the masks can differ.
         ids = torch.arange(BATCH * SEQ // world).reshape(BATCH, -1) % config.vocab_size
         embedded = _gathered(embedding(ids).detach())

@@ -11,7 +11,7 @@ import torch
 
 from megatron.config import RoutedMoEConfig
 from megatron.model import GPTModel
-from megatron.model.moe_aux_loss import MOE_AUX_LOSSES, MOE_LOSS
+from megatron.model.moe_aux_loss import MOE_LOSS
 from megatron.model.moe_router import load_balancing_loss
 from megatron.training.monitor import IterationStats, format_iteration_log
 from tests.model.helpers import random_batch, tiny_config
@@ -57,9 +57,9 @@ def test_named_losses_are_unweighted_means_over_the_moe_layers(balancing: str, n
     model = _model(balancing, per_layer=True)
     inputs = _router_inputs(model)
     tokens, labels = random_batch(2, 16, 64)
-    MOE_AUX_LOSSES.start()
+    model.moe_losses.start()
     model(tokens, labels=labels)
-    reported = MOE_AUX_LOSSES.pop()
+    reported = model.moe_losses.pop()
     moe = model.language_model.encoder.layers[0].mlp.router.moe
     by_layer, z_by_layer = {}, {}
     for number, hidden in inputs.items():
@@ -81,9 +81,9 @@ def test_named_losses_are_unweighted_means_over_the_moe_layers(balancing: str, n
 def test_per_layer_values_only_when_asked_and_never_in_the_log_line() -> None:
     model = _model("aux_loss", per_layer=False)
     tokens, labels = random_batch(2, 16, 64)
-    MOE_AUX_LOSSES.start()
+    model.moe_losses.start()
     model(tokens, labels=labels)
-    reported = {key: float(value) for key, value in MOE_AUX_LOSSES.pop().items()}
+    reported = {key: float(value) for key, value in model.moe_losses.pop().items()}
     assert sorted(reported) == ["load_balancing_loss", MOE_LOSS, "z_loss"]
     line = format_iteration_log(
         IterationStats(
@@ -113,9 +113,9 @@ def test_nothing_is_recorded_outside_a_training_step() -> None:
     model = _model("aux_loss", per_layer=True)
     tokens, labels = random_batch(2, 16, 64)
     model(tokens, labels=labels)  # no step started: a test or generation forward
-    MOE_AUX_LOSSES.start()
-    assert MOE_AUX_LOSSES.pop() == {}
+    model.moe_losses.start()
+    assert model.moe_losses.pop() == {}
     with torch.no_grad():
-        MOE_AUX_LOSSES.start()
+        model.moe_losses.start()
         model.eval()(tokens, labels=labels)  # evaluation: no auxiliary losses at all
-        assert MOE_AUX_LOSSES.pop() == {}
+        assert model.moe_losses.pop() == {}

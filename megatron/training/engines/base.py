@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from megatron.checkpointing import TrainState, load_checkpoint, save_checkpoint
+from megatron.checkpointing.async_save import AsyncSaves
 from megatron.checkpointing.save_load import CheckpointTarget
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
@@ -68,6 +69,8 @@ class TrainingEngine(abc.ABC):
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.args = args
+        self.background_saves = AsyncSaves()
+        """This run's `--async-save` save in flight (every `checkpoint_target` carries it)."""
 
     @property
     def layout(self) -> ParallelLayout:

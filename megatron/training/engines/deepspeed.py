@@ -147,6 +147,7 @@ class DeepSpeedEngine(TrainingEngine):
             deepspeed_files=True,
             pipe_module_names=self.kind is Engine.DEEPSPEED_PIPE,
             engine_name=self.kind.value,
+            background_saves=self.background_saves,
         )
 
 

@@ -135,4 +135,5 @@ class PlainEngine(TrainingEngine):
             self.scheduler,
             deepspeed_files=False,
             engine_name=self.kind.value,
+            background_saves=self.background_saves,
         )
