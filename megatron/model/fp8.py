@@ -54,6 +54,12 @@ def import_torchao_float8():
     return float8_config, float8_linear
 
 
+def has_fp8_tensor_cores(capability: tuple[int, int]) -> bool:
+    """Whether a CUDA GPU of compute `capability` (major, minor) multiplies in FP8: sm_89 or
+    newer. `fp8_support` refuses FP8 training on others; the planner notes it too."""
+    return capability >= MIN_CUDA_CAPABILITY
+
+
 def fp8_support(device: torch.device) -> str | None:
     """None where FP8 training runs on `device`, else the one-line reason it does not."""
     try:
@@ -62,7 +68,7 @@ def fp8_support(device: torch.device) -> str | None:
         return f"FP8 training here needs {TORCHAO_FP8}: {error}"
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
-        if capability < MIN_CUDA_CAPABILITY:
+        if not has_fp8_tensor_cores(capability):
             return (
                 f"{torch.cuda.get_device_name(device)} (sm_{capability[0]}{capability[1]}) has "
                 "no FP8 tensor cores; FP8 matmuls need sm_89 or newer (Ada, Hopper, Blackwell)"

@@ -88,16 +88,33 @@ def _compute_dtype(tokens: torch.Tensor) -> torch.dtype:
 
 
 def _grouped_mm_fits(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
-    """torch's grouped matmul needs rows of 16-byte multiples (and on GPUs bf16 on Hopper or
-    later); otherwise the loop runs."""
+    """`grouped_mm_runs` for [N, in] `tokens` times [experts, in, out] `weight` on their device."""
+    capability = torch.cuda.get_device_capability(tokens.device) if tokens.is_cuda else None
+    return grouped_mm_runs(
+        tokens.device.type, tokens.dtype, capability, tokens.shape[-1], weight.shape[-1]
+    )
+
+
+def grouped_mm_runs(
+    device_type: str,
+    dtype: torch.dtype,
+    capability: tuple[int, int] | None,
+    in_features: int,
+    out_features: int,
+) -> bool:
+    """Whether `--moe-grouped-gemm` runs torch's grouped matmul for [N, in_features] tokens of
+    `dtype` times [experts, in_features, out_features] weights on a `device_type` device of
+    compute `capability` (major, minor; None off CUDA), else the loop over the experts.
+
+    torch's grouped matmul needs rows of 16-byte multiples, and on CUDA GPUs bf16 on sm_90
+    (Hopper) or later. The planner asks this too (megatron/planning/routed_moe.py).
+    """
     if not hasattr(F, "grouped_mm"):
         return False
-    if tokens.is_cuda and not (
-        tokens.dtype == torch.bfloat16 and torch.cuda.get_device_capability(tokens.device)[0] >= 9
-    ):
+    if device_type == "cuda" and not (dtype == torch.bfloat16 and capability[0] >= 9):
         return False
-    size = tokens.element_size()
-    return all(dim * size % 16 == 0 for dim in (tokens.shape[-1], weight.shape[-1]))
+    size = dtype.itemsize
+    return all(dim * size % 16 == 0 for dim in (in_features, out_features))
 
 
 def _add_bias(tensor: torch.Tensor, bias: torch.Tensor | None, counts: list[int]) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 `PlanInputs.from_args` reads the namespace `parse_args` returns (the same validation as a
 real run) and DeepSpeed's own parse of the `zero_optimization` section, so bucket sizes and
-thresholds have DeepSpeed's defaults and spellings. Nothing here touches a device.
+thresholds have DeepSpeed's defaults and spellings. Nothing here starts a device.
 """
 
 from __future__ import annotations
@@ -104,6 +104,12 @@ class PlanInputs:
     (`--use-torch-fsdp2`)."""
     grad_reduce_dtype: str = "fp32"
     """FSDP2's `reduce_dtype`: `fp32`, or `bf16` with `--grad-reduce-in-bf16`."""
+    compute_capability: tuple[int, int] | None = None
+    """The GPU's (major, minor), for the runtime's rules the plan asks (`--moe-grouped-gemm`'s
+    `moe_experts.grouped_mm_runs`): the named device's (`--dry-run-device`, set by
+    `build_plan`), else this machine's where CUDA is already up (a run's own plan). None on
+    CPU, and for a GPU a dry run does not know (it starts no device), which the plan takes
+    for Hopper's (`routed_moe.UNKNOWN_GPU_CAPABILITY`)."""
 
     @property
     def fsdp(self) -> bool:
@@ -180,6 +186,7 @@ class PlanInputs:
             device_type=device_type,
             sharding=args.layout.sharding,
             grad_reduce_dtype="bf16" if getattr(args, "grad_reduce_in_bf16", False) else "fp32",
+            compute_capability=_started_gpu_capability(device_type),
         )
 
 
@@ -265,3 +272,13 @@ def _grad_accum_dtype(args: argparse.Namespace, precision: str) -> str:
     types = (args.deepspeed_config_dict or {}).get("data_types") or {}
     fp32 = types.get("grad_accum_dtype") in ("fp32", "float32", "float", "torch.float32")
     return "fp32" if fp32 else precision
+
+
+def _started_gpu_capability(device_type: str) -> tuple[int, int] | None:
+    """This machine's GPU's compute capability where CUDA is already up (a run planning
+    itself); None on CPU, and where CUDA is not started: a dry run starts no device."""
+    import torch
+
+    if device_type != "cuda" or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.get_device_capability()

@@ -6,9 +6,11 @@ print(format_plan(plan)); json.dump(plan.as_json(), file)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from megatron.deepspeed_facts import DEEPSPEED_VERSION_READ
+from megatron.model.fp8 import has_fp8_tensor_cores
 from megatron.model.model_size import flops_per_token, num_parameters
 from megatron.planning.communication import (
     context_parallel_parts,
@@ -159,7 +161,10 @@ class Plan:
 
 
 def build_plan(inputs: PlanInputs, device: Device | None = None, notes: list | None = None) -> Plan:
-    """Plan every pipeline stage of `inputs`; with `device`, the roofline of the busiest."""
+    """Plan every pipeline stage of `inputs`; with `device`, the roofline of the busiest (and
+    its compute capability for the runtime's rules, on a GPU plan)."""
+    if device is not None and inputs.device_type == "cuda":
+        inputs = dataclasses.replace(inputs, compute_capability=device.compute_capability)
     roles = []
     for role in stage_roles(inputs):
         roles.append(RolePlan(role, rank_memory(inputs, role), rank_communication(inputs, role)))
@@ -193,7 +198,8 @@ def deepspeed_notes(inputs: PlanInputs) -> list[str]:
 
 
 def fp8_notes(inputs: PlanInputs, device: Device | None) -> list[str]:
-    """What an FP8 plan assumes: eager casts, and a device without FP8 tensor cores."""
+    """What an FP8 plan assumes: eager casts, and a device without FP8 tensor cores (the
+    runtime's check, `has_fp8_tensor_cores`) or without an FP8 peak in the table."""
     if inputs.model.fp8 is None:
         return []
     notes = []
@@ -203,10 +209,15 @@ def fp8_notes(inputs: PlanInputs, device: Device | None) -> list[str]:
             "bytes an element at each cast); torch.compile fuses them: the FP8 transient is "
             "an upper bound"
         )
-    if device is not None and device.fp8_flops is None:
+    if device is not None and not has_fp8_tensor_cores(device.compute_capability):
         notes.append(
             f"{device.name} has no FP8 tensor cores: a run with --fp8-format stops there at "
             f"start-up; its FP8 matmuls are timed at the {inputs.precision} peak"
+        )
+    elif device is not None and device.fp8_flops is None:
+        notes.append(
+            f"{device.name}: no FP8 peak in the device table; its FP8 matmuls are timed at the "
+            f"{inputs.precision} peak"
         )
     return notes
 

@@ -23,7 +23,9 @@ with c the compute dtype's bytes, L the router logits' (the compute dtype, or
   silu(gate) [R, F'] is kept too) and the activation [R, F'] (F' = `--moe-ffn-hidden-size`),
   all in c; each bias's row-to-expert index [R] (int64); under autocast the experts'
   half-precision weight copies (`weight.to(dtype)`, made in every forward, so kept per
-  micro-batch); grouped GEMM's group offsets;
+  micro-batch); the int32 group offsets of each matmul that runs torch's grouped_mm (the
+  runtime's own rule, `moe_experts.grouped_mm_runs`, asked with the plan's device, compute
+  dtype and GPU);
 - the combine: the experts' output and the weighted output [R, h] and the weights [R], in c;
 - the shared expert: a dense MLP of `--moe-shared-expert-intermediate-size`.
 """
@@ -32,12 +34,20 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from megatron.config import ModelConfig, RoutedMoEConfig
+from megatron.model.moe_experts import grouped_mm_runs
 from megatron.planning.dtypes import Dtypes
 from megatron.planning.inputs import PlanInputs
 
 _FP32, _INDEX = 4, 8
 _ROUTER_BYTES = {"fp32": 4, "fp64": 8}
+# The experts' compute dtype (autocast's, or the parameters') by the job's precision.
+_COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+UNKNOWN_GPU_CAPABILITY = (9, 0)
+"""The compute capability planned for a GPU the plan does not know (`PlanInputs`'s
+`compute_capability` None on CUDA): Hopper's."""
 BALANCED_LOAD_NOTE = (
     "Megatron-LM MoE at EP > 1 without a capacity factor: each rank's expert rows (their "
     "activations, and the all-to-all dispatcher's bytes) are planned for a balanced load, "
@@ -136,16 +146,17 @@ def _router_input_bytes(inputs: PlanInputs, size: Dtypes) -> int:
     return routed_tokens(inputs) * h * per_token
 
 
-def _grouped_gemm_runs(inputs: PlanInputs, size: Dtypes) -> bool:
-    """Whether the experts run torch's grouped_mm (`_grouped_mm_fits`): rows of 16-byte
-    multiples, and on GPUs bf16 (Hopper or later assumed)."""
-    config = inputs.model
-    moe = config.routed_moe
-    if not moe.grouped_gemm or (inputs.device_type == "cuda" and inputs.precision != "bf16"):
+def _grouped_gemm_runs(inputs: PlanInputs, in_features: int, out_features: int) -> bool:
+    """Whether the experts' [rows, in_features] x [in_features, out_features] matmul runs
+    torch's grouped_mm under `--moe-grouped-gemm`: the runtime's rule
+    (`moe_experts.grouped_mm_runs`) for the plan's device, compute dtype and GPU."""
+    if not inputs.model.routed_moe.grouped_gemm:
         return False
-    ffn = moe.ffn_hidden_size or config.ffn_hidden_size
-    width = 2 * ffn if config.activation == "swiglu" else ffn
-    return all(dim * size.compute % 16 == 0 for dim in (config.hidden_size, width, ffn))
+    capability = inputs.compute_capability
+    if inputs.device_type == "cuda" and capability is None:
+        capability = UNKNOWN_GPU_CAPABILITY
+    dtype = _COMPUTE_DTYPES[inputs.precision]
+    return grouped_mm_runs(inputs.device_type, dtype, capability, in_features, out_features)
 
 
 def _experts_bytes(inputs: PlanInputs, size: Dtypes, rows: int) -> int:
@@ -162,8 +173,9 @@ def _experts_bytes(inputs: PlanInputs, size: Dtypes, rows: int) -> int:
         total += 2 * rows * _INDEX  # each bias's row-to-expert index
     if c != size.residual:  # weight.to(dtype): copies made in every forward
         total += local * (h * width + ffn * h) * c
-    if _grouped_gemm_runs(inputs, size):
-        total += 2 * local * 4  # int32 group offsets of each grouped_mm
+    for in_features, out_features in ((h, width), (ffn, h)):  # each matmul decides alone
+        if _grouped_gemm_runs(inputs, in_features, out_features):
+            total += local * 4  # its grouped_mm's int32 group offsets
     return total
 
 
