@@ -7,10 +7,14 @@
   group with `DeviceMesh.from_group`.
 - `validate_args` returns the settled run, read-only: no code past megatron/arguments/ assigns
   an attribute of `args`, and the namespace itself refuses it.
+- Run state belongs to the run: no module holds an instance of one of megatron's classes at
+  module level (the MoE loss tracker is the model's, the background save the engine's), but
+  for the two named here with the reason.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import pickle
 import re
@@ -105,6 +109,38 @@ def test_the_settled_args_refuse_every_change() -> None:
     assert type(plain_args(later)).__name__ == "Namespace"  # what checkpoints save
 
 
+PROCESS_WIDE = {
+    # Timers(0) records nothing: the steps' default when no timers are given.
+    ("megatron/training/step.py", "_NO_TIMERS"),
+    # The model-parallel RNG streams fork the process's own generators (Megatron's tracker).
+    ("megatron/core/tensor_parallel/random.py", "_TRACKER"),
+}
+
+
+def module_level_instances(files: dict[str, str]) -> set[tuple[str, str]]:
+    """(path, name) of each module-level `NAME = SomeClass(...)` whose class is defined in
+    `files`."""
+    trees = {path: ast.parse(text) for path, text in files.items()}
+    classes = {node.name for tree in trees.values() for node in ast.walk(tree)
+               if isinstance(node, ast.ClassDef)}  # fmt: skip
+    found = set()
+    for path, tree in trees.items():
+        for node in tree.body:
+            value = getattr(node, "value", None)
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)) or not isinstance(value, ast.Call):
+                continue
+            called = getattr(value.func, "id", getattr(value.func, "attr", None))
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if called in classes:
+                found |= {(path, target.id) for target in targets if isinstance(target, ast.Name)}
+    return found
+
+
+def test_run_state_is_not_held_by_modules() -> None:
+    """No process-wide singleton carries a run's state (see PROCESS_WIDE for the two kept)."""
+    assert module_level_instances(_python_files("megatron")) == PROCESS_WIDE
+
+
 def test_the_searches_find_what_they_look_for() -> None:
     """The searches above are not vacuous: they see a planted line, and the files exist."""
     planted = {"megatron/model/x.py": "a = 1\nsize = parallel_state.get_x()\n"}
@@ -114,5 +150,7 @@ def test_the_searches_find_what_they_look_for() -> None:
     model = _python_files("megatron/model")
     assert "megatron/model/gpt_model.py" in model and len(model) > 10
     assert lines_matching(r"get_device_mesh\(\)\[", _python_files("megatron"))
+    tracker = "class Tracker:\n    pass\n\n\nTRACKER = Tracker()\nOTHER = dict()\n"
+    assert module_level_instances({"megatron/x.py": tracker}) == {("megatron/x.py", "TRACKER")}
     planted = {"megatron/training/x.py": "    self.args.lr = 1\n    args.save += 'x'\n"}
     assert len(lines_matching(r"(?<![\w.])(self\.)?args\.\w+ *(\+|-|\*)?= ", planted)) == 2

@@ -20,8 +20,8 @@ own package, or any package of a lower layer; nothing else:
 - model, data: `megatron.model.*`, `megatron.data.*`.
 - tokenizer: `megatron.tokenizer.*` (the data tools encode with it).
 - core: `megatron.core.*`.
-- base: `megatron` itself, `config`, `utils`, `atomic_files`, `extensions`: import nothing
-  of megatron.
+- base: `megatron` itself, `config`, `layout`, `settled_args`, `utils`, `atomic_files`,
+  `extensions`, `deepspeed_facts`: import nothing of megatron.
 
 Parts that share a layer (model and data; the entry points; the base modules) do not import
 each other.
