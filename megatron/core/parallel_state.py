@@ -214,9 +214,18 @@ def build_device_mesh(shape: dict[str, int], device_type: str) -> DeviceMesh:
     every rank must call it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=MESH_DIM_NAMES)
+    # Every dimension gets a group of its own, also one spanning the whole world (torch would
+    # hand out the default group there): the data-parallel group stays a group of its own, as
+    # Megatron makes it, and a collective on it is told apart from one on the world.
+    backend = dist.get_backend()
+    mesh = init_device_mesh(
+        device_type,
+        tuple(shape.values()),
+        mesh_dim_names=MESH_DIM_NAMES,
+        backend_override=dict.fromkeys(MESH_DIM_NAMES, backend),
+    )
     for name, dims in FLATTENED_DIMS.items():
-        mesh[dims]._flatten(name)
+        mesh[dims]._flatten(name, backend_override=backend)
     return mesh
 
 

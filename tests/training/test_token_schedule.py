@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron.checkpointing import TrainState
+from megatron.checkpointing.async_save import AsyncSaves
 from megatron.settled_args import with_settled
 from megatron.training.scheduler import (
     OptimizerParamScheduler,
@@ -311,7 +312,8 @@ def test_loop_stops_at_train_tokens_and_feeds_the_scheduler(monkeypatch):
     args = validate_args(build_parser().parse_args(argv), 1)
     args = with_settled(args, padded_vocab_size=128)
     scheduler = scheduler_from_args(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()), args)
-    engine = SimpleNamespace(scheduler=scheduler)  # the loop's step is replaced below
+    # The loop's step is replaced below; the loop commits background saves at the end.
+    engine = SimpleNamespace(scheduler=scheduler, background_saves=AsyncSaves())
     loop = TrainingLoop(args, engine, Timers(0), None)
     seen: list[int] = []
 
