@@ -35,7 +35,6 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.checkpointing.huggingface import model_config as checkpoint_model_config  # noqa: E402
 from megatron.checkpointing.shards import (  # noqa: E402
-    expert_tensor_parallel,
     load_dense_checkpoint,
     shard_state_dict,
 )
@@ -46,6 +45,7 @@ from megatron.core.tensor_parallel.mappings import (  # noqa: E402
 )
 from megatron.initialize import initialize_distributed, set_random_seed  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
+from megatron.model.sharding import declared_splits  # noqa: E402
 from megatron.text_generation import check_sampling_args, generate  # noqa: E402
 from megatron.tokenizer.base import MODEL_FILE_TOKENIZERS, Tokenizer  # noqa: E402
 from megatron.tokenizer.tokenizer import build_tokenizer, vocab_size_with_padding  # noqa: E402
@@ -230,7 +230,7 @@ def build_model_and_tokenizer(
     )
     model = GPTModel(model_config(dense.args, padded, args))
     rank = parallel_state.get_tensor_model_parallel_rank()
-    shard = shard_state_dict(dense.state_dict, tp, rank, padded, expert_tensor_parallel(dense.args))
+    shard = shard_state_dict(dense.state_dict, tp, rank, padded, declared_splits(model))
     model.load_state_dict(shard, strict=True)
     print_rank_0(f" > loaded iteration {dense.iteration} from {args.load} (TP={tp})")
     return model.to(device).eval(), tokenizer

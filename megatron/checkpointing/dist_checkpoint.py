@@ -39,14 +39,9 @@ from megatron.checkpointing.file_format import SAFE_GLOBALS, enum_member, load_f
 from megatron.checkpointing.pipeline_stages import HEAD_WEIGHT, chunk_layers, renumber_layers
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
 from megatron.checkpointing.shapes import WORD_EMBEDDINGS
-from megatron.checkpointing.tensor_parallel_rules import (
-    ROUTED_EXPERTS,
-    VOCAB_PARALLEL,
-    partition_dim,
-    swiglu_tensors,
-)
 from megatron.checkpointing.whole_tensors import WholeTensors
 from megatron.core import parallel_state
+from megatron.model.sharding import declared_splits
 from megatron.utils import print_rank_0
 
 COMMON_FILE = "common.pt"
@@ -76,31 +71,36 @@ def _layout_key(layout) -> dict:  # noqa: ANN001 - megatron.layout.ParallelLayou
 
 
 class _TensorParallelView:
-    """Wraps this rank's tensor-parallel shards as slices of the global tensors (DTensors)."""
+    """Wraps this rank's tensor-parallel shards as slices of the global tensors (DTensors),
+    split as the chunks' layers declared (`megatron.model.sharding`)."""
 
-    def __init__(self, chunk_states: list[dict[str, torch.Tensor]], args: argparse.Namespace):
+    def __init__(self, chunks: list[torch.nn.Module]):
         # The run's mesh sliced by name; the local shards sit on its device (DTensor would copy
         # a tensor on another device, and a load would then fill the copy).
         tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
         expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
         mesh = parallel_state.get_device_mesh() if tensor_parallel or expert_parallel else None
         self.mesh = mesh["tp"] if tensor_parallel else None
-        self.expert_tensor_parallel = getattr(args, "enable_expert_tensor_parallelism", False)
-        self.swiglu = set().union(*(swiglu_tensors(state) for state in chunk_states))
         # Megatron-LM's stacked experts: rank r of the expert-parallel group holds the r-th
         # block of experts, a slice along dim 0 of the whole stack.
         self.expert_mesh = mesh["ep"] if expert_parallel else None
+        # Chunk-local names: the same name in two chunks is the same kind of tensor.
+        self.splits = {
+            name: split for chunk in chunks for name, split in declared_splits(chunk).items()
+        }
 
     def global_view(self, local_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (this rank's shard of `local_name`) as a slice of the global tensor."""
-        dim = partition_dim(local_name, self.expert_tensor_parallel)
+        split = self.splits[local_name]
+        dim = split.tensor_dim
         if tensor.dim() == 0:  # Adam's step
             return tensor
-        if self.expert_mesh is not None and local_name.endswith(ROUTED_EXPERTS):
+        if self.expert_mesh is not None and split.expert_dim is not None:
             from torch.distributed.tensor import DTensor, Shard
 
-            return DTensor.from_local(tensor, self.expert_mesh, [Shard(0)], run_check=False)
-        if local_name in self.swiglu:  # [gate_r; up_r] -> [2, F/TP, ...], sharded on dim 1
+            shard = Shard(split.expert_dim)
+            return DTensor.from_local(tensor, self.expert_mesh, [shard], run_check=False)
+        if split.swiglu:  # [gate_r; up_r] -> [2, F/TP, ...], sharded on dim 1
             tensor = tensor.view(2, tensor.size(0) // 2, *tensor.shape[1:])
             dim = 1
         if dim is None or self.mesh is None:
@@ -229,7 +229,7 @@ def save_dist_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     states = holder.model_states()
-    view = _TensorParallelView(states, args)
+    view = _TensorParallelView(holder.chunks())
     tensors: dict[str, object] = {}
     optimizer_states = holder.optimizer_states() if save_optimizer else {}
     for module_name, index, local, name in _model_entries(holder, args):
@@ -282,7 +282,8 @@ class _Requests:
         if tuple(saved.size) == tuple(request.shape):
             self.tensors[key] = request
             return
-        if local_name in VOCAB_PARALLEL and tuple(saved.size[1:]) == tuple(tensor.shape[1:]):
+        vocab = self.view.splits[local_name].vocab
+        if vocab and tuple(saved.size[1:]) == tuple(tensor.shape[1:]):
             # Padded to another multiple: read the whole saved matrix, keep this rank's rows.
             whole = torch.zeros(tuple(saved.size), dtype=tensor.dtype)
             self.tensors[key] = whole
@@ -334,7 +335,7 @@ def load_dist_checkpoint(
             "--load NEW_DIR"
         )
     states = holder.load_targets()
-    requests = _Requests(directory, metadata, _TensorParallelView(states, args))
+    requests = _Requests(directory, metadata, _TensorParallelView(holder.chunks()))
     entries = _model_entries(holder, args)
     for _, index, local, name in entries:
         requests.add(name, local, states[index][local])

@@ -72,16 +72,8 @@ from megatron.checkpointing.shapes import (
     model_dims,
     resolve_true_vocab_size,
 )
-from megatron.checkpointing.tensor_parallel_rules import (  # noqa: F401 - importers use these here
-    COLUMN_PARALLEL,
-    EXPERT_MLPS,
-    REPLICATED,
-    ROW_PARALLEL,
-    VOCAB_PARALLEL,
-    partition_dim,
-    swiglu_tensors,
-)
 from megatron.config import ModelConfig
+from megatron.model.sharding import Split, model_splits
 from megatron.tokenizer.tokenizer import vocab_size_with_padding
 
 PROGRESS_KEYS = (
@@ -124,9 +116,20 @@ class DenseCheckpoint:
 # --- tensor-parallel splits ------------------------------------------------------------------
 
 
-def expert_tensor_parallel(args: dict[str, Any]) -> bool:
-    """Whether a checkpoint's args split MoE experts over tensor-parallel ranks."""
-    return bool(args.get("enable_expert_tensor_parallelism"))
+def checkpoint_splits(args: dict[str, Any]) -> dict[str, Split]:
+    """How each tensor of the model a checkpoint's args describe is split, as its layers
+    declare it (`megatron.model.sharding.model_splits`; MoE experts split over the
+    tensor-parallel ranks only with `--enable-expert-tensor-parallelism`)."""
+    return model_splits(model_config(args))
+
+
+def _split(splits: dict[str, Split], name: str) -> Split:
+    split = splits.get(name)
+    if split is None:
+        raise CheckpointConversionError(
+            f"{name!r} is not a tensor of the model the checkpoint's args describe"
+        )
+    return split
 
 
 def check_tp_divides(config: ModelConfig, tp_size: int) -> None:
@@ -142,12 +145,12 @@ def check_tp_divides(config: ModelConfig, tp_size: int) -> None:
             )
 
 
-def _chunk(name: str, tensor: torch.Tensor, tp: int, swiglu: bool, expert_tp: bool) -> list:
+def _chunk(name: str, tensor: torch.Tensor, tp: int, split: Split) -> list:
     """The `tp` tensor-parallel shards of full tensor `name` (replicated: `tp` copies)."""
-    dim = partition_dim(name, expert_tp)
+    dim = split.tensor_dim
     if dim is None:
         return [tensor] * tp
-    halves = tensor.chunk(2, dim=0) if swiglu else [tensor]
+    halves = tensor.chunk(2, dim=0) if split.swiglu else [tensor]
     for half in halves:
         if half.size(dim) % tp != 0:
             raise CheckpointConversionError(
@@ -158,24 +161,25 @@ def _chunk(name: str, tensor: torch.Tensor, tp: int, swiglu: bool, expert_tp: bo
     return [torch.cat([part[rank] for part in parts], dim=dim) for rank in range(tp)]
 
 
-def _join(name: str, parts: Sequence[torch.Tensor], swiglu: bool, expert_tp: bool) -> torch.Tensor:
+def _join(name: str, parts: Sequence[torch.Tensor], split: Split) -> torch.Tensor:
     """The full tensor `name` from its tensor-parallel shards (replicated: rank 0's)."""
-    dim = partition_dim(name, expert_tp)
+    dim = split.tensor_dim
     if dim is None:
         return parts[0].clone()
-    if not swiglu:
+    if not split.swiglu:
         return torch.cat(list(parts), dim=dim)
     halves = [part.chunk(2, dim=0) for part in parts]  # each rank: [gate_r; up_r]
     return torch.cat([half[0] for half in halves] + [half[1] for half in halves])
 
 
-def _resize_vocab(state: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+def _resize_vocab(
+    state: dict[str, torch.Tensor], rows: int, splits: dict[str, Split]
+) -> dict[str, torch.Tensor]:
     """`state` with its vocabulary matrices cut or zero-padded to `rows` rows."""
     out = dict(state)
-    for name in VOCAB_PARALLEL:
-        if name not in out:
+    for name, tensor in state.items():
+        if not _split(splits, name).vocab:
             continue
-        tensor = out[name]
         if rows <= tensor.size(0):
             out[name] = tensor[:rows].clone()
         else:
@@ -189,13 +193,14 @@ def shard_state_dict(
     tp_size: int,
     tp_rank: int,
     padded_vocab_size: int,
-    expert_tensor_parallel: bool = False,
+    splits: dict[str, Split],
 ) -> dict[str, torch.Tensor]:
-    """The GPTModel state dict of tensor-parallel rank `tp_rank` of `tp_size`.
+    """The GPTModel state dict of tensor-parallel rank `tp_rank` of `tp_size`, each tensor
+    split as `splits` (`checkpoint_splits`, `model_splits`: the layers' declarations) says.
 
     The vocabulary is padded with zero rows to `padded_vocab_size` before it is split.
     Attention heads are not counted here: `check_tp_divides` checks a model's split. MoE
-    experts stay whole unless `expert_tensor_parallel`.
+    experts stay whole unless the model splits them (`--enable-expert-tensor-parallelism`).
     """
     if not 0 <= tp_rank < tp_size:
         raise CheckpointConversionError(f"tensor-parallel rank {tp_rank} not in [0, {tp_size})")
@@ -205,21 +210,22 @@ def shard_state_dict(
             f"padded vocabulary size {padded_vocab_size} is smaller than the {rows} rows of "
             f"{WORD_EMBEDDINGS}"
         )
-    padded, swiglu = _resize_vocab(dense, padded_vocab_size), swiglu_tensors(dense)
+    padded = _resize_vocab(dense, padded_vocab_size, splits)
     return {
-        name: _chunk(name, tensor, tp_size, name in swiglu, expert_tensor_parallel)[tp_rank].clone()
+        name: _chunk(name, tensor, tp_size, _split(splits, name))[tp_rank].clone()
         for name, tensor in padded.items()
     }
 
 
 def merge_tp_shards(
-    shards: Sequence[dict[str, torch.Tensor]], expert_tensor_parallel: bool = False
+    shards: Sequence[dict[str, torch.Tensor]], splits: dict[str, Split]
 ) -> dict[str, torch.Tensor]:
-    """Concatenate the state dicts of all TP ranks (replicated tensors from rank 0).
+    """Concatenate the state dicts of all TP ranks (replicated tensors from rank 0), each
+    tensor joined as `splits` says.
 
     The vocabulary stays padded; see `DenseCheckpoint` for the trimmed form. SwiGLU's
     `dense_h_to_4h` joins the ranks' gate halves, then their up halves. MoE experts are taken
-    from rank 0 unless `expert_tensor_parallel`.
+    from rank 0 unless the model splits them.
     """
     names = list(shards[0])
     for rank, shard in enumerate(shards[1:], start=1):
@@ -228,10 +234,8 @@ def merge_tp_shards(
             raise CheckpointConversionError(
                 f"tensor-parallel rank {rank} holds other parameters than rank 0 ({extra} ...)"
             )
-    swiglu = swiglu_tensors(shards[0])
     return {
-        name: _join(name, [shard[name] for shard in shards], name in swiglu, expert_tensor_parallel)
-        for name in names
+        name: _join(name, [shard[name] for shard in shards], _split(splits, name)) for name in names
     }
 
 
@@ -282,8 +286,9 @@ def load_dense_checkpoint(
     else:
         metadata, shards = read_deepspeed_files(load_dir, located)
         args = args_dict(metadata.get("args"))
+    splits = checkpoint_splits(args)
     if not dist:
-        merged = merge_tp_shards(shards, expert_tensor_parallel(args))
+        merged = merge_tp_shards(shards, splits)
     check_shapes(merged, args, located.directory)
     padded = args.get("padded_vocab_size")
     rows = merged[WORD_EMBEDDINGS].size(0)
@@ -304,7 +309,7 @@ def load_dense_checkpoint(
     return DenseCheckpoint(
         vocab_padding=merged[WORD_EMBEDDINGS][vocab:].clone(),
         output_layer_padding=None if output is None else output[vocab:].clone(),
-        state_dict=_resize_vocab(merged, vocab),
+        state_dict=_resize_vocab(merged, vocab, splits),
         args=args,
         iteration=number,
         true_vocab_size=vocab,
@@ -380,9 +385,9 @@ def save_megatron_checkpoint(
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": dense.iteration,
     }
-    files = {}
+    files, splits = {}, checkpoint_splits(target)
     for tp_rank in range(tp_size):
-        shard = shard_state_dict(state, tp_size, tp_rank, padded, expert_tensor_parallel(target))
+        shard = shard_state_dict(state, tp_size, tp_rank, padded, splits)
         for pp_rank in range(pp_size):
             chunks = [
                 nest_model_state(

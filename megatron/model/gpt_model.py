@@ -40,7 +40,7 @@ from megatron.model.utils import init_method_normal
 
 def output_layer(config: ModelConfig) -> ColumnParallelLinear:
     """The untied output layer: a vocab-parallel [vocab / tp, h] weight, no bias."""
-    return ColumnParallelLinear(
+    layer = ColumnParallelLinear(
         config.hidden_size,
         config.vocab_size,
         init_method_normal(config.init_method_std),
@@ -48,6 +48,8 @@ def output_layer(config: ModelConfig) -> ColumnParallelLinear:
         use_cpu_initialization=config.use_cpu_initialization,
         params_dtype=config.torch_dtype,
     )
+    layer.weight.vocab_parallel = True  # its rows are the (padded) vocabulary
+    return layer
 
 
 class TransformerLanguageModel(nn.Module):

@@ -51,6 +51,9 @@ class ParallelMLP(nn.Module):
             stride=2 if self.swiglu else 1,
             **kwargs,
         )
+        if self.swiglu:  # its rows are [gate; up] (a rank's: [gate_r; up_r]), split or whole
+            for param in self.dense_h_to_4h.parameters():
+                param.swiglu_halves = True
         self.dense_4h_to_h = RowParallelLinear(
             config.ffn_hidden_size,
             config.hidden_size,

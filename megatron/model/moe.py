@@ -18,6 +18,10 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.core.tensor_parallel.layers import (
+    mark_sequence_parallel,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.model.mlp import ParallelMLP
 
 
@@ -37,7 +41,7 @@ def build_moe_mlp(config: ModelConfig, num_experts: int) -> nn.Module:
 
     moe = config.moe
     expert = ExpertMLP(config, tensor_parallel=moe.expert_tensor_parallel)
-    return MoE(
+    layer = MoE(
         config.hidden_size,
         expert,
         num_experts=num_experts,
@@ -52,6 +56,26 @@ def build_moe_mlp(config: ModelConfig, num_experts: int) -> nn.Module:
         enable_expert_tensor_parallelism=moe.expert_tensor_parallel,
         top2_2nd_expert_sampling=moe.top2_2nd_expert_sampling,
     )
+    # DeepSpeed deep-copies `expert` once per expert, and a Parameter's deepcopy keeps neither
+    # the split our layers declared on it nor its sequence-parallel gradient hook: declare
+    # them again on every copy (else a split expert counts once in the gradient norm).
+    declared = dict(expert.named_parameters())
+    for copy in layer.deepspeed_moe.experts.deepspeed_experts:
+        for name, param in copy.named_parameters():
+            _declare_like(declared[name], param)
+    return layer
+
+
+def _declare_like(template: nn.Parameter, param: nn.Parameter) -> None:
+    """Give `param` the split and sequence-parallel marks its layer declared on `template`."""
+    if getattr(template, "tensor_model_parallel", False):
+        set_tensor_model_parallel_attributes(
+            param, template.partition_dim, template.partition_stride
+        )
+    if getattr(template, "sequence_parallel", False):
+        mark_sequence_parallel(param)
+    if getattr(template, "swiglu_halves", False):
+        param.swiglu_halves = True
 
 
 def set_up_expert_groups(model: nn.Module, mpu: object) -> None:

@@ -48,6 +48,8 @@ class GroupedExperts(nn.Module):
             self.bias2 = nn.Parameter(torch.zeros(num_local_experts, hidden, dtype=dtype))
         else:
             self.bias1 = self.bias2 = None
+        for param in self.parameters():  # dim 0 counts experts: split over the EP ranks
+            param.expert_partition_dim = 0
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """[N, h] tokens, `counts[e]` of them for local expert e in turn -> [N, h]."""

@@ -9,6 +9,7 @@ converts real ones from `pretrain_gpt.py --deepspeed` runs).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import types
@@ -28,14 +29,17 @@ from megatron.checkpointing.shapes import resolve_true_vocab_size
 from megatron.checkpointing.shards import (
     CheckpointConversionError,
     DenseCheckpoint,
+    checkpoint_splits,
     load_dense_checkpoint,
     merge_tp_shards,
-    partition_dim,
     save_megatron_checkpoint,
     shard_state_dict,
 )
-from megatron.config import ModelConfig
+from megatron.config import ModelConfig, MoEConfig
+from megatron.core.process_groups import ModelGroups
 from megatron.model import GPTModel
+from megatron.model.pipeline_chunks import GPTPipelineChunk
+from megatron.model.sharding import Split, declared_splits, model_splits
 from tests.conftest import MERGE_FILE, VOCAB_FILE
 
 LAYERS, HIDDEN, HEADS, TRUE_VOCAB, DIVISIBLE = 4, 32, 4, 100, 8
@@ -55,6 +59,8 @@ ARGS = dict(
     true_vocab_size=TRUE_VOCAB,
     tokenizer_type="GPT2BPETokenizer",
 )
+SPLITS = checkpoint_splits(ARGS)
+"""How the model ARGS describe splits each tensor, as its layers declare it."""
 
 
 @pytest.fixture(scope="module")
@@ -83,28 +89,31 @@ def assert_same(actual: dict, expected: dict) -> None:
 # --- tensor-parallel splits ------------------------------------------------------------------
 
 
-def test_partition_dim_of_every_parameter_kind(dense):
+def test_the_layers_declare_every_parameter_kinds_split(dense):
     expected = {
         WORD: 0,
         "language_model.embedding.position_embeddings.weight": None,
         QKV.format(0, "weight"): 0,
         QKV.format(0, "bias"): 0,
         "language_model.encoder.layers.0.mlp.dense_h_to_4h.weight": 0,
-        "language_model.encoder.layers.0.mlp.dense_h_to_4h.bias": 0,
-        "language_model.encoder.layers.0.self_attention.dense.weight": 1,
         "language_model.encoder.layers.0.self_attention.dense.bias": None,
         "language_model.encoder.layers.0.mlp.dense_4h_to_h.weight": 1,
         "language_model.encoder.layers.0.mlp.dense_4h_to_h.bias": None,
         "language_model.encoder.layers.0.input_layernorm.weight": None,
         "language_model.encoder.layers.0.post_attention_layernorm.bias": None,
         "language_model.encoder.final_layernorm.weight": None,
-        HEAD: 0,
     }
     for name, dim in expected.items():
-        assert partition_dim(name) == dim, name
-    assert all(partition_dim(name) in (0, 1, None) for name in dense)
+        assert SPLITS[name].tensor_dim == dim, name
+    assert sorted(SPLITS) == sorted(dense)
+    # The last pipeline stage's copy of the tied word embeddings: vocab-parallel rows too.
+    config = ModelConfig(LAYERS, HIDDEN, HEADS, 104, 16)
+    with torch.device("meta"):
+        last = GPTPipelineChunk(config, 1, 2, range(3, 5), ModelGroups())
+    assert declared_splits(last)[HEAD] == Split(tensor_dim=0, vocab=True)
+    unknown = {**dense, "language_model.rotary.inv_freq": torch.zeros(2)}
     with pytest.raises(CheckpointConversionError, match="language_model.rotary.inv_freq"):
-        partition_dim("language_model.rotary.inv_freq")
+        shard_state_dict(unknown, 1, 0, 104, SPLITS)
 
 
 def test_moe_experts_split_over_tensor_parallel_ranks_only_with_expert_tp() -> None:
@@ -121,21 +130,28 @@ def test_moe_experts_split_over_tensor_parallel_ranks_only_with_expert_tp() -> N
         moe + "coefficient.weight": None,
         moe + "coefficient.bias": None,
     }
+    config = ModelConfig(2, HIDDEN, HEADS, 104, 16, moe=MoEConfig((1, 4), residual=True))
+    whole = model_splits(config)
+    split_experts = model_splits(
+        dataclasses.replace(
+            config, moe=MoEConfig((1, 4), residual=True, expert_tensor_parallel=True)
+        )
+    )
     for name, dim in split.items():
-        assert partition_dim(name, expert_tensor_parallel=True) == dim, name
-        assert partition_dim(name) is None, name
+        assert split_experts[name].tensor_dim == dim, name
+        assert whole[name].tensor_dim is None, name
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_shard_merge_round_trip_is_exact(dense, tp):
     padded = 104 if tp == 1 else 112 if tp == 2 else 128
-    shards = [shard_state_dict(dense, tp, rank, padded) for rank in range(tp)]
+    shards = [shard_state_dict(dense, tp, rank, padded, SPLITS) for rank in range(tp)]
     for shard in shards:
         assert shard[WORD].shape == (padded // tp, HIDDEN)
         assert shard[QKV.format(1, "weight")].shape == (3 * HIDDEN // tp, HIDDEN)
         name = "language_model.encoder.layers.1.mlp.dense_4h_to_h.weight"
         assert shard[name].shape == (HIDDEN, 4 * HIDDEN // tp)
-    merged = merge_tp_shards(shards)
+    merged = merge_tp_shards(shards, SPLITS)
     assert merged[WORD].shape == (padded, HIDDEN)
     assert torch.equal(merged[WORD][TRUE_VOCAB:], torch.zeros(padded - TRUE_VOCAB, HIDDEN))
     merged[WORD] = merged[WORD][:TRUE_VOCAB]
@@ -149,21 +165,21 @@ def test_each_rank_gets_whole_heads_with_their_q_k_v(dense, tp):
     bias = dense[QKV.format(2, "bias")].view(HEADS, 3, HIDDEN // HEADS)
     per_rank = HEADS // tp
     for rank in range(tp):
-        shard = shard_state_dict(dense, tp, rank, 128)
+        shard = shard_state_dict(dense, tp, rank, 128, SPLITS)
         heads = slice(rank * per_rank, (rank + 1) * per_rank)
         assert torch.equal(shard[QKV.format(2, "weight")], full[heads].reshape(-1, HIDDEN))
         assert torch.equal(shard[QKV.format(2, "bias")], bias[heads].reshape(-1))
 
 
 def test_vocab_is_repadded_with_zero_rows(dense):
-    shards = [shard_state_dict(dense, 2, rank, 128) for rank in range(2)]
+    shards = [shard_state_dict(dense, 2, rank, 128, SPLITS) for rank in range(2)]
     assert torch.equal(shards[0][WORD], dense[WORD][:64])
     assert torch.equal(shards[1][WORD][: TRUE_VOCAB - 64], dense[WORD][64:])
     assert not shards[1][WORD][TRUE_VOCAB - 64 :].any()
     with pytest.raises(CheckpointConversionError, match="smaller than the 100 rows"):
-        shard_state_dict(dense, 1, 0, 96)
+        shard_state_dict(dense, 1, 0, 96, SPLITS)
     with pytest.raises(CheckpointConversionError, match="does not divide"):
-        shard_state_dict(dense, 3, 0, 102)
+        shard_state_dict(dense, 3, 0, 102, SPLITS)
 
 
 # --- pipeline stages -------------------------------------------------------------------------
@@ -261,7 +277,7 @@ def test_save_then_load_megatron_layout(dense, tmp_path, tp, pp):
             local = flatten_model_state(saved["model"])
             layers = {int(n.split(".")[3]) for n in local if ".layers." in n}
             assert layers == set(range(LAYERS // pp))  # Megatron: each stage counts from 0
-            expected = shard_state_dict(dense, tp, t, padded)
+            expected = shard_state_dict(dense, tp, t, padded, SPLITS)
             assert_same(local, chunk_state_dict(expected, LAYERS, pp, 1, p, 0))
     loaded = load_dense_checkpoint(root)
     assert_same(loaded.state_dict, dense)
@@ -280,7 +296,7 @@ def test_dummy_vocab_rows_are_kept_when_repadding(dense, tmp_path):
     save_megatron_checkpoint(loaded, str(tmp_path / "tp4"), 4, 1)
     files = [tmp_path / f"tp4/iter_0000007/mp_rank_{r:02d}/model_optim_rng.pt" for r in range(4)]
     shards = [flatten_model_state(load_file(str(path))["model"]) for path in files]
-    rows = merge_tp_shards(shards)[WORD]
+    rows = merge_tp_shards(shards, SPLITS)[WORD]
     assert rows.shape == (128, HIDDEN)
     assert torch.equal(rows[:TRUE_VOCAB], dense[WORD])
     assert torch.equal(rows[TRUE_VOCAB:104], source.vocab_padding)
@@ -389,7 +405,7 @@ def test_deepspeed_layout(dense, tmp_path, engine):
     tp, pp = 2, (2 if engine == "pipeline" else 1)
     tag_dir = tmp_path / "global_step20"
     tag_dir.mkdir()
-    shards = [shard_state_dict(dense, tp, rank, 112) for rank in range(tp)]
+    shards = [shard_state_dict(dense, tp, rank, 112, SPLITS) for rank in range(tp)]
     for mp_rank in range(tp * pp):
         module = shards[mp_rank] if engine == "module" else None
         state = dict(_client(tp, pp, 20), module=module)
@@ -419,7 +435,7 @@ def test_both_trackers_disagreeing_follow_deepspeeds_tag(dense, tmp_path):
     save_megatron_checkpoint(checkpoint(dense, iteration=5), str(tmp_path), 1, 1)
     tag_dir = tmp_path / "global_step9"
     tag_dir.mkdir()
-    state = dict(_client(1, 1, 9), module=shard_state_dict(dense, 1, 0, 112))
+    state = dict(_client(1, 1, 9), module=shard_state_dict(dense, 1, 0, 112, SPLITS))
     torch.save(state, tag_dir / "mp_rank_00_model_states.pt")
     (tmp_path / "latest").write_text("global_step9")
     loaded = load_dense_checkpoint(str(tmp_path), true_vocab_size=TRUE_VOCAB)
@@ -443,7 +459,7 @@ def test_zero3_checkpoints_go_through_zero_to_fp32(dense, tmp_path, monkeypatch)
 
     def fp32_state_dict(root: str, tag: str) -> dict:
         calls.append((root, tag))
-        return shard_state_dict(dense, 1, 0, 112)
+        return shard_state_dict(dense, 1, 0, 112, SPLITS)
 
     fake = types.SimpleNamespace(get_fp32_state_dict_from_zero_checkpoint=fp32_state_dict)
     monkeypatch.setitem(sys.modules, "deepspeed.utils.zero_to_fp32", fake)

@@ -20,11 +20,11 @@ from megatron.checkpointing.shapes import OUTPUT_LAYER, expected_shapes, model_c
 from megatron.checkpointing.shards import (
     CheckpointConversionError,
     DenseCheckpoint,
+    checkpoint_splits,
     load_dense_checkpoint,
     merge_tp_shards,
     save_megatron_checkpoint,
     shard_state_dict,
-    swiglu_tensors,
 )
 from megatron.model import GPTModel
 from tests.checkpointing.test_shards import assert_same
@@ -46,6 +46,13 @@ LLAMA = dict(
     make_vocab_size_divisible_by=8,
     true_vocab_size=TRUE_VOCAB,
 )
+SPLITS = checkpoint_splits(LLAMA)
+"""How the LLaMA-style model splits each tensor, as its layers declare it."""
+
+
+def swiglu_tensors(args: dict) -> set[str]:
+    """The tensors the model `args` describe declares as SwiGLU's [gate; up] halves."""
+    return {name for name, split in checkpoint_splits(args).items() if split.swiglu}
 
 
 def llama_state(args: dict) -> dict[str, torch.Tensor]:
@@ -65,14 +72,14 @@ def test_the_args_describe_the_model_state_dict(dense):
     assert {n: tuple(t.shape) for n, t in dense.items()} == expected_shapes(LLAMA, TRUE_VOCAB)
     assert dense[QKV].shape == ((8 + 2 * 4) * 8, HIDDEN) and dense[H_TO_4H].shape == (2 * FFN, 64)
     assert OUTPUT_LAYER in dense and not [n for n in dense if n.endswith(".bias")]
-    swiglu = swiglu_tensors(dense)
-    assert H_TO_4H in swiglu and len(swiglu) == 2 * LAYERS  # weight and (absent) bias names
+    swiglu = swiglu_tensors(LLAMA)
+    assert H_TO_4H in swiglu and len(swiglu) == LAYERS  # the weights (no biases)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_shard_merge_round_trip(dense, tp):
     padded = {1: 104, 2: 112, 4: 128}[tp]
-    shards = [shard_state_dict(dense, tp, rank, padded) for rank in range(tp)]
+    shards = [shard_state_dict(dense, tp, rank, padded, SPLITS) for rank in range(tp)]
     gate, up = dense[H_TO_4H].chunk(2)
     groups = dense[QKV].view(4, 8 // 4 + 2, 8, HIDDEN)  # [nkv, nq / nkv + 2, hn, h]
     for rank, shard in enumerate(shards):
@@ -82,7 +89,7 @@ def test_shard_merge_round_trip(dense, tp):
         # Each rank: whole key/value groups, its query heads with their key and value.
         assert torch.equal(shard[QKV], groups.chunk(tp)[rank].reshape(-1, HIDDEN))
         assert shard[OUTPUT_LAYER].shape == (padded // tp, HIDDEN)
-    merged = merge_tp_shards(shards)
+    merged = merge_tp_shards(shards, SPLITS)
     for name in (WORD, OUTPUT_LAYER):
         assert not merged[name][TRUE_VOCAB:].any()
         merged[name] = merged[name][:TRUE_VOCAB]
@@ -92,8 +99,8 @@ def test_shard_merge_round_trip(dense, tp):
 def test_gelu_mlp_is_not_split_in_halves():
     gelu = dict(LLAMA, swiglu=False, ffn_hidden_size=FFN)
     state = llama_state(gelu)
-    assert not swiglu_tensors(state)
-    shard = shard_state_dict(state, 2, 1, 112)
+    assert not swiglu_tensors(gelu)
+    shard = shard_state_dict(state, 2, 1, 112, checkpoint_splits(gelu))
     assert torch.equal(shard[H_TO_4H], state[H_TO_4H][FFN // 2 :])
 
 
@@ -137,7 +144,7 @@ def test_deepspeed_pipeline_files_with_an_lm_head_layer(dense, tmp_path):
     args["padded_vocab_size"] = 112
     torch.save({"module": None, "args": args, "iteration": 3}, tag / "mp_rank_00_model_states.pt")
     for rank in range(2):
-        shard = shard_state_dict(dense, 2, rank, 112)
+        shard = shard_state_dict(dense, 2, rank, 112, SPLITS)
         layers: dict[int, dict] = {}
         for name, tensor in shard.items():
             if name.startswith("language_model.embedding."):
@@ -157,7 +164,7 @@ def test_deepspeed_pipeline_files_with_an_lm_head_layer(dense, tmp_path):
 
 
 def test_stage_of_a_tp_rank_holds_no_tied_copy(dense):
-    shard = shard_state_dict(dense, 1, 0, 104)
+    shard = shard_state_dict(dense, 1, 0, 104, SPLITS)
     last = chunk_state_dict(shard, LAYERS, 2, 1, 1, 0)
     assert OUTPUT_LAYER in last and "word_embeddings_for_head.weight" not in last
     first = chunk_state_dict(shard, LAYERS, 2, 1, 0, 0)

@@ -39,6 +39,7 @@ from megatron.checkpointing.shapes import model_config
 from megatron.checkpointing.shards import load_dense_checkpoint, shard_state_dict
 from megatron.data.alpaca import alpaca_prompt
 from megatron.model import GPTModel
+from megatron.model.sharding import declared_splits
 from megatron.training.monitor import parse_iteration_log
 from tests.compat.finetune_llama_fixtures import (
     HF_MAX_POSITIONS,
@@ -137,7 +138,7 @@ def our_logits(checkpoint: str, tokens: torch.Tensor) -> tuple[torch.Tensor, dic
         model_config(dense.args), vocab_size=rows, parallel_output=False, params_dtype="float32"
     )
     model = GPTModel(config)
-    model.load_state_dict(shard_state_dict(state, 1, 0, rows))
+    model.load_state_dict(shard_state_dict(state, 1, 0, rows, declared_splits(model)))
     with torch.no_grad():
         logits = model.eval()(tokens)[..., : dense.true_vocab_size]
     return logits, dense.args

@@ -120,6 +120,7 @@ def _check_pipeline(
     )
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.model.pipeline_chunks import activation_shape, build_pipeline_chunks
+    from megatron.model.sharding import model_splits
     from megatron.training.megatron_schedules_step import MicroBatchLoss
 
     dense_state, dense_loss, dense_grads = _dense(
@@ -129,8 +130,9 @@ def _check_pipeline(
     model_parallel_cuda_manual_seed(1234)  # the tensor-parallel RNG stream (dropout is 0)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    shard = shard_state_dict(dense_state, tp, tp_rank, VOCAB)
-    grad_shard = shard_state_dict(dense_grads, tp, tp_rank, VOCAB)
+    splits = model_splits(config)
+    shard = shard_state_dict(dense_state, tp, tp_rank, VOCAB, splits)
+    grad_shard = shard_state_dict(dense_grads, tp, tp_rank, VOCAB, splits)
     chunks = build_pipeline_chunks(config, pp_rank, pp, virtual)
     for index, chunk in enumerate(chunks):
         state = chunk_state_dict(shard, config.num_layers, pp, virtual, pp_rank, index)

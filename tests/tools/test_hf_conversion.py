@@ -33,6 +33,7 @@ from megatron.checkpointing.huggingface_llama import (  # noqa: E402
 from megatron.checkpointing.shards import (  # noqa: E402
     CheckpointConversionError,
     DenseCheckpoint,
+    checkpoint_splits,
     load_dense_checkpoint,
     save_megatron_checkpoint,
     shard_state_dict,
@@ -125,7 +126,8 @@ def same_model(args: dict, other: dict) -> bool:
 def our_model(state: dict[str, torch.Tensor], args: dict) -> GPTModel:
     """Our TP=1 GPTModel (eval mode, full logits) holding `state` (true vocab rows)."""
     config = model_config(args)
-    padded = shard_state_dict(state, 1, 0, -(-state[WORD].size(0) // 128) * 128)
+    rows = -(-state[WORD].size(0) // 128) * 128
+    padded = shard_state_dict(state, 1, 0, rows, checkpoint_splits(args))
     config = dataclasses.replace(config, vocab_size=padded[WORD].size(0), parallel_output=False)
     model = GPTModel(config)
     model.load_state_dict(padded)

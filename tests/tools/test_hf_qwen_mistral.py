@@ -54,6 +54,7 @@ from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
+from megatron.model.sharding import declared_splits  # noqa: E402
 from megatron.settled_args import with_settled  # noqa: E402
 from megatron.text_generation import generate  # noqa: E402
 from megatron.tokenizer.hf_tokenizer import HFTokenizer  # noqa: E402
@@ -217,7 +218,8 @@ def _tp2_body(rank: int, world: int, folders: dict[str, str]) -> dict[str, torch
             model_config(loaded.args), vocab_size=loaded.args["padded_vocab_size"]
         )
         model = GPTModel(config)
-        state = shard_state_dict(loaded.state_dict, 2, rank, config.vocab_size)
+        splits = declared_splits(model)
+        state = shard_state_dict(loaded.state_dict, 2, rank, config.vocab_size, splits)
         model.load_state_dict(state)
         with torch.no_grad():
             local = model.eval()(random_tokens(loaded.true_vocab_size))
@@ -250,7 +252,8 @@ def train(loaded: DenseCheckpoint, tokens: torch.Tensor, steps: int) -> tuple[di
         model_config(loaded.args), vocab_size=loaded.args["padded_vocab_size"]
     )
     model = GPTModel(config)
-    model.load_state_dict(shard_state_dict(loaded.state_dict, 1, 0, config.vocab_size))
+    splits = declared_splits(model)
+    model.load_state_dict(shard_state_dict(loaded.state_dict, 1, 0, config.vocab_size, splits))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(steps):

@@ -28,6 +28,7 @@ from megatron.checkpointing.file_format import chunk_keys, flatten_model_state, 
 from megatron.checkpointing.huggingface import model_config
 from megatron.checkpointing.shards import (
     DenseCheckpoint,
+    checkpoint_splits,
     load_dense_checkpoint,
     save_megatron_checkpoint,
     shard_state_dict,
@@ -136,7 +137,8 @@ def test_dense_forward_agrees_across_sizes(chains, variant):
     expected = dense_logits(chain["state"], chain["args"])
     for directory in chain["dirs"].values():
         loaded = load_dense_checkpoint(directory)
-        padded = shard_state_dict(loaded.state_dict, 1, 0, loaded.args["padded_vocab_size"])
+        rows, splits = loaded.args["padded_vocab_size"], checkpoint_splits(loaded.args)
+        padded = shard_state_dict(loaded.state_dict, 1, 0, rows, splits)
         logits = dense_logits(padded, loaded.args)
         assert_close_reordered(logits, expected, terms=loaded.args["hidden_size"])
 

@@ -24,6 +24,7 @@ from megatron.checkpointing.file_format import flatten_model_state, load_file
 from megatron.checkpointing.huggingface import model_config
 from megatron.checkpointing.shards import (
     DenseCheckpoint,
+    checkpoint_splits,
     load_dense_checkpoint,
     save_megatron_checkpoint,
     shard_state_dict,
@@ -75,9 +76,10 @@ def _rank_file(directory: str, tp: int, pp: int) -> dict:
 
 
 def test_rank_files_hold_megatron_lm_model_chunks(dirs):
-    dense = load_dense_checkpoint(dirs["pp1"]).state_dict
+    loaded = load_dense_checkpoint(dirs["pp1"])
+    dense, splits = loaded.state_dict, checkpoint_splits(loaded.args)
     for tp in range(2):
-        shard = shard_state_dict(dense, 2, tp, PADDED)
+        shard = shard_state_dict(dense, 2, tp, PADDED, splits)
         for pp in range(2):
             saved = _rank_file(dirs["vpp2"], tp, pp)
             assert sorted(k for k in saved if k.startswith("model")) == ["model0", "model1"]

@@ -310,6 +310,7 @@ class VocabParallelEmbedding(nn.Module):
             self.weight, (num_embeddings, embedding_dim), 0, init_method, 1, use_cpu_initialization
         )
         set_tensor_model_parallel_attributes(self.weight, 0, 1)
+        self.weight.vocab_parallel = True  # the rows are the (padded) vocabulary
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Ids of any shape -> embeddings of shape [*ids.shape, h], summed over TP ranks."""

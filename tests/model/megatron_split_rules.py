@@ -1,15 +1,12 @@
-"""Which dimension tensor parallelism splits each GPTModel parameter along, by name.
-
-Shared by the offline conversions (`megatron.checkpointing.shards`) and the torch_dist format
-(`megatron.checkpointing.dist_checkpoint`), which saves each shard as a slice of its global
-tensor.
+"""Megatron's tensor-parallel split of each GPTModel parameter, stated by name: the test
+oracle the layers' own declarations (`megatron.model.sharding`) are checked against
+(tests/model/test_sharding.py). The code reads the declarations, never these names.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron.checkpointing.layouts import CheckpointConversionError
 from megatron.checkpointing.pipeline_stages import HEAD_WEIGHT
 from megatron.checkpointing.shapes import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS
 
@@ -66,7 +63,7 @@ def partition_dim(name: str, expert_tensor_parallel: bool = False) -> int | None
         return 1
     if name.endswith(REPLICATED):
         return None
-    raise CheckpointConversionError(f"no tensor-parallel rule for parameter {name!r}")
+    raise KeyError(f"no tensor-parallel rule for parameter {name!r}")
 
 
 def swiglu_tensors(state: dict[str, torch.Tensor]) -> set[str]:
