@@ -7,7 +7,8 @@ checkpoint directory that loads at any parallel layout (`megatron.checkpointing.
 dist_checkpoint`). Loading always detects the format it finds, so `--auto-detect-ckpt-format`
 is what happens anyway. Megatron-LM's tuning flags for its own writer (fully parallel save and
 load, constant structure) are accepted without effect: DCP writes each replicated tensor once,
-spread over the ranks holding it, and each rank reads only its slices.
+spread over the ranks holding it, and each rank reads only its slices. Which engines write
+`torch_dist` is in `megatron.compatibility`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import argparse
 import os
 
 from megatron.arguments.errors import ArgumentError
-from megatron.layout import Engine
 
 FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
 STRICTNESS = (
@@ -158,39 +158,4 @@ def settle_checkpoint_conversion(args: argparse.Namespace) -> None:
         raise ArgumentError(
             f"--ckpt-convert-save {destination}: {written} already holds a checkpoint; "
             "choose another directory (nothing is overwritten)"
-        )
-
-
-def refuse_dist_checkpoint_engines(args: argparse.Namespace) -> None:
-    """torch_dist (written, or converted to) where DeepSpeed's engine keeps weights or state
-    outside DeepSpeed's per-parameter accessors: one line each. Needs `args.layout`."""
-    uses_dist = "torch_dist" in (args.ckpt_format, args.ckpt_convert_format)
-    layout = args.layout
-    if not uses_dist or not layout.engine.uses_deepspeed:
-        return
-    flag = (
-        "--ckpt-format torch_dist"
-        if args.ckpt_format == "torch_dist"
-        else "--ckpt-convert-format torch_dist"
-    )
-    if layout.engine is Engine.DEEPSPEED_PIPE:
-        raise ArgumentError(
-            f"{flag} with DeepSpeed's pipeline engine: not built; add --no-pipeline-parallel "
-            "(PP = 1), or run the pipeline without --deepspeed (Megatron's schedules)"
-        )
-    from megatron.deepspeed_facts import (
-        OptimizerWrapper,
-        UnsupportedByDeepSpeed,
-        deepspeed_optimizer_wrapper,
-    )
-
-    try:
-        wrapper = deepspeed_optimizer_wrapper(args)
-    except UnsupportedByDeepSpeed:
-        return  # DeepSpeed refuses the run itself, in its own words
-    if wrapper in (OptimizerWrapper.FP16_UNFUSED, OptimizerWrapper.FP16_FUSED):
-        raise ArgumentError(
-            f"{flag} with --deepspeed {layout.precision} at ZeRO stage 0: DeepSpeed's "
-            f"{wrapper.value} keeps its fp32 copies where its per-parameter accessors do not "
-            "reach; use ZeRO stage 1-3 (or fp32)"
         )

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.arguments.engine_refusals import refuse_what_the_engine_cannot_run
 from megatron.arguments.errors import ArgumentError
+from megatron.compatibility import Step
 
 
 def add_housekeeping_flags(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +110,7 @@ def add_housekeeping_flags(parser: argparse.ArgumentParser) -> None:
 
 def check_housekeeping(args: argparse.Namespace) -> None:
     """Megatron-DeepSpeed's --profile_steps read into the window; one-line refusals for values
-    that cannot work."""
+    that cannot work, and for what the engine does not run (`megatron.compatibility`)."""
     if args.profile_steps is not None:
         try:
             args.profile_step_start, args.profile_step_end = map(int, args.profile_steps.split(","))
@@ -121,20 +123,7 @@ def check_housekeeping(args: argparse.Namespace) -> None:
             f"--profile-step-end {args.profile_step_end} is before --profile-step-start "
             f"{args.profile_step_start}"
         )
-    if args.decoupled_lr is not None and args.deepspeed:
-        # DeepSpeed's optimizer wrappers rebuild the param groups without these keys.
-        raise ArgumentError(
-            f"--decoupled-lr {args.decoupled_lr} with --deepspeed: a learning rate of the input "
-            "and output layers' own runs on the plain engine and Megatron's schedules here"
-        )
-    if args.calculate_per_token_loss and args.deepspeed:
-        # DeepSpeed's engine averages the gradients over micro-batches and ranks inside its
-        # step; the division by the global batch's token count has no place there.
-        raise ArgumentError(
-            "--calculate-per-token-loss with --deepspeed: the per-token normalisation divides "
-            "the reduced gradients by the global batch's token count, which DeepSpeed's engine "
-            "does not expose before its step; it runs on the plain engine and Megatron's "
-            "schedules (drop --deepspeed)"
-        )
+    # --decoupled-lr and --calculate-per-token-loss: which engines run them is the table's.
+    refuse_what_the_engine_cannot_run(args, Step.HOUSEKEEPING)
     if args.manual_gc_interval < 0:
         raise ArgumentError(f"--manual-gc-interval {args.manual_gc_interval}: must be 0 or more")

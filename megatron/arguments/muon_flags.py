@@ -15,6 +15,8 @@ Names, defaults and meanings are Megatron-LM's (megatron/training/arguments.py; 
 - DeepSpeed where its wrapper flattens parameters into partitions (ZeRO 1-3, its
   BF16_Optimizer): DeepSpeed's own `MuonWithAuxAdam`, whose update is Megatron-LM's only with
   `DEEPSPEED_MUON`'s flags; other flags are refused in one line naming them.
+
+What each engine refuses is a row of `megatron.compatibility.FEATURES` (the Muon rows).
 """
 
 from __future__ import annotations
@@ -22,11 +24,6 @@ from __future__ import annotations
 import argparse
 
 from megatron.arguments.errors import ArgumentError
-from megatron.deepspeed_facts import (
-    OptimizerWrapper,
-    deepspeed_optimizer_wrapper,
-    optimizer_state_partitioned,
-)
 from megatron.training.muon import (
     FP32_MATMUL_PRECISIONS,
     NS_COEFFICIENTS,
@@ -165,48 +162,4 @@ def settle_muon(args: argparse.Namespace) -> None:
             " > --optimizer muon --use-distributed-optimizer: Megatron-LM's layer-wise "
             "distributed optimizer is not built here; the same updates run with every "
             "data-parallel rank holding the whole Muon and AdamW state"
-        )
-
-
-def check_muon_engine(args: argparse.Namespace) -> None:
-    """Refuse, in one line, Muon flags the settled layout's engine cannot run."""
-    if args.optimizer != "muon" or not args.layout.engine.uses_deepspeed:
-        return
-    if args.ckpt_format == "torch_dist":
-        raise ArgumentError(
-            "--optimizer muon --ckpt-format torch_dist with --deepspeed: the DeepSpeed "
-            "torch_dist writer saves Adam's moments only; use --ckpt-format torch"
-        )
-    wrapper = deepspeed_optimizer_wrapper(args)
-    if not optimizer_state_partitioned(wrapper):
-        return  # our Muon steps the whole parameters
-    where = f"{args.layout.precision} ZeRO-{args.layout.zero_stage} ({wrapper.value})"
-    if getattr(args, "routed_moe", False):
-        # DeepSpeed's Muon orthogonalizes a 3-D tensor as a batch of its [in, out] slices: the
-        # transposes of megatron-core's expert matrices, which shape_scaling tells apart.
-        raise ArgumentError(
-            f"--optimizer muon at {where} with Megatron-LM's MoE: DeepSpeed's Muon would "
-            "orthogonalize the stacked experts transposed; use fp32 ZeRO-0 or drop --deepspeed"
-        )
-    if wrapper is OptimizerWrapper.BF16:  # bf16_optimizer.py: "BF16 Muon currently requires
-        # FP32 accumulation, dense DP and eager execution" (no mpu: both engines pass one)
-        raise ArgumentError(
-            f"--optimizer muon at {where}: DeepSpeed's BF16_Optimizer runs Muon only without "
-            "a model-parallel unit, which both its engines pass; use ZeRO-2, or ZeRO-0 with "
-            "--no-pipeline-parallel"
-        )
-    zero = args.deepspeed_config_dict.get("zero_optimization") or {}
-    if args.layout.zero_stage == 3 and zero.get("reduce_scatter", True):
-        raise ArgumentError(
-            f"--optimizer muon at {where}: DeepSpeed's ZeRO-3 runs Muon only with "
-            '"zero_optimization": {"reduce_scatter": false} in --deepspeed_config'
-        )
-    needed = [flag for dest, value, flag in DEEPSPEED_MUON if getattr(args, dest) != value]
-    if args.tensor_model_parallel_size > 1 and args.muon_tp_mode != "blockwise":
-        needed.append("--muon-tp-mode blockwise")
-    if needed:
-        raise ArgumentError(
-            f"--optimizer muon at {where} runs DeepSpeed's Muon, whose update is Megatron-LM's "
-            f"only with {' '.join(needed)}; add them, or use fp32 ZeRO-0 or drop --deepspeed "
-            "(Megatron-LM's Muon with any --muon-* flags)"
         )

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.arguments.engine_refusals import refuse_what_the_engine_cannot_run
 from megatron.arguments.errors import ArgumentError
+from megatron.compatibility import Step
+from megatron.layout import ParallelLayout
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -112,19 +115,10 @@ def settle_sharding(args: argparse.Namespace) -> None:
     if strategy == "no_shard" and args.use_distributed_optimizer:
         strategy = "optim_grads"
     args.data_parallel_sharding = {"no_shard": "none"}.get(strategy, strategy)
+    # Which engines shard with FSDP2 is the table's; refused here, before the sharding's own
+    # settings. `validate_args` settles the layout later: its engine and sharding already are.
+    refuse_what_the_engine_cannot_run(args, Step.SHARDING, ParallelLayout.from_args(args))
     sharded = args.data_parallel_sharding != "none"
-    if sharded and args.deepspeed:
-        flag = (
-            "--use-torch-fsdp2"
-            if args.use_torch_fsdp2
-            else (
-                "--use-megatron-fsdp" if args.use_megatron_fsdp else "--use-distributed-optimizer"
-            )
-        )
-        raise ArgumentError(
-            f"{flag} with --deepspeed: DeepSpeed shards with ZeRO (--zero-stage 1-3); drop "
-            f"{flag}, or drop --deepspeed for torch FSDP2"
-        )
     _megatron_fsdp_grad_dtypes(args)
     if args.grad_reduce_in_bf16 and not (sharded and args.bf16):
         raise ArgumentError(
@@ -150,18 +144,3 @@ def _megatron_fsdp_grad_dtypes(args: argparse.Namespace) -> None:
             )
     if "bf16" in dtypes.values():
         args.grad_reduce_in_bf16 = True
-
-
-def refuse_sharded_experts(args: argparse.Namespace, experts: str | None) -> None:
-    """FSDP2 over MoE layers (`experts`: the MoE flags, or None) is not built: one line."""
-    if experts is not None and args.layout.sharding != "none":
-        raise ArgumentError(
-            f"{_sharding_flag(args)} with {experts}: FSDP2 over expert layers is not built "
-            "here; use --deepspeed --no-pipeline-parallel with ZeRO"
-        )
-
-
-def _sharding_flag(args: argparse.Namespace) -> str:
-    if args.use_torch_fsdp2:
-        return "--use-torch-fsdp2"
-    return "--use-megatron-fsdp" if args.use_megatron_fsdp else "--use-distributed-optimizer"

@@ -14,7 +14,6 @@ import importlib.util
 import os
 
 from megatron.arguments.checkpoint_format_flags import (
-    refuse_dist_checkpoint_engines,
     settle_checkpoint_conversion,
     settle_checkpoint_format,
 )
@@ -35,20 +34,21 @@ from megatron.arguments.ds_config import (
     settle_gradient_accumulation_dtype,
 )
 from megatron.arguments.ds_unused_sections import set_aside_unused_sections
+from megatron.arguments.engine_refusals import refuse_what_the_engine_cannot_run
 from megatron.arguments.errors import ArgumentError, flag_name
 from megatron.arguments.fp8_flags import settle_fp8
 from megatron.arguments.housekeeping_flags import check_housekeeping
 from megatron.arguments.moe_flags import settle_moe
-from megatron.arguments.muon_flags import check_muon_engine, settle_muon
+from megatron.arguments.muon_flags import settle_muon
 from megatron.arguments.parallel_flags import job_backend
 from megatron.arguments.pipeline_checks import settle_pipeline
 from megatron.arguments.precision import check_flash_attention_precision
 from megatron.arguments.routed_moe_flags import choose_moe_family, settle_routed_moe
-from megatron.arguments.sharding_flags import refuse_sharded_experts, settle_sharding
+from megatron.arguments.sharding_flags import settle_sharding
 from megatron.arguments.ulysses_checks import settle_ulysses
 from megatron.arguments.v1_flags import train_data_corpus, translate_v1_flags
 from megatron.atomic_files import nearest_existing
-from megatron.compatibility import refusal
+from megatron.compatibility import Step
 from megatron.config import model_params_dtype
 from megatron.extensions import install_hint
 from megatron.layout import ParallelLayout
@@ -321,16 +321,6 @@ def _recompute(args: argparse.Namespace) -> None:
         )
 
 
-def _experts_flag(args: argparse.Namespace) -> str | None:
-    """`--num-experts ...` as typed when some layer has DeepSpeed-MoE experts, else None."""
-    counts = getattr(args, "num_experts", None) or [1]
-    if getattr(args, "routed_moe", False):
-        return None
-    if not any(count > 1 for count in counts):
-        return None
-    return "--num-experts " + " ".join(map(str, counts))
-
-
 def _pipeline_and_checkpoints(args: argparse.Namespace) -> None:
     settle_pipeline(args)
     args.max_consecutive_skipped_iterations = getattr(
@@ -532,10 +522,7 @@ def validate_args(
     settle_checkpoint_conversion(args)
     # Settled once: everything past here (and past validation) reads the layout.
     args.layout = ParallelLayout.from_args(args)
-    incompatible = refusal(args.layout, _experts_flag(args))
-    if incompatible is not None:
-        raise ArgumentError(incompatible)
-    refuse_sharded_experts(args, _experts_flag(args))  # DeepSpeed-MoE's
+    refuse_what_the_engine_cannot_run(args, Step.LAYOUT)
     settle_moe(args)
     settle_routed_moe(args)
     check_housekeeping(args)
@@ -544,8 +531,8 @@ def validate_args(
     settle_fp8(args)
     if args.deepspeed:
         settle_gradient_accumulation_dtype(args, args.deepspeed_config_dict, config_source)
-    check_muon_engine(args)  # after the accumulation dtype: it picks DeepSpeed's wrapper
-    refuse_dist_checkpoint_engines(args)
+    # After the accumulation dtype: it picks DeepSpeed's optimizer wrapper.
+    refuse_what_the_engine_cannot_run(args, Step.OPTIMIZER)
     _schedule(args)
     if getattr(args, "dry_run", False):
         _dry_run(args)

@@ -52,10 +52,10 @@ def _fsdp_changes(inputs: PlanInputs) -> list[Change]:
     """torch FSDP2's strategies beyond the job's own, where the compatibility table runs
     sharded data parallelism on its engine (never with experts)."""
     engine = next(kind for kind, name in PLANNER_ENGINES.items() if name == inputs.engine)
-    runs = engine in engines_running("sharded data parallelism (torch FSDP2)")
-    # FSDP2 over expert layers is refused (megatron.arguments.sharding_flags).
+    rows = ["sharded data parallelism (torch FSDP2)"]
     if inputs.model.moe is not None:
-        runs = False
+        rows.append("sharded data parallelism of DeepSpeed-MoE layers")
+    runs = all(engine in engines_running(row) for row in rows)
     if not runs or inputs.zero_group == 1:
         return []
     names = [name for name, _ in _FSDP_STRATEGIES]

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from megatron.compatibility import FEATURES, markdown_table, refusal, zero_stages_on
+from megatron.compatibility import FEATURES, RunFeatures, markdown_table, refusal, zero_stages_on
 from megatron.deepspeed_facts import PIPELINE_ENGINE_ZERO_STAGES
 from megatron.layout import Engine, ParallelLayout, choose_engine
 from megatron.training.engines import ENGINES, TrainingEngine
@@ -110,18 +110,19 @@ def test_the_layout_is_frozen_and_checks_its_sizes() -> None:
     ],
 )
 def test_each_refusal_comes_from_the_table(layout, moe, line) -> None:  # noqa: ANN001
-    found = refusal(layout, moe)
+    found = refusal(layout, RunFeatures(moe=moe))
     assert found is not None and found.startswith(line), found
     assert "\n" not in found
 
 
 def test_what_every_engine_runs_is_not_refused() -> None:
     assert all(feature.engines for feature in FEATURES)
-    assert refusal(_layout(Engine.DEEPSPEED, zero_stage=3, ulysses=2), "--num-experts 4") is None
+    experts = RunFeatures(moe="--num-experts 4")
+    assert refusal(_layout(Engine.DEEPSPEED, zero_stage=3, ulysses=2), experts) is None
     interleaved = _layout(Engine.MEGATRON_SCHEDULES, pipeline_parallel=2, virtual_pipeline=2)
     assert refusal(interleaved) is None
-    assert refusal(_layout(Engine.PLAIN), "--num-experts 4") is None  # MoE at EP 1, TP 1
-    assert refusal(dataclasses.replace(interleaved, virtual_pipeline=1), "--num-experts 4") is None
+    assert refusal(_layout(Engine.PLAIN), experts) is None  # MoE at EP 1, TP 1
+    assert refusal(dataclasses.replace(interleaved, virtual_pipeline=1), experts) is None
 
 
 def test_the_planner_reads_zero_stages_from_the_table() -> None:
