@@ -75,42 +75,30 @@ def initialize_distributed(
     if use_deepspeed:
         import deepspeed
 
+        skip_deepspeed_cpu_inference_comm()
         # Adopts the group above where there is one.
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
-        release_deepspeed_shm_name()
     elif store is None:
         dist.init_process_group(backend=backend, timeout=timeout)
 
 
-def deepspeed_shm_path(rank: int) -> str:
-    """Where DeepSpeed's CPU all-reduce keeps `rank`'s shared buffer under this run's address."""
-    return "/dev/shm/deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
-        os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), rank
-    )
+def skip_deepspeed_cpu_inference_comm() -> None:
+    """Keep `deepspeed.init_distributed` from building its CPU shared-memory all-reduce op.
 
-
-def release_deepspeed_shm_name() -> None:
-    """Unlink this rank's /dev/shm name of DeepSpeed's CPU all-reduce buffer once all ranks hold it.
-
-    On the CPU accelerator, `deepspeed.init_distributed` under the deepspeed launcher (which sets
-    LOCAL_SIZE to the world size) has every rank create a 69 MB shared-memory file and map every
-    other rank's, and nothing ever unlinks them: each CPU run left 69 MB per rank in /dev/shm,
-    which is RAM, until a day of runs filled the machine. The mappings stay valid after the
-    names go; the barrier first makes sure no rank is still opening a peer's name.
+    On DeepSpeed's CPU accelerator every process's `init_distributed` JIT-loads that op (used
+    only by `inference_all_reduce`, which training never calls): a ninja run under a file lock
+    in ~/.cache/torch_extensions, a full 23 s rebuild whenever another ninja last touched the
+    build directory, and a 69 MB /dev/shm buffer per rank that nothing unlinks. A process killed
+    while it holds the build lock leaves the lock behind, and every later DeepSpeed start on the
+    machine then waits on it forever. Without the op, DeepSpeed uses the process group's
+    all-reduce, as it does wherever the op cannot be built. No effect off the CPU accelerator.
     """
+    from deepspeed import ops
     from deepspeed.accelerator import get_accelerator
 
-    if (
-        not hasattr(os, "getuid")
-        or get_accelerator().device_name() != "cpu"
-        or os.environ.get("LOCAL_SIZE") != str(dist.get_world_size())
-    ):
-        return
-    dist.barrier()
-    try:
-        os.unlink(deepspeed_shm_path(dist.get_rank()))
-    except FileNotFoundError:
-        pass
+    if get_accelerator().device_name() == "cpu":
+        # DeepSpeed probes this dict once and keeps it, so the edit holds for the process.
+        ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _store_of_this_restart(timeout: timedelta) -> dist.Store | None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -275,28 +274,15 @@ def _preloaded_launchers_end() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _no_deepspeed_shared_memory_left() -> None:
-    """Remove DeepSpeed's CPU all-reduce buffers that a rank killed mid-start left in /dev/shm.
+def _no_deepspeed_cpu_inference_comm() -> None:
+    """Tests that start DeepSpeed in this process skip its CPU shared-memory op, as runs do.
 
-    /dev/shm is RAM: a run whose rank died before megatron.initialize unlinked its 69 MB buffer
-    would keep it until the machine restarts, and enough of them starve later tests of memory.
+    (megatron.initialize.skip_deepspeed_cpu_inference_comm: a JIT build under a lock that a
+    killed process leaves behind, and /dev/shm buffers; spawned worlds do the same.)
     """
-    from tests.distributed import worker_ports
+    from megatron.initialize import skip_deepspeed_cpu_inference_comm
 
-    pattern = "/dev/shm/deepspeed_allreduce_buffer_*"
-    before = set(glob.glob(pattern))
-    yield
-    # Under pytest-xdist, only this worker's runs' buffers (named ..._{addr}_{port}_{rank}, the
-    # port from this worker's block): the other worker's live runs may not have mapped theirs.
-    ports = worker_ports()
-    for path in set(glob.glob(pattern)) - before:
-        port = re.search(r"_(\d+)_\d+$", path)
-        if ports is not None and not (port and int(port.group(1)) in ports):
-            continue
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    skip_deepspeed_cpu_inference_comm()
 
 
 @pytest.fixture(scope="session")

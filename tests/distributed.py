@@ -20,6 +20,7 @@ import os
 import random
 import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -136,6 +137,9 @@ def _worker(
         LOCAL_RANK=str(rank),
     )
     _STORE = dist.TCPStore(HOST, port, world_size, False, timeout=COLLECTIVE_TIMEOUT)
+    from megatron.initialize import skip_deepspeed_cpu_inference_comm
+
+    skip_deepspeed_cpu_inference_comm()  # as runs do; bodies may call deepspeed.init_distributed
     dist.init_process_group(
         "gloo",
         store=dist.PrefixStore("world", _STORE),
@@ -191,9 +195,13 @@ class World:
                 )
                 try:
                     self._supervise(context, fn, stack_dir, deadline_s, progress_key)
-                except BaseException:
-                    # Also pytest-timeout's or Ctrl-C's interruption: no rank outlives the call.
+                except Exception:  # a rank raised or timed out: no rank outlives the call
                     _kill(context)
+                    raise
+                except BaseException:
+                    # pytest-timeout's interruption (or Ctrl-C): its report shows only this
+                    # process's stack, so print where every rank was (captured with the test).
+                    print(self._stacks_then_kill(context, stack_dir), file=sys.stderr)
                     raise
         finally:
             if hidden is None:

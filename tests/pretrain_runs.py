@@ -183,8 +183,9 @@ def launch_for_real(
 def shared_memory_left_by(run: subprocess.CompletedProcess) -> list[str]:
     """The /dev/shm files that `run` (a `launch` under the deepspeed launcher) left behind.
 
-    DeepSpeed's CPU all-reduce names its 69 MB per-rank buffers after the master port; ours
-    unlinks them once every rank has mapped them (megatron.initialize), so this is empty.
+    DeepSpeed's CPU all-reduce op names its 69 MB per-rank buffers after the master port; our
+    runs do not build that op (megatron.initialize.skip_deepspeed_cpu_inference_comm), so
+    this is empty.
     """
     port = run.args[run.args.index("--master_port") + 1]
     return glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")

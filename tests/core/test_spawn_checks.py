@@ -145,6 +145,29 @@ def test_a_hung_world_fails_with_every_ranks_stack():
     assert "in wait" in rank1 and "test_spawn_checks.py" in rank1, message
 
 
+class _InterruptedOnceReady(World):
+    """A world whose supervision is interrupted (as pytest-timeout does) once both ranks block."""
+
+    def progress(self, key: str) -> int:
+        ready = super().progress(key)
+        if ready == self.world_size:
+            raise KeyboardInterrupt
+        return ready
+
+
+def test_an_interrupted_world_prints_every_ranks_stack(capfd):
+    with pytest.raises(KeyboardInterrupt):
+        _InterruptedOnceReady(2).run(
+            _one_rank_waits_in_a_collective_the_other_never_enters,
+            deadline_s=COLLECTIVE_TIMEOUT.total_seconds(),
+            progress_key="ready",
+        )
+    printed = capfd.readouterr().err
+    rank0, rank1 = printed.split("--- rank 0")[1].split("--- rank 1")
+    for stack in (rank0, rank1):
+        assert "_one_rank_waits_in_a_collective_the_other_never_enters" in stack, printed
+
+
 def test_run_distributed_has_a_deadline():
     with pytest.raises(WorldTimeout, match="the world did not end within 5 s"):
         run_distributed(_sleeps_forever, 2, deadline_s=5)

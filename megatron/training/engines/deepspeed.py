@@ -65,6 +65,10 @@ class DeepSpeedEngine(TrainingEngine):
         """`deepspeed.initialize(model, optimizer, lr_scheduler, mpu, config)`."""
         import deepspeed
 
+        from megatron.initialize import skip_deepspeed_cpu_inference_comm
+
+        skip_deepspeed_cpu_inference_comm()  # before deepspeed.initialize's init_distributed
+
         layout = args.layout
         config = dict(args.deepspeed_config_dict)
         mpu = parallel_state.deepspeed_mpu()
