@@ -88,6 +88,7 @@ import pretrain_gpt  # noqa: E402
 from megatron.arguments import parse_args  # noqa: E402
 from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
+from megatron.deepspeed_facts import skip_deepspeed_cpu_inference_comm  # noqa: E402
 from megatron.initialize import set_random_seed  # noqa: E402
 from megatron.model import flops_per_token, num_parameters  # noqa: E402
 from megatron.settled_args import with_settled  # noqa: E402
@@ -160,6 +161,7 @@ def initialize_world() -> None:
         WORLD_SIZE="1",
         LOCAL_RANK="0",
     )
+    skip_deepspeed_cpu_inference_comm()  # as our runs start DeepSpeed
     with contextlib.redirect_stdout(io.StringIO()):
         deepspeed.init_distributed(dist_backend="gloo")
     parallel_state.initialize_model_parallel(1, 1)

@@ -79,6 +79,7 @@ import pretrain_gpt  # noqa: E402
 from megatron.arguments import parse_args  # noqa: E402
 from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
+from megatron.deepspeed_facts import skip_deepspeed_cpu_inference_comm  # noqa: E402
 from megatron.initialize import set_random_seed  # noqa: E402
 from megatron.model import num_parameters  # noqa: E402
 from megatron.settled_args import with_settled  # noqa: E402
@@ -224,6 +225,7 @@ def worker(rank: int, setups: list[Setup], shape: dict, settings: dict, out_path
     torch.set_num_interop_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(RANKS))
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    skip_deepspeed_cpu_inference_comm()  # as our runs start DeepSpeed
     with contextlib.redirect_stdout(io.StringIO()):
         deepspeed.init_distributed(dist_backend="gloo")
     parallel_state.initialize_model_parallel(1, 1)

@@ -85,6 +85,7 @@ from worlds import multiprocessing_context, start_world  # noqa: E402  (benchmar
 import pretrain_gpt  # noqa: E402
 from megatron.arguments import parse_args  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
+from megatron.deepspeed_facts import skip_deepspeed_cpu_inference_comm  # noqa: E402
 from megatron.initialize import set_random_seed  # noqa: E402
 from megatron.settled_args import with_settled  # noqa: E402
 from megatron.training import setup_model_and_optimizer  # noqa: E402
@@ -191,6 +192,7 @@ def _rank_work(rank: int, size: int, shape: dict, settings: dict, barrier, out_p
         MASTER_PORT=str(settings["ports"][size]),
     )
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    skip_deepspeed_cpu_inference_comm()  # as our runs start DeepSpeed
     with contextlib.redirect_stdout(io.StringIO()):
         deepspeed.init_distributed(dist_backend="gloo")
     parallel_state.initialize_model_parallel(1, 1, size)

@@ -7,6 +7,8 @@ optimizer state over the data-parallel ranks, when gradients are reduced, and th
 bucket sizes. Each fact names the DeepSpeed file and function it was read from, in the
 version `DEEPSPEED_VERSION_READ`; a plan's notes name that version too.
 
+Also the one start-up setting these facts call for: `skip_deepspeed_cpu_inference_comm`.
+
 Importing this module imports no DeepSpeed (and nothing of megatron): the planner runs
 without a device, and the facts are checked against a real `deepspeed.initialize` in
 tests/planning/test_deepspeed_facts.py.
@@ -182,3 +184,22 @@ MAX_LIVE_PARAMETERS = 1_000_000_000
 
 MAX_REUSE_DISTANCE = 1_000_000_000
 """zero/config.py max_reuse_distance (stage3_max_reuse_distance)."""
+
+
+def skip_deepspeed_cpu_inference_comm() -> None:
+    """Keep `deepspeed.init_distributed` from building its CPU shared-memory all-reduce op.
+
+    On DeepSpeed's CPU accelerator every process's `init_distributed` JIT-loads that op (used
+    only by `inference_all_reduce`, which training never calls): a ninja run under a file lock
+    in ~/.cache/torch_extensions, a full 23 s rebuild whenever another ninja last touched the
+    build directory, and a 69 MB /dev/shm buffer per rank that nothing unlinks. A process killed
+    while it holds the build lock leaves the lock behind, and every later DeepSpeed start on the
+    machine then waits on it forever. Without the op, DeepSpeed uses the process group's
+    all-reduce, as it does wherever the op cannot be built. No effect off the CPU accelerator.
+    """
+    from deepspeed import ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        # DeepSpeed probes this dict once and keeps it, so the edit holds for the process.
+        ops.__compatible_ops__["deepspeed_shm_comm"] = False

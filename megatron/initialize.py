@@ -29,6 +29,7 @@ from megatron.arguments.precision import precision_summary, precision_warnings
 from megatron.arguments.validation import batch_arithmetic, format_arguments
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as tp_random
+from megatron.deepspeed_facts import skip_deepspeed_cpu_inference_comm
 from megatron.utils import print_rank_0
 
 
@@ -80,25 +81,6 @@ def initialize_distributed(
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     elif store is None:
         dist.init_process_group(backend=backend, timeout=timeout)
-
-
-def skip_deepspeed_cpu_inference_comm() -> None:
-    """Keep `deepspeed.init_distributed` from building its CPU shared-memory all-reduce op.
-
-    On DeepSpeed's CPU accelerator every process's `init_distributed` JIT-loads that op (used
-    only by `inference_all_reduce`, which training never calls): a ninja run under a file lock
-    in ~/.cache/torch_extensions, a full 23 s rebuild whenever another ninja last touched the
-    build directory, and a 69 MB /dev/shm buffer per rank that nothing unlinks. A process killed
-    while it holds the build lock leaves the lock behind, and every later DeepSpeed start on the
-    machine then waits on it forever. Without the op, DeepSpeed uses the process group's
-    all-reduce, as it does wherever the op cannot be built. No effect off the CPU accelerator.
-    """
-    from deepspeed import ops
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() == "cpu":
-        # DeepSpeed probes this dict once and keeps it, so the edit holds for the process.
-        ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _store_of_this_restart(timeout: timedelta) -> dist.Store | None:

@@ -277,10 +277,10 @@ def _preloaded_launchers_end() -> Iterator[None]:
 def _no_deepspeed_cpu_inference_comm() -> None:
     """Tests that start DeepSpeed in this process skip its CPU shared-memory op, as runs do.
 
-    (megatron.initialize.skip_deepspeed_cpu_inference_comm: a JIT build under a lock that a
+    (megatron.deepspeed_facts.skip_deepspeed_cpu_inference_comm: a JIT build under a lock that a
     killed process leaves behind, and /dev/shm buffers; spawned worlds do the same.)
     """
-    from megatron.initialize import skip_deepspeed_cpu_inference_comm
+    from megatron.deepspeed_facts import skip_deepspeed_cpu_inference_comm
 
     skip_deepspeed_cpu_inference_comm()
 

@@ -137,7 +137,7 @@ def _worker(
         LOCAL_RANK=str(rank),
     )
     _STORE = dist.TCPStore(HOST, port, world_size, False, timeout=COLLECTIVE_TIMEOUT)
-    from megatron.initialize import skip_deepspeed_cpu_inference_comm
+    from megatron.deepspeed_facts import skip_deepspeed_cpu_inference_comm
 
     skip_deepspeed_cpu_inference_comm()  # as runs do; bodies may call deepspeed.init_distributed
     dist.init_process_group(

@@ -184,7 +184,7 @@ def shared_memory_left_by(run: subprocess.CompletedProcess) -> list[str]:
     """The /dev/shm files that `run` (a `launch` under the deepspeed launcher) left behind.
 
     DeepSpeed's CPU all-reduce op names its 69 MB per-rank buffers after the master port; our
-    runs do not build that op (megatron.initialize.skip_deepspeed_cpu_inference_comm), so
+    runs do not build that op (megatron.deepspeed_facts.skip_deepspeed_cpu_inference_comm), so
     this is empty.
     """
     port = run.args[run.args.index("--master_port") + 1]

@@ -21,6 +21,7 @@ from megatron.deepspeed_facts import (
     deepspeed_optimizer_wrapper,
     guards_steps,
     optimizer_state_partitioned,
+    skip_deepspeed_cpu_inference_comm,
 )
 from megatron.layout import Engine, ParallelLayout
 from megatron.model import GPTModel
@@ -64,8 +65,6 @@ class DeepSpeedEngine(TrainingEngine):
     ) -> DeepSpeedEngine:
         """`deepspeed.initialize(model, optimizer, lr_scheduler, mpu, config)`."""
         import deepspeed
-
-        from megatron.initialize import skip_deepspeed_cpu_inference_comm
 
         skip_deepspeed_cpu_inference_comm()  # before deepspeed.initialize's init_distributed
 
