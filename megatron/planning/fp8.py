@@ -15,8 +15,9 @@ so what it keeps for the backward is what F.linear keeps; its FP8 copies live in
 - a cast to FP8 (`hp_tensor_to_float8_dynamic`: `tensor.to(float32) * scale`, clamped, then
   `.to(float8)`) holds the fp32 scaled and clamped copies beside its 1-byte result: 9 bytes an
   element at its height (`CAST`), 1 byte after;
-- forward: the input's cast (9 MK); the weight's beside the input's FP8 copy (MK + 9 NK); the
-  scaled matmul over both (MK + NK); with a bias (QKV's), the biased output beside the
+- forward: the input's cast (9 MK); the weight's beside the input's FP8 copy (MK + 9 NK), both
+  before the output exists (so less i MN, the output F.linear would hold too); the scaled
+  matmul over both (MK + NK) beside the output; with a bias (QKV's), the biased output beside the
   product (i MN); an MLP's second matmul also has the MLP's locals beside it
   (`Fp8Matmul.held`: alive only inside a layer, so no moment without FP8 counts them);
 - backward: the output gradient's cast (9 MN) and the weight's again (MN + 9 NK), both kept
@@ -24,8 +25,9 @@ so what it keeps for the backward is what F.linear keeps; its FP8 copies live in
   (`preprocess_addmm`, NK) and writes i MK; with FP8 weight gradients (not
   `--no-fp8-wgrad`) the output gradient is cast again (9 MN) and the input (9 MK), both kept,
   and the matmul copies them to the layouts `torch._scaled_mm` takes (MN + MK), writing i NK;
-- on CPUs, torch's reference `_scaled_mm` (`cpu_scaled_mm_bytes`) also makes its second
-  operand contiguous and multiplies fp32 copies of both into an fp32 product;
+- on CPUs, torch's `_scaled_mm` (`cpu_scaled_mm_bytes`) also makes its second operand
+  contiguous, and its reference kernel (where oneDNN's is not used: `cpu_scaled_mm_is_onednn`,
+  by the CPU's AMX) multiplies fp32 copies of both into an fp32 product;
 - under FSDP2 with `--fp8-param-gather` the weight arrives in FP8 (its cast is gone); each rank
   casts its shard instead, before the gather (9 bytes an element of the largest shard).
 
@@ -133,12 +135,29 @@ def _mlp_held(inputs: PlanInputs, rows: int, ffn: int) -> int:
     return first + (rows * ffn * size.activation_input if cast else 0)
 
 
-def cpu_scaled_mm_bytes(m: int, k: int, n: int, out_bytes: int) -> int:
-    """What torch's CPU `_scaled_mm` (a reference kernel) allocates beside its output for
-    [m, k] x [k, n]: the second operand made contiguous (kn FP8), then fp32 copies of each
-    operand scaled (each `.to(float32)` beside its product with the scale), their fp32 product
-    and, for a half output, its copy in the output dtype (measured with the allocator's
-    events: tests/planning/test_fp8_plan.py)."""
+def cpu_scaled_mm_is_onednn(mixed: bool) -> bool:
+    """Whether torch's CPU `_scaled_mm` runs oneDNN's kernel on this machine: with oneDNN
+    enabled, on a CPU with AMX-int8 for operands of one FP8 type, AMX-fp16 for `mixed` ones
+    (e5m2 gradients against e4m3 weights); else its reference kernel
+    (aten/src/ATen/native/Blas.cpp `_scaled_mm_out_cpu`)."""
+    import torch
+
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    if mixed:
+        return torch.cpu._is_amx_fp16_supported()
+    return torch.cpu._is_amx_tile_supported()
+
+
+def cpu_scaled_mm_bytes(m: int, k: int, n: int, out_bytes: int, mixed: bool) -> int:
+    """What torch's CPU `_scaled_mm` allocates beside its output for [m, k] x [k, n] (`mixed`:
+    operands of two FP8 types): the second operand made contiguous (kn FP8); in the reference
+    kernel also fp32 copies of each operand scaled (each `.to(float32)` beside its product
+    with the scale), their fp32 product and, for a half output, its copy in the output dtype;
+    oneDNN's (`cpu_scaled_mm_is_onednn`) multiplies the FP8 operands as they are (measured
+    with the allocator's events: tests/planning/test_fp8_plan.py)."""
+    if cpu_scaled_mm_is_onednn(mixed):
+        return k * n
     upcasts = max(
         8 * m * k,
         4 * m * k + 8 * k * n,
@@ -159,14 +178,16 @@ def _shard_cast(inputs: PlanInputs, matmul: Fp8Matmul) -> int:
 
 def forward_bytes(inputs: PlanInputs, matmul: Fp8Matmul) -> int:
     """The height of one FP8 matmul's forward above what F.linear would hold (its output and
-    saved tensors are the same): see the module's docstring."""
+    saved tensors are the same): see the module's docstring. The casts come before the
+    output exists, so they count less the output."""
     m, k, n = matmul.rows, matmul.inputs, matmul.outputs
     half = dtypes(inputs).compute
-    cpu = cpu_scaled_mm_bytes(m, k, n, half) if inputs.device_type == "cpu" else 0
+    cpu = cpu_scaled_mm_bytes(m, k, n, half, False) if inputs.device_type == "cpu" else 0
     gathered = _gathers_fp8_weights(inputs)
     weight = 0 if gathered else n * k  # the weight's FP8 copy
-    steps = [CAST * m * k, m * k + weight + cpu]
-    steps.append(_shard_cast(inputs, matmul) if gathered else m * k + CAST * n * k)
+    output = half * m * n
+    steps = [CAST * m * k - output, m * k + weight + cpu]
+    steps.append((_shard_cast(inputs, matmul) if gathered else m * k + CAST * n * k) - output)
     if matmul.bias:
         steps.append(half * m * n)  # `output + bias` beside the product
     return max(steps) + matmul.held
@@ -187,14 +208,16 @@ def backward_bytes(inputs: PlanInputs, matmul: Fp8Matmul) -> int:
     elif not gathered:
         steps.append(gradient + CAST * n * k)
     input_gradient = gradient + weight + n * k + half * m * k
-    steps.append(input_gradient + (cpu_scaled_mm_bytes(m, n, k, half) if cpu else 0))
+    # The output gradient is e5m2 under the hybrid format, the weight and input e4m3.
+    mixed = inputs.model.fp8.format == "hybrid"
+    steps.append(input_gradient + (cpu_scaled_mm_bytes(m, n, k, half, mixed) if cpu else 0))
     held = gradient + weight + half * m * k  # and the input gradient, to the end
     if not inputs.model.fp8.wgrad:  # the weight gradient's matmul in high precision
         return max(steps + [held + half * n * k])
     steps += [held + CAST * gradient, held + gradient + CAST * m * k]
     copies = 2 * gradient + 2 * m * k  # second FP8 copies, and the layouts _scaled_mm takes
     weight_gradient = held + copies + half * n * k
-    steps.append(weight_gradient + (cpu_scaled_mm_bytes(n, m, k, half) if cpu else 0))
+    steps.append(weight_gradient + (cpu_scaled_mm_bytes(n, m, k, half, mixed) if cpu else 0))
     return max(steps)
 
 

@@ -109,28 +109,36 @@ CPU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("onednn", [False, True], ids=["reference-kernel", "as-this-cpu-runs"])
 @pytest.mark.parametrize("m,k,n,half,wgrad", CPU_CASES)
-def test_one_fp8_matmul_allocates_what_the_plan_says_on_this_cpu(matmuls, m, k, n, half, wgrad):
+def test_one_fp8_matmul_allocates_what_the_plan_says_on_this_cpu(
+    matmuls, m, k, n, half, wgrad, onednn
+):
     """torchao's matmul and torch's CPU `_scaled_mm` as run here: the forward's height (its
     output, which the plan counts among the activations, alive there) and the backward's, to
-    the bytes of the scales (a few 4-byte tensors)."""
+    the bytes of the scales (a few 4-byte tensors). With oneDNN off, torch's reference kernel
+    on every CPU; with it on, oneDNN's where this CPU has AMX (`cpu_scaled_mm_is_onednn`)."""
     config = dataclasses.replace(TINY, fp8=Fp8Config(wgrad=wgrad))
     inputs = plan_inputs(config, "autocast" if half else "fp32", 2, 64)
     matmul = Fp8Matmul(m, k, n)
-    forward, backward = _measured_matmul(matmuls[wgrad], m, k, n, half)
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        forward, backward = _measured_matmul(matmuls[wgrad], m, k, n, half)
+        planned = forward_bytes(inputs, matmul), backward_bytes(inputs, matmul)
     output = m * n * (2 if half else 4)
-    assert 0 <= forward - (forward_bytes(inputs, matmul) + output) < 64
-    assert 0 <= backward - backward_bytes(inputs, matmul) < 64
+    assert 0 <= forward - (planned[0] + output) < 64
+    assert 0 <= backward - planned[1] < 64
 
 
 def test_fp8_matmul_heights_on_a_gpu_by_hand():
     """M 1024 tokens, K 256, N 1024, bf16 on a GPU (no CPU kernel copies), from torchao's code:
-    forward, the weight's cast beside the input's FP8 copy (MK + 9 NK); backward, the output
+    forward, above F.linear's output (2 MN), the weight's cast beside the input's FP8 copy
+    before the output exists (MK + 9 NK - 2 MN), as high as the matmul over both FP8 copies
+    beside the output (MK + NK); backward, the output
     gradient's second cast beside its first copy, the FP8 weight and the input gradient
     (MN + NK + 2 MK + 9 MN); without FP8 weight gradients the first cast (9 MN)."""
     inputs = dataclasses.replace(plan_inputs(_tiny(), "autocast", 2, 64), device_type="cuda")
     matmul = Fp8Matmul(1024, 256, 1024)
-    assert forward_bytes(inputs, matmul) == 262_144 + 9 * 262_144 == 2_621_440
+    assert forward_bytes(inputs, matmul) == 262_144 + 9 * 262_144 - 2 * 1_048_576 == 524_288
     assert backward_bytes(inputs, matmul) == 1_048_576 + 262_144 + 524_288 + 9 * 1_048_576
     no_wgrad = dataclasses.replace(inputs, model=_tiny(fp8=Fp8Config(wgrad=False)))
     assert backward_bytes(no_wgrad, matmul) == 9 * 1_048_576
