@@ -126,14 +126,24 @@ def _choose(scores: torch.Tensor, k: int, expert_bias: torch.Tensor | None) -> t
     return torch.topk(scores, k=k, dim=1).indices
 
 
+def expert_capacity(moe: RoutedMoEConfig, tokens: int) -> int | None:
+    """Tokens each expert keeps of a micro-batch's `tokens` (--moe-expert-capacity-factor):
+    ceil(T x k / E x factor); None when nothing is dropped (no capacity factor, or a capacity
+    of at least every token). The planner counts the kept rows with it too."""
+    if moe.capacity_factor is None:
+        return None
+    kept = math.ceil(tokens * moe.top_k / moe.num_experts * moe.capacity_factor)
+    return None if kept >= tokens else kept
+
+
 def drop_over_capacity(
     probs: torch.Tensor, routing_map: torch.Tensor, moe: RoutedMoEConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep at most ceil(T x k / E x factor) tokens per expert: those of highest weight
+    """Keep at most `expert_capacity` tokens per expert: those of highest weight
     (`--moe-token-drop-policy probs`) or the first ones (`position`)."""
     tokens, experts = routing_map.shape
-    capacity = math.ceil(tokens * moe.top_k / experts * moe.capacity_factor)
-    if capacity >= tokens:
+    capacity = expert_capacity(moe, tokens)
+    if capacity is None:
         return probs, routing_map
     if moe.drop_policy == "probs":
         rank_by = probs.detach().float().masked_fill(~routing_map, -1.0)

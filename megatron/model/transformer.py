@@ -312,6 +312,21 @@ def compiled_layer_forward():
     return torch.compile(ParallelTransformerLayer.layer_forward)
 
 
+def recompute_chunks(config: ModelConfig, layers: int) -> list[tuple[int, int, bool]]:
+    """Under `--recompute-granularity full`, how a stack of `layers` layers runs: (start,
+    stop, recomputed) runs of its layers, each recomputed run one checkpoint (the planner
+    counts what each keeps from this too).
+
+    uniform: every group of `--recompute-num-layers` N layers is one recomputed chunk; block:
+    each of the first N layers is recomputed on its own and the rest keep their activations
+    (as Megatron-LM).
+    """
+    n = config.recompute_num_layers
+    if config.recompute_method == "uniform":
+        return [(start, min(start + n, layers), True) for start in range(0, layers, n)]
+    return [(i, i + 1, i < n) for i in range(layers)]
+
+
 class ParallelTransformer(nn.Module):
     """`num_layers` layers then the final layer norm, with optional full recomputation."""
 
@@ -343,15 +358,8 @@ class ParallelTransformer(nn.Module):
         )
 
     def _recomputed_layers(self, hidden, attention_mask):
-        # uniform: recompute every group of N layers as one chunk; block: recompute each of
-        # the first N layers on its own and keep the activations of the rest (as Megatron).
         config = self.config
-        n = config.recompute_num_layers
-        if config.recompute_method == "uniform":
-            chunks = [(start, start + n, True) for start in range(0, len(self.layers), n)]
-        else:
-            chunks = [(i, i + 1, i < n) for i in range(len(self.layers))]
-        for start, stop, recompute in chunks:
+        for start, stop, recompute in recompute_chunks(config, len(self.layers)):
             run = _run_layers(self.layers[start:stop])
             if recompute:
                 hidden = checkpoint(

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from megatron.config import ModelConfig
 from megatron.core.tensor_parallel.cross_entropy import CHUNK_BYTES, CPU_CHUNK_BYTES
 from megatron.model.model_size import runs_in_fp8
+from megatron.model.transformer import recompute_chunks
 from megatron.planning.dtypes import dtypes
 from megatron.planning.fp8 import keeps_gathered_input
 from megatron.planning.inputs import PlanInputs
@@ -194,13 +195,12 @@ def _matmul_input_tokens(inputs: PlanInputs, layer_number: int | None) -> int:
 
 
 def _recomputed_layers(config: ModelConfig, layers: int) -> tuple[int, int]:
-    """(layers recomputed in full, checkpointed groups) of a stage with `layers` layers."""
+    """(layers recomputed in full, checkpointed groups) of a stage with `layers` layers: the
+    first layers, as the runtime's `recompute_chunks` runs them."""
     if config.recompute_granularity != "full":
         return 0, 0
-    n = config.recompute_num_layers
-    if config.recompute_method == "block":
-        return min(n, layers), min(n, layers)
-    return layers, -(-layers // n)
+    recomputed = [stop - start for start, stop, again in recompute_chunks(config, layers) if again]
+    return sum(recomputed), len(recomputed)
 
 
 def stage_activation_bytes(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from megatron.deepspeed_facts import DEEPSPEED_VERSION_READ
 from megatron.model.fp8 import has_fp8_tensor_cores
 from megatron.model.model_size import flops_per_token, num_parameters
+from megatron.model.moe_router import expert_capacity
 from megatron.planning.communication import (
     context_parallel_parts,
     has_expert_parallel_kind,
@@ -31,7 +32,6 @@ from megatron.planning.memory import RankMemory, rank_memory
 from megatron.planning.roofline import StepEstimate, estimate_step
 from megatron.planning.routed_moe import (
     BALANCED_LOAD_NOTE,
-    capacity,
     dispatch_bytes,
     routed_mlp_bytes,
     routed_rows,
@@ -174,7 +174,7 @@ def build_plan(inputs: PlanInputs, device: Device | None = None, notes: list | N
         estimate = estimate_step(inputs, busiest.role, device)
     notes = list(notes or []) + deepspeed_notes(inputs) + fp8_notes(inputs, device)
     moe = inputs.model.routed_moe
-    if moe is not None and inputs.ep > 1 and capacity(moe, routed_tokens(inputs)) is None:
+    if moe is not None and inputs.ep > 1 and expert_capacity(moe, routed_tokens(inputs)) is None:
         notes.append(BALANCED_LOAD_NOTE)
     return Plan(inputs, roles, device, estimate, notes)
 
@@ -299,7 +299,9 @@ def _routed_moe_line(plan: Plan) -> str:
     sent = ", ".join(
         f"{op.replace('_', '-')} {count / 1e6:.1f}" for op, count in dispatched.items()
     )
-    kept = "capacity-bound" if capacity(moe, routed_tokens(inputs)) is not None else "balanced"
+    kept = (
+        "capacity-bound" if expert_capacity(moe, routed_tokens(inputs)) is not None else "balanced"
+    )
     return (
         f"  routed MoE: {layers} of {inputs.model.num_layers} layers, top-{moe.top_k} of "
         f"{moe.num_experts} experts, EP {inputs.ep}, {moe.dispatcher} dispatcher; per MoE "

@@ -32,12 +32,11 @@ with c the compute dtype's bytes, L the router logits' (the compute dtype, or
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from megatron.config import ModelConfig, RoutedMoEConfig
+from megatron.config import ModelConfig
 from megatron.model.moe_experts import grouped_mm_runs
+from megatron.model.moe_router import expert_capacity
 from megatron.planning.dtypes import Dtypes
 from megatron.planning.inputs import PlanInputs
 
@@ -67,21 +66,12 @@ def routed_tokens(inputs: PlanInputs) -> int:
     return inputs.local_seq_length * inputs.micro_batch
 
 
-def capacity(moe: RoutedMoEConfig, tokens: int) -> int | None:
-    """Tokens each expert keeps per micro-batch (`drop_over_capacity`), None: dropless (no
-    capacity factor, or a capacity of at least every token)."""
-    if moe.capacity_factor is None:
-        return None
-    kept = math.ceil(tokens * moe.top_k / moe.num_experts * moe.capacity_factor)
-    return None if kept >= tokens else kept
-
-
 def routed_rows(inputs: PlanInputs) -> int:
     """R: the (token, expert) rows one rank's experts process per micro-batch and layer, for a
     balanced load (see the module docstring); also the rows a rank sends."""
     moe, tokens = inputs.model.routed_moe, routed_tokens(inputs)
     rows = tokens * moe.top_k
-    kept = capacity(moe, tokens)
+    kept = expert_capacity(moe, tokens)
     return rows if kept is None else min(rows, moe.num_experts * kept)
 
 
@@ -111,7 +101,7 @@ def _router_bytes(inputs: PlanInputs, size: Dtypes) -> int:
         total += tokens * e * logits
     if moe.router_dtype is not None and _ROUTER_BYTES[moe.router_dtype] != size.residual:
         total += e * inputs.model.hidden_size * logits  # weight.to(dtype), every forward
-    if capacity(moe, tokens) is not None:
+    if expert_capacity(moe, tokens) is not None:
         total += tokens * e  # the kept map (bool) the weights are multiplied by
     if moe.load_balancing != "none" and moe.aux_loss_coeff > 0:
         # Its scores and the loss (its top-k's node is freed with the unused values).
