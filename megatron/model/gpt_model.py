@@ -1,4 +1,5 @@
-"""The GPT model: embeddings, the transformer stack, and the output layer.
+"""The GPT model: embeddings, the transformer stack, and the output layer; whole, or one
+pipeline stage of it (megatron-core's shape: the same class with its ends switched off).
 
 The output layer is the word embedding matrix (tied, GPT-2) or, with
 `--untie-embeddings-and-output-weights` (LLaMA), its own `language_model.output_layer`.
@@ -10,9 +11,13 @@ The output layer is the word embedding matrix (tied, GPT-2) or, with
     logits = model(tokens)                       # [b, s, vocab / tp] (or vocab)
     logits = model(tokens, inference_params=cache)  # generation: see inference_params.py
 
+    stage = GPTModel(config, groups, stage=s, num_stages=S, layers=range(a, b))
+                                                 # Megatron's schedules: pipeline_chunks.py
+
 The module tree reproduces Megatron's state-dict names
 (`language_model.embedding.word_embeddings.weight`,
-`language_model.encoder.layers.0.self_attention.query_key_value.weight`, ...).
+`language_model.encoder.layers.0.self_attention.query_key_value.weight`, ...), a stage's
+those of Megatron-LM's `mp_rank_TT_PPP` files.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from megatron.config import ModelConfig
 from megatron.core.process_groups import ModelGroups, this_rank_groups
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
+    VocabParallelEmbedding,
     linear_with_vocab_parallel_weight,
     vocab_parallel_cross_entropy,
 )
@@ -53,15 +59,26 @@ def output_layer(config: ModelConfig) -> ColumnParallelLinear:
 
 
 class TransformerLanguageModel(nn.Module):
-    """`embedding` + `encoder` (the layer stack and its final norm) [+ `output_layer`]."""
+    """[`embedding`] + `encoder` (the layers [and the final norm]) [+ `output_layer`]."""
 
     def __init__(
-        self, config: ModelConfig, groups: ModelGroups, moe_losses: AuxLossTracker
+        self,
+        config: ModelConfig,
+        groups: ModelGroups,
+        moe_losses: AuxLossTracker,
+        layers: range | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
     ) -> None:
+        """`layers`: the layer numbers held (default all); `pre_process`: holds the
+        embedding; `post_process`: the final norm and the untied output layer."""
         super().__init__()
-        self.embedding = Embedding(config, groups)
-        self.encoder = ParallelTransformer(config, groups, moe_losses)
-        if config.untie_embeddings_and_output_weights:
+        if pre_process:
+            self.embedding = Embedding(config, groups)
+        self.encoder = ParallelTransformer(
+            config, groups, moe_losses, layer_numbers=layers, post_layer_norm=post_process
+        )
+        if post_process and config.untie_embeddings_and_output_weights:
             self.output_layer = output_layer(config)
 
     def forward(
@@ -71,8 +88,10 @@ class TransformerLanguageModel(nn.Module):
         attention_mask: torch.Tensor | None,
         inference_params: InferenceParams | None = None,
     ) -> torch.Tensor:
-        """[b, s] ids -> final hidden states [s(/tp), b, h]."""
-        hidden = self.embedding(input_ids, position_ids)
+        """[b, s] ids (or, without the embedding, hidden states) -> hidden [s(/tp), b, h]."""
+        hidden = input_ids
+        if hasattr(self, "embedding"):
+            hidden = self.embedding(input_ids, position_ids)
         return self.encoder(hidden, attention_mask, inference_params)
 
 
@@ -126,27 +145,62 @@ def compiled_loss_from_logits():
 
 
 class GPTModel(nn.Module):
-    """The GPT language model (one implementation; `pipeline.py` rearranges its layers)."""
+    """The GPT language model, or one stage of it (`pipeline.py` rearranges its layers for
+    DeepSpeed's pipeline engine)."""
 
-    def __init__(self, config: ModelConfig, groups: ModelGroups | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        groups: ModelGroups | None = None,
+        *,
+        stage: int = 0,
+        num_stages: int = 1,
+        layers: range | None = None,
+        moe_losses: AuxLossTracker | None = None,
+    ) -> None:
         """`groups`: the process groups this rank's layers communicate over (default: this
         rank's, sliced from the run's device mesh; one process's outside torch.distributed).
-        The model makes its own MoE loss tracker (`moe_losses`, read by the steps)."""
+
+        A pipeline stage (Megatron's schedules, `build_pipeline_chunks`): stage `stage` of
+        `num_stages` holding the layer numbers `layers`; the first stage also holds the
+        embedding, the last the final norm and the output (for tied embeddings on a later
+        stage than the first, `word_embeddings_for_head`, Megatron's copy of the word
+        embeddings, made equal to the first stage's by `megatron.core.pipeline_parallel`).
+        `moe_losses`: the MoE loss tracker the steps read (default: the model's own; a rank's
+        stages share one).
+        """
         super().__init__()
         self.config = config
         self.groups = this_rank_groups() if groups is None else groups
-        self.moe_losses = AuxLossTracker()
-        self.language_model = TransformerLanguageModel(config, self.groups, self.moe_losses)
+        self.moe_losses = AuxLossTracker() if moe_losses is None else moe_losses
+        self.stage, self.num_stages = stage, num_stages
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.language_model = TransformerLanguageModel(
+            config, self.groups, self.moe_losses, layers, self.is_first, self.is_last
+        )
+        if self.is_last and not self.is_first and not config.untie_embeddings_and_output_weights:
+            self.word_embeddings_for_head = VocabParallelEmbedding(
+                config.vocab_size,
+                config.hidden_size,
+                init_method_normal(config.init_method_std),
+                use_cpu_initialization=config.use_cpu_initialization,
+                params_dtype=config.torch_dtype,
+            )
+            # Counted once in the gradient norm (the first stage counts it).
+            self.word_embeddings_for_head.weight.shared = True
 
     def word_embeddings_weight(self) -> torch.Tensor:
-        """The (vocab-split) embedding matrix."""
+        """The (vocab-split) embedding matrix (of the first stage)."""
         return self.language_model.embedding.word_embeddings.weight
 
     def output_weight(self) -> torch.Tensor:
-        """The (vocab-split) output matrix: the untied output layer's, or the embeddings'."""
+        """The (vocab-split) output matrix (of the last stage): the untied output layer's,
+        the embeddings', or a later stage's copy of them."""
         if self.config.untie_embeddings_and_output_weights:
             return self.language_model.output_layer.weight
-        return self.word_embeddings_weight()
+        if self.is_first:
+            return self.word_embeddings_weight()
+        return self.word_embeddings_for_head.weight
 
     def forward(
         self,
@@ -155,14 +209,26 @@ class GPTModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         inference_params: InferenceParams | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] when `labels` are given, else logits [b, s, vocab(/tp)].
 
-        `attention_mask`: None for causal attention, or bool [b|1, 1, s, s], True = masked.
+        `attention_mask`: None for causal attention, or bool [b|1, 1, s, s], True = masked;
+        `document_ids` [b, s] instead: causal attention within each packed document
+        (`--reset-attention-mask`).
         `inference_params`: the key/value cache of generation (eval mode, causal attention);
         `input_ids` then hold the positions from its `sequence_len_offset` on, and
         `position_ids` default to those positions.
+
+        A pipeline stage after the first takes the previous stage's hidden states
+        [s(/tp), b, h] as `input_ids`; one before the last returns its own (in the parameters'
+        dtype, what `activation_shape` announced). The schedule passes `labels` and
+        `document_ids` to every chunk of a rank; only the last stage reads the labels.
         """
+        if document_ids is not None:
+            if attention_mask is not None:
+                raise ValueError("give attention_mask or document_ids, not both")
+            attention_mask = document_ids
         if inference_params is not None:
             position_ids = self._check_inference(
                 input_ids, position_ids, attention_mask, inference_params
@@ -170,6 +236,7 @@ class GPTModel(nn.Module):
         elif (
             self.config.torch_compile
             and self.config.compile_whole_model
+            and self.num_stages == 1
             and self.groups.tensor.size == 1
         ):
             # No collective inside the model: one graph from the ids to the loss.
@@ -186,14 +253,22 @@ class GPTModel(nn.Module):
     ) -> torch.Tensor:
         """`forward`'s arithmetic, after the key/value cache checks."""
         hidden = self.language_model(input_ids, position_ids, attention_mask, inference_params)
+        if not self.is_last:
+            # What the next stage was told to expect (`activation_shape`): the residual
+            # stream's dtype (the parameters', also under autocast), contiguous.
+            return hidden.to(self.config.torch_dtype).contiguous()
         logits = logits_from_hidden(hidden, self.output_weight(), self.config)
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab(/tp)]
         if not self.config.parallel_output:
             raise ValueError("the loss needs vocab-parallel logits (parallel_output=True)")
-        losses = loss_from_logits(logits, labels, self.config.check_labels)  # [b, s(/S)]
-        # DeepSpeed-Ulysses: every rank gets the whole sequence's losses, so the loss function
-        # averages over the whole loss mask; each rank back-propagates its own part.
+        # A stage of several computes its loss compiled where the whole model would have
+        # (no whole-model graph holds it).
+        compiled = self.num_stages > 1 and compile_stage_loss(self.config, self.groups)
+        losses = loss_from_logits(logits, labels, self.config.check_labels, compiled)  # [b, s(/S)]
+        # DeepSpeed-Ulysses and context parallelism: every rank gets the whole sequence's
+        # losses, so the loss function averages over the whole loss mask; each rank
+        # back-propagates its own part.
         return gather_sequence_parts(losses, self.config.sequence_split_gradient_scale)  # [b, s]
 
     def _check_inference(

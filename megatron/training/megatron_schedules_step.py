@@ -36,8 +36,8 @@ from megatron.training.step import (
     StepResult,
     accumulate_reported,
     average_over_data_parallel,
-    losses_are_nan,
     optimizer_step_tail,
+    plain_step_result,
 )
 from megatron.training.token_loss import (
     TokenCount,
@@ -179,15 +179,7 @@ def train_step_megatron_schedules(
         trainer, params, scale, global_batch_size or args.global_batch_size, multiplier
     )
     timers("optimizer").stop()
-    losses = _reported(trainer, microbatches)
-    return StepResult(
-        losses=losses,
-        skipped=skipped,
-        nan=losses_are_nan(losses),
-        grad_norm=None if skipped else trainer.optimizer.grad_norm,
-        loss_scale=trainer.loss_scaler.scale if trainer.loss_scaler is not None else None,
-        num_zeros_in_grad=None if skipped else trainer.optimizer.num_zeros,
-    )
+    return plain_step_result(trainer, _reported(trainer, microbatches), skipped)
 
 
 def evaluate_megatron_schedules(

@@ -115,6 +115,17 @@ def deepspeed_loss_scale(engine) -> float | None:  # noqa: ANN001 - a DeepSpeedE
     return float(scale) if scale is not None else None
 
 
+def deepspeed_step_result(engine, losses: dict[str, float]) -> StepResult:  # noqa: ANN001
+    """A DeepSpeed engine's step (`engine`, after its boundary `step`) reporting `losses`."""
+    return StepResult(
+        losses=losses,
+        skipped=not engine.was_step_applied(),
+        nan=losses_are_nan(losses),
+        grad_norm=deepspeed_grad_norm(engine),
+        loss_scale=deepspeed_loss_scale(engine),
+    )
+
+
 def train_step_deepspeed(
     forward_step_func: ForwardStep,
     data_iterator: Iterator,
@@ -155,13 +166,7 @@ def train_step_deepspeed(
     optimizer_step.stop()
     accumulate_reported(sums, moe_losses.pop())
     losses = average_over_data_parallel(sums, micro_batches)
-    return StepResult(
-        losses=losses,
-        skipped=not engine.was_step_applied(),
-        nan=losses_are_nan(losses),
-        grad_norm=deepspeed_grad_norm(engine),
-        loss_scale=deepspeed_loss_scale(engine),
-    )
+    return deepspeed_step_result(engine, losses)
 
 
 def train_step_deepspeed_pipe(
@@ -174,13 +179,7 @@ def train_step_deepspeed_pipe(
     # DeepSpeed averages the loss over micro-batches and data-parallel ranks and broadcasts
     # it from the last stage to every stage.
     losses = {"lm loss": float(loss)}
-    return StepResult(
-        losses=losses,
-        skipped=not engine.was_step_applied(),
-        nan=losses_are_nan(losses),
-        grad_norm=deepspeed_grad_norm(engine),
-        loss_scale=deepspeed_loss_scale(engine),
-    )
+    return deepspeed_step_result(engine, losses)
 
 
 @dataclass
@@ -260,13 +259,17 @@ def train_step_plain(
         trainer, params, scale, global_batch_size or args.global_batch_size, multiplier
     )
     timers("optimizer").stop()
-    losses = average_over_data_parallel(sums, micro_batches)
+    return plain_step_result(trainer, average_over_data_parallel(sums, micro_batches), skipped)
+
+
+def plain_step_result(trainer: PlainTrainer, losses: dict[str, float], skipped: bool) -> StepResult:
+    """The plain engine's and Megatron's schedules' step reporting `losses`, after
+    `optimizer_step_tail` (the loss scale after the update, as Megatron logs it)."""
     return StepResult(
         losses=losses,
         skipped=skipped,
         nan=losses_are_nan(losses),
         grad_norm=None if skipped else trainer.optimizer.grad_norm,
-        # After the update, as Megatron logs it.
         loss_scale=trainer.loss_scaler.scale if trainer.loss_scaler is not None else None,
         num_zeros_in_grad=None if skipped else trainer.optimizer.num_zeros,
     )

@@ -38,7 +38,6 @@ from megatron.checkpointing.shards import (
 from megatron.config import ModelConfig, MoEConfig
 from megatron.core.process_groups import ModelGroups
 from megatron.model import GPTModel
-from megatron.model.pipeline_chunks import GPTPipelineChunk
 from megatron.model.sharding import Split, declared_splits, model_splits
 from tests.conftest import MERGE_FILE, VOCAB_FILE
 
@@ -109,7 +108,7 @@ def test_the_layers_declare_every_parameter_kinds_split(dense):
     # The last pipeline stage's copy of the tied word embeddings: vocab-parallel rows too.
     config = ModelConfig(LAYERS, HIDDEN, HEADS, 104, 16)
     with torch.device("meta"):
-        last = GPTPipelineChunk(config, 1, 2, range(3, 5), ModelGroups())
+        last = GPTModel(config, ModelGroups(), stage=1, num_stages=2, layers=range(3, 5))
     assert declared_splits(last)[HEAD] == Split(tensor_dim=0, vocab=True)
     unknown = {**dense, "language_model.rotary.inv_freq": torch.zeros(2)}
     with pytest.raises(CheckpointConversionError, match="language_model.rotary.inv_freq"):

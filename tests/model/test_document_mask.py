@@ -147,7 +147,7 @@ def test_pipeline_stages_give_each_document_its_logits_alone(family, monkeypatch
     """PP=2 as Megatron's schedules cut the model (both stages here, in one process): the
     document ids reach each stage as its keyword input; FlexAttention (eager on CPU)."""
     from megatron.checkpointing.pipeline_stages import chunk_state_dict
-    from megatron.model.pipeline_chunks import GPTPipelineChunk
+    from megatron.model import GPTModel
 
     monkeypatch.setattr(attention, "kernel_for", lambda backend, device: "flex")
     config = tiny_config(max_position_embeddings=160, **(LLAMA if family == "llama" else {}))
@@ -155,7 +155,8 @@ def test_pipeline_stages_give_each_document_its_logits_alone(family, monkeypatch
     dense = model.state_dict()
     stages = []
     for stage in range(2):
-        chunk = GPTPipelineChunk(config, stage, 2, range(stage + 1, stage + 2)).eval()
+        layers = range(stage + 1, stage + 2)
+        chunk = GPTModel(config, stage=stage, num_stages=2, layers=layers).eval()
         chunk.load_state_dict(chunk_state_dict(dense, 2, 2, 1, stage, 0))
         stages.append(chunk)
     docs = _packed_batch([37, 1, 60, 30], 64, seed=4)

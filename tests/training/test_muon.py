@@ -23,7 +23,6 @@ import torch
 
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
-from megatron.model.pipeline_chunks import GPTPipelineChunk
 from megatron.training.muon import (
     NS_COEFFICIENTS,
     Muon,
@@ -119,7 +118,7 @@ def test_hidden_matrices_get_muon_the_rest_adamw():
         max_position_embeddings=16,
         use_cpu_initialization=True,
     )
-    stage = GPTPipelineChunk(config, stage=1, num_stages=2, layers=range(2, 3))
+    stage = GPTModel(config, stage=1, num_stages=2, layers=range(2, 3))
     muon, adamw = _names_by_kind(stage, muon_param_groups(stage, get_param_groups(stage)))
     assert muon == {f"language_model.encoder.layers.0.{m}" for m in matrices}
     assert "word_embeddings_for_head.weight" in adamw
