@@ -21,6 +21,7 @@ This is one of the few modules that import DeepSpeed.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from megatron.checkpointing import commit as checkpoint_commit
 from megatron.checkpointing.disk import describe_failure, save_torch_file, tensor_bytes
 from megatron.checkpointing.file_format import SAFE_GLOBALS
+from megatron.model.sharding import model_splits
 
 DEEPSPEED_SAFE_GLOBALS = [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
@@ -112,50 +114,63 @@ class SafeCheckpointEngine:
                 raise RuntimeError(f"cannot read checkpoint file {path}: {error}") from error
 
 
+def _name_pattern(name: str) -> str:
+    """A regex for parameter `name` and its siblings in other layers: every number that is a
+    whole component of the name (a layer's, a pipeline layer's, an expert's) matches any."""
+    return re.sub(r"(^|\\\.)\d+(?=\\\.)", r"\1\\d+", re.escape(name)) + "$"
+
+
 def universal_checkpoint_info(args: Any, pipe_module_names: bool) -> dict:
-    """What `deepspeed.checkpoint.ds_to_universal` needs to merge our tensor-parallel shards.
+    """What `deepspeed.checkpoint.ds_to_universal` needs to merge our tensor-parallel shards,
+    read off the splits the model's layers declare (`megatron.model.sharding.model_splits`).
 
     Parameter-name patterns (matched from the start of the name) for the vocabulary (its
-    padding is stripped; the untied output layer too), parameters replicated across TP ranks,
+    padding is stripped; the untied output layer too), parameters whole on every TP rank,
     row-parallel weights (split along dim 1; the rest are column-parallel, split along dim 0),
-    and SwiGLU's gate-and-up weight, whose shards hold two sub-parameters each.
-    `pipe_module_names`: the module is DeepSpeed's `PipelineModule` (numbered layers).
+    and SwiGLU's gate-and-up weight, whose shards hold two sub-parameters each; one pattern
+    serves a parameter of every layer. `pipe_module_names`: the module is DeepSpeed's
+    `PipelineModule` (numbered layers, `gpt_to_pipeline_name`). DeepSpeed-MoE's experts,
+    which DeepSpeed saves in files of their own, are left to it.
     """
-    pipe = pipe_module_names
-    layer = r"\d+\." if pipe else r"language_model\.encoder\.layers\.\d+\."
-    untied = getattr(args, "untie_embeddings_and_output_weights", False)
-    if pipe:
-        embedding = r"0\." if untied else r"tied_modules\.embed\."
-    else:
-        embedding = r"language_model\.embedding\."
-    vocabulary = [embedding + r"word_embeddings\.weight"]
-    if untied:
-        vocabulary.append(r"\d+\.lm_head\." if pipe else r"language_model\.output_layer\.")
+    from megatron.config import ModelConfig
+    from megatron.model.pipeline import gpt_to_pipeline_name
+
+    config = ModelConfig.from_args(args)
+    tied = not config.untie_embeddings_and_output_weights
+    categories: dict[str, list[str]] = {
+        VOCABULARY_PARAMETER_PATTERNS: [],
+        TP_REPLICATED_PARAMETER_PATTERNS: [],
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [],
+        PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: [],
+    }
+    for name, split in model_splits(config, parameters_only=True).items():
+        if ".deepspeed_moe.experts." in name:
+            continue
+        if pipe_module_names:
+            name = gpt_to_pipeline_name(name, config.num_layers, tied)
+        if split.vocab:
+            category = VOCABULARY_PARAMETER_PATTERNS
+        elif split.tensor_dim is None:
+            category = TP_REPLICATED_PARAMETER_PATTERNS
+        elif split.tensor_dim == 1:
+            category = PARAMETER_WITH_ROW_PARALLELISM_PATTERNS
+        elif split.swiglu:  # each rank's shard is [gate_r; up_r]: merged as [gate; up]
+            category = PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0
+        else:
+            continue  # column-parallel: ds_to_universal's default
+        pattern = _name_pattern(name)
+        if pattern not in categories[category]:
+            categories[category].append(pattern)
     info = {
         UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-        VOCABULARY_PARAMETER_PATTERNS: vocabulary,
+        VOCABULARY_PARAMETER_PATTERNS: categories.pop(VOCABULARY_PARAMETER_PATTERNS),
         ORIGINAL_VOCAB_SIZE: args.true_vocab_size,
         PADDED_VOCAB_SIZE: args.padded_vocab_size,
     }
     if args.tensor_model_parallel_size == 1:
         return info
-    # DeepSpeed refuses a pattern that matches no parameter: list only those the model has.
-    final_norm = r"\d+\.(weight|bias)$" if pipe else (r"language_model\.encoder\.final_layernorm\.")
-    replicated = [layer + r"(input|post_attention)_layernorm\.", final_norm]
-    if getattr(args, "qk_layernorm", False):
-        replicated.append(layer + r"self_attention\.(q|k)_layernorm\.")
-    if getattr(args, "add_position_embedding", True) and not args.use_rotary_position_embeddings:
-        replicated.append(embedding + r"position_embeddings\.weight")
-    if getattr(args, "add_bias_linear", True):
-        replicated += [layer + r"self_attention\.dense\.bias", layer + r"mlp\.dense_4h_to_h\.bias"]
-    info[TP_REPLICATED_PARAMETER_PATTERNS] = replicated
-    info[PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] = [
-        layer + r"self_attention\.dense\.weight",
-        layer + r"mlp\.dense_4h_to_h\.weight",
-    ]
-    if getattr(args, "swiglu", False):
-        # Each rank's shard is [gate_r; up_r]: merged as [gate; up], not concatenated.
-        info[PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0] = [layer + r"mlp\.dense_h_to_4h\."]
+    # DeepSpeed refuses a pattern that matches no parameter: only the model's are listed.
+    info.update((key, patterns) for key, patterns in categories.items() if patterns)
     return info
 
 

@@ -60,20 +60,21 @@ def split_of(tensor: torch.Tensor) -> Split:
     )
 
 
-def declared_splits(module: nn.Module) -> dict[str, Split]:
+def declared_splits(module: nn.Module, parameters_only: bool = False) -> dict[str, Split]:
     """The split of every entry of `module.state_dict()` (parameters as their layers declared
-    them; buffers whole)."""
-    splits = {name: Split() for name in module.state_dict()}
+    them; buffers whole), or of its parameters only."""
+    splits = {} if parameters_only else {name: Split() for name in module.state_dict()}
     for name, param in module.named_parameters(remove_duplicate=False):
-        if name in splits:
+        if parameters_only or name in splits:
             splits[name] = split_of(param)
     return splits
 
 
-def model_splits(config: ModelConfig) -> dict[str, Split]:
+def model_splits(config: ModelConfig, parameters_only: bool = False) -> dict[str, Split]:
     """`declared_splits` of the `GPTModel` `config` describes, built on the meta device (no
     memory, no initialization) as one process holding every expert: the names are its
-    state-dict keys, the whole model's (DeepSpeed-MoE's experts under their global numbers)."""
+    state-dict keys (or parameter names), the whole model's (DeepSpeed-MoE's experts under
+    their global numbers)."""
     from megatron.core.process_groups import ModelGroups
     from megatron.model.gpt_model import GPTModel
 
@@ -84,4 +85,4 @@ def model_splits(config: ModelConfig) -> dict[str, Split]:
         )
     with torch.device("meta"):
         model = GPTModel(config, ModelGroups())
-    return declared_splits(model)
+    return declared_splits(model, parameters_only)
