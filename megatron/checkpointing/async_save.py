@@ -6,9 +6,14 @@ training goes on) and hands the write to a thread that talks to the other ranks 
 process group of its own (gloo). The checkpoint is published by the same commit as a
 synchronous save (`checkpoint_commit`: staging directory, journal, rename, trackers), run on
 the main thread once every rank's write has finished: the loop asks every iteration (`poll`,
-one small all-reduce), and a save or the end of training waits for it (`finish`). At most
-one save is in flight; a kill at any moment leaves the newest committed checkpoint, as with
-synchronous saves.
+one small all-reduce over a gloo group of its own: NCCL takes no CPU tensor, and the writing
+thread's group must not interleave with it), and a save or the end of training waits for it
+(`finish`), also when training stops early (`TrainingStopped`). At most one save is in
+flight; a writer failure on any rank fails the save on every rank in one line. A run that
+ends another way (an exception on one rank, a kill) leaves the save recorded
+(`commit.record_background_save`): the next start commits it if its write completed
+(torch.distributed.checkpoint's `.metadata` is written last, once every rank's files are),
+else discards it, so a kill at any moment leaves the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class AsyncSaves:
     def __init__(self) -> None:
         self._in_flight: _InFlight | None = None
         self._group = None
+        self._poll_group = None
         self._stager = None
 
     def background(self) -> tuple:
@@ -52,13 +58,17 @@ class AsyncSaves:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             self._group = dist.new_group(backend="gloo")
+            self._poll_group = dist.new_group(backend="gloo")
             pinned = torch.cuda.is_available()
             self._stager = DefaultStager(StagingOptions(pinned, False, False, False))
         return self._group, self._stager
 
-    def started(self, future: Future, final: str, iteration: int) -> None:
-        """Record the save just handed to the background (every rank, the same iteration)."""
+    def started(self, future: Future, final: str, iteration: int, complete: str) -> None:
+        """Record the save just handed to the background (every rank, the same iteration);
+        `complete`: the file whose presence in its staging directory says it is written."""
         self._in_flight = _InFlight(future, final, iteration, time.time())
+        trackers = checkpoint_commit.megatron_trackers(str(iteration))
+        checkpoint_commit.record_background_save(final, trackers, complete)
 
     def poll(self) -> None:
         """Commit the save in flight if every rank's write has finished (a collective when one
@@ -66,7 +76,7 @@ class AsyncSaves:
         if self._in_flight is None:
             return
         done = torch.tensor([int(self._in_flight.future.done())])
-        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
         if done.item():
             self.finish()
 
@@ -75,13 +85,15 @@ class AsyncSaves:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return
-        from torch.distributed.checkpoint.api import CheckpointException
-
         failure = None
         try:
             in_flight.future.result()
-        except (CheckpointException, OSError) as error:
-            failure = f"error: saving {in_flight.final} failed: {str(error).splitlines()[0]}"
+        except Exception as error:  # noqa: BLE001 - any writer failure fails it on every rank
+            first = (str(error).splitlines() or [type(error).__name__])[0]
+            failure = f"error: saving {in_flight.final} failed: {first}"
+        else:
+            if dist.get_rank() == 0:  # crash tests: the write done, its commit not begun
+                checkpoint_commit.fault_point("background-written")
         trackers = checkpoint_commit.megatron_trackers(str(in_flight.iteration))
         checkpoint_commit.commit(in_flight.final, trackers, failure)
         print_rank_0(

@@ -27,6 +27,11 @@ reached step 3, so afterwards both files name the same complete checkpoint. A re
 this code (`cat latest_checkpointed_iteration.txt`) sees the two files agree once the run has
 restarted. A leftover `.partial` directory is never read.
 
+A save written in the background (`--async-save`) is recorded as it starts
+(`record_background_save`: its directory, trackers, and the file whose presence says its write
+is complete); a run that ends before committing it (an exception, a kill) has it committed at
+the next start once that file is there, or discarded when its write never completed.
+
 For crash tests, `MEGATRON_CHECKPOINT_FAULT=POINT:N` SIGKILLs rank 0 the N-th time it reaches
 POINT (one of `FAULT_POINTS`) in this process.
 """
@@ -48,10 +53,17 @@ from megatron.checkpointing.disk import CheckpointSaveError, check_free_space, d
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 DEEPSPEED_TRACKER_FILENAME = "latest"
 JOURNAL_FILENAME = "commit_journal.json"
+BACKGROUND_FILENAME = "background_save.json"
 STAGING_SUFFIX = ".partial"
 _REPLACED_SUFFIX = ".replaced"
 FAULT_ENV = "MEGATRON_CHECKPOINT_FAULT"
-FAULT_POINTS = ("before-rename", "after-rename", "between-trackers", "after-trackers")
+FAULT_POINTS = (
+    "before-rename",
+    "after-rename",
+    "between-trackers",
+    "after-trackers",
+    "background-written",  # async_save.py: a background save written, its commit not begun
+)
 _fault_counts: dict[str, int] = {}
 
 
@@ -64,7 +76,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _fault_point(point: str) -> None:
+def fault_point(point: str) -> None:
     """SIGKILL this process here if `MEGATRON_CHECKPOINT_FAULT` asks for it (crash tests)."""
     wanted = os.environ.get(FAULT_ENV)
     if not wanted:
@@ -172,7 +184,7 @@ def commit(final: str, trackers: dict[str, str | None], failure: str | None = No
         try:
             fsync_tree(staging)
             _write_journal(root, os.path.basename(final), trackers)
-            _fault_point("before-rename")
+            fault_point("before-rename")
             replaced = final + _REPLACED_SUFFIX
             if os.path.isdir(final):
                 # Saving an iteration again (a rerun past a checkpoint that was never tracked).
@@ -180,11 +192,12 @@ def commit(final: str, trackers: dict[str, str | None], failure: str | None = No
             os.replace(staging, final)
             fsync_path(root)
             published = True
-            _fault_point("after-rename")
+            fault_point("after-rename")
             _remove_tree(replaced)
             _write_trackers(root, trackers, inject_faults=True)
-            _fault_point("after-trackers")
+            fault_point("after-trackers")
             _end_journal(root)
+            _end_background(root)
         except OSError as error:
             failure = describe_failure(error, root)
             if published:
@@ -232,7 +245,8 @@ def finish_interrupted_commit(root: str) -> str | None:
     """
     journal = _read_journal(root)
     if journal is None:
-        return _align_megatron_tracker(root)
+        return _commit_finished_background_save(root) or _align_megatron_tracker(root)
+    _end_background(root)  # the journal's commit decides; a background record is stale now
     name, trackers = journal
     final = os.path.join(root, name)
     staging = staging_directory(final)
@@ -250,6 +264,62 @@ def finish_interrupted_commit(root: str) -> str | None:
     _end_journal(root)
     _remove_tree(staging)
     return f"discarded the interrupted save of {final}: it was killed before it was complete"
+
+
+def record_background_save(final: str, trackers: dict[str, str | None], complete: str) -> None:
+    """Rank 0, as a background save starts writing `final`'s staging directory: record the
+    trackers its commit sets and `complete`, the file whose presence there says every rank's
+    write finished, so that a run ending before the commit has it committed at the next start."""
+    if not _is_rank_zero():
+        return
+    root = _parent(final)
+    record = {"directory": os.path.basename(final), "trackers": trackers, "complete": complete}
+    with atomic_outputs(os.path.join(root, BACKGROUND_FILENAME)) as (partial,):
+        with open(partial, "w") as handle:
+            json.dump(record, handle)
+    fsync_path(root)
+
+
+def _end_background(root: str) -> None:
+    path = os.path.join(root, BACKGROUND_FILENAME)
+    if os.path.exists(path):
+        os.remove(path)
+        fsync_path(root)
+
+
+def _commit_finished_background_save(root: str) -> str | None:
+    """The background save a run ended without committing: committed (journal, rename,
+    trackers, as `commit`) when its write completed, else its staging directory removed."""
+    path = os.path.join(root, BACKGROUND_FILENAME)
+    try:
+        with open(path) as handle:
+            record = json.load(handle)
+        name, trackers, complete = record["directory"], record["trackers"], record["complete"]
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path} is not a background-save record ({error!r}); remove it") from None
+    final = os.path.join(root, name)
+    staging = staging_directory(final)
+    if not os.path.isdir(staging):  # committed or discarded already
+        _end_background(root)
+        return None
+    if not os.path.isfile(os.path.join(staging, complete)):
+        _remove_tree(staging)
+        _end_background(root)
+        return f"discarded the background save of {final}: the run ended before it was written"
+    fsync_tree(staging)
+    _write_journal(root, name, trackers)  # from here the journal finishes it, whatever happens
+    replaced = final + _REPLACED_SUFFIX
+    if os.path.isdir(final):
+        os.replace(final, replaced)
+    os.replace(staging, final)
+    fsync_path(root)
+    _remove_tree(replaced)
+    _write_trackers(root, trackers, inject_faults=False)
+    _end_journal(root)
+    _end_background(root)
+    return f"committed the background save of {final}: its write had completed before the run ended"
 
 
 def _report(message: str | None) -> None:
@@ -279,7 +349,7 @@ def tag_iteration(tag: str) -> int | None:
 def _write_trackers(root: str, trackers: dict[str, str | None], inject_faults: bool) -> None:
     for index, (name, text) in enumerate(trackers.items()):
         if index and inject_faults:
-            _fault_point("between-trackers")
+            fault_point("between-trackers")
         path = os.path.join(root, name)
         if text is not None:
             write_tracker(path, text)

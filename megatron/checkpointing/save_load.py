@@ -41,6 +41,7 @@ from megatron.checkpointing.checks import (
 )
 from megatron.checkpointing.disk import describe_failure, save_torch_file, tensor_bytes, tree_bytes
 from megatron.checkpointing.dist_checkpoint import (
+    DCP_METADATA,
     DistCheckpointError,
     is_dist_checkpoint,
     load_dist_checkpoint,
@@ -267,7 +268,7 @@ def _save_dist_files(state, target: CheckpointTarget, args: argparse.Namespace) 
             background=background,
         )
         if future is not None:
-            saves.started(future, final, state.iteration)
+            saves.started(future, final, state.iteration, DCP_METADATA)
             return False
     except OSError as error:
         failure = describe_failure(error, args.save, tree_bytes(staging))

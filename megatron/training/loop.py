@@ -167,6 +167,10 @@ class TrainingLoop:
         self.hooks.start_training()
         try:
             self._iterate(train_iter, valid_iter, state)
+        except TrainingStopped:
+            # Every rank stops here together: the save in flight is committed first.
+            self.engine.background_saves.finish()
+            raise
         finally:
             self.hooks.stop_profiler()  # a run stopped inside the window still writes it
 

@@ -46,6 +46,55 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_current(tmp_path) ->
     ]
 
 
+def _background_save(root: str, iteration: int, written: bool) -> str:
+    """A save handed to the background and recorded, as `--async-save` starts one; `written`:
+    its write completed (the file that says so is there). The run then ends uncommitted."""
+    final = os.path.join(root, f"iter_{iteration:07d}")
+    staging = checkpoint_commit.begin(final)
+    torch.save({"iteration": iteration}, os.path.join(staging, "tensors.distcp"))
+    trackers = checkpoint_commit.megatron_trackers(str(iteration))
+    checkpoint_commit.record_background_save(final, trackers, ".metadata")
+    if written:
+        open(os.path.join(staging, ".metadata"), "w").close()
+    return final
+
+
+def test_a_written_background_save_is_committed_at_the_next_start(tmp_path, capsys) -> None:
+    root = str(tmp_path)
+    _save(root, 10)
+    final = _background_save(root, 20, written=True)
+    assert checkpoint_commit.read_tracker(root) == (10, False)  # not published yet
+    checkpoint_commit.recover(root)
+    assert f"> committed the background save of {final}" in capsys.readouterr().out
+    assert checkpoint_commit.read_tracker(root) == (20, False)
+    assert load_file(os.path.join(final, "tensors.distcp")) == {"iteration": 20}
+    assert sorted(os.listdir(root)) == [
+        "iter_0000010",
+        "iter_0000020",
+        checkpoint_commit.TRACKER_FILENAME,
+    ]
+
+
+def test_an_unwritten_background_save_is_discarded_at_the_next_start(tmp_path, capsys) -> None:
+    root = str(tmp_path)
+    _save(root, 10)
+    final = _background_save(root, 20, written=False)
+    checkpoint_commit.recover(root)
+    assert f"> discarded the background save of {final}" in capsys.readouterr().out
+    assert checkpoint_commit.read_tracker(root) == (10, False)
+    assert sorted(os.listdir(root)) == ["iter_0000010", checkpoint_commit.TRACKER_FILENAME]
+
+
+def test_a_committed_background_save_leaves_no_record(tmp_path, capsys) -> None:
+    root = str(tmp_path)
+    final = _background_save(root, 20, written=True)
+    checkpoint_commit.commit(final, checkpoint_commit.megatron_trackers("20"))
+    assert checkpoint_commit.BACKGROUND_FILENAME not in os.listdir(root)
+    checkpoint_commit.recover(root)
+    assert capsys.readouterr().out == ""
+    assert checkpoint_commit.read_tracker(root) == (20, False)
+
+
 def test_saving_an_iteration_again_replaces_it(tmp_path) -> None:
     root = str(tmp_path)
     _save(root, 5)

@@ -8,7 +8,9 @@ with the same bytes as one never interrupted. The whole chain runs on torch_dist
 the background (`--async-save`, committed on the main thread when a later iteration finds the
 writes done), whose final checkpoint holds the uninterrupted run's tensors; DeepSpeed's ZeRO-2
 files (the same commit protocol) take the point their second tracker file (DeepSpeed's
-`latest`) adds: a kill between the two trackers. (Kills at random moments were tested too until
+`latest`) adds: a kill between the two trackers. A background save whose write completed
+but whose commit never began (rank 0 killed at `background-written`) is committed by the next
+start, which resumes from it. (Kills at random moments were tested too until
 issue 16: they cost one to three minutes of the CI budget and covered no point the named
 faults miss, and their timing was chance.) A Mixture-of-Experts run killed before its second
 checkpoint is renamed into place leaves the first, DeepSpeed's expert files of both
@@ -186,6 +188,35 @@ def test_sigkill_at_each_commit_step_resumes_from_newest_complete(
         return
     ours = _dcp_tensors(os.path.join(save, last))
     theirs = _dcp_tensors(os.path.join(straight_dir, last))
+    assert sorted(ours) == sorted(theirs)
+    for key, tensor in theirs.items():
+        assert torch.equal(ours[key], tensor), key
+
+
+@pytest.mark.slow
+def test_a_run_ended_after_its_background_save_was_written_resumes_from_it(
+    stdlib_dataset: str, tmp_path
+) -> None:
+    """`--async-save`: rank 0 killed once iteration 2's background save is written, before its
+    commit began (`background-written`, the second save's wait, at iteration 3): the next start
+    commits it, resumes at iteration 2, and ends with the uninterrupted run's tensors."""
+    iterations = 3
+    straight_dir = str(tmp_path / "straight")
+    straight = launch(2, _flags(stdlib_dataset, straight_dir, iterations, ASYNC_TORCH_DIST))
+    assert straight.returncode == 0, straight.stdout[-3000:]
+    save = str(tmp_path / "killed")
+    flags = _flags(stdlib_dataset, save, iterations, ASYNC_TORCH_DIST)
+    killed = launch(2, flags, env={checkpoint_commit.FAULT_ENV: "background-written:2"})
+    assert killed.returncode != 0, killed.stdout[-3000:]
+    assert _tracked(save, deepspeed=False) == 1
+    assert os.path.isdir(os.path.join(save, _name(2, False) + STAGING_SUFFIX))
+    resumed = launch(2, flags)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"> committed the background save of {save}/{_name(2, False)}" in resumed.stdout
+    assert f"loaded torch_dist checkpoint {save}/{_name(2, False)} at iteration 2" in resumed.stdout
+    assert _complete_checkpoints(save, deepspeed=False) == [1, 2, 3]
+    ours = _dcp_tensors(os.path.join(save, _name(iterations, False)))
+    theirs = _dcp_tensors(os.path.join(straight_dir, _name(iterations, False)))
     assert sorted(ours) == sorted(theirs)
     for key, tensor in theirs.items():
         assert torch.equal(ours[key], tensor), key
