@@ -3,7 +3,7 @@
 - The model receives its process groups (`megatron.core.process_groups.ModelGroups`, passed at
   construction): nothing under megatron/model/ names `parallel_state`.
 - Every process group and every FSDP2 / torch.distributed.checkpoint mesh is a slice of the one
-  device mesh (`parallel_state.get_device_mesh()[name]`): nothing builds a mesh back from a
+  device mesh (`parallel_state.mesh_slice(name)`): nothing builds a mesh back from a
   group with `DeviceMesh.from_group`.
 - `validate_args` returns the settled run, read-only: no code past megatron/arguments/ assigns
   an attribute of `args`, and the namespace itself refuses it.
@@ -149,7 +149,7 @@ def test_the_searches_find_what_they_look_for() -> None:
     ]
     model = _python_files("megatron/model")
     assert "megatron/model/gpt_model.py" in model and len(model) > 10
-    assert lines_matching(r"get_device_mesh\(\)\[", _python_files("megatron"))
+    assert lines_matching(r"mesh_slice\(\"dp_cp\"\)", _python_files("megatron"))
     tracker = "class Tracker:\n    pass\n\n\nTRACKER = Tracker()\nOTHER = dict()\n"
     assert module_level_instances({"megatron/x.py": tracker}) == {("megatron/x.py", "TRACKER")}
     planted = {"megatron/training/x.py": "    self.args.lr = 1\n    args.save += 'x'\n"}

@@ -5,7 +5,7 @@ dimensions `MESH_DIM_NAMES` (pp, edp, ep, cp, tp: Megatron-LM's rank order, tens
 ranks adjacent, pipeline stages outermost, the expert dimensions folded into data parallelism
 as megatron-core folds them) and the flattened ones `FLATTENED_DIMS` (dp, dp_cp, edp_cp,
 model, stage). Every group is a slice of it by name, and FSDP2 and torch.distributed.checkpoint
-take their meshes from it (`get_device_mesh()["dp_cp"]`), so a checkpoint's `mp_rank_XX_YYY`
+take their meshes from it (`mesh_slice("dp_cp")`), so a checkpoint's `mp_rank_XX_YYY`
 names and a launcher's node layout mean what they mean in Megatron-LM, and a new parallel
 dimension is a new name here. (Megatron's embedding group, the first and last stage of each
 pipeline, is the one group that is not a slice.) The query functions mirror Megatron's
@@ -74,6 +74,7 @@ class ParallelState:
     expert_data_ranks: list[int] = field(default_factory=list)
     stage_group: dist.ProcessGroup | None = None
     mesh: DeviceMesh | None = None
+    flattened_meshes: dict[str, DeviceMesh] = field(default_factory=dict)
 
 
 _STATE: ParallelState | None = None
@@ -209,9 +210,12 @@ def generate_rank_groups(
     return groups
 
 
-def build_device_mesh(shape: dict[str, int], device_type: str) -> DeviceMesh:
-    """The run's one named device mesh (`MESH_DIM_NAMES`, with `FLATTENED_DIMS` flattened in);
-    every rank must call it."""
+def build_device_mesh(
+    shape: dict[str, int], device_type: str
+) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
+    """The run's one named device mesh (`MESH_DIM_NAMES`) and its `FLATTENED_DIMS` flattened
+    (kept by name: torch deprecates slicing them back out of the root mesh); every rank must
+    call it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     # Every dimension gets a group of its own, also one spanning the whole world (torch would
@@ -224,9 +228,11 @@ def build_device_mesh(shape: dict[str, int], device_type: str) -> DeviceMesh:
         mesh_dim_names=MESH_DIM_NAMES,
         backend_override=dict.fromkeys(MESH_DIM_NAMES, backend),
     )
-    for name, dims in FLATTENED_DIMS.items():
-        mesh[dims]._flatten(name, backend_override=backend)
-    return mesh
+    flattened = {
+        name: mesh[dims]._flatten(name, backend_override=backend)
+        for name, dims in FLATTENED_DIMS.items()
+    }
+    return mesh, flattened
 
 
 def initialize_model_parallel(
@@ -252,10 +258,11 @@ def initialize_model_parallel(
         expert_parallel_size,
     )
     # NCCL carries CUDA tensors only: on GPUs the mesh (and FSDP2's, DCP's slices) is CUDA's.
-    mesh = build_device_mesh(shape, "cuda" if dist.get_backend() == "nccl" else "cpu")
+    mesh, flattened = build_device_mesh(shape, "cuda" if dist.get_backend() == "nccl" else "cpu")
 
     def group(name: str) -> tuple[dist.ProcessGroup, list[int]]:
-        return mesh[name].get_group(), mesh[name].mesh.tolist()
+        sliced = flattened[name] if name in flattened else mesh[name]
+        return sliced.get_group(), sliced.mesh.tolist()
 
     # The first and last stage of each pipeline: new_group is collective over the whole
     # world, so every rank creates every such group (once per distinct set of ranks).
@@ -301,6 +308,7 @@ def initialize_model_parallel(
         expert_data_ranks=expert_data[1],
         stage_group=group("stage")[0] if shape["pp"] > 1 else None,
         mesh=mesh,
+        flattened_meshes=flattened,
     )
     return _STATE
 
@@ -324,9 +332,16 @@ def get_parallel_state() -> ParallelState:
 
 
 def get_device_mesh() -> DeviceMesh:
-    """The run's named device mesh (`MESH_DIM_NAMES` and `FLATTENED_DIMS`): FSDP2 and
-    torch.distributed.checkpoint slice it by name (`get_device_mesh()["dp_cp"]`)."""
+    """The run's named device mesh (`MESH_DIM_NAMES`): torch.distributed.checkpoint slices it
+    by name (`get_device_mesh()["tp"]`); `mesh_slice` also gives the flattened dimensions."""
     return get_parallel_state().mesh
+
+
+def mesh_slice(name: str) -> DeviceMesh:
+    """One named dimension of the run's device mesh (`MESH_DIM_NAMES`) or a flattened group
+    of them (`FLATTENED_DIMS`: FSDP2 shards over `mesh_slice("dp_cp")`)."""
+    state = get_parallel_state()
+    return state.flattened_meshes.get(name) or state.mesh[name]
 
 
 def _rank_in(ranks_attr: str) -> int:

@@ -339,15 +339,18 @@ def _check_mesh(rank: int, world: int, tp: int, pp: int, cp: int, ep: int) -> No
     assert mesh.mesh_dim_names == ps.MESH_DIM_NAMES
     groups = generate_rank_groups(world, tp, pp, context_parallel_size=cp, expert_parallel_size=ep)
     for name, kind in MESH_NAME_KINDS.items():
-        ranks = mesh[name].mesh.tolist()
+        ranks = ps.mesh_slice(name).mesh.tolist()
         if kind in groups:
             assert ranks == _my_group(groups, kind, rank), (name, kind)
-        assert dist.get_process_group_ranks(mesh[name].get_group()) == ranks, name
+        assert dist.get_process_group_ranks(ps.mesh_slice(name).get_group()) == ranks, name
     assert ps.get_tensor_model_parallel_group() is mesh["tp"].get_group()
-    assert ps.get_sequence_data_parallel_group() is mesh["dp_cp" if cp > 1 else "dp"].get_group()
+    assert (
+        ps.get_sequence_data_parallel_group()
+        is ps.mesh_slice("dp_cp" if cp > 1 else "dp").get_group()
+    )
     if ep > 1:
         assert ps.get_expert_model_parallel_group() is mesh["ep"].get_group()
-        assert ps.get_expert_data_parallel_group() is mesh["edp_cp"].get_group()
+        assert ps.get_expert_data_parallel_group() is ps.mesh_slice("edp_cp").get_group()
         assert _sum_over(ps.get_expert_data_parallel_group(), rank) == sum(
             _my_group(groups, "expert_data", rank)
         )

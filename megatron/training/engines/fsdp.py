@@ -62,10 +62,10 @@ def shard_model(
     _broadcast_initial_states(model, parallel_state.get_sequence_data_parallel_group())
     # Dense weights are sharded over the data-parallel and sequence-split ranks, experts over
     # the ranks holding the same experts: two slices of the run's device mesh.
-    mesh = parallel_state.get_device_mesh()["dp_cp"]
+    mesh = parallel_state.mesh_slice("dp_cp")
     expert_mesh = None
     if parallel_state.get_expert_model_parallel_world_size() > 1:
-        expert_mesh = parallel_state.get_device_mesh()["edp_cp"]
+        expert_mesh = parallel_state.mesh_slice("edp_cp")
     attributes = {
         name: {key: getattr(param, key) for key in _PARAMETER_ATTRIBUTES if hasattr(param, key)}
         for name, param in model.named_parameters()
