@@ -183,8 +183,6 @@ class RoutedMoEConfig:
     capacity_factor: float | None = None
     """Drop tokens over factor x tokens x k / experts per expert (`--moe-expert-capacity-factor`);
     None: dropless."""
-    pad_to_capacity: bool = False
-    """With a capacity factor, pad every expert's input to the capacity."""
     drop_policy: str = "probs"
     """With a capacity factor, drop the lowest-probability (probs) or latest (position) tokens."""
     grouped_gemm: bool = False
@@ -515,7 +513,6 @@ def routed_moe_config_from_args(args: Namespace) -> RoutedMoEConfig | None:
         router_dtype=args.moe_router_dtype,
         dispatcher=args.moe_token_dispatcher_type,
         capacity_factor=args.moe_expert_capacity_factor,
-        pad_to_capacity=args.moe_pad_expert_input_to_capacity,
         drop_policy=args.moe_token_drop_policy,
         grouped_gemm=args.moe_grouped_gemm,
         expert_parallel_size=args.expert_model_parallel_size,

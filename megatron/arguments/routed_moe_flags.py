@@ -34,11 +34,16 @@ DEEPSPEED_MOE_DESTS = (
     "mlp_type",
     "enable_expert_tensor_parallelism",
 )
-# Accepted with no effect here: they choose a kernel or an overlap, not a result.
+# Accepted with no effect here: they choose a kernel, an overlap or a shape, not a result.
 INERT = {
-    "moe_permute_fusion": "--moe-permute-fusion",
-    "moe_router_fusion": "--moe-router-fusion",
-    "moe_shared_expert_overlap": "--moe-shared-expert-overlap",
+    "moe_permute_fusion": ("--moe-permute-fusion", "a kernel choice"),
+    "moe_router_fusion": ("--moe-router-fusion", "a kernel choice"),
+    "moe_shared_expert_overlap": ("--moe-shared-expert-overlap", "a kernel choice"),
+    "moe_pad_expert_input_to_capacity": (
+        "--moe-pad-expert-input-to-capacity",
+        "Megatron-LM pads each expert's rows to the capacity for static shapes; the padded "
+        "rows are zeros and the results the same, so the experts here take their own rows",
+    ),
 }
 
 
@@ -177,11 +182,6 @@ def add_routed_moe_flags(parser: argparse.ArgumentParser) -> None:
         help="Bound each expert's tokens to factor x tokens x k / experts (default: dropless).",
     )
     add(
-        "--moe-pad-expert-input-to-capacity",
-        action="store_true",
-        help="Pad each expert's input to its capacity (shapes only: results are the same).",
-    )
-    add(
         "--moe-token-drop-policy",
         choices=["probs", "position"],
         default="probs",
@@ -193,8 +193,10 @@ def add_routed_moe_flags(parser: argparse.ArgumentParser) -> None:
         help="One grouped matmul for the local experts (torch's grouped_mm).",
     )
     add("--moe-per-layer-logging", action="store_true", help="Log each MoE layer's losses.")
-    for flag in INERT.values():
-        add(flag, action="store_true", help="Accepted; chooses a kernel or an overlap only.")
+    for flag, reason in INERT.values():
+        add(
+            flag, action="store_true", help=f"Accepted without effect (said at start-up): {reason}."
+        )
 
 
 def _given(args: argparse.Namespace, explicit: set[str] | None, dest: str, default) -> bool:
@@ -223,7 +225,6 @@ ROUTED_DEFAULTS = {
     "moe_router_group_topk": None,
     "moe_token_dispatcher_type": "allgather",
     "moe_expert_capacity_factor": None,
-    "moe_pad_expert_input_to_capacity": False,
     "moe_token_drop_policy": "probs",
     "moe_grouped_gemm": False,
     "moe_per_layer_logging": False,
@@ -299,9 +300,9 @@ def settle_routed_moe(args: argparse.Namespace) -> None:
             f"--moe-expert-capacity-factor {args.moe_expert_capacity_factor}: must be above 0"
         )
     moe_layers(args)  # checks the pattern's length
-    for dest, typed in INERT.items():
+    for dest, (typed, reason) in INERT.items():
         if getattr(args, dest):
-            args.compat_notes.append(f" > {typed}: accepted; no effect here (a kernel choice)")
+            args.compat_notes.append(f" > {typed}: accepted; no effect here ({reason})")
 
 
 def _not_built(args: argparse.Namespace) -> None:

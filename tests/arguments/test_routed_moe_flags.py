@@ -62,7 +62,7 @@ def test_megatron_lm_defaults_and_the_other_router_flags() -> None:
         "--moe-router-dtype fp32 --moe-z-loss-coeff 1e-3 --moe-ffn-hidden-size 32 "
         "--moe-shared-expert-intermediate-size 48 --moe-router-load-balancing-type seq_aux_loss "
         "--moe-expert-capacity-factor 1.25 --moe-token-drop-policy position "
-        "--moe-layer-freq ([0]+[1]*3) --moe-permute-fusion"
+        "--moe-layer-freq ([0]+[1]*3) --moe-permute-fusion --moe-pad-expert-input-to-capacity"
     )
     routed = ModelConfig.from_args(args).routed_moe
     assert routed.moe_layers == (False, True, True, True)
@@ -84,6 +84,8 @@ def test_megatron_lm_defaults_and_the_other_router_flags() -> None:
         "position",
     )
     assert any("--moe-permute-fusion: accepted" in note for note in args.compat_notes)
+    padded = "--moe-pad-expert-input-to-capacity: accepted; no effect here (Megatron-LM pads"
+    assert any(note.startswith(" > " + padded) for note in args.compat_notes)
     assert validated("--num-experts 4 --moe-layer-freq 2").routed_moe
     layers = ModelConfig.from_args(validated("--num-experts 4 --moe-layer-freq 2")).routed_moe
     assert layers.moe_layers == (True, False, True, False)  # layers 1, 3 (Megatron-LM's rule)
