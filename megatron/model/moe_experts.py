@@ -119,6 +119,39 @@ def grouped_mm_runs(
     return all(dim * size % 16 == 0 for dim in (in_features, out_features))
 
 
+def grouped_gemm_fallback_note(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device_type: str,
+    capability: tuple[int, int] | None,
+) -> str | None:
+    """The start-up note of a run asking `--moe-grouped-gemm` whose experts' matmuls will
+    not run torch's grouped matmul (`grouped_mm_runs`) at the compute `dtype` on this device,
+    but the loop over the experts; None when they all run it, or when none was asked for."""
+    moe = config.routed_moe
+    if moe is None or not moe.grouped_gemm:
+        return None
+    ffn = moe.ffn_hidden_size or config.ffn_hidden_size
+    width = ffn * (2 if config.activation == "swiglu" else 1)
+    shapes = ((config.hidden_size, width), (ffn, config.hidden_size))
+    looping = [
+        f"[{rows} x {cols}]"
+        for rows, cols in shapes
+        if not grouped_mm_runs(device_type, dtype, capability, rows, cols)
+    ]
+    if not looping:
+        return None
+    dtype_name = str(dtype).removeprefix("torch.")
+    where = f"{dtype_name} on {device_type}" + (
+        f" sm_{capability[0]}{capability[1]}" if capability else ""
+    )
+    return (
+        f" > note: --moe-grouped-gemm: the experts' {' and '.join(looping)} matmuls loop over "
+        f"the experts here ({where}): torch's grouped matmul needs rows of 16-byte multiples, "
+        "and on GPUs bf16 on sm_90 (Hopper) or later"
+    )
+
+
 def _add_bias(tensor: torch.Tensor, bias: torch.Tensor | None, counts: list[int]) -> torch.Tensor:
     """Each row plus its expert's bias."""
     if bias is None:

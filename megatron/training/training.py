@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import TrainState
@@ -33,6 +34,7 @@ from megatron.dry_run import (
 from megatron.initialize import initialize_megatron
 from megatron.model.fp8 import fp8_report
 from megatron.model.model_size import model_size_report
+from megatron.model.moe_experts import grouped_gemm_fallback_note
 from megatron.settled_args import with_settled
 from megatron.tokenizer.tokenizer import tokenizer_with_sizes
 from megatron.training.engines import PipelineBatch, TrainingEngine, engine_class
@@ -42,6 +44,18 @@ from megatron.training.monitor import MetricsWriter, Timers, format_validation_b
 from megatron.training.step import ForwardStep
 from megatron.training.training_log import write_validation_scalars
 from megatron.utils import current_device, print_rank_0, print_rank_last
+
+
+def compute_dtype(args: argparse.Namespace) -> torch.dtype:
+    """The dtype the run's matmuls compute in: --bf16's, --fp16's (autocast or DeepSpeed's
+    half-precision parameters), else fp32."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def _device_and_capability() -> tuple[str, tuple[int, int] | None]:
+    if torch.cuda.is_available():
+        return "cuda", torch.cuda.get_device_capability()
+    return "cpu", None
 
 
 def build_engine(
@@ -55,7 +69,11 @@ def build_engine(
 
     `forward_step_func` drives the whole-model engines; `pipeline_batch` the pipeline ones.
     """
-    print_rank_0(model_size_report(ModelConfig.from_args(args), args.seq_length))
+    config = ModelConfig.from_args(args)
+    print_rank_0(model_size_report(config, args.seq_length))
+    fallback = grouped_gemm_fallback_note(config, compute_dtype(args), *_device_and_capability())
+    if fallback is not None:
+        print_rank_0(fallback)
     model = model_provider(args)
     if getattr(args, "fp8", None) is not None:
         print_rank_0(fp8_report(model))
