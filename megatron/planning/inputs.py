@@ -194,8 +194,9 @@ def with_vocabulary(args: argparse.Namespace) -> argparse.Namespace:
     """`args` with `padded_vocab_size` added (a new namespace), as a real run adds it.
 
     A dry run needs no files: with the tokenizer's files here (or with NullTokenizer, which
-    reads none) the tokenizer is built (as the run would), without them GPT-2's 50,257 tokens
-    are assumed and the plan says so.
+    reads none) the tokenizer is built (as the run would); without them `--vocab-size` is
+    taken where given (a published model's command line names its vocabulary so), else
+    GPT-2's 50,257 tokens are assumed; the plan says which.
     """
     if getattr(args, "padded_vocab_size", None):
         return args
@@ -206,12 +207,16 @@ def with_vocabulary(args: argparse.Namespace) -> argparse.Namespace:
     if fileless or any(path and os.path.exists(path) for path in files):
         _, sizes = tokenizer_with_sizes(args, verbose=False)  # no start-up lines: a plan
         return with_settled(args, **sizes)
-    note = (
-        f"vocabulary: the tokenizer's files are not here; assumed GPT-2's {GPT2_VOCAB_SIZE:,} "
-        "tokens"
-    )
+    given = getattr(args, "vocab_size", None)
+    if given:
+        note = f"vocabulary: the tokenizer's files are not here; --vocab-size {given:,} tokens"
+    else:
+        note = (
+            f"vocabulary: the tokenizer's files are not here; assumed GPT-2's "
+            f"{GPT2_VOCAB_SIZE:,} tokens"
+        )
     padded = vocab_size_with_padding(
-        GPT2_VOCAB_SIZE,
+        given or GPT2_VOCAB_SIZE,
         getattr(args, "make_vocab_size_divisible_by", 128),
         args.tensor_model_parallel_size,
         verbose=False,

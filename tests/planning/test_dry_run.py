@@ -163,6 +163,17 @@ def test_dry_run_needs_no_files_and_writes_nothing_else(tmp_path, monkeypatch, c
     assert os.listdir(tmp_path) == []
 
 
+def test_without_the_tokenizers_files_the_plan_takes_the_given_vocab_size(capsys):
+    """A published model's command line names its vocabulary: a 256,000-token model is
+    planned with 256,000 embedding rows (padded), not GPT-2's, and the plan says so."""
+    absent = ["--vocab-file", "/nowhere/vocab.json", "--merge-file", "/nowhere/merges.txt"]
+    gpt2 = run_dry_run(GPT2_XL + absent + ["--dry-run"])
+    given = run_dry_run(GPT2_XL + absent + ["--vocab-size", "256000", "--dry-run"])
+    assert "--vocab-size 256,000 tokens" in capsys.readouterr().out
+    assert (gpt2.inputs.model.vocab_size, given.inputs.model.vocab_size) == (50304, 256000)
+    assert given.peak_bytes > gpt2.peak_bytes
+
+
 def test_other_ranks_of_a_launched_dry_run_print_nothing(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     assert run_dry_run(GPT2_XL + ["--dry-run", "--dry-run-world-size", "8"]) is None
