@@ -14,6 +14,7 @@ import importlib.util
 import os
 
 from megatron.arguments.checkpoint_format_flags import (
+    note_what_the_engine_saves,
     settle_checkpoint_conversion,
     settle_checkpoint_format,
 )
@@ -523,6 +524,7 @@ def validate_args(
     # Settled once: everything past here (and past validation) reads the layout.
     args.layout = ParallelLayout.from_args(args)
     refuse_what_the_engine_cannot_run(args, Step.LAYOUT)
+    note_what_the_engine_saves(args)
     settle_moe(args)
     settle_routed_moe(args)
     check_housekeeping(args)
