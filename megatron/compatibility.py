@@ -158,8 +158,8 @@ _PER_TOKEN_LOSS_ON_DEEPSPEED = (
     "step; it runs on the plain engine and Megatron's schedules (drop --deepspeed)"
 )
 _MUON_TORCH_DIST_ON_DEEPSPEED = (
-    "{flag} --ckpt-format torch_dist with --deepspeed: the DeepSpeed torch_dist writer saves "
-    "Adam's moments only; use --ckpt-format torch"
+    "{flag} {ckpt} torch_dist with --deepspeed: the DeepSpeed torch_dist writer saves "
+    "Adam's moments only; use {ckpt} torch"
 )
 _MUON_EXPERTS_ON_DEEPSPEED = (
     "{flag} at {where} with Megatron-LM's MoE: DeepSpeed's Muon would orthogonalize the "
@@ -396,7 +396,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         name="Muon with torch_dist checkpoints",
         flag="--optimizer",
-        used=lambda layout, run: run.optimizer == "muon" and run.ckpt_format == "torch_dist",
+        used=lambda layout, run: run.optimizer == "muon" and _writes_torch_dist(run),
         engines=_NOT_DEEPSPEED,
         refusals={engine: _MUON_TORCH_DIST_ON_DEEPSPEED for engine in _DEEPSPEED},
         step=Step.OPTIMIZER,
@@ -545,6 +545,7 @@ def refusal(
                 else f"{layout.precision} ZeRO-{layout.zero_stage} ({wrapper.value})"
             ),
             needed=" ".join(run.muon_flags_for_deepspeed),
+            ckpt="--ckpt-format" if run.ckpt_format == "torch_dist" else "--ckpt-convert-format",
         )
     return None
 

@@ -309,6 +309,11 @@ def places(tmp_path) -> dict[str, str]:
         # The Muon and torch_dist rows: last, once DeepSpeed's optimizer wrapper is settled.
         ("--deepspeed --optimizer muon --ckpt-format torch_dist", MUON_TORCH_DIST),
         (
+            "--deepspeed --no-pipeline-parallel --optimizer muon --load {run} "
+            "--ckpt-convert-format torch_dist --ckpt-convert-save {out}",
+            MUON_TORCH_DIST.replace("--ckpt-format", "--ckpt-convert-format"),
+        ),
+        (
             "--deepspeed --optimizer muon --ckpt-format torch_dist --calculate-per-token-loss",
             PER_TOKEN_LOSS,
         ),
