@@ -127,18 +127,6 @@ def settle_checkpoint_format(args: argparse.Namespace) -> None:
         )
 
 
-def note_what_the_engine_saves(args: argparse.Namespace) -> None:
-    """After the layout: `--no-save-optim` on a DeepSpeed engine writing DeepSpeed's files has
-    no effect (its `save_checkpoint` always writes the optimizer state, as in
-    Megatron-DeepSpeed), and the start-up says so; torch_dist honours it."""
-    if args.no_save_optim and args.layout.engine.uses_deepspeed and args.ckpt_format == "torch":
-        args.compat_notes.append(
-            " > --no-save-optim: no effect on DeepSpeed's checkpoint files (its engine writes "
-            "the optimizer state with the weights, as in Megatron-DeepSpeed); --ckpt-format "
-            "torch_dist saves the weights alone"
-        )
-
-
 def settle_checkpoint_conversion(args: argparse.Namespace) -> None:
     """`--ckpt-convert-format` / `--ckpt-convert-save`, as Megatron-LM checks them, plus
     what would lose data: an existing checkpoint in the destination is never overwritten."""

@@ -14,7 +14,6 @@ import importlib.util
 import os
 
 from megatron.arguments.checkpoint_format_flags import (
-    note_what_the_engine_saves,
     settle_checkpoint_conversion,
     settle_checkpoint_format,
 )
@@ -35,6 +34,7 @@ from megatron.arguments.ds_config import (
     settle_gradient_accumulation_dtype,
 )
 from megatron.arguments.ds_unused_sections import set_aside_unused_sections
+from megatron.arguments.engine_notes import note_what_the_engine_ignores
 from megatron.arguments.engine_refusals import refuse_what_the_engine_cannot_run
 from megatron.arguments.errors import ArgumentError, flag_name
 from megatron.arguments.fp8_flags import settle_fp8
@@ -524,7 +524,7 @@ def validate_args(
     # Settled once: everything past here (and past validation) reads the layout.
     args.layout = ParallelLayout.from_args(args)
     refuse_what_the_engine_cannot_run(args, Step.LAYOUT)
-    note_what_the_engine_saves(args)
+    note_what_the_engine_ignores(args)
     settle_moe(args)
     settle_routed_moe(args)
     check_housekeeping(args)

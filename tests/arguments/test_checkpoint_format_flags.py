@@ -104,18 +104,3 @@ def test_conversion_refusals_name_the_flag(flags: str, words: str, tmp_path) -> 
     with pytest.raises(ArgumentError) as refused:
         validated(flags.format(**places))
     assert words.format(**places) in str(refused.value) and "\n" not in str(refused.value)
-
-
-@pytest.mark.parametrize(
-    "flags, noted",
-    [
-        ("--deepspeed --no-pipeline-parallel --zero-stage 1", True),
-        ("--deepspeed --zero-stage 1", True),  # DeepSpeed's pipeline engine
-        ("--deepspeed --no-pipeline-parallel --zero-stage 1 --ckpt-format torch_dist", False),
-        ("", False),  # the plain engine's files leave the optimizer out
-    ],
-)
-def test_no_save_optim_on_deepspeeds_files_is_said_to_do_nothing(flags: str, noted: bool):
-    notes = validated(f"{flags} --no-save-optim").compat_notes
-    said = [note for note in notes if note.startswith(" > --no-save-optim: no effect")]
-    assert bool(said) == noted, notes
