@@ -53,11 +53,15 @@ class TopKRouter(nn.Module):
     def forward(self, hidden: torch.Tensor, seq_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, h] tokens ([s, b] flattened, `seq_length` = s) -> weights and map, [T, E]."""
         logits = self._logits(hidden)  # [T, E]
-        training = self.training and torch.is_grad_enabled()
+        # Full recomputation first runs each layer without gradients (the logged losses are
+        # recorded then: that forward is the step's), then again in the backward (the losses
+        # join the graph then; that pass is outside the step's forwards, so records nothing).
+        training = self.training
+        backward = training and torch.is_grad_enabled()
         if training and self.moe.z_loss_coeff:
             z_loss = torch.logsumexp(logits.float(), dim=-1).square().mean()
             self.moe_losses.record_metric("z_loss", self.layer_number, z_loss)
-            logits = attach_aux_loss(logits, z_loss * self.moe.z_loss_coeff, 1.0, self.moe_losses)
+            logits = self._with_loss(logits, z_loss * self.moe.z_loss_coeff, backward)
         probs, routing_map = topk_routing(logits, self.moe, self.expert_bias)
         if self.moe.capacity_factor is not None:
             probs, routing_map = drop_over_capacity(probs, routing_map, self.moe)
@@ -66,10 +70,18 @@ class TopKRouter(nn.Module):
             self.moe_losses.record_metric(
                 LOGGED_NAMES[self.moe.load_balancing], self.layer_number, loss
             )
-            probs = attach_aux_loss(probs, loss * self.moe.aux_loss_coeff, 1.0, self.moe_losses)
-        if training and self.expert_bias is not None:
+            probs = self._with_loss(probs, loss * self.moe.aux_loss_coeff, backward)
+        if backward and self.expert_bias is not None:  # counted once per token
             self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs, routing_map
+
+    def _with_loss(self, output: torch.Tensor, loss: torch.Tensor, backward: bool) -> torch.Tensor:
+        """`output` carrying the weighted `loss` into the backward where there is one; the
+        loss is recorded for the log line either way."""
+        if backward:
+            return attach_aux_loss(output, loss, 1.0, self.moe_losses)
+        self.moe_losses.record(loss)
+        return output
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         dtype = ROUTER_DTYPES[self.moe.router_dtype]

@@ -119,3 +119,33 @@ def test_nothing_is_recorded_outside_a_training_step() -> None:
         model.moe_losses.start()
         model.eval()(tokens, labels=labels)  # evaluation: no auxiliary losses at all
         assert model.moe_losses.pop() == {}
+
+
+@pytest.mark.parametrize("method", ["uniform", "block"])
+def test_full_recomputation_logs_and_trains_as_without_it(method: str) -> None:
+    """Full recomputation runs each layer without gradients first, then again in the backward:
+    the logged losses are the first pass's, the same as without recomputation, and so are the
+    gradients the auxiliary losses give the routers."""
+    tokens, labels = random_batch(2, 16, 64)
+    results = []
+    for recompute in (False, True):
+        model = _model("aux_loss", per_layer=True)
+        if recompute:
+            model.config.recompute_granularity = "full"
+            model.config.recompute_method = method
+            model.config.recompute_num_layers = 2
+        model.moe_losses.start()
+        model(tokens, labels=labels).mean().backward()
+        routers = [
+            layer.mlp.router.weight.grad.clone()
+            for layer in model.language_model.encoder.layers
+            if layer.is_routed_moe
+        ]
+        results.append((model.moe_losses.pop(), routers))
+    (plain, plain_grads), (recomputed, recomputed_grads) = results
+    assert sorted(recomputed) == sorted(plain)
+    assert {"load_balancing_loss", "z_loss", MOE_LOSS} <= set(plain)
+    for name, value in plain.items():
+        torch.testing.assert_close(recomputed[name], value)
+    for ours, theirs in zip(recomputed_grads, plain_grads):
+        torch.testing.assert_close(ours, theirs)
