@@ -41,6 +41,13 @@ def settle_context_parallel(args: argparse.Namespace) -> None:
             f"{flag} with --reset-attention-mask: document masks across the ring are not "
             "built here (context parallelism attends causally over whole sequences)"
         )
+    window = getattr(args, "window_size", None)
+    if window is not None and window[0] + 1 < args.seq_length:
+        raise ArgumentError(
+            f"{flag} with --window-size ({window[0]}, {window[1]}): sliding windows across the "
+            "context-parallel ranks are not built here (it would attend causally over the "
+            "whole sequence); use --context-parallel-size 1"
+        )
     if args.layout.engine.uses_deepspeed and args.layout.zero_stage == 3:
         check_zero3_reduce_scatter(args, flag)
 

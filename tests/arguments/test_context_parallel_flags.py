@@ -74,6 +74,11 @@ def test_any_key_value_head_count_with_p2p() -> None:
     assert args.layout.context_parallel == 4
 
 
+def test_a_window_as_long_as_the_sequence_is_no_window() -> None:
+    seq = validated("--context-parallel-size 2 --window-size (31,0)", 4).seq_length
+    assert seq == 32  # every key of a causal 32-token sequence is in the window
+
+
 @pytest.mark.parametrize(
     "extra, world, words",
     [
@@ -129,6 +134,11 @@ def test_any_key_value_head_count_with_p2p() -> None:
             "--context-parallel-size 2 --reset-attention-mask",
             4,
             "--context-parallel-size 2 with --reset-attention-mask",
+        ),
+        (
+            "--context-parallel-size 2 --window-size (8,0)",
+            4,
+            "--context-parallel-size 2 with --window-size (8, 0): sliding windows across",
         ),
     ],
 )
