@@ -111,14 +111,9 @@ class CoreAttention(nn.Module):
         """
         dropout_p = self.dropout_p if self.training else 0.0
         if isinstance(mask, DocumentMask):
-            kernel = kernel_for(self.backend, query.device)
+            kernel = kernel_for(self.backend, query.device, dropout_p)
             if kernel == "dense":
                 mask = mask.dense(query.size(2), key.size(2), query.device)
-            elif kernel == "flex" and dropout_p > 0.0:
-                raise ValueError(
-                    "--attention-dropout with packed documents or --window-size: FlexAttention "
-                    "has no dropout (set --attention-dropout 0, as fine-tuning recipes do)"
-                )
         with self._dropout_rng():
             if isinstance(mask, DocumentMask):
                 context = self._documents(query, key, value, mask, kernel, dropout_p)

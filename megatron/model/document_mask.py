@@ -142,15 +142,17 @@ def _mask_mod(mask: DocumentMask, device: torch.device):  # noqa: ANN202
     return mask_mod
 
 
-def kernel_for(backend: str, device: torch.device) -> str:
-    """`dense`, `varlen` or `flex` for the core attention's backend and device.
+def kernel_for(backend: str, device: torch.device, dropout_p: float = 0.0) -> str:
+    """`dense`, `varlen` or `flex` for the core attention's backend, device and dropout.
 
     CPU takes `varlen`: torch has no FlexAttention backward there, and its forward compiles
-    for seconds per sequence length where SDPA's CPU flash kernel is already linear.
+    for seconds per sequence length where SDPA's CPU flash kernel is already linear. So does
+    attention dropout (`--attention-dropout`, Megatron's default 0.1), which FlexAttention
+    has not: SDPA drops per document.
     """
     if backend == "unfused":
         return "dense"
-    return "varlen" if device.type == "cpu" else "flex"
+    return "varlen" if device.type == "cpu" or dropout_p > 0.0 else "flex"
 
 
 def flex_attention_with(

@@ -106,6 +106,8 @@ def test_kernel_choice():
     assert kernel_for("unfused", torch.device("cpu")) == "dense"
     assert kernel_for("sdpa", torch.device("cpu")) == "varlen"  # no CPU FlexAttention backward
     assert kernel_for("sdpa", torch.device("cuda")) == "flex"
+    # FlexAttention has no dropout: with --attention-dropout SDPA drops per document.
+    assert kernel_for("sdpa", torch.device("cuda"), dropout_p=0.1) == "varlen"
 
 
 def _packed_batch(lengths: list[int], vocab: int, seed: int = 3) -> list[torch.Tensor]:
@@ -124,7 +126,7 @@ def _packed_batch(lengths: list[int], vocab: int, seed: int = 3) -> list[torch.T
 def test_each_packed_document_gets_its_logits_alone(family, kernel, monkeypatch):
     """Document ids and reset positions from the batch, through FlexAttention (the GPU's
     kernel, eager here) and the per-document kernel (CPU's)."""
-    monkeypatch.setattr(attention, "kernel_for", lambda backend, device: kernel)
+    monkeypatch.setattr(attention, "kernel_for", lambda backend, device, dropout_p: kernel)
     extra = LLAMA if family == "llama" else {}
     model = build_model(tiny_config(max_position_embeddings=160, **extra)).eval()
     docs = _packed_batch([37, 1, 60, 30], 64)
@@ -149,7 +151,7 @@ def test_pipeline_stages_give_each_document_its_logits_alone(family, monkeypatch
     from megatron.checkpointing.pipeline_stages import chunk_state_dict
     from megatron.model import GPTModel
 
-    monkeypatch.setattr(attention, "kernel_for", lambda backend, device: "flex")
+    monkeypatch.setattr(attention, "kernel_for", lambda backend, device, dropout_p: "flex")
     config = tiny_config(max_position_embeddings=160, **(LLAMA if family == "llama" else {}))
     model = build_model(config).eval()
     dense = model.state_dict()
