@@ -235,6 +235,39 @@ def build_device_mesh(
     return mesh, flattened
 
 
+_MESHES: dict[tuple, tuple] = {}
+"""The meshes (and embedding groups) built in this process, by layout shape: torch keeps every
+gloo group's threads and sockets alive for the life of its default group, so a process that
+builds the same layout again (tests, re-initializing) takes the groups it built already."""
+
+
+def _mesh_of_this_world(
+    shape: dict[str, int],
+) -> tuple[DeviceMesh, dict[str, DeviceMesh], dict[tuple[int, ...], dist.ProcessGroup]]:
+    """The device mesh of `shape`, its flattened dimensions, and the groups of each pipeline's
+    first and last stage (by their ranks), for the current default group (every rank must
+    call it); built on the first call for a shape, then the same again."""
+    world = dist.group.WORLD
+    key = (tuple(shape.items()), dist.get_backend())
+    cached = _MESHES.get(key)
+    if cached is not None and cached[0] is world:
+        return cached[1:]
+    for stale in [key for key, entry in _MESHES.items() if entry[0] is not world]:
+        del _MESHES[stale]  # of an earlier default group, destroyed since
+    # NCCL carries CUDA tensors only: on GPUs the mesh (and FSDP2's, DCP's slices) is CUDA's.
+    mesh, flattened = build_device_mesh(shape, "cuda" if dist.get_backend() == "nccl" else "cpu")
+    # The first and last stage of each pipeline: new_group is collective over the whole
+    # world, so every rank creates every such group (once per distinct set of ranks).
+    ranks = torch.arange(dist.get_world_size()).reshape(tuple(shape.values()))
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for pipeline in _groups_along(ranks, *_KINDS["pipeline"]):
+        ends = tuple(sorted({pipeline[0], pipeline[-1]}))
+        if ends not in made:
+            made[ends] = dist.new_group(list(ends))
+    _MESHES[key] = (world, mesh, flattened, made)
+    return mesh, flattened, made
+
+
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -257,24 +290,16 @@ def initialize_model_parallel(
         context_parallel_size,
         expert_parallel_size,
     )
-    # NCCL carries CUDA tensors only: on GPUs the mesh (and FSDP2's, DCP's slices) is CUDA's.
-    mesh, flattened = build_device_mesh(shape, "cuda" if dist.get_backend() == "nccl" else "cpu")
+    mesh, flattened, made = _mesh_of_this_world(shape)
 
     def group(name: str) -> tuple[dist.ProcessGroup, list[int]]:
         sliced = flattened[name] if name in flattened else mesh[name]
         return sliced.get_group(), sliced.mesh.tolist()
 
-    # The first and last stage of each pipeline: new_group is collective over the whole
-    # world, so every rank creates every such group (once per distinct set of ranks).
-    ranks = torch.arange(world_size).reshape(tuple(shape.values()))
     embedding: tuple[dist.ProcessGroup | None, list[int]] = (None, [])
-    made: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    for pipeline in _groups_along(ranks, *_KINDS["pipeline"]):
-        ends = tuple(sorted({pipeline[0], pipeline[-1]}))
-        if ends not in made:
-            made[ends] = dist.new_group(list(ends))
+    for ends, ends_group in made.items():
         if rank in ends:
-            embedding = (made[ends], list(ends))
+            embedding = (ends_group, list(ends))
     split, ep = shape["cp"] > 1, shape["ep"] > 1
     # Without a sequence split a rank holds its whole sequence: no sequence group, and the
     # sequence-data-parallel group is the data-parallel one. Without expert parallelism every
