@@ -241,18 +241,27 @@ gloo group's threads and sockets alive for the life of its default group, so a p
 builds the same layout again (tests, re-initializing) takes the groups it built already."""
 
 
+def _registered(mesh: DeviceMesh) -> bool:
+    """Whether `mesh`'s groups are still torch.distributed's (not destroyed since)."""
+    try:
+        dist.get_process_group_ranks(mesh.get_group("tp"))
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 def _mesh_of_this_world(
     shape: dict[str, int],
 ) -> tuple[DeviceMesh, dict[str, DeviceMesh], dict[tuple[int, ...], dist.ProcessGroup]]:
     """The device mesh of `shape`, its flattened dimensions, and the groups of each pipeline's
     first and last stage (by their ranks), for the current default group (every rank must
-    call it); built on the first call for a shape, then the same again."""
-    world = dist.group.WORLD
-    key = (tuple(shape.items()), dist.get_backend())
+    call it); built on the first call for a shape, then the same again. (The default group
+    itself is not held: a run that destroys it at its end must be able to free it.)"""
+    key = (tuple(shape.items()), dist.get_backend(), dist.get_world_size())
     cached = _MESHES.get(key)
-    if cached is not None and cached[0] is world:
-        return cached[1:]
-    for stale in [key for key, entry in _MESHES.items() if entry[0] is not world]:
+    if cached is not None and _registered(cached[0]):
+        return cached
+    for stale in [key for key, entry in _MESHES.items() if not _registered(entry[0])]:
         del _MESHES[stale]  # of an earlier default group, destroyed since
     # NCCL carries CUDA tensors only: on GPUs the mesh (and FSDP2's, DCP's slices) is CUDA's.
     mesh, flattened = build_device_mesh(shape, "cuda" if dist.get_backend() == "nccl" else "cpu")
@@ -264,7 +273,7 @@ def _mesh_of_this_world(
         ends = tuple(sorted({pipeline[0], pipeline[-1]}))
         if ends not in made:
             made[ends] = dist.new_group(list(ends))
-    _MESHES[key] = (world, mesh, flattened, made)
+    _MESHES[key] = (mesh, flattened, made)
     return mesh, flattened, made
 
 
