@@ -281,7 +281,12 @@ def record_background_save(final: str, trackers: dict[str, str | None], complete
 
 
 def _end_background(root: str) -> None:
-    path = os.path.join(root, BACKGROUND_FILENAME)
+    _remove_record(root, BACKGROUND_FILENAME)
+
+
+def _remove_record(root: str, name: str) -> None:
+    """Remove `root`'s record file `name` (the journal, the background-save record), durably."""
+    path = os.path.join(root, name)
     if os.path.exists(path):
         os.remove(path)
         fsync_path(root)
@@ -366,10 +371,7 @@ def _write_journal(root: str, name: str, trackers: dict[str, str | None]) -> Non
 
 
 def _end_journal(root: str) -> None:
-    path = os.path.join(root, JOURNAL_FILENAME)
-    if os.path.exists(path):
-        os.remove(path)
-        fsync_path(root)
+    _remove_record(root, JOURNAL_FILENAME)
 
 
 def _read_journal(root: str) -> tuple[str, dict[str, str | None]] | None:
