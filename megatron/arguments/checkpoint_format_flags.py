@@ -32,7 +32,9 @@ def add_checkpoint_format_flags(parser: argparse.ArgumentParser) -> None:
         "--ckpt-format",
         choices=FORMATS,
         default=None,
-        help="torch: Megatron's per-rank files (the default here); torch_dist (or torch_dcp): "
+        help="torch: Megatron's per-rank files (the default here without sharding; refused "
+        "with FSDP2 sharding, whose whole tensors they would gather); torch_dist (or "
+        "torch_dcp, the default with --use-distributed-optimizer / --use-torch-fsdp2): "
         "one torch.distributed.checkpoint directory, each tensor saved once with its global "
         "shape, loadable at any TP, PP, virtual-stage, DP, CP and FSDP2 layout with the "
         "optimizer state, on either engine (DeepSpeed's: its fp32 master weights and Adam "
@@ -102,8 +104,18 @@ def add_checkpoint_format_flags(parser: argparse.ArgumentParser) -> None:
 def settle_checkpoint_format(args: argparse.Namespace) -> None:
     """`args.ckpt_format`: "torch" or "torch_dist"; refusals in one line each."""
     chosen = args.ckpt_format
+    sharded = getattr(args, "data_parallel_sharding", "none") != "none"
     if chosen is None:
-        chosen = "torch_dist" if args.use_dist_ckpt else "torch"
+        # Megatron-LM's default; under FSDP2 also the only format that stays sharded.
+        chosen = "torch_dist" if args.use_dist_ckpt or sharded else "torch"
+    if chosen == "torch" and sharded:
+        raise ArgumentError(
+            f"--ckpt-format torch with {_sharding_flag(args)}: Megatron's per-rank files hold "
+            "whole tensors, gathered from every data-parallel shard onto each rank (the whole "
+            "model and Adam state in one device's memory); use --ckpt-format torch_dist (the "
+            "default with sharding), which each rank writes from its own shards and which "
+            "loads at any layout, with or without sharding"
+        )
     if chosen == "fsdp_dtensor":
         raise ArgumentError(
             "--ckpt-format fsdp_dtensor: Megatron-FSDP's own format is not built here; "
@@ -127,6 +139,17 @@ def settle_checkpoint_format(args: argparse.Namespace) -> None:
         )
 
 
+def _sharding_flag(args: argparse.Namespace) -> str:
+    """The flag that turned on FSDP2 sharding, as the user wrote it."""
+    if args.use_torch_fsdp2:
+        return "--use-torch-fsdp2"
+    if args.use_megatron_fsdp:
+        return (
+            f"--use-megatron-fsdp --data-parallel-sharding-strategy {args.data_parallel_sharding}"
+        )
+    return "--use-distributed-optimizer"
+
+
 def settle_checkpoint_conversion(args: argparse.Namespace) -> None:
     """`--ckpt-convert-format` / `--ckpt-convert-save`, as Megatron-LM checks them, plus
     what would lose data: an existing checkpoint in the destination is never overwritten."""
@@ -144,6 +167,12 @@ def settle_checkpoint_conversion(args: argparse.Namespace) -> None:
         raise ArgumentError(
             f"--ckpt-convert-format {convert} with {flag}: the conversion keeps the optimizer "
             f"state and counters; drop {flag}"
+        )
+    if convert == "torch" and getattr(args, "data_parallel_sharding", "none") != "none":
+        raise ArgumentError(
+            f"--ckpt-convert-format torch with {_sharding_flag(args)}: Megatron's per-rank "
+            "files would gather the whole model and Adam state onto each rank; convert without "
+            "the sharding flag (the checkpoint loads unsharded at any data-parallel size)"
         )
     if getattr(args, "dry_run", False):
         return  # planning only: the directories are the real run's business

@@ -13,15 +13,16 @@ output copy of the word embeddings is the embeddings; replicas (data, context an
 parallel ranks, the tied copy) are written once (DCP's deduplication). Adam's moments and
 step are saved the same way under `optimizer.state.{name}.{key}`. So a checkpoint loads into
 any TP x PP (x virtual stages) x DP x CP layout of the same model, with or without FSDP2
-sharding (whose shards are gathered per tensor-parallel rank first). Vocabulary matrices
+sharding (an FSDP2 rank writes and reads its own rows of its tensor-parallel shard, one or
+two boxes of the global tensor: `megatron.checkpointing.fsdp_slices`). Vocabulary matrices
 padded to another size (`--make-vocab-size-divisible-by` x TP) load their common rows.
 
 Each rank's random generators are saved under `rng_state.rank{R}` and restored when the
 layout is the one that saved them; otherwise they keep their seeds and a line says so.
 
-What is read from and written into a run goes through a holder of its whole tensors
-(`megatron.checkpointing.whole_tensors`): the plain engine's module and optimizer, FSDP2-
-sharded chunks, or DeepSpeed's engine (`megatron.checkpointing.deepspeed_tensors`).
+What is read from and written into a run goes through a holder of its tensors
+(`megatron.checkpointing.whole_tensors`): the plain engine's module and optimizer (FSDP2-
+sharded or not), or DeepSpeed's engine (`megatron.checkpointing.deepspeed_tensors`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch import nn
 
 from megatron.checkpointing.disk import save_torch_file
 from megatron.checkpointing.file_format import SAFE_GLOBALS, enum_member, load_file
+from megatron.checkpointing.fsdp_slices import ShardedLayout, chunk_rows, sharded_slices
 from megatron.checkpointing.pipeline_stages import HEAD_WEIGHT, chunk_layers, renumber_layers
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
 from megatron.checkpointing.shapes import WORD_EMBEDDINGS
@@ -89,15 +91,20 @@ class _TensorParallelView:
             name: split for chunk in chunks for name, split in declared_splits(chunk).items()
         }
 
-    def global_view(self, local_name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` (this rank's shard of `local_name`) as a slice of the global tensor."""
+    def global_view(
+        self, local_name: str, tensor: torch.Tensor, saved_shape: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
+        """`tensor` (this rank's shard of `local_name`) as a slice of the global tensor;
+        `saved_shape`: the saved tensor's, where its vocabulary rows differ (FSDP2 only)."""
         split = self.splits[local_name]
         dim = split.tensor_dim
         if tensor.dim() == 0:  # Adam's step
             return tensor
-        if self.expert_mesh is not None and split.expert_dim is not None:
-            from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor, Shard
 
+        if isinstance(tensor, DTensor):  # FSDP2: this data-parallel rank's rows of the shard
+            return self._fsdp_slices(local_name, tensor, saved_shape)
+        if self.expert_mesh is not None and split.expert_dim is not None:
             shard = Shard(split.expert_dim)
             return DTensor.from_local(tensor, self.expert_mesh, [shard], run_check=False)
         if split.swiglu:  # [gate_r; up_r] -> [2, F/TP, ...], sharded on dim 1
@@ -105,9 +112,36 @@ class _TensorParallelView:
             dim = 1
         if dim is None or self.mesh is None:
             return tensor
-        from torch.distributed.tensor import DTensor, Shard
-
         return DTensor.from_local(tensor, self.mesh, [Shard(dim)], run_check=False)
+
+    def _fsdp_slices(self, local_name: str, tensor, saved_shape) -> object:  # noqa: ANN001
+        """An FSDP2 DTensor's local rows as slices of the global tensor (`fsdp_slices`)."""
+        split, mesh = self.splits[local_name], tensor.device_mesh
+        if self.expert_mesh is not None and split.expert_dim is not None:
+            dim, ranks = split.expert_dim, self.expert_mesh
+        elif self.mesh is not None and split.tensor_dim is not None:
+            dim, ranks = split.tensor_dim, self.mesh
+        else:
+            dim, ranks = None, None
+        layout = ShardedLayout(
+            tuple(tensor.shape), split, dim, ranks.size() if ranks is not None else 1
+        )
+        rows = chunk_rows(tensor.size(0), mesh.get_local_rank(), mesh.size())
+        (chunk,) = tensor.__create_chunk_list__()  # FSDP2's own record of this rank's rows
+        if (chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]) != rows and rows[0] < rows[1]:
+            raise DistCheckpointError(
+                f"{local_name}: FSDP2 holds rows {chunk.offsets[0]}.. ({chunk.sizes[0]}) here, "
+                f"not torch.chunk's {rows}: this torch shards otherwise than "
+                "megatron.checkpointing.fsdp_slices assumes"
+            )
+        shard_rank = ranks.get_local_rank() if ranks is not None else 0
+        return sharded_slices(tensor.to_local(), layout, shard_rank, rows, mesh.size(), saved_shape)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _model_entries(holder: WholeTensors, args: argparse.Namespace) -> list[tuple]:
@@ -283,6 +317,12 @@ class _Requests:
             self.tensors[key] = request
             return
         vocab = self.view.splits[local_name].vocab
+        if vocab and tuple(saved.size[1:]) == tuple(tensor.shape[1:]) and _is_dtensor(tensor):
+            # FSDP2, padded to another multiple: this rank's rows that the saved matrix has.
+            with torch.no_grad():
+                tensor.to_local().zero_()
+            self.tensors[key] = self.view.global_view(local_name, tensor, tuple(saved.size))
+            return
         if vocab and tuple(saved.size[1:]) == tuple(tensor.shape[1:]):
             # Padded to another multiple: read the whole saved matrix, keep this rank's rows.
             whole = torch.zeros(tuple(saved.size), dtype=tensor.dtype)
@@ -365,7 +405,7 @@ def load_dist_checkpoint(
             moments[module_name] = {
                 key: torch.zeros((), dtype=torch.float32)
                 if key == "step"
-                else torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+                else torch.zeros_like(like, dtype=torch.float32)  # FSDP2: its DTensor shard
                 for key in keys
             }
             for key, tensor in moments[module_name].items():

@@ -66,8 +66,6 @@ from megatron.checkpointing.layouts import LocatedCheckpoint, locate_checkpoint
 from megatron.checkpointing.pipeline_stages import model_chunks
 from megatron.checkpointing.rng_state import gather_rng_states, restore_rng_state
 from megatron.checkpointing.sharded_states import (
-    full_model_state,
-    full_optimizer_state,
     has_sharded_chunks,
     is_sharded,
     load_full_model_state,
@@ -304,47 +302,37 @@ def _load_loss_scaler_state(target: CheckpointTarget, holder: WholeTensors, save
 
 def _save_megatron_files(state, target: CheckpointTarget, args: argparse.Namespace) -> None:  # noqa: ANN001
     """Megatron's per-rank files, written by data-parallel rank 0 of each TP x PP rank (the
-    first of its data x context-parallel ranks: the weights are the same on all of them).
-    Under FSDP2 every rank first helps gather the weights and the optimizer state, which goes
-    to `distrib_optim.pt` beside the model file (`sharded_states`)."""
+    first of its data x context-parallel ranks: the weights are the same on all of them). An
+    FSDP2-sharded run saves torch_dist instead (the argument checks refuse this format for
+    it: its whole tensors would be gathered onto every rank)."""
     iteration = state.iteration
     model = target.model
     module = _unwrap(model)
-    sharded = has_sharded_chunks(module)
+    if has_sharded_chunks(module):
+        raise CheckpointError(
+            "an FSDP2-sharded run saves --ckpt-format torch_dist only (Megatron's per-rank "
+            "files would gather its whole tensors)"
+        )
     save_optimizer = not args.no_save_optim
-    weights = [full_model_state(chunk) for chunk in model_chunks(module)] if sharded else None
-    optimizer_state = None
-    if sharded and save_optimizer:
-        optimizer_state = full_optimizer_state(module, target.optimizer)
     rng = None if args.no_save_rng else gather_rng_states(_data_parallel_group())
     final = checkpoint_directory(args.save, iteration)
     staging = checkpoint_commit.begin(final, previous_checkpoint(args.save))
     failure = None
     if _writes_megatron_file():
         checkpoint = _client_state(state, args, rng, target)
-        checkpoint.update(
-            model_entries([nest_model_state(chunk) for chunk in weights])
-            if sharded
-            else model_states(module)
-        )
+        checkpoint.update(model_states(module))
         if save_optimizer:
-            if not sharded:
-                checkpoint["optimizer"] = target.optimizer.state_dict()
+            checkpoint["optimizer"] = target.optimizer.state_dict()
             checkpoint["opt_param_scheduler"] = target.scheduler.state_dict()
             if getattr(model, "loss_scaler", None) is not None:
                 checkpoint["loss_scaler"] = model.loss_scaler.state_dict()
         path = _this_rank_file(staging)
-        files = {path: checkpoint}
-        if optimizer_state is not None:
-            files[optimizer_file(path)] = optimizer_state
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with atomic_outputs(*files) as partials:
-                for partial, contents in zip(partials, files.values(), strict=True):
-                    save_torch_file(contents, partial)
+            with atomic_outputs(path) as (partial,):
+                save_torch_file(checkpoint, partial)
         except OSError as error:
-            sizes = sum(tensor_bytes(contents) for contents in files.values())
-            failure = describe_failure(error, args.save, sizes)
+            failure = describe_failure(error, args.save, tensor_bytes(checkpoint))
     checkpoint_commit.commit(final, checkpoint_commit.megatron_trackers(str(iteration)), failure)
 
 

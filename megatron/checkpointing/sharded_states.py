@@ -1,17 +1,14 @@
-"""Megatron's files for a model sharded by torch FSDP2 (sharded data parallelism).
+"""Megatron's per-rank files loaded into a model sharded by torch FSDP2.
 
-The model file (`mp_rank_XX/model_optim_rng.pt`) holds each tensor-parallel rank's whole
-weights, as without sharding, gathered from the data-parallel shards; the optimizer state,
-gathered the same way, goes beside it in `distrib_optim.pt` (Megatron-LM's name for its
-distributed optimizer's file), keyed by parameter name (torch.distributed.checkpoint's "full
-state dict"). Both load at any data-parallel size: each rank takes its shard on loading. The
-gathering and loading are torch.distributed.checkpoint's `get_/set_model_state_dict` and
-`get_/set_optimizer_state_dict`; every rank of the data-parallel group must call them.
-
-A run without sharding saves torch's own optimizer state dict (parameters numbered in the
-optimizer's order) in the model file; `name_keyed_optimizer_state` renames its entries so it
-loads into a sharded run too (a DDP run that turns on `--use-distributed-optimizer` keeps its
-Adam moments).
+A sharded run saves torch_dist (`megatron.checkpointing.dist_checkpoint`: each rank its own
+slices, nothing gathered); Megatron's files still load into it: an unsharded run's (a DDP run
+that turns on `--use-distributed-optimizer` keeps its Adam moments: `name_keyed_optimizer_state`
+renames torch's numbered optimizer state by parameter name), and those of this project's
+earlier versions, whose sharded runs wrote whole weights into the model file and the whole
+optimizer state, keyed by parameter name, into `distrib_optim.pt` beside it. Every rank reads
+the whole file and keeps its shard (torch.distributed.checkpoint's `set_model_state_dict` /
+`set_optimizer_state_dict` with full state dicts; every rank of the data-parallel group must
+call them).
 """
 
 from __future__ import annotations
@@ -44,20 +41,6 @@ def _full(**kwargs: bool) -> object:
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
-def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole (unsharded) weights of `module` by name, on every rank (a collective)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(module, options=_full())
-
-
-def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The whole optimizer state keyed by parameter name, on every rank (a collective)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    return get_optimizer_state_dict(module, optimizer, options=_full())
-
-
 def load_full_model_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load whole weights into `module`, each rank keeping its shard."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
@@ -68,7 +51,7 @@ def load_full_model_state(module: nn.Module, state: dict[str, torch.Tensor]) -> 
 def load_full_optimizer_state(
     module: nn.Module, optimizer: torch.optim.Optimizer, state: dict
 ) -> None:
-    """Load a name-keyed whole optimizer state (`full_optimizer_state`'s), sharded or not."""
+    """Load a name-keyed whole optimizer state (`distrib_optim.pt`'s), sharded or not."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     set_optimizer_state_dict(module, optimizer, state, options=_full())

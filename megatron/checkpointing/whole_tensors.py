@@ -1,9 +1,10 @@
-"""A run's weights and Adam state as whole tensors per tensor-parallel rank: what a torch_dist
-checkpoint (`megatron.checkpointing.dist_checkpoint`) saves of it, and how loaded ones are put
-back, for the plain engine's module and optimizer (read and filled in place) and for FSDP2-
-sharded chunks (gathered from, and re-sharded over, the data-parallel ranks). DeepSpeed's
-engine has its own holder (`megatron.checkpointing.deepspeed_tensors`). DeepSpeed-MoE experts
-are named by their global numbers, so that expert parallelism can change.
+"""A run's weights and Adam state as a torch_dist checkpoint (`megatron.checkpointing.
+dist_checkpoint`) reads and fills them: each tensor-parallel rank's whole tensors for the plain
+engine's module and optimizer (in place), or, for FSDP2-sharded chunks, this rank's DTensor
+shards of them (in place too: `megatron.checkpointing.fsdp_slices` says where they sit, and
+nothing is gathered). DeepSpeed's engine has its own holder (`megatron.checkpointing.
+deepspeed_tensors`). DeepSpeed-MoE experts are named by their global numbers, so that expert
+parallelism can change.
 """
 
 from __future__ import annotations
@@ -79,61 +80,7 @@ class WholeTensors:
         return hyperparameters(self.optimizer)
 
 
-class ShardedWholeTensors(WholeTensors):
-    """FSDP2-sharded chunks: whole tensors gathered from the data-parallel shards on saving,
-    each rank keeping its shard of what it loads."""
-
-    def model_states(self) -> list[dict[str, torch.Tensor]]:
-        """Each chunk's whole weights (a collective)."""
-        from megatron.checkpointing.sharded_states import full_model_state
-
-        return [full_model_state(chunk) for chunk in self.chunks()]
-
-    def load_targets(self) -> list[dict[str, torch.Tensor]]:
-        """Zeros of each chunk's whole shapes."""
-        return [
-            {k: torch.zeros(v.shape, dtype=v.dtype, device=v.device)
-             for k, v in chunk.state_dict().items()}
-            for chunk in self.chunks()
-        ]  # fmt: skip
-
-    def optimizer_states(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The whole Adam state by parameter name (a collective)."""
-        from megatron.checkpointing.sharded_states import full_optimizer_state
-
-        return full_optimizer_state(self.module, self.optimizer)["state"]
-
-    def put(
-        self,
-        states: list[dict[str, torch.Tensor]],
-        moments: dict[str, dict[str, torch.Tensor]] | None,
-        groups: list[dict] | None,
-    ) -> None:
-        """Shard the loaded weights (and Adam state) back over the data-parallel ranks."""
-        from megatron.checkpointing.sharded_states import (
-            load_full_model_state,
-            load_full_optimizer_state,
-        )
-
-        for chunk, state in zip(self.chunks(), states, strict=True):
-            load_full_model_state(chunk, state)
-        if moments is None:
-            return
-        self.restore_hyperparameters(groups)
-        names = {id(param): name for name, param in self.module.named_parameters()}
-        named_groups = [
-            dict(saved, params=[names[id(p)] for p in group["params"]])
-            for group, saved in zip(self.optimizer.param_groups, groups, strict=True)
-        ]
-        load_full_optimizer_state(
-            self.module, self.optimizer, {"state": moments, "param_groups": named_groups}
-        )
-
-
 def whole_tensors(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> WholeTensors:
-    """The holder of a plain-engine run's tensors: FSDP2-sharded or not."""
-    from megatron.checkpointing.sharded_states import has_sharded_chunks
-
-    if has_sharded_chunks(module):
-        return ShardedWholeTensors(module, optimizer)
+    """The holder of a plain-engine run's tensors (FSDP2-sharded or not: a sharded chunk's
+    state dict holds its DTensor shards, read and filled in place)."""
     return WholeTensors(module, optimizer)

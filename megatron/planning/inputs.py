@@ -104,6 +104,10 @@ class PlanInputs:
     (`--use-torch-fsdp2`)."""
     grad_reduce_dtype: str = "fp32"
     """FSDP2's `reduce_dtype`: `fp32`, or `bf16` with `--grad-reduce-in-bf16`."""
+    checkpoint_format: str = "torch"
+    """`--ckpt-format` as validation settled it (`torch` or `torch_dist`)."""
+    checkpoints: bool = False
+    """Whether the run saves or loads checkpoints (`--save` or `--load`)."""
     compute_capability: tuple[int, int] | None = None
     """The GPU's (major, minor), for the runtime's rules the plan asks (`--moe-grouped-gemm`'s
     `moe_experts.grouped_mm_runs`): the named device's (`--dry-run-device`, set by
@@ -186,6 +190,8 @@ class PlanInputs:
             device_type=device_type,
             sharding=args.layout.sharding,
             grad_reduce_dtype="bf16" if getattr(args, "grad_reduce_in_bf16", False) else "fp32",
+            checkpoint_format=getattr(args, "ckpt_format", "torch") or "torch",
+            checkpoints=bool(getattr(args, "save", None) or getattr(args, "load", None)),
             compute_capability=_started_gpu_capability(device_type),
         )
 

@@ -13,6 +13,9 @@ The peak is the largest of these moments of an iteration, each a sum of what is 
 - `step`: every gradient reduced, the optimizer updating (its temporaries alive);
 - `embedding backward` (first stage): the embedding's dense gradient beside the held one,
   the other micro-batches in flight still holding their activations;
+- `checkpoint` (a run that saves or loads): a save's or load's device transient beside the
+  states (`checkpoint_transient_bytes`: DeepSpeed's engines under torch_dist gather whole
+  tensors; every other save writes through host copies, FSDP2's of its own slices);
 - `all-gather` (torch FSDP2): the root unit gathered (its flat output beside the
   per-parameter copies) as the forward starts, and under optim_grads_params again as the
   backward starts. FSDP2's gathered weights, the whole gradients it carries across
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron.deepspeed_facts import OptimizerWrapper
 from megatron.planning.activations import (
     autocast_copy_bytes,
     layer_bytes,
@@ -37,6 +41,8 @@ from megatron.planning.fp8 import role_transient
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.layout import RankRole, micro_batches_in_flight
 from megatron.planning.model_states import States, gradient_bytes, model_states
+
+_FP32 = 4
 
 COLUMNS = ("weights", "gradients", "optimizer", "activations", "logits", "buffers")
 """What a rank's bytes are, as the plan's table and JSON list them."""
@@ -156,6 +162,9 @@ def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
         # The last layer's FP8 matmuls in the last warm-up forward: before the logits exist.
         columns = {"activations": activations, "buffers": fp8.forward}
         moments["fp8 forward"] = _moment(fixed, gathered, carried, columns)
+    checkpoint = checkpoint_transient_bytes(inputs, role)
+    if checkpoint:
+        moments["checkpoint"] = _moment(fixed, {"buffers": checkpoint})
     if states.gather_copy:
         moments["all-gather"] = _fsdp_root_gather(inputs, states, fixed, carried, activations)
     if role.first:
@@ -188,6 +197,24 @@ def rank_memory(inputs: PlanInputs, role: RankRole) -> RankMemory:
         moments=totals,
         offloaded=states.offloaded,
     )
+
+
+def checkpoint_transient_bytes(inputs: PlanInputs, role: RankRole) -> int:
+    """Device bytes a checkpoint save or load adds on a rank of `role` beside its states.
+
+    DeepSpeed's engines under `--ckpt-format torch_dist` gather each parameter's whole fp32
+    master weight and Adam moments (`megatron.checkpointing.deepspeed_tensors`: DeepSpeed's
+    `safe_get_full_*`), all of this rank's tensor-parallel x pipeline shard before writing,
+    and load into tensors of those whole shapes: 12 bytes a parameter. Every other save
+    writes each tensor through a host copy (torch.save, DCP's writer; under FSDP2 each rank
+    its own slices: `megatron.checkpointing.fsdp_slices`) and every other load reads into
+    host buffers before copying into the rank's tensors: nothing the device holds at once
+    beyond one tensor's copy, which the plan does not count."""
+    if not (inputs.checkpoints and inputs.deepspeed and inputs.checkpoint_format == "torch_dist"):
+        return 0
+    if inputs.wrapper is None or inputs.wrapper is OptimizerWrapper.CLIENT:
+        return 0  # fp32 ZeRO-0: the client optimizer's own tensors are written in place
+    return 3 * _FP32 * role.num_parameters
 
 
 def _fsdp_root_gather(

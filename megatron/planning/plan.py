@@ -173,6 +173,7 @@ def build_plan(inputs: PlanInputs, device: Device | None = None, notes: list | N
         busiest = max(roles, key=lambda plan: plan.communication["total"])
         estimate = estimate_step(inputs, busiest.role, device)
     notes = list(notes or []) + deepspeed_notes(inputs) + fp8_notes(inputs, device)
+    notes += checkpoint_notes(roles)
     moe = inputs.model.routed_moe
     if moe is not None and inputs.ep > 1 and expert_capacity(moe, routed_tokens(inputs)) is None:
         notes.append(BALANCED_LOAD_NOTE)
@@ -195,6 +196,20 @@ def deepspeed_notes(inputs: PlanInputs) -> list[str]:
             "against torch.cuda.max_memory_allocated"
         )
     return notes
+
+
+def checkpoint_notes(roles: list[RolePlan]) -> list[str]:
+    """The `checkpoint` moment's line where a save or load holds device memory of its own."""
+    worst = max(roles, key=lambda plan: plan.memory.moments.get("checkpoint", 0))
+    total = worst.memory.moments.get("checkpoint", 0)
+    if not total:
+        return []
+    return [
+        f"a save or load gathers this rank's whole fp32 weights and Adam moments "
+        f"(DeepSpeed with --ckpt-format torch_dist): {_gib(total)} GiB at that moment on "
+        f"stage {worst.role.pp_rank}; DeepSpeed's own format (--ckpt-format torch) writes "
+        "each rank's partition"
+    ]
 
 
 def fp8_notes(inputs: PlanInputs, device: Device | None) -> list[str]:

@@ -34,6 +34,11 @@ def validated(extra: str, world_size: int = 2):
         ("--ckpt-format torch_dist --use-torch-fsdp2 --pipeline-model-parallel-size 2",
          "torch_dist"),
         ("--ckpt-format torch_dist --async-save", "torch_dist"),
+        # FSDP2 sharding: Megatron-LM's default, the format whose saves stay sharded
+        ("--use-distributed-optimizer", "torch_dist"),
+        ("--use-torch-fsdp2 --async-save", "torch_dist"),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads", "torch_dist"),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard", "torch"),
         ("--ckpt-format torch_dist --deepspeed --no-pipeline-parallel --zero-stage 3 --bf16",
          "torch_dist"),
         ("--ckpt-format torch_dist --deepspeed --no-pipeline-parallel --zero-stage 0 --num-experts "
@@ -57,6 +62,12 @@ def test_each_spelling_means_one_format(flags: str, chosen: str) -> None:
          "--ckpt-format torch_dist with --deepspeed bf16 at ZeRO stage 0"),
         ("--ckpt-format torch_dist --deepspeed --zero-stage 0 --no-pipeline-parallel --fp16",
          "FP16_UnfusedOptimizer"),
+        ("--ckpt-format torch --use-distributed-optimizer", "--ckpt-format torch with "
+         "--use-distributed-optimizer: Megatron's per-rank files hold whole tensors"),
+        ("--ckpt-format torch --use-torch-fsdp2", "--ckpt-format torch with --use-torch-fsdp2"),
+        ("--ckpt-format torch --use-megatron-fsdp --data-parallel-sharding-strategy "
+         "optim_grads_params", "--use-megatron-fsdp --data-parallel-sharding-strategy "
+         "optim_grads_params: Megatron's per-rank files"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_flag(flags: str, words: str) -> None:
@@ -94,6 +105,9 @@ def test_conversion_flags_are_megatron_lms(tmp_path) -> None:
          "with --no-load-optim"),
         ("--load {run} --ckpt-convert-format torch_dist --ckpt-convert-save {out} --deepspeed "
          "--zero-stage 1", "--ckpt-convert-format torch_dist with DeepSpeed's pipeline engine"),
+        ("--load {run} --ckpt-convert-format torch --ckpt-convert-save {out} --use-torch-fsdp2",
+         "--ckpt-convert-format torch with --use-torch-fsdp2: Megatron's per-rank files would "
+         "gather"),
     ],
 )  # fmt: skip
 def test_conversion_refusals_name_the_flag(flags: str, words: str, tmp_path) -> None:

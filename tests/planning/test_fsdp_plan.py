@@ -25,7 +25,7 @@ from megatron.planning.layout import stage_roles
 from megatron.planning.memory import rank_memory
 from megatron.planning.model_states import model_states
 from megatron.planning.suggestions import candidate_changes
-from tests.planning.plan_inputs import plan_inputs
+from tests.planning.plan_inputs import deepspeed_inputs, plan_inputs
 from tests.planning.saved_tensors import saved_bytes
 
 # h 64, 4 heads, V 1024, s 64, 2 layers, tied output layer. Per rank (TP 1), elements:
@@ -171,3 +171,28 @@ def test_a_plain_job_too_big_for_ddp_is_offered_fsdp2():
     sharded = plan_from_args(parse_args(GPT_7B + ["--use-distributed-optimizer"]), device)
     offered = [c.flags for c in candidate_changes(sharded.inputs, 8, None) if c.knob == "zero"]
     assert offered == [{"--use-torch-fsdp2": None, "--use-distributed-optimizer": False}]
+
+
+def test_a_checkpoint_costs_fsdp2_no_device_memory_and_deepspeeds_torch_dist_its_whole_state():
+    """A save under FSDP2 (torch_dist: each rank writes its own slices through host copies)
+    adds no moment; DeepSpeed ZeRO-1 under torch_dist gathers the rank's whole fp32 weights
+    and both Adam moments first: 12 bytes a parameter beside the states the step holds."""
+    from megatron.planning.memory import checkpoint_transient_bytes
+
+    for sharding in ("optim_grads", "optim_grads_params"):
+        inputs = dataclasses.replace(
+            _inputs(sharding, "fp32"), checkpoint_format="torch_dist", checkpoints=True
+        )
+        memory = rank_memory(inputs, stage_roles(inputs)[0])
+        assert "checkpoint" not in memory.moments, sharding
+    deepspeed = dataclasses.replace(
+        deepspeed_inputs(TINY, "bf16", 1, dp=2), checkpoint_format="torch_dist", checkpoints=True
+    )
+    role = stage_roles(deepspeed)[0]
+    assert checkpoint_transient_bytes(deepspeed, role) == 12 * P
+    states = model_states(deepspeed, role)
+    fixed = states.weights + states.optimizer + states.gradient_buffers + states.buffers
+    assert rank_memory(deepspeed, role).moments["checkpoint"] == fixed + 12 * P
+    # Not saving, or DeepSpeed's own format: nothing.
+    for change in (dict(checkpoints=False), dict(checkpoint_format="torch")):
+        assert checkpoint_transient_bytes(dataclasses.replace(deepspeed, **change), role) == 0

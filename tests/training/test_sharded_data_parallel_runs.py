@@ -11,8 +11,9 @@ The tiny LLaMA-style model of `llama_runs` at DP=2 with 2 micro-batches per step
   bf16's precision; at TP=2 with sequence parallelism on 4 ranks FSDP2 logs the unsharded
   run's (Megatron's schedules at PP=2 x DP=2 and TP=2 with sequence parallelism x DP=2,
   against PP=1 x DP=1: tests/checkpointing/test_reshard_resume.py);
-- a checkpoint saved by FSDP2 at DP=2 (weights gathered into Megatron's file, the optimizer
-  state into distrib_optim.pt) resumes bit for bit at DP=2, and at DP=1 both sharded and
+- a checkpoint saved by FSDP2 at DP=2 (torch_dist, the default with sharding: each rank writes
+  its own slices of the weights and Adam's moments) resumes bit for bit at DP=2, and at DP=1
+  both sharded and
   unsharded, to the iterations of the run that never stopped; that unsharded run's own
   checkpoint resumes with the distributed optimizer at DP=2 (the optimizer state sharded on
   loading).
@@ -65,12 +66,12 @@ def test_resumes_bit_exactly_and_at_another_data_parallel_size(
     stdlib_dataset: str, fsdp2: tuple[list[dict], str], tmp_path
 ) -> None:
     straight, save = fsdp2
-    assert os.path.isfile(os.path.join(save, "iter_0000003", "mp_rank_00", "distrib_optim.pt"))
+    assert os.path.isfile(os.path.join(save, "iter_0000003", ".metadata"))  # torch_dist
     resumed = run(stdlib_dataset, 2, use_torch_fsdp2=True, load=save, **BATCH)
     assert [(log["lm loss"], log["grad norm"]) for log in resumed] == [
         (log["lm loss"], log["grad norm"]) for log in straight[3:]
     ]  # bit for bit, as printed
-    # At DP=1 without sharding: the gathered optimizer state loads into a plain AdamW; its
+    # At DP=1 without sharding: the saved optimizer state loads into a plain AdamW; its
     # own checkpoint at iteration 4 (torch's optimizer state dict in the model file) loads
     # back into the distributed optimizer at DP=2, Adam's moments kept.
     assert_same(run(stdlib_dataset, 1, load=save, use_torch_fsdp2=True, **BATCH), straight[3:])
