@@ -36,8 +36,10 @@ def cpu_env(**overrides: str) -> dict[str, str]:
     return env
 
 
-def build_stdlib_dataset(work_dir: str, documents: int = 100) -> str:
-    """Tokenize `documents` standard-library files into `{work_dir}/stdlib_text_document`."""
+def build_stdlib_dataset(work_dir: str, documents: int = 100, paragraphs: bool = False) -> str:
+    """Tokenize `documents` standard-library files into `{work_dir}/stdlib_text_document`;
+    with `paragraphs`, every 2 lines of their blank-line-separated paragraphs are a document
+    (about 25 tokens: samples pack several)."""
     corpus = os.path.join(work_dir, "corpus.jsonl")
     texts = []
     for path in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py"))):
@@ -47,6 +49,10 @@ def build_stdlib_dataset(work_dir: str, documents: int = 100) -> str:
             texts.append(text)
         if len(texts) == documents:
             break
+    if paragraphs:
+        lines = [part.split("\n") for text in texts for part in text.split("\n\n")]
+        texts = ["\n".join(part[i : i + 2]) for part in lines for i in range(0, len(part), 2)]
+        texts = [text for text in texts if text.strip()]
     with open(corpus, "w", encoding="utf-8") as file:
         for text in texts:
             file.write(json.dumps({"text": text}) + "\n")

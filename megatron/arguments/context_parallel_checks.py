@@ -3,7 +3,10 @@
 C ranks split every sample's tokens in Megatron's load-balanced layout (the sequence cut
 into 2C chunks, rank r holding chunks r and 2C-1-r), so the sequence must divide by 2C.
 Which engines run it is in `megatron.compatibility`; what else it cannot run with is refused
-here in one line each. (The factor on each rank's part of the loss gradient is the engine's:
+here in one line each. Sliding windows (`--window-size`) and packed documents
+(`--reset-attention-mask`) run with every `--cp-comm-type` (`megatron.model.ring_blocks`:
+the ring skips what the window or the documents hide and masks the rest). (The factor on
+each rank's part of the loss gradient is the engine's:
 `megatron.layout.Engine.sequence_split_gradient_scale`.)
 """
 
@@ -35,18 +38,6 @@ def settle_context_parallel(args: argparse.Namespace) -> None:
         raise ArgumentError(
             f"{flag} with --num-experts: Mixture-of-Experts with context parallelism is not "
             "built here (each rank would balance its own part of the tokens)"
-        )
-    if args.reset_attention_mask:
-        raise ArgumentError(
-            f"{flag} with --reset-attention-mask: document masks across the ring are not "
-            "built here (context parallelism attends causally over whole sequences)"
-        )
-    window = getattr(args, "window_size", None)
-    if window is not None and window[0] + 1 < args.seq_length:
-        raise ArgumentError(
-            f"{flag} with --window-size ({window[0]}, {window[1]}): sliding windows across the "
-            "context-parallel ranks are not built here (it would attend causally over the "
-            "whole sequence); use --context-parallel-size 1"
         )
     if args.layout.engine.uses_deepspeed and args.layout.zero_stage == 3:
         check_zero3_reduce_scatter(args, flag)

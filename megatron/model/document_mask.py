@@ -36,15 +36,24 @@ class DocumentMask:
     document_ids: torch.Tensor | None
     window: tuple[int, int] | None = None
     _block_masks: dict = field(default_factory=dict, repr=False)
+    # Context parallelism's ring plans, by (rank, size, chunk): made once per forward.
+    _ring_plans: dict = field(default_factory=dict, repr=False)
 
     def allowed(self, sq: int, sk: int, device: torch.device, q_offset: int = 0) -> torch.Tensor:
         """Bool [b|1, sq, sk], True where query q_offset + i may attend key j (FlexAttention's
         `mask_mod` over every pair)."""
-        q = torch.arange(q_offset, q_offset + sq, device=device)[None, :, None]
-        k = torch.arange(sk, device=device)[None, None, :]
+        q = torch.arange(q_offset, q_offset + sq, device=device)
+        return self.allowed_at(q, torch.arange(sk, device=device))
+
+    def allowed_at(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        """Bool [b|1, sq, sk], True where the query at sequence position `q_positions[i]` may
+        attend the key at `k_positions[j]` (any positions: a context-parallel rank's chunks)."""
+        device = q_positions.device
         rows = 1 if self.document_ids is None else self.document_ids.size(0)
         b = torch.arange(rows, device=device)[:, None, None]
-        return _mask_mod(self, device)(b, None, q, k)
+        return _mask_mod(self, device)(
+            b, None, q_positions[None, :, None], k_positions[None, None, :]
+        )
 
     def dense(self, sq: int, sk: int, device: torch.device, q_offset: int = 0) -> torch.Tensor:
         """Megatron's bool mask [b|1, 1, sq, sk], True = may not attend."""

@@ -150,7 +150,7 @@ class ParallelAttention(nn.Module):
         if inference_params is not None:
             return self.dense(self._attend_with_cache(query, key, value, inference_params))
         if self.context_parallel is not None:
-            return self.dense(self.context_parallel(query, key, value))
+            return self.dense(self.context_parallel(query, key, value, attention_mask))
         if self.ulysses is not None:
             return self.dense(self.ulysses(query, key, value, attention_mask))
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]

@@ -74,9 +74,17 @@ def test_any_key_value_head_count_with_p2p() -> None:
     assert args.layout.context_parallel == 4
 
 
-def test_a_window_as_long_as_the_sequence_is_no_window() -> None:
-    seq = validated("--context-parallel-size 2 --window-size (31,0)", 4).seq_length
-    assert seq == 32  # every key of a causal 32-token sequence is in the window
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather", "a2a"])
+def test_windows_and_packed_documents_run_with_every_comm_type(comm_type: str) -> None:
+    """Sliding windows and --reset-attention-mask's document masks across the ranks
+    (tests/core/test_context_parallel.py, tests/training/test_context_parallel_runs.py)."""
+    args = validated(
+        f"--context-parallel-size 2 --cp-comm-type {comm_type} --window-size (8,0) "
+        "--reset-attention-mask --reset-position-ids"
+    )
+    assert args.layout.context_parallel == 2
+    config = ModelConfig.from_args(args)
+    assert config.window_size == (8, 0) and config.cp_comm_types == (comm_type, comm_type)
 
 
 @pytest.mark.parametrize(
@@ -129,16 +137,6 @@ def test_a_window_as_long_as_the_sequence_is_no_window() -> None:
             "--context-parallel-size 2 --num-experts 4",
             4,
             "--context-parallel-size 2 with --num-experts: Mixture-of-Experts with context",
-        ),
-        (
-            "--context-parallel-size 2 --reset-attention-mask",
-            4,
-            "--context-parallel-size 2 with --reset-attention-mask",
-        ),
-        (
-            "--context-parallel-size 2 --window-size (8,0)",
-            4,
-            "--context-parallel-size 2 with --window-size (8, 0): sliding windows across",
         ),
     ],
 )

@@ -6,13 +6,17 @@
   over the C ranks (what DDP / DeepSpeed reduce), for C = 2 and 4: ring attention (p2p) for
   causal GPT-2 attention, grouped-query attention with 2 key/value heads and multi-query
   attention with 1 (rotary positions of the global sequence), selective recomputation and
-  bf16 (to bf16's precision); the allgather and a2a kinds.
+  bf16 (to bf16's precision); the allgather and a2a kinds. With a sliding window
+  (`--window-size`) and packed documents (`--reset-attention-mask`'s document ids, whole on
+  every rank), and both, on each kind and in bf16: one process is given the same
+  `DocumentMask` (and the mask changes its output: the comparison has teeth).
 - The GPT's per-token losses are the whole sequence's on every rank in sequence order, and
   each rank back-propagates its part times the gradient scale (C under DDP's average): the C
-  ranks' gradients add up to C times one process's... divided back by DDP's average.
+  ranks' gradients add up to C times one process's... divided back by DDP's average; also with
+  packed documents, a window and learned positions restarting per document.
 - Dropout: each context-parallel rank draws its ring-attention masks from its own seed.
-- One process: the ring's block kernels (fused CPU flash and the explicit math) agree, and the
-  math kernel's gradients with dropout are those of its own forward (autograd).
+(The ring's plan pair by pair: tests/model/test_ring_blocks.py; its block kernels:
+tests/model/test_ring_kernels.py.)
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.core.process_groups import this_rank_groups
 from megatron.core.tensor_parallel.mappings import this_ranks_sequence_part
+from megatron.model.document_mask import DocumentMask
 from tests.core.spawn_checks import BODY
 from tests.tolerances import assert_close_reordered
 
@@ -60,16 +65,72 @@ CASES = {
         cp_comm_types=("a2a",), num_key_value_heads=4, **_LLAMA
     ),
 }
+# Packed documents: [b][document lengths] (boundaries inside chunks and on chunk edges,
+# documents across chunks; tests/model/test_ring_blocks.py checks the ring's plan for them).
+DOCUMENTS = [[4, 5, 7], [8, 8]]
+SHORT_DOCUMENTS = [[3, 10, 3], [1, 1, 14]]
+MASKED_CASES = {
+    "p2p sliding window (5, 0), rotary": dict(window_size=(5, 0), num_key_value_heads=2, **_LLAMA),
+    "p2p sliding window (1, 0), shorter than a chunk": dict(window_size=(1, 0)),
+    "p2p packed documents, rotary": dict(documents=DOCUMENTS, num_key_value_heads=2, **_LLAMA),
+    "p2p packed documents and window (3, 0)": dict(
+        documents=SHORT_DOCUMENTS, window_size=(3, 0), num_key_value_heads=1
+    ),
+    "p2p packed documents and window, bf16": dict(
+        documents=DOCUMENTS, window_size=(6, 0), params_dtype="bfloat16", num_key_value_heads=2
+    ),
+    "p2p packed documents, selective recomputation": dict(
+        documents=SHORT_DOCUMENTS, recompute_granularity="selective"
+    ),
+    "allgather packed documents and window, rotary": dict(
+        cp_comm_types=("allgather",), documents=DOCUMENTS, window_size=(5, 0), **_LLAMA
+    ),
+    "allgather packed documents, bf16, selective recomputation": dict(
+        cp_comm_types=("allgather",),
+        documents=SHORT_DOCUMENTS,
+        params_dtype="bfloat16",
+        recompute_granularity="selective",
+    ),  # fmt: skip
+    "a2a packed documents and window, rotary": dict(
+        cp_comm_types=("a2a",),
+        documents=DOCUMENTS,
+        window_size=(3, 0),
+        num_key_value_heads=4,
+        **_LLAMA,
+    ),  # fmt: skip
+}
 
 
-def _run_layer(config: ModelConfig, hidden: torch.Tensor, grad: torch.Tensor) -> tuple:
+def document_ids(lengths_per_row: list[list[int]]) -> torch.Tensor:
+    """[b, s] document ids: document i of each row repeated its length."""
+    return torch.stack(
+        [
+            torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(row)])
+            for row in lengths_per_row
+        ]
+    )
+
+
+def _mask_of(case: dict) -> tuple[dict, DocumentMask | None]:
+    """(the config's settings, the whole sequence's mask of `case`'s documents and window)."""
+    case = dict(case)
+    documents = case.pop("documents", None)
+    window = case.get("window_size")
+    if documents is None and window is None:
+        return case, None
+    return case, DocumentMask(None if documents is None else document_ids(documents), window)
+
+
+def _run_layer(
+    config: ModelConfig, hidden: torch.Tensor, grad: torch.Tensor, mask: DocumentMask | None
+) -> tuple:
     """(output, input grad, {param: grad}) of a fresh layer 1 on `hidden`, seeded alike."""
     from megatron.model.transformer import ParallelAttention
 
     torch.manual_seed(11)
     layer = ParallelAttention(config, 1, this_rank_groups())
     hidden = hidden.detach().requires_grad_()
-    output, bias = layer(hidden, None)
+    output, bias = layer(hidden, mask)
     output = output if bias is None else output + bias
     output.backward(grad)
     grads = {name: param.grad.clone() for name, param in layer.named_parameters()}
@@ -80,7 +141,8 @@ def _check_equals_one_process(case: dict, world: int) -> None:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")  # a2a's DistributedAttention
-    config = _config(**case)
+    settings, mask = _mask_of(case)
+    config = _config(**settings)
     generator = torch.Generator().manual_seed(5)
     hidden = torch.randn(SEQ, BATCH, config.hidden_size, generator=generator)  # [s, b, h]
     grad = torch.randn(SEQ, BATCH, config.hidden_size, generator=generator)
@@ -98,11 +160,14 @@ def _check_equals_one_process(case: dict, world: int) -> None:
             torch.testing.assert_close(actual, expected, rtol=2e-2, atol=2e-2, msg=msg)
 
     parallel_state.initialize_model_parallel(1, 1)
-    reference = _run_layer(config, hidden, grad)
+    reference = _run_layer(config, hidden, grad, mask)
+    if mask is not None:  # the mask matters here
+        causal = _run_layer(config, hidden, grad, None)[0]
+        assert (causal - reference[0]).abs().max() > 1e-2
     parallel_state.initialize_model_parallel(1, 1, 1, world)
     try:
         part = lambda tensor: this_ranks_sequence_part(tensor, dim=0)  # noqa: E731
-        output, hidden_grad, grads = _run_layer(config, part(hidden), part(grad))
+        output, hidden_grad, grads = _run_layer(config, part(hidden), part(grad), mask)
         close(output, part(reference[0]))
         close(hidden_grad, part(reference[1]))
     finally:
@@ -113,16 +178,29 @@ def _check_equals_one_process(case: dict, world: int) -> None:
         close(value, reference[2][name].float(), msg=name)
 
 
-def _check_model_returns_the_whole_sequences_losses(world: int) -> None:
+def _check_model_returns_the_whole_sequences_losses(world: int, packed: bool = False) -> None:
     """Per-token losses of the whole sequence, in order, on every rank; each rank's part of
-    the gradient is scaled by C, so DDP's average over the C ranks is one process's gradient."""
+    the gradient is scaled by C, so DDP's average over the C ranks is one process's gradient.
+
+    `packed`: end-of-document tokens in the text and pretrain_gpt's batch of them (document
+    ids, loss mask without them, positions restarting per document: learned positions, which
+    read them), with a sliding window, as `get_batch` splits it: tokens, labels and positions
+    to this rank's part, the document ids and the loss mask whole."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.model import GPTModel
+    from megatron.utils import get_ltor_masks_and_position_ids
     from tests.tolerances import grad_terms, loss_terms
 
     generator = torch.Generator().manual_seed(9)
-    text = torch.randint(0, 128, (BATCH, SEQ + 1), generator=generator)
+    text = torch.randint(1, 128, (BATCH, SEQ + 1), generator=generator)
     mask = (torch.rand(BATCH, SEQ, generator=generator) > 0.2).float()
+    documents = None
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    if packed:
+        text[0, [3, 9, 10]] = text[1, [5, 12]] = 0  # end-of-document tokens
+        documents, mask, positions = get_ltor_masks_and_position_ids(
+            text[:, :-1], 0, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True
+        )
 
     def losses_and_grads(config: ModelConfig, context_parallel: int) -> tuple:
         parallel_state.initialize_model_parallel(1, 1, 1, context_parallel)
@@ -131,23 +209,22 @@ def _check_model_returns_the_whole_sequences_losses(world: int) -> None:
             torch.manual_seed(11)
             model = GPTModel(config)
             tokens, labels = text[:, :-1], text[:, 1:]
-            positions = torch.arange(SEQ).expand(BATCH, SEQ)
             parts = [this_ranks_sequence_part(t) for t in (tokens, positions, labels)]
-            losses = model(parts[0], parts[1], labels=parts[2])
+            losses = model(parts[0], parts[1], documents, labels=parts[2])
             loss = torch.sum(losses.float().reshape(-1) * mask.reshape(-1)) / mask.sum()
             loss.backward()
             return losses.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
         finally:
             parallel_state.initialize_model_parallel(1, 1)
 
-    config = _config(init_method_std=0.2, position_embedding_type="rope", num_key_value_heads=2)
+    settings = dict(init_method_std=0.2, num_key_value_heads=2)
+    if packed:
+        settings["window_size"] = (6, 0)
+    else:
+        settings.update(_LLAMA)
+    config = _config(**settings)
     reference = losses_and_grads(config, 1)
-    scaled = _config(
-        init_method_std=0.2,
-        position_embedding_type="rope",
-        num_key_value_heads=2,
-        sequence_split_gradient_scale=world,
-    )
+    scaled = _config(**settings, sequence_split_gradient_scale=world)
     losses, loss, grads = losses_and_grads(scaled, world)
     assert losses.shape == (BATCH, SEQ)
     terms = loss_terms(config, SEQ)
@@ -183,11 +260,16 @@ CHECKS = {
     world: {
         **{
             f"C={world} {name}": (_check_equals_one_process, case, world)
-            for name, case in CASES.items()
+            for name, case in {**CASES, **MASKED_CASES}.items()
         },
         f"C={world} the model returns the whole sequence's losses": (
             _check_model_returns_the_whole_sequences_losses,
             world,
+        ),
+        f"C={world} packed documents, window, positions per document: the model's losses": (
+            _check_model_returns_the_whole_sequences_losses,
+            world,
+            True,
         ),
         f"C={world} ring dropout drawn per rank": (_check_ring_dropout_is_drawn_per_rank, world),
     }
@@ -220,47 +302,3 @@ def test_context_parallel_equals_one_process(spawned, world: int, name: str) -> 
 def test_spawned_body_ran_every_check(spawned, world: int) -> None:
     """Nothing escaped the checks, and every check has a test."""
     assert spawned[world].names() == set(CHECKS[world]), spawned[world].per_rank[0].get(BODY)
-
-
-def _qkv(heads: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
-    generator = torch.Generator().manual_seed(3)
-    return tuple(torch.randn(2, heads, 8, 16, generator=generator).to(dtype) for _ in range(3))
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_fused_and_math_block_kernels_agree(causal: bool) -> None:
-    """The CPU flash kernel and the explicit math: outputs, log-sum-exps and gradients."""
-    from megatron.model.context_parallel import BlockKernel
-
-    q, k, v = _qkv(4)
-    grad = torch.randn_like(q)
-    fused = BlockKernel(0.25, 0.0, 0)
-    out, lse = fused.forward(q, k, v, causal, 0)
-    math = BlockKernel(0.25, 1e-9, 0)  # dropout > 0 selects the math; 1e-9 drops nothing
-    math_out, math_lse = math.forward(q, k, v, causal, 0)
-    torch.testing.assert_close(math_out, out, rtol=0, atol=1e-5)
-    torch.testing.assert_close(math_lse, lse, rtol=0, atol=1e-5)
-    for mine, theirs in zip(
-        math.backward(grad, q, k, v, out, lse, causal, 0),
-        fused.backward(grad, q, k, v, out, lse, causal, 0),
-        strict=True,
-    ):
-        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
-
-
-def test_math_kernel_dropout_gradients_are_its_forwards() -> None:
-    """With dropout the backward redraws the forward's masks: its gradients are autograd's."""
-    from megatron.model.context_parallel import BlockKernel
-
-    q, k, v = (t.requires_grad_() for t in _qkv(4))
-    kernel = BlockKernel(0.25, 0.3, seed=7)
-    out, lse = kernel.forward(q, k, v, True, step=2)
-    grad = torch.randn_like(out)
-    expected = torch.autograd.grad(out, (q, k, v), grad)
-    ours = kernel.backward(
-        grad, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), True, 2
-    )
-    for mine, theirs in zip(ours, expected, strict=True):
-        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
-    other_step, _ = kernel.forward(q, k, v, True, step=3)
-    assert not torch.equal(other_step, out)  # each block draws its own mask

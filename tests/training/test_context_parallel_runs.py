@@ -12,7 +12,13 @@ heads, untied output layer), fp32, dropout 0, real GPT-2-tokenized data. What mu
   schedules at PP=2 on 4 ranks;
 - checkpoints do not depend on C: saved at C=2 (plain engine) after iteration 3, the run
   resumes at C=4 (2 key/value heads over 4 ranks, where DeepSpeed-Ulysses is refused) to
-  iterations 4-6 of the run that never stopped.
+  iterations 4-6 of the run that never stopped;
+- a sliding window (`--window-size (20, 0)`, chunks of 16 tokens: the ring skips, splits and
+  masks blocks) at C=2 logs the run at C=1 with the window (ring attention, then all-to-all),
+  which is not the run without it;
+- packed documents (`--reset-attention-mask --reset-position-ids --eod-mask-loss`, documents
+  of about 30 tokens, learned positions that restart per document) at C=2 log the run at C=1
+  with them (ring attention, then all-gathered keys and values).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import json
 
 import pytest
 
-from tests.training.llama_runs import GLOBAL_BATCH, ITERATIONS, assert_same, run
+from tests.training.llama_runs import GLOBAL_BATCH, ITERATIONS, SEQ, assert_same, run
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +118,37 @@ def test_c2_on_four_ranks_equals_two(stdlib_dataset: str, sizes: dict) -> None:
         run(stdlib_dataset, 4, context_parallel_size=2, **sizes),
         run(stdlib_dataset, 2, **sizes),
     )
+
+
+@pytest.mark.slow
+def test_sliding_window_c2_equals_one_process(stdlib_dataset: str, one_process: list[dict]) -> None:
+    window = dict(window_size="(20,0)")
+    reference = run(stdlib_dataset, 1, **window)
+    assert_same(run(stdlib_dataset, 2, context_parallel_size=2, cp_comm_type="p2p a2a", **window),
+                reference)  # fmt: skip
+    with pytest.raises(AssertionError):  # the window changes the training
+        assert_same(reference, one_process)
+
+
+@pytest.fixture(scope="module")
+def paragraphs_dataset(tmp_path_factory) -> str:
+    """The standard-library files' paragraphs as documents: several in every sample."""
+    from megatron.data.indexed_dataset import make_dataset
+    from tests.pretrain_runs import build_stdlib_dataset
+
+    prefix = build_stdlib_dataset(str(tmp_path_factory.mktemp("paragraphs")), paragraphs=True)
+    assert make_dataset(prefix).sizes.mean() < SEQ / 2
+    return prefix
+
+
+@pytest.mark.slow
+def test_packed_documents_c2_equals_one_process(paragraphs_dataset: str) -> None:
+    documents = dict(
+        reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True,
+        use_rotary_position_embeddings=None, no_position_embedding=None,
+    )  # fmt: skip
+    assert_same(
+        run(paragraphs_dataset, 2, context_parallel_size=2, cp_comm_type="p2p allgather",
+            **documents),
+        run(paragraphs_dataset, 1, **documents),
+    )  # fmt: skip
