@@ -82,8 +82,10 @@ def get_batch(data_iterator: Iterator, args: argparse.Namespace) -> tuple:
     Under a sequence split (DeepSpeed-Ulysses, context parallelism) every rank of a sequence
     group reads the same samples and keeps its part of the tokens, labels and positions; the
     loss mask and the attention mask stay whole (the model returns the whole sequence's
-    losses; Ulysses' attention sees all of it, context parallelism's takes no mask). Under
-    `--reset-attention-mask` the attention mask is the document ids [b, s].
+    losses; attention sees all of it: Ulysses' over the whole sequence, context parallelism's
+    picks its chunks' rows and columns). Under `--reset-attention-mask` the attention mask is
+    the document ids [b, s]; `--reset-position-ids` restarts the positions per document
+    before the split, as in one process.
     """
     tokens, labels, loss_mask, attention_mask, position_ids = tokens_and_labels(
         next(data_iterator), args, current_device()

@@ -438,7 +438,8 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Stop attention across end-of-document tokens: the batch carries document ids and "
         "attention runs FlexAttention's block-sparse kernel (GPU) or one SDPA call per "
-        "document (CPU), never a dense [s, s] mask.",
+        "document (CPU), never a dense [s, s] mask; under --context-parallel-size, ring "
+        "attention skips the blocks no document crosses into and masks those one ends in.",
     )
     group.add_argument(
         "--dataloader-inter-document-masking",
