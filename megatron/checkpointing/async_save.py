@@ -37,6 +37,44 @@ class _InFlight:
     started: float
 
 
+class SlicesStager:
+    """DCP's stager for a state dict that also holds FSDP2 ranks' slices (ShardedTensors, which
+    torch's `DefaultStager` cannot copy): those copied into host buffers kept per key
+    (`fsdp_slices.staged_copy`), the rest staged by `inner` (synchronously, as configured)."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, inner: object, pin: bool) -> None:
+        self.inner, self.pin = inner, pin
+        self._buffers: dict[str, list[torch.Tensor]] = {}
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """Staging is done when `stage` returns: nothing to wait for after the write starts."""
+        return False
+
+    def stage(self, state_dict: dict) -> dict:
+        """A host copy of `state_dict`, made before training goes on."""
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        from megatron.checkpointing.fsdp_slices import staged_copy
+
+        slices = {k: v for k, v in state_dict.items() if isinstance(v, ShardedTensor)}
+        rest = {k: v for k, v in state_dict.items() if k not in slices}
+        staged = dict(self.inner.stage(rest)) if rest else {}
+        for key, sharded in slices.items():
+            staged[key] = staged_copy(sharded, self._buffers.setdefault(key, []), self.pin)
+        return {key: staged[key] for key in state_dict}
+
+    def synchronize_staging(self) -> None:
+        """Nothing: `stage` copies synchronously."""
+
+    def close(self) -> None:
+        """Drop the buffers and the inner stager's."""
+        self._buffers.clear()
+        self.inner.close()
+
+
 class AsyncSaves:
     """The one torch_dist save a run has in flight, if any: each engine holds one
     (`TrainingEngine.background_saves`, handed to the saves in its `CheckpointTarget`)."""
@@ -60,7 +98,8 @@ class AsyncSaves:
             self._group = dist.new_group(backend="gloo")
             self._poll_group = dist.new_group(backend="gloo")
             pinned = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(pinned, False, False, False))
+            default = DefaultStager(StagingOptions(pinned, False, False, False))
+            self._stager = SlicesStager(default, pinned)
         return self._group, self._stager
 
     def started(self, future: Future, final: str, iteration: int, complete: str) -> None:
@@ -85,12 +124,17 @@ class AsyncSaves:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from megatron.checkpointing.dist_checkpoint import first_failure
+
         failure = None
         try:
             in_flight.future.result()
-        except Exception as error:  # noqa: BLE001 - any writer failure fails it on every rank
-            first = (str(error).splitlines() or [type(error).__name__])[0]
-            failure = f"error: saving {in_flight.final} failed: {first}"
+        # Any writer failure fails it on every rank; DCP's report of one on some rank is a
+        # BaseException, which `except Exception` would let through on the ranks it reached.
+        except (Exception, CheckpointException) as error:  # noqa: BLE001
+            failure = f"error: saving {in_flight.final} failed: {first_failure(error)}"
         else:
             if dist.get_rank() == 0:  # crash tests: the write done, its commit not begun
                 checkpoint_commit.fault_point("background-written")

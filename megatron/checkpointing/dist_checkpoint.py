@@ -138,6 +138,19 @@ class _TensorParallelView:
         return sharded_slices(tensor.to_local(), layout, shard_rank, rows, mesh.size(), saved_shape)
 
 
+def first_failure(error: BaseException) -> str:
+    """One line for a DCP read or write that failed: its report (`CheckpointException`, a
+    BaseException) holds each failed rank's (exception, traceback); the lowest rank's is given."""
+    failures = getattr(error, "failures", None) or {}
+    if not failures:
+        return (str(error).splitlines() or [type(error).__name__])[0]
+    rank = min(failures)
+    cause = failures[rank]
+    if isinstance(cause, tuple):  # (exception, its traceback's frames)
+        cause = cause[0]
+    return f"rank {rank}: {cause!r:.300}"
+
+
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -342,9 +355,9 @@ class _Requests:
         try:
             dcp.load(self.tensors, storage_reader=_SafeReader.create(self.directory))
         except CheckpointException as error:  # some rank failed to read: its first line
-            failures = getattr(error, "failures", {}) or {}
-            first = next(iter(failures.values()), error)
-            raise DistCheckpointError(f"{self.directory}: reading failed: {first!r:.300}") from None
+            raise DistCheckpointError(
+                f"{self.directory}: reading failed: {first_failure(error)}"
+            ) from None
         rows = parallel_state.get_tensor_model_parallel_rank()
         for whole, shard in self.vocab_copies:
             start = rows * shard.size(0)

@@ -181,3 +181,38 @@ def _view(local: torch.Tensor, box: Box, first_row: int) -> torch.Tensor:
     """The rows of `local` (which starts at row `first_row` of its shard) that `box` is."""
     view = local.detach()[box.rows[0] - first_row : box.rows[1] - first_row]
     return view.unsqueeze(0) if box.half is not None else view
+
+
+def staged_copy(sharded: object, buffers: list[torch.Tensor], pin: bool) -> object:
+    """`sharded` (a `sharded_slices` result) with its local shards copied into host buffers:
+    `buffers`, this key's from the last save (reused when their shapes match, else replaced
+    in place), pinned with `pin`. What `--async-save` hands its writing thread."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import (
+        Shard,
+        ShardedTensor,
+        ShardedTensorMetadata,
+    )
+
+    def on_host(metadata: object) -> object:
+        rank = metadata.placement.rank()
+        return ShardMetadata(metadata.shard_offsets, metadata.shard_sizes, f"rank:{rank}/cpu")
+
+    shards = []
+    for index, shard in enumerate(sharded.local_shards()):
+        source = shard.tensor
+        if index == len(buffers):
+            buffers.append(torch.empty(0))
+        buffer = buffers[index]
+        if buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=pin)
+            buffers[index] = buffer
+        buffer.copy_(source)
+        shards.append(Shard(buffer, on_host(shard.metadata)))
+    metadata = sharded.metadata()
+    host = ShardedTensorMetadata(
+        [on_host(each) for each in metadata.shards_metadata],
+        metadata.size,
+        metadata.tensor_properties,
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, host)

@@ -43,6 +43,7 @@ from megatron.checkpointing.disk import describe_failure, save_torch_file, tenso
 from megatron.checkpointing.dist_checkpoint import (
     DCP_METADATA,
     DistCheckpointError,
+    first_failure,
     is_dist_checkpoint,
     load_dist_checkpoint,
     read_common,
@@ -271,7 +272,7 @@ def _save_dist_files(state, target: CheckpointTarget, args: argparse.Namespace) 
     except OSError as error:
         failure = describe_failure(error, args.save, tree_bytes(staging))
     except CheckpointException as error:  # DCP's report of a write that failed on some rank
-        failure = f"error: saving {final} failed: {str(error).splitlines()[0]}"
+        failure = f"error: saving {final} failed: {first_failure(error)}"
     trackers = checkpoint_commit.megatron_trackers(str(state.iteration))
     checkpoint_commit.commit(final, trackers, failure)
     return True
