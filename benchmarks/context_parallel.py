@@ -117,9 +117,9 @@ class CountingRingTransfer(mappings.RingTransfer):
     in_flight_s = 0.0
     blocked_s = 0.0
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
         self._started = time.perf_counter()
-        super().__init__(tensors)
+        super().__init__(tensors, group)
         CountingRingTransfer.sent_bytes += sum(t.numel() * t.element_size() for t in self.sent)
 
     def wait(self) -> list[torch.Tensor]:
