@@ -248,7 +248,11 @@ fi
 if wants tests; then
   xdist=()   # where pytest-xdist is installed, the larger set runs in parallel processes
   if "$python" -c 'import xdist' 2>/dev/null; then xdist=(-n "${XDIST_WORKERS:-8}"); fi
-  run_step "pytest -m gpu" 300 "$python" -m pytest -q -p no:cacheprovider -m gpu tests
+  # Each module's GPU tests on one worker (their fixtures' runs shared), modules side by side.
+  gpu_xdist=()
+  if [ "${#xdist[@]}" -gt 0 ]; then gpu_xdist=(-n "${GPU_XDIST_WORKERS:-4}" --dist loadfile); fi
+  run_step "pytest -m gpu" 420 "$python" -m pytest -q -p no:cacheprovider "${gpu_xdist[@]}" \
+    -m gpu tests
   run_step "pytest CUDA-touching tests + tests/model" 420 "$python" -m pytest -q \
     -p no:cacheprovider "${xdist[@]}" tests/training/test_optimizer.py tests/test_doctor.py \
     tests/training/test_monitor.py tests/core/test_random.py tests/core/test_deepspeed_mpu.py tests/model

@@ -140,7 +140,12 @@ class CoreAttention(nn.Module):
             return F.scaled_dot_product_attention(query, key, value, **kwargs)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        # CUDA's flash kernel takes no mask (context parallelism's all-gathered keys bring
+        # one): there the memory-efficient kernel, also fused and linear in memory, runs it.
+        backends = [SDPBackend.FLASH_ATTENTION]
+        if mask is not None:
+            backends.append(SDPBackend.EFFICIENT_ATTENTION)
+        with sdpa_kernel(backends):
             return F.scaled_dot_product_attention(query, key, value, **kwargs)
 
     def _documents(self, query, key, value, mask, kernel, dropout_p):

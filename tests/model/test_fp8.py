@@ -301,3 +301,32 @@ def test_fp8_on_the_gpu_is_torchaos_and_a_gpt_tracks_bf16() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             losses[name], _ = loss_and_grads(model, tokens, labels)
     assert abs(losses["fp8"].mean() - losses["bf16"].mean()) / losses["bf16"].mean() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_fp8_gpu(), reason="needs a CUDA GPU with FP8 tensor cores (sm_89+)")
+def test_fp8_tensor_parallel_shards_on_the_gpu() -> None:
+    """TP=2's shards through cuBLAS's FP8 GEMM, in one process (one GPU cannot hold two NCCL
+    ranks): each shard scaled by its own amax as each rank scales it, the column-parallel
+    halves concatenated and the row-parallel halves summed (the all-reduce) give the whole
+    bf16 layer's output and gradients to FP8's rounding."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(128, 64, device="cuda", dtype=torch.bfloat16))
+    input_ = torch.randn(4, 32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    matmul = Float8Matmul(HYBRID)
+    layouts = {
+        "dense": lambda: input_ @ weight.t(),
+        "column": lambda: torch.cat([matmul(input_, w) for w in weight.chunk(2, 0)], dim=-1),
+        "row": lambda: sum(
+            matmul(x, w) for x, w in zip(input_.chunk(2, -1), weight.chunk(2, 1), strict=True)
+        ),
+    }
+    grad = torch.randn(4, 32, 128, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for name, forward in layouts.items():
+        out = forward()
+        results[name] = (out, *torch.autograd.grad(out, (input_, weight), grad))
+    for name in ("column", "row"):
+        for what, got, dense in zip(("out", "dx", "dw"), results[name], results["dense"]):
+            error = (got.float() - dense.float()).norm() / dense.float().norm()
+            assert error < E5M2_ROUNDOFF, (name, what, float(error))
