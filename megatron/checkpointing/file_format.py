@@ -8,9 +8,12 @@
   virtual pipeline stages one per model chunk under `model0`, `model1`, ... (Megatron-LM's
   keys). In memory we use the flat names of `GPTModel.state_dict()`
   (`language_model.encoder.layers.0...`).
-- Files are read with `torch.load(weights_only=True)`: tensors, plain Python values, and the
-  few types allow-listed here (`argparse.Namespace` for `args`, numpy's RNG state), so
-  loading a checkpoint can never run code from it.
+- Files are read with `torch.load(weights_only=True)`: tensors, plain Python values, the few
+  types allow-listed here (`argparse.Namespace` for `args`, numpy's RNG state, the standard
+  library's types megatron-core allows), and stand-ins for any other class a file names
+  (`megatron.checkpointing.foreign_types`: Megatron-LM's `args` hold megatron-core's enums),
+  so loading a checkpoint never imports a module or runs code from it; a file that calls code
+  (`os.system`, `builtins.eval`, ...) is refused in one line.
 """
 
 from __future__ import annotations
@@ -18,13 +21,23 @@ from __future__ import annotations
 import argparse
 import enum
 import os
+import pathlib
 import pickle
+import signal
+import types
 import zipfile
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from megatron.checkpointing.foreign_types import (
+    ForeignCodeError,
+    ForeignObject,
+    foreign_globals,
+    plain,
+)
 
 CHECKPOINT_VERSION = 3.0
 """Megatron's version tag for the per-head interleaved [np, 3, hn] QKV layout."""
@@ -37,10 +50,15 @@ OUTPUT_LAYER_PREFIX = "language_model.output_layer."
 MEGATRON_FILENAME = "model_optim_rng.pt"
 
 
-def enum_member(enum_class: type, name: str) -> enum.Enum:
+def enum_member(enum_class: type, name: str) -> enum.Enum | ForeignObject:
     """What `getattr(SomeEnum, "NAME")` in a pickle means: Python 3.11's first releases (3.11.2,
     Debian 12's python3, say) pickle an enum member so. Only an allow-listed Enum class's member
-    by name comes back: the loaders map `builtins.getattr` here, never to getattr itself."""
+    by name comes back (a stand-in's for a class not imported here): the loaders map
+    `builtins.getattr` here, never to getattr itself."""
+    if isinstance(enum_class, type) and issubclass(enum_class, ForeignObject):
+        if not isinstance(name, str):
+            raise pickle.UnpicklingError(f"{enum_class.foreign_name} has no member {name!r}")
+        return enum_class.member(name)
     if not (isinstance(enum_class, type) and issubclass(enum_class, enum.Enum)):
         raise pickle.UnpicklingError(f"getattr on {enum_class!r} is not allowed in a checkpoint")
     if not isinstance(name, str) or name not in enum_class.__members__:
@@ -55,23 +73,40 @@ SAFE_GLOBALS = [
     np.dtype,
     np.dtypes.UInt32DType,
     np._core.multiarray._reconstruct,
+    np._core.multiarray.scalar,
+    # numpy 1.x's names for the same (files written before numpy 2)
+    (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+    (np._core.multiarray.scalar, "numpy.core.multiarray.scalar"),
+    # The standard library's data types in megatron-core's own allow-list
+    # (megatron/core/safe_globals.py): `args.exit_signal` is a `signal.Signals` member.
+    signal.Signals,
+    types.SimpleNamespace,
+    pathlib.PosixPath,
+    pathlib.PurePosixPath,
 ]
 
 
 def load_file(path: str, mmap: bool = False, extra_globals: list | None = None) -> dict[str, Any]:
-    """Read a checkpoint file without executing code from it (weights_only, allow-listed).
+    """Read a checkpoint file without executing code from it (weights_only, allow-listed;
+    other classes it names become inert stand-ins, `foreign_types`).
 
     `mmap=True` maps the tensors instead of reading them: cheap when only metadata is needed.
     `extra_globals`: more allowed types (DeepSpeed's, for the files its engine writes).
+    Raises RuntimeError naming the file when it cannot be read or calls code.
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file {path} does not exist")
     mmap = mmap and zipfile.is_zipfile(path)  # the legacy (non-zip) format cannot be mapped
     with torch.serialization.safe_globals(SAFE_GLOBALS + list(extra_globals or [])):
         try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-        except Exception as error:  # noqa: BLE001 - re-raised with the path
-            raise RuntimeError(f"cannot read checkpoint file {path}: {error}") from error
+            stand_ins = foreign_globals(path)
+        except ForeignCodeError as error:
+            raise RuntimeError(f"cannot read checkpoint file {path}: {error}") from None
+        with torch.serialization.safe_globals(stand_ins):
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            except Exception as error:  # noqa: BLE001 - re-raised with the path
+                raise RuntimeError(f"cannot read checkpoint file {path}: {error}") from error
 
 
 def checkpoint_directory(root: str, iteration: int, release: bool = False) -> str:
@@ -115,10 +150,12 @@ def plain_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def args_dict(args: argparse.Namespace | dict | None) -> dict[str, Any]:
-    """A checkpoint's `args` as a dict (older files stored a dict, Megatron a Namespace)."""
+    """A checkpoint's `args` as a dict (older files stored a dict, Megatron a Namespace), enum
+    members as their flags spell them (`plain`: Megatron-LM's `attention_backend` is "auto")."""
     if args is None:
         return {}
-    return dict(args) if isinstance(args, dict) else dict(vars(args))
+    saved = dict(args) if isinstance(args, dict) else dict(vars(args))
+    return {name: plain(value) for name, value in saved.items()}
 
 
 def nest_model_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
