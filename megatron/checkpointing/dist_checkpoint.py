@@ -219,6 +219,14 @@ class _SafeReader:
         "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
         "collections": {"OrderedDict"},
     }  # fmt: skip
+    # megatron-core core_v0.14 and v0.15 pickled its subclasses of two of them, each adding one
+    # field (`mcore_data`, then an attribute of torch's class); later releases write torch's.
+    _MEGATRON_CORE = {
+        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"):
+            ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"):
+            ("torch.distributed.checkpoint.planner", "SavePlan"),
+    }  # fmt: skip
 
     @classmethod
     def create(cls, directory: str):  # noqa: ANN206 - a torch FileSystemReader
@@ -228,10 +236,11 @@ class _SafeReader:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        allowed = cls._ALLOWED
+        allowed, megatron_core = cls._ALLOWED, cls._MEGATRON_CORE
 
         class Unpickler(pickle.Unpickler):
             def find_class(self, module: str, name: str) -> object:
+                module, name = megatron_core.get((module, name), (module, name))
                 if module == "builtins" and name == "getattr":  # an enum member, Python 3.11.2
                     return enum_member
                 dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)

@@ -4,7 +4,8 @@ never import those modules; a file that calls code is refused in one line, runni
 
 The files are written by torch.save from classes of packages that exist only while saving (as
 megatron-core's and megatron.training's do in the process that wrote a Megatron-LM checkpoint),
-so the pickles are byte for byte what those packages' objects make.
+so the pickles are byte for byte what those packages' objects make. megatron-core 0.14/0.15's
+DCP `.metadata`, pickled as its subclasses of torch's classes, reads as torch's.
 """
 
 from __future__ import annotations
@@ -174,3 +175,50 @@ def test_a_file_that_calls_code_is_refused_in_one_line_and_nothing_runs(tmp_path
     message = str(refused.value)
     assert "\n" not in message and path in message and named in message, message
     assert not marker.exists()
+
+
+def test_megatron_core_0_15s_dcp_metadata_reads_as_torchs(tmp_path, monkeypatch):
+    """megatron-core core_v0.14/v0.15 pickled `.metadata` as its dataclass subclasses of DCP's
+    Metadata and SavePlan (`MCoreMetadata(mcore_data=..., **vars(metadata))`, its save plans in
+    `all_local_plans`); they read as torch's classes and the weights come back."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from megatron.checkpointing.megatron_core import read_dist_dense, write_megatron_core
+    from tests.tools.test_hf_conversion import random_checkpoint
+
+    original = random_checkpoint("gelu_new")
+    directory = write_megatron_core(original.state_dict, original.args, str(tmp_path), 12)
+    metadata_file = os.path.join(directory, ".metadata")
+    with open(metadata_file, "rb") as handle:
+        metadata = pickle.load(handle)
+    module = "megatron.core.dist_checkpointing.strategies.torch"
+
+    @dataclasses.dataclass
+    class MCoreMetadata(Metadata):
+        mcore_data: dict | None = None
+
+    @dataclasses.dataclass(frozen=True)
+    class MCoreSavePlan(SavePlan):
+        mcore_data: dict | None = None
+
+    with monkeypatch.context() as saving:
+        parts = module.split(".")
+        for end in range(3, len(parts) + 1):  # megatron.core exists: this project's
+            name = ".".join(parts[:end])
+            saving.setitem(sys.modules, name, types.ModuleType(name))
+        for cls in (MCoreMetadata, MCoreSavePlan):
+            cls.__module__, cls.__qualname__ = module, cls.__name__
+            setattr(sys.modules[module], cls.__name__, cls)
+        mcore_data = {key: {} for key in metadata.state_dict_metadata}
+        written = MCoreMetadata(mcore_data=mcore_data, **vars(metadata))
+        written.all_local_plans = [MCoreSavePlan(items=[], mcore_data=mcore_data)]
+        with open(metadata_file, "wb") as handle:
+            pickle.dump(written, handle)
+    args, state = read_dist_dense(directory)
+    assert args["num_layers"] == original.args["num_layers"]
+    assert sorted(state) == sorted(original.state_dict)
+    for name, tensor in original.state_dict.items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=0)
