@@ -117,8 +117,10 @@ def our_args(megatron_lm_args: dict[str, Any]) -> dict[str, Any]:
     args = {key: megatron_lm_args[key] for key in _MODEL_ARGS if key in megatron_lm_args}
     if megatron_lm_args.get("group_query_attention"):
         args["num_key_value_heads"] = megatron_lm_args["num_query_groups"]
-    if megatron_lm_args.get("norm_epsilon") is not None:
-        args["layernorm_epsilon"] = megatron_lm_args["norm_epsilon"]
+    # `--norm-epsilon` until core_v0.15; core_v0.16's args take TransformerConfig's name.
+    epsilon = megatron_lm_args.get("norm_epsilon", megatron_lm_args.get("layernorm_epsilon"))
+    if epsilon is not None:
+        args["layernorm_epsilon"] = epsilon
     return args
 
 
@@ -178,6 +180,7 @@ def _megatron_lm_args(args: dict[str, Any]) -> argparse.Namespace:
         group_query_attention=groups != heads,
         num_query_groups=groups,
         norm_epsilon=args.get("layernorm_epsilon", 1e-5),
+        layernorm_epsilon=args.get("layernorm_epsilon", 1e-5),
         ckpt_format="torch_dist",
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,

@@ -6,8 +6,12 @@ argument names), `tokens` ([batch, seq] ids) and `kind`:
 - save: build the model from `seed`, write it as Megatron-LM's training loop does
   (`{dir}/iter_{N:07d}/` through `dist_checkpointing.save` in the torch_dist format, `args`,
   `iteration` and `checkpoint_version` in its common state, `latest_checkpointed_iteration.txt`);
-- load: build the model from another seed and load `{dir}`'s newest checkpoint into it.
-Either way the model's logits on `tokens` (eval mode) go to `logits` (a .npy file).
+- load: build the model from another seed and load `{dir}`'s newest checkpoint into it;
+- train_save: build the model from `seed`, train it `iteration` steps and save it as
+  Megatron-LM's training loop does, its whole `args` and common state included
+  (megatron_lm_save.py; `rerun` also writes the rerun machine's state, `vocab_file` and
+  `merge_file` go into args).
+Each way the model's logits on `tokens` (eval mode) go to `logits` (a .npy file).
 
 megatron-core runs on CPU here with gloo, its local (non-Transformer-Engine) layer spec and CPU
 initialization; the few GPU calls of its checkpoint writer are pointed at the CPU, and its
@@ -112,7 +116,11 @@ def main():
     tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
     model = _model(job)
     root = job["dir"]
-    if job["kind"] == "save":
+    if job["kind"] == "train_save":
+        from megatron_lm_save import train_and_save
+
+        train_and_save(job, model)
+    elif job["kind"] == "save":
         iteration = job["iteration"]
         directory = os.path.join(root, f"iter_{iteration:07d}")
         os.makedirs(directory, exist_ok=True)
