@@ -19,6 +19,7 @@ then marks every iteration start (wrapping the `inject_training_fault(iteration)
 `DIR/rank{R}.json` (`build_report`):
 
     {"rank", "world_size", "tp_rank", "pp_rank", "dp_rank",
+     "saves": [{"iteration", "tensor_bytes_at_start", "peak_tensor_bytes"}],
      "iterations": [{"iteration", "seconds", "peak_tensor_bytes", "tensor_bytes_at_start",
                      "largest_allocations",
                      "comm_bytes": {"tensor_parallel", "data_parallel", "pipeline",
@@ -117,6 +118,8 @@ class IterationMarks:
         self.rss_at_first: int | None = None
         self.table: GroupTable | None = None
         self.ranks: dict[str, int] = {}
+        self.saves: list[int] = []
+        """The iterations whose checkpoint saves were marked (`save_started`, `save_ended`)."""
 
     def begin(self, iteration: int) -> None:
         """Iteration `iteration` starts now."""
@@ -127,6 +130,18 @@ class IterationMarks:
         self.comm.iteration = iteration
         if self.rss_at_first is None:
             self.rss_at_first = resident_bytes()
+
+    def save_started(self, iteration: int) -> None:
+        """The loop starts saving the checkpoint of `iteration` now; its collectives are the
+        save's, not the iteration's (whose bytes the planner predicts)."""
+        self.saves.append(iteration)
+        self.memory.mark(f"save {iteration}")
+        self.comm.iteration = f"save {iteration}"
+
+    def save_ended(self, iteration: int) -> None:
+        """That save returned (a background one: staged, its write going on)."""
+        self.memory.mark(f"saved {iteration}")
+        self.comm.iteration = iteration
 
     def end(self) -> None:
         """The last iteration (and `pretrain`) ended now."""
@@ -195,6 +210,7 @@ def build_report(marks: IterationMarks, trace: MemoryTrace, calls: list[Call]) -
     return {
         **ranks,
         "iterations": rows,
+        "saves": _save_windows(marks, trace),
         "peak_tensor_bytes_after_first": max(after_first) if after_first else None,
         "framework_resident_bytes": (
             marks.rss_at_first - at_start if marks.rss_at_first and at_start is not None else None
@@ -208,6 +224,31 @@ def build_report(marks: IterationMarks, trace: MemoryTrace, calls: list[Call]) -
         "after_last_iteration": summarize_calls([c for c in calls if c.iteration is None], table),
         "groups": {name: list(ranks) for name, ranks in table.groups},
     }
+
+
+def _save_windows(marks: IterationMarks, trace: MemoryTrace) -> list[dict]:
+    """Each marked save's live tensor bytes as it started and at its peak."""
+    saves = []
+    for k in marks.saves:
+        bounds = [trace.marks.get(f"save {k}"), trace.marks.get(f"saved {k}")]
+        if None in bounds:
+            continue
+        (peak,), (at_start, _) = window_peaks(trace.times, trace.deltas, bounds)
+        saves.append({"iteration": k, "tensor_bytes_at_start": at_start, "peak_tensor_bytes": peak})
+    return saves
+
+
+def _mark_saves(original: Callable, marks: IterationMarks) -> Callable:
+    """`TrainingLoop._save`, marking where each save starts and returns."""
+
+    def _save(self, state) -> None:  # noqa: ANN001
+        marks.save_started(state.iteration)
+        try:
+            original(self, state)
+        finally:
+            marks.save_ended(state.iteration)
+
+    return _save
 
 
 def _mark_starts(original: Callable[[int], None], marks: IterationMarks) -> Callable[[int], None]:
@@ -244,6 +285,7 @@ def run(out_dir: str, script: str, flags: list[str], all_ops: bool = False) -> i
     marks = IterationMarks(memory, comm)
     loop = importlib.import_module("megatron.training.loop")
     loop.inject_training_fault = _mark_starts(loop.inject_training_fault, marks)
+    loop.TrainingLoop._save = _mark_saves(loop.TrainingLoop._save, marks)
     module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
     module.pretrain = _mark_end(module.pretrain, marks)
     sys.argv = [script, *flags]

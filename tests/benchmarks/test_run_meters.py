@@ -227,10 +227,12 @@ def test_collectives_are_counted_by_the_payload_rule_and_kind() -> None:
 @pytest.mark.slow
 def test_measured_torchrun_writes_both_rank_reports(stdlib_dataset: str, tmp_path) -> None:
     """torchrun 2 ranks (DP=2, DDP) of the tiny GPT for 3 iterations under measured_run.py:
-    each rank reports iterations 1..3, their peaks, and the same data-parallel bytes."""
+    each rank reports iterations 1..3, their peaks, its checkpoint saves' windows, and the same
+    data-parallel bytes."""
     out = tmp_path / "measured"
     flags = tiny_gpt_flags(stdlib_dataset)
     flags += ["--train-iters", "3", "--eval-iters", "0", "--global-batch-size", "4"]
+    flags += ["--save", str(tmp_path / "save"), "--save-interval", "2"]
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     argv = [
         torchrun,
@@ -260,6 +262,10 @@ def test_measured_torchrun_writes_both_rank_reports(stdlib_dataset: str, tmp_pat
         assert [row["iteration"] for row in report["iterations"]] == [1, 2, 3]
         assert 0 < report["tensor_bytes_at_start"] < report["peak_tensor_bytes_after_first"]
         assert report["framework_resident_bytes"] > 0
+        # Each save's window (iteration 2's, and the final one): it writes from what is live.
+        assert [save["iteration"] for save in report["saves"]] == [2, 3]
+        for save in report["saves"]:
+            assert 0 < save["tensor_bytes_at_start"] <= save["peak_tensor_bytes"]
         bytes_by_iteration = [row["comm_bytes"]["data_parallel"] for row in report["iterations"]]
         # fp32 gradients of ~3.3M parameters (and the 4-byte loss), every iteration alike.
         assert bytes_by_iteration[0] > 4 * 3_000_000
