@@ -61,14 +61,8 @@ def settle_tokenizer(args: argparse.Namespace) -> None:
     problem = tokenizer_flag_problem(TokenizerConfig.from_args(args))
     if problem:
         raise ArgumentError(problem)
-    if getattr(args, "vocab_size", None) is not None and tokenizer not in (
-        "NullTokenizer",
-        "TikTokenizer",
-    ):
-        args.compat_notes.append(
-            f" > --vocab-size {args.vocab_size}: read by NullTokenizer and TikTokenizer only, as "
-            f"in Megatron-LM; {tokenizer} takes its vocabulary from its files"
-        )
+    # --vocab-size beside a tokenizer with files sizes the embedding once the tokenizer is
+    # built (`megatron.tokenizer.tokenizer.embedding_rows`): at least its ids, else refused.
 
 
 def settle_data_sources(args: argparse.Namespace, typed: set[str] | None) -> None:

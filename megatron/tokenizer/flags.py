@@ -21,7 +21,8 @@ def add_vocabulary_flags(group: argparse._ArgumentGroup) -> None:
         default=None,
         help="NullTokenizer: its number of token ids N (end of document N - 1); TikTokenizer: "
         "its whole vocabulary, special tokens included (default 131072). Other tokenizer types "
-        "take the vocabulary from their files and ignore it, as Megatron-LM does.",
+        "take the vocabulary from their files; given with them, it is the embedding's rows "
+        "before padding (a published model's, at least the tokenizer's ids: fewer is refused).",
     )
     group.add_argument(
         "--null-tokenizer-eod-id",

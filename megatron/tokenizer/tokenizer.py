@@ -13,7 +13,12 @@ from argparse import Namespace
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron.tokenizer.base import MODEL_FILE_TOKENIZERS, Tokenizer, missing_tokenizer_model
+from megatron.tokenizer.base import (
+    MODEL_FILE_TOKENIZERS,
+    Tokenizer,
+    TokenizerFileError,
+    missing_tokenizer_model,
+)
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron.tokenizer.hf_tokenizer import HFTokenizer
 from megatron.tokenizer.null_tokenizer import NullTokenizer
@@ -183,12 +188,36 @@ def vocab_size_with_padding(
     return padded
 
 
+def embedding_rows(config: TokenizerConfig, tokenizer_ids: int, verbose: bool = False) -> int:
+    """The embedding's rows before padding: the tokenizer's ids, or `--vocab-size` where a
+    tokenizer that reads its vocabulary from files is given one (a published model's rows,
+    more than its tokenizer's ids; Megatron-LM's Llama-3 recipe passes the tokenizer's own
+    count). Fewer rows than the files give ids is refused (`TokenizerFileError`, one line)."""
+    asked = config.vocab_size
+    if asked is None or config.tokenizer_type in ("NullTokenizer", "TikTokenizer"):
+        return tokenizer_ids  # those two are built from --vocab-size itself
+    if asked < tokenizer_ids:
+        raise TokenizerFileError(
+            f"--vocab-size {asked:,} is below the {tokenizer_ids:,} ids of --tokenizer-type "
+            f"{config.tokenizer_type}: every id needs an embedding row (drop --vocab-size, or "
+            f"give at least {tokenizer_ids:,})"
+        )
+    if verbose and asked > tokenizer_ids:
+        print(
+            f" > --vocab-size {asked:,}: the embedding's rows (the tokenizer has "
+            f"{tokenizer_ids:,} ids)",
+            flush=True,
+        )
+    return asked
+
+
 def tokenizer_with_sizes(
     args: Namespace, verbose: bool | None = None
 ) -> tuple[Tokenizer, dict[str, int]]:
     """The tokenizer named by --tokenizer-type, and the vocabulary sizes it gives the run:
     `tokenizer_vocab_size` (the tokenizer's size: the dataset's token ids must be below it)
-    and `padded_vocab_size` (the embedding's rows). Nothing is set on `args`.
+    and `padded_vocab_size` (the embedding's rows: `embedding_rows`, padded). Nothing is set
+    on `args`.
 
     Reads the `TokenizerConfig` fields (`tokenizer_type`, `vocab_file`, `merge_file`,
     `tokenizer_model`, `vocab_extra_ids`, `vocab_size`, ...), and optionally
@@ -207,7 +236,7 @@ def tokenizer_with_sizes(
         print(f"> building {config.tokenizer_type} tokenizer ...", flush=True)
     tokenizer = create_tokenizer(config)
     padded = vocab_size_with_padding(
-        tokenizer.vocab_size,
+        embedding_rows(config, tokenizer.vocab_size, verbose),
         getattr(args, "make_vocab_size_divisible_by", 128),
         getattr(args, "tensor_model_parallel_size", 1),
         verbose=verbose,

@@ -4,6 +4,8 @@ with Megatron-LM's rules; mistakes are one-line errors naming the flags."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron.arguments import ArgumentError, build_parser, typed_flags, validate_args
@@ -112,11 +114,18 @@ def test_tiktoken_flags_and_their_older_spelling() -> None:
     assert validated(extra.replace("tiktoken-special", "tokenizer-special")) is not None
 
 
-def test_vocab_size_of_other_tokenizers_is_accepted_and_noted() -> None:
-    """As in Megatron-LM (its Llama-3 recipe passes --vocab-size 128256 beside a Hugging Face
-    tokenizer), the flag is read by NullTokenizer and TikTokenizer only."""
+def test_vocab_size_of_other_tokenizers_sizes_the_embedding() -> None:
+    """Megatron-LM's Llama-3 recipe passes --vocab-size 128256 beside a Hugging Face tokenizer
+    (its own count): accepted; a tokenizer with files takes it as the embedding's rows when it
+    is at least the tokenizer's ids (a published model's shape), and refuses it below them."""
+    from megatron.tokenizer.tokenizer import TokenizerConfig, embedding_rows
+
     args = validated("--tokenizer-type HuggingFaceTokenizer --tokenizer-model t --vocab-size 9")
     assert args.tokenizer_type == "HFTokenizer"
-    assert any("--vocab-size 9: read by NullTokenizer and TikTokenizer only" in note
-               for note in args.compat_notes)  # fmt: skip
+    config = TokenizerConfig.from_args(args)
+    assert embedding_rows(config, 9) == 9
+    assert embedding_rows(dataclasses.replace(config, vocab_size=None), 7) == 7
+    assert embedding_rows(dataclasses.replace(config, vocab_size=250_000), 50_257) == 250_000
+    with pytest.raises(ValueError, match=r"--vocab-size 9 is below the 50,257 ids of "):
+        embedding_rows(config, 50_257)
     assert validated(f"{NULL} --null-tokenizer-pad-id -1").vocab_size == 1000
