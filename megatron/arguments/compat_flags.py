@@ -183,8 +183,11 @@ INERT: list[CompatFlag] = [
         "--use-nccl-ub",
     ),
     *_inert(
-        "start-up memory only: the model is built on the device it trains on, with the same "
-        "initial weights",
+        "torch FSDP2 sharding (--use-torch-fsdp2, --use-distributed-optimizer, "
+        "--use-megatron-fsdp) always starts so here: the model is built on the meta device "
+        "and each rank initializes only its own shards, with a whole build's weights bit for "
+        "bit; without it (DDP, and DeepSpeed's engines, whose ZeRO-3 partitions the model "
+        "once built) every rank builds the whole model",
         "--init-model-with-meta-device",
     ),
     *_inert(

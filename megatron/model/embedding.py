@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel import (
     get_cuda_rng_tracker,
     scatter_to_sequence_parallel_region,
 )
+from megatron.core.tensor_parallel.meta_init import initialize, new_parameter
 from megatron.model.utils import init_method_normal, sequence_is_split
 
 
@@ -38,11 +39,13 @@ class Embedding(nn.Module):
             params_dtype=config.torch_dtype,
         )
         if config.position_embedding_type == "learned_absolute":
+            shape = (config.max_position_embeddings, config.hidden_size)
             self.position_embeddings = nn.Embedding(
-                config.max_position_embeddings, config.hidden_size, dtype=config.torch_dtype
+                *shape, _weight=new_parameter(shape, config.torch_dtype)
             )
-            with torch.no_grad():
-                init_method(self.position_embeddings.weight)
+            # nn.Embedding's own N(0, 1) draw first (it makes one when it makes its weight),
+            # then Megatron's: the random stream, hence every later weight, stays Megatron's.
+            initialize(self.position_embeddings.weight, lambda w: init_method(nn.init.normal_(w)))
         else:
             self.position_embeddings = None
 

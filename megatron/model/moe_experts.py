@@ -15,8 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.core.tensor_parallel.meta_init import initialize, new_parameter
 from megatron.model.fused_ops import bias_swiglu
 from megatron.model.utils import init_method_normal, scaled_init_method_normal
+
+
+def _zeros(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        nn.init.zeros_(tensor)
 
 
 class GroupedExperts(nn.Module):
@@ -32,20 +38,24 @@ class GroupedExperts(nn.Module):
         self.grouped_gemm = moe.grouped_gemm
         width = ffn * (2 if self.swiglu else 1)
         hidden, dtype = config.hidden_size, config.torch_dtype
-        self.weight1 = nn.Parameter(torch.empty(num_local_experts, hidden, width, dtype=dtype))
-        self.weight2 = nn.Parameter(torch.empty(num_local_experts, ffn, hidden, dtype=dtype))
+        self.weight1 = new_parameter((num_local_experts, hidden, width), dtype)
+        self.weight2 = new_parameter((num_local_experts, ffn, hidden), dtype)
         init_in = init_method_normal(config.init_method_std)
         init_out = scaled_init_method_normal(config.init_method_std, config.num_layers)
-        with torch.no_grad():
+
+        def fill(weight1: torch.Tensor, weight2: torch.Tensor) -> None:
             for expert in range(moe.num_experts):  # everyone draws all, in order
                 w1, w2 = init_in(torch.empty(width, hidden)), init_out(torch.empty(hidden, ffn))
                 local = expert - first_expert
                 if 0 <= local < num_local_experts:
-                    self.weight1[local].copy_(w1.t())
-                    self.weight2[local].copy_(w2.t())
+                    weight1[local].copy_(w1.t())
+                    weight2[local].copy_(w2.t())
+
+        initialize((self.weight1, self.weight2), fill)
         if config.add_bias_linear:
-            self.bias1 = nn.Parameter(torch.zeros(num_local_experts, width, dtype=dtype))
-            self.bias2 = nn.Parameter(torch.zeros(num_local_experts, hidden, dtype=dtype))
+            self.bias1 = new_parameter((num_local_experts, width), dtype)
+            self.bias2 = new_parameter((num_local_experts, hidden), dtype)
+            initialize((self.bias1, self.bias2), _zeros)
         else:
             self.bias1 = self.bias2 = None
         for param in self.parameters():  # dim 0 counts experts: split over the EP ranks

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig, RoutedMoEConfig
+from megatron.core.tensor_parallel.meta_init import initialize, new_parameter
 from megatron.model.moe_aux_loss import AuxLossTracker, attach_aux_loss
 from megatron.model.utils import init_method_normal
 
@@ -39,10 +40,8 @@ class TopKRouter(nn.Module):
         self.layer_number = layer_number
         """The layer's number in the model (from 1), for the logged losses."""
         self.moe_losses = moe_losses  # the model's tracker (megatron.model.moe_aux_loss)
-        self.weight = nn.Parameter(
-            torch.empty(moe.num_experts, config.hidden_size, dtype=config.torch_dtype)
-        )
-        init_method_normal(config.init_method_std)(self.weight)
+        self.weight = new_parameter((moe.num_experts, config.hidden_size), config.torch_dtype)
+        initialize(self.weight, init_method_normal(config.init_method_std))
         if moe.expert_bias:
             # fp32 buffers: saved with the model, identical on every rank of a stage.
             self.register_buffer("expert_bias", torch.zeros(moe.num_experts))

@@ -12,6 +12,7 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.core.process_groups import ModelGroups
 from megatron.core.tensor_parallel import mark_sequence_parallel
+from megatron.core.tensor_parallel.meta_init import initialize, new_parameter, parameter_device
 
 
 def init_method_normal(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -39,10 +40,11 @@ class LayerNorm(nn.LayerNorm):
         self, config: ModelConfig, width: int | None = None, partial_grads: bool | None = None
     ) -> None:
         width = config.hidden_size if width is None else width
-        super().__init__(width, eps=config.layernorm_epsilon, dtype=config.torch_dtype)
+        super().__init__(
+            width, eps=config.layernorm_epsilon, dtype=config.torch_dtype, device=parameter_device()
+        )
         self.zero_centred = config.apply_layernorm_1p
-        if self.zero_centred:
-            nn.init.zeros_(self.weight)
+        initialize((self.weight, self.bias), _norm_start(self.zero_centred))
         if config.sequence_parallel if partial_grads is None else partial_grads:
             mark_sequence_parallel(self.weight)
             mark_sequence_parallel(self.bias)
@@ -69,8 +71,8 @@ class RMSNorm(nn.Module):
         width = config.hidden_size if width is None else width
         # Zero-centred (`apply_layernorm_1p`): the weight starts at 0 and scales by 1 + weight.
         self.zero_centred = config.apply_layernorm_1p
-        start = torch.zeros if self.zero_centred else torch.ones
-        self.weight = nn.Parameter(start(width, dtype=config.torch_dtype))
+        self.weight = new_parameter((width,), config.torch_dtype)
+        initialize(self.weight, _norm_start(self.zero_centred))
         if config.sequence_parallel if partial_grads is None else partial_grads:
             mark_sequence_parallel(self.weight)
 
@@ -80,6 +82,18 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         weight = self.weight + 1 if self.zero_centred else self.weight
         return x.to(hidden.dtype) * weight
+
+
+def _norm_start(zero_centred: bool) -> Callable[..., None]:
+    """A norm's initial weight (1, or 0 when zero-centred: it scales by 1 + weight) and bias
+    (0)."""
+
+    def fill(weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        (nn.init.zeros_ if zero_centred else nn.init.ones_)(weight)
+        if bias is not None:
+            nn.init.zeros_(bias)
+
+    return fill
 
 
 def run_eagerly_when_compiled(module: nn.Module, method: str) -> None:

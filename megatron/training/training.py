@@ -4,7 +4,9 @@ iterators, then train with periodic logging, evaluation and checkpoints.
 
 Providers (all receive the validated `args`):
 - `model_provider(args) -> torch.nn.Module`: the GPT in the form the run's engine trains
-  (`megatron.training.engines.engine_class(args.layout).build_model`).
+  (`megatron.training.engines.engine_class(args.layout).build_model`); under FSDP2 sharding
+  it runs in a meta-device build (`megatron.core.tensor_parallel.meta_init`: weights it
+  writes into the model are lost unless it builds it in `meta_init.whole_build()`).
 - `train_valid_test_datasets_provider(args, [train, valid, test] sample counts)`.
 - `forward_step_func(data_iterator, model, args) -> (output_tensor, loss_func)`.
 - `pipeline_batch`: a `PipelineBatch`, for the pipeline engines.
@@ -74,10 +76,12 @@ def build_engine(
     fallback = grouped_gemm_fallback_note(config, compute_dtype(args), *_device_and_capability())
     if fallback is not None:
         print_rank_0(fallback)
-    model = model_provider(args)
+    engine = engine_class(args.layout)
+    with engine.model_build(args.layout):  # on the meta device under FSDP2 sharding
+        model = model_provider(args)
     if getattr(args, "fp8", None) is not None:
         print_rank_0(fp8_report(model))
-    return engine_class(args.layout).create(model, args, forward_step_func, pipeline_batch)
+    return engine.create(model, args, forward_step_func, pipeline_batch)
 
 
 def setup_model_and_optimizer(

@@ -309,6 +309,7 @@ def build(  # noqa: ANN201
     """
     import pretrain_gpt
     from megatron.arguments import parse_args
+    from megatron.core.tensor_parallel.meta_init import whole_build
     from megatron.initialize import set_random_seed
     from megatron.tokenizer.tokenizer import vocab_size_with_padding
     from megatron.training.engines import PipelineBatch
@@ -324,7 +325,8 @@ def build(  # noqa: ANN201
     unset: list[str] = []
 
     def provider(args):  # noqa: ANN001, ANN202
-        model = pretrain_gpt.model_provider(args)
+        with whole_build():  # the dense weights go into it (FSDP2 would build on meta)
+            model = pretrain_gpt.model_provider(args)
         if args.layout.engine is Engine.MEGATRON_SCHEDULES:
             unset.extend(load_dense_into_chunks(model, dense))
         else:

@@ -167,13 +167,15 @@ def _embedding_group_all_reduce(tensor: torch.Tensor) -> None:
 def initialize_tied_embedding(chunks: nn.ModuleList) -> None:
     """Make the last stage's head copy equal to the first stage's word embedding (Megatron:
     zero it, then all-reduce over the embedding group). A collective of every pipeline rank
-    holding either end; the others return at once."""
+    holding either end; the others return at once. Under FSDP2 each end's shards (equal
+    slices at one data-parallel index, as `sync_tied_embedding_grads` sums them)."""
     weight = _tied_embedding_weight(chunks)
     if weight is None:
         return
+    local = weight.data.to_local() if hasattr(weight.data, "to_local") else weight.data
     if not any(chunk.is_first for chunk in chunks):
-        weight.zero_()
-    _embedding_group_all_reduce(weight.data)
+        local.zero_()
+    _embedding_group_all_reduce(local)
 
 
 def sync_tied_embedding_grads(chunks: nn.ModuleList) -> None:

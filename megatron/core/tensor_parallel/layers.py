@@ -5,10 +5,12 @@ the input features (Y = sum_i X_i A_i), `VocabParallelEmbedding` the vocabulary 
 returns what its dense twin returns when the shards are put back together, which the tests
 check against `torch.nn.Linear` / `torch.nn.Embedding`.
 
-Weights are created on the current default device (use `with torch.device(...)`). With
-`use_cpu_initialization` the full master weight is drawn on the CPU and this rank keeps its
-slice, so the model does not depend on the tensor-parallel size; otherwise each rank draws its
-own shard from the model-parallel RNG stream (with one rank, both are the same draw).
+Weights are created on the current default device (use `with torch.device(...)`), or on the
+meta device in a meta-device build, their initializers then recorded and run later on each
+rank's shard (`meta_init`). With `use_cpu_initialization` the full master weight is drawn on
+the CPU and this rank keeps its slice, so the model does not depend on the tensor-parallel
+size; otherwise each rank draws its own shard from the model-parallel RNG stream (with one
+rank, both are the same draw).
 
 A linear layer's `fp8_matmul` (None: F.linear) replaces the local matmul of its shard, the
 communication around it unchanged (`megatron.model.fp8` sets it under `--fp8-format`).
@@ -34,6 +36,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron.core.tensor_parallel.meta_init import initialize, new_parameter
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
@@ -83,10 +86,6 @@ def sum_sharded_sequence_parallel_grads(params: list[nn.Parameter]) -> None:
                 local.copy_(all_reduce_sum_over_tensor_parallel(local.clone()))
 
 
-def _new_parameter(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype))
-
-
 def _split_over(tensor_parallel: bool) -> tuple[int, int]:
     """(world, rank) a layer splits its weight over: the TP group's, or (1, 0) when it does
     not split (an MoE expert replicated on every tensor-parallel rank)."""
@@ -108,17 +107,26 @@ def _initialize_weight(
     tensor_parallel: bool = True,
 ) -> None:
     world, rank = _split_over(tensor_parallel)
-    if not use_cpu_initialization:
-        with torch.no_grad(), get_cuda_rng_tracker().fork() if world > 1 else nullcontext():
-            init_method(weight)
-        return
-    master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
-    init_method(master)
-    # With stride s, each rank owns every world-th of the s*world interleaved blocks.
-    block = weight.size(partition_dim) // stride
-    blocks = torch.split(master, block, dim=partition_dim)
-    with torch.no_grad():
-        weight.copy_(torch.cat(blocks[rank::world], dim=partition_dim))
+
+    def fill(local: torch.Tensor) -> None:
+        if not use_cpu_initialization:
+            with get_cuda_rng_tracker().fork() if world > 1 else nullcontext():
+                init_method(local)
+            return
+        master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
+        init_method(master)
+        # With stride s, each rank owns every world-th of the s*world interleaved blocks.
+        block = local.size(partition_dim) // stride
+        blocks = torch.split(master, block, dim=partition_dim)
+        local.copy_(torch.cat(blocks[rank::world], dim=partition_dim))
+
+    initialize(weight, fill)
+
+
+def _zero_bias(size: int, dtype: torch.dtype) -> nn.Parameter:
+    bias = new_parameter((size,), dtype)
+    initialize(bias, nn.init.zeros_)
+    return bias
 
 
 def _local_linear(
@@ -180,7 +188,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(
                 "a column-parallel layer cannot gather its output under sequence parallelism"
             )
-        self.weight = _new_parameter((self.output_size_per_partition, input_size), params_dtype)
+        self.weight = new_parameter((self.output_size_per_partition, input_size), params_dtype)
         _initialize_weight(
             self.weight,
             (output_size, input_size),
@@ -193,9 +201,7 @@ class ColumnParallelLinear(nn.Module):
         if tensor_parallel:
             set_tensor_model_parallel_attributes(self.weight, 0, stride)
         if bias:
-            self.bias = nn.Parameter(
-                torch.zeros(self.output_size_per_partition, dtype=params_dtype)
-            )
+            self.bias = _zero_bias(self.output_size_per_partition, params_dtype)
             if tensor_parallel:
                 set_tensor_model_parallel_attributes(self.bias, 0, stride)
         else:
@@ -249,7 +255,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError(
                 "a row-parallel layer under sequence parallelism needs a parallel input"
             )
-        self.weight = _new_parameter((output_size, self.input_size_per_partition), params_dtype)
+        self.weight = new_parameter((output_size, self.input_size_per_partition), params_dtype)
         _initialize_weight(
             self.weight,
             (output_size, input_size),
@@ -262,7 +268,7 @@ class RowParallelLinear(nn.Module):
         if tensor_parallel:
             set_tensor_model_parallel_attributes(self.weight, 1, stride)
         if bias:
-            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype))
+            self.bias = _zero_bias(output_size, params_dtype)
             if self.sequence_parallel:
                 mark_sequence_parallel(self.bias)
         else:
@@ -305,7 +311,7 @@ class VocabParallelEmbedding(nn.Module):
         per_partition = divide(num_embeddings, world, "padded vocabulary size")
         self.vocab_start_index = parallel_state.get_tensor_model_parallel_rank() * per_partition
         self.vocab_end_index = self.vocab_start_index + per_partition
-        self.weight = _new_parameter((per_partition, embedding_dim), params_dtype)
+        self.weight = new_parameter((per_partition, embedding_dim), params_dtype)
         _initialize_weight(
             self.weight, (num_embeddings, embedding_dim), 0, init_method, 1, use_cpu_initialization
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import argparse
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -81,6 +82,12 @@ class TrainingEngine(abc.ABC):
     @abc.abstractmethod
     def build_model(config: ModelConfig, layout: ParallelLayout) -> torch.nn.Module:
         """The GPT in the form this engine trains, on this rank."""
+
+    @staticmethod
+    def model_build(layout: ParallelLayout) -> AbstractContextManager:
+        """The context the model provider runs in: a whole build (the plain engine's FSDP2
+        sharding builds on the meta device instead)."""
+        return nullcontext()
 
     @classmethod
     @abc.abstractmethod

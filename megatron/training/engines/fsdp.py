@@ -14,6 +14,25 @@ which strategy: `megatron.arguments.sharding_flags`.
 With `--fp8-param-gather` the FP8 layers' weights are all-gathered in FP8, 1 byte an element
 (torchao's float8 all-gather, as torchtitan runs it: `megatron.model.fp8.
 cast_weights_before_all_gather`).
+
+Start-up (`--init-model-with-meta-device`, always so under FSDP2 here): the engine builds the
+model on the meta device (`megatron.core.tensor_parallel.meta_init`); `shard_model` shards it,
+allocates this rank's shards on its device (`to_empty`), puts back the buffers the build
+computed, and replays the layers' initializers in the build's order, each on a full-size
+temporary where a whole build draws (the default device, the CPU), keeping this rank's rows.
+A rank then holds its shards and at most one whole tensor at a time (one parameter, or one MoE
+layer's two expert stacks), never the whole model, and its shards are a whole build's, bit for
+bit, at any data-parallel size. A model built whole (a provider that loads weights into it,
+inside `meta_init.whole_build()`) is moved to the device and sharded as it is.
+
+Either way every rank of the data-parallel group starts from its first rank's weights, as DDP
+does on wrapping: context-parallel ranks draw tensor-parallel weights from their own
+model-parallel RNG streams (they drop out apart), and FSDP2 would otherwise shard a mixture. A
+whole model's states are broadcast from that rank (experts from the first rank holding the
+same ones); a meta-built model's initializers are replayed from that rank's generator states
+(a few kilobytes, broadcast; experts draw from the default stream, the same on every rank of
+a stage), then once more from the rank's own states, values discarded, so that its streams
+continue where its own whole build would have left them.
 """
 
 from __future__ import annotations
@@ -21,11 +40,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel.meta_init import (
+    MetaBuild,
+    meta_build_of,
+    run_initializers,
+)
 from megatron.layout import ParallelLayout
 from megatron.model.fp8 import cast_weights_before_all_gather
 from megatron.model.moe_layer import RoutedMoE, names_outside_data_parallel
+from megatron.utils import current_device
 
 # What our layers and the optimizer read from a parameter; FSDP2 makes new ones (DTensors).
 _PARAMETER_ATTRIBUTES = (
@@ -59,7 +85,12 @@ def shard_model(
     backward on its own (`--overlap-grad-reduce` changes nothing more)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    _broadcast_initial_states(model, parallel_state.get_sequence_data_parallel_group())
+    build = meta_build_of(model)
+    if build is None:  # built whole
+        model.to(current_device())
+        _broadcast_initial_states(model, parallel_state.get_sequence_data_parallel_group())
+    # The parameters' names, by the tensors a meta-device build recorded.
+    names = {id(param): name for name, param in model.named_parameters()}
     # Dense weights are sharded over the data-parallel and sequence-split ranks, experts over
     # the ranks holding the same experts: two slices of the run's device mesh.
     mesh = parallel_state.mesh_slice("dp_cp")
@@ -97,10 +128,38 @@ def shard_model(
         if overlap_param_gather:
             for layer, following in zip(layers, layers[1:]):
                 layer.set_modules_to_forward_prefetch([following])
+    if build is not None:
+        _materialize(model, build, names)
     for name, param in model.named_parameters():
         for key, value in attributes[name].items():
             setattr(param, key, value)
     return model
+
+
+def _materialize(model: nn.Module, build: MetaBuild, names: dict[int, str]) -> None:
+    """Allocate the sharded meta-built `model` on this rank's device and fill each shard with a
+    whole build's values (`names`: parameter name by the id of the tensor the build made)."""
+    buffers = dict(model.named_buffers())  # computed for real in the build
+    model.to_empty(device=current_device())
+    group = parallel_state.get_sequence_data_parallel_group()
+    source = [build.rng]
+    if dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(source, dist.get_global_rank(group, 0), group=group)
+
+    def keep(built: torch.Tensor, value: torch.Tensor) -> None:
+        param = model.get_parameter(names[id(built)])
+        local = param
+        if isinstance(param, DTensor):  # FSDP2's shard: this rank's rows of `value`
+            (chunk,) = param.__create_chunk_list__()
+            for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                value = value.narrow(dim, offset, size)
+            local = param.to_local()
+        local.copy_(value)
+
+    with torch.no_grad():
+        for name, buffer in buffers.items():
+            model.get_buffer(name).copy_(buffer)
+        run_initializers(build, keep, start=source[0])
 
 
 def _broadcast_initial_states(model: nn.Module, group: object) -> None:

@@ -64,15 +64,19 @@ class MegatronSchedulesEngine(PlainEngine):
         """Tie the embedding across stages, AdamW (guarded), the scheduler and the runner."""
         if pipeline_batch is None:
             raise ValueError("Megatron's pipeline schedules need the entry script's PipelineBatch")
-        model.to(current_device())
+        if args.layout.sharding == "none":
+            model.to(current_device())
         # What deepspeed.initialize does on DeepSpeed's engines.
         set_up_expert_groups(model, parallel_state.deepspeed_mpu())
-        initialize_tied_embedding(model)
         if args.layout.sharding != "none":
-            # After tying (the head copy starts equal to the embedding), before the optimizer.
+            # Before the optimizer; each chunk's shards on this rank's device, initialized
+            # there (built on the meta device: `model_build`).
             model = shard_model(
                 model, args.layout, args.grad_reduce_in_bf16, args.overlap_param_gather
             )
+        # The head copy starts equal to the embedding (shard by shard under FSDP2: both ends
+        # shard the same shape over equal data-parallel groups).
+        initialize_tied_embedding(model)
         optimizer = build_optimizer(model, args, guard=True)
         scheduler = scheduler_from_args(optimizer, args)
         per_token = bool(getattr(args, "calculate_per_token_loss", False))

@@ -1,5 +1,6 @@
 """The plain torch engine: the whole GPT, DDP over the data-parallel group (or torch FSDP2 with
-sharded data parallelism, `engines/fsdp.py`), our AdamW.
+sharded data parallelism, `engines/fsdp.py`: the model then built on the meta device and each
+rank's shards initialized in place), our AdamW.
 
 fp32 parameters are the master weights; fp16/bf16 compute runs under autocast, with
 Megatron's loss scaling in fp16 (`megatron.training.step.PlainTrainer`). Checkpoints are
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -17,6 +19,7 @@ from megatron.checkpointing.save_load import CheckpointTarget
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.core.process_groups import this_rank_groups
+from megatron.core.tensor_parallel.meta_init import meta_device_build
 from megatron.layout import Engine, ParallelLayout
 from megatron.model import GPTModel
 from megatron.model.moe import set_up_expert_groups
@@ -51,6 +54,13 @@ class PlainEngine(TrainingEngine):
         """The whole GPT."""
         return GPTModel(config, this_rank_groups())
 
+    @staticmethod
+    def model_build(layout: ParallelLayout) -> AbstractContextManager:
+        """Under FSDP2 sharding a meta-device build (`--init-model-with-meta-device`, always
+        so here): each rank later allocates and initializes its shards only
+        (`engines/fsdp.py`); otherwise a whole build."""
+        return meta_device_build() if layout.sharding != "none" else nullcontext()
+
     @classmethod
     def create(
         cls,
@@ -62,11 +72,14 @@ class PlainEngine(TrainingEngine):
         """AdamW (guarded), the scheduler, DDP over the data-parallel group when it has ranks
         (with the context-parallel ranks, whose gradients of their parts of each sequence the
         model scales so that DDP's average is their sum)."""
-        model.to(current_device())
+        if args.layout.sharding == "none":
+            model.to(current_device())
         # What deepspeed.initialize does on DeepSpeed's engines.
         set_up_expert_groups(model, parallel_state.deepspeed_mpu())
         if args.layout.sharding != "none":
-            # FSDP2 first: the optimizer then holds each parameter's 1/DP shard.
+            # FSDP2 first: the optimizer then holds each parameter's 1/DP shard. The model,
+            # built on the meta device (`model_build`), gets this rank's shards on its device,
+            # initialized as a whole build's.
             model = shard_model(
                 model, args.layout, args.grad_reduce_in_bf16, args.overlap_param_gather
             )
