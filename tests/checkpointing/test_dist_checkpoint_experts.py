@@ -5,9 +5,10 @@ The tiny LLaMA-style model of `llama_runs` with 4 routed experts (top-2, aux los
 layers, fp32, on 4 ranks: EP=2 with the distributed optimizer (torch FSDP2: the experts are
 sharded over the 2 ranks holding the same experts, their gradients averaged there and then
 rescaled to Megatron-LM's sum / DP). Each EP rank holds 2 of the 4 experts' stacked weights
-(and Adam's moments): they are saved as the two halves of one [4, ...] tensor per layer, so
-neither half is lost to the deduplication of replicas (the bug this guards against wrote one
-rank's 2 experts as the whole stack). From the iteration-3 checkpoint of a 6-iteration run,
+(and Adam's moments), which FSDP2 shards again over the 2 ranks holding them: each rank saves
+its one expert as a slice of one [4, ...] tensor per layer, so no expert is lost to the
+deduplication of replicas (the bug this guards against wrote one rank's 2 experts as the whole
+stack). From the iteration-3 checkpoint of a 6-iteration run,
 iterations 4-6 at the same layout are the run's bit for bit, and at EP=1 in one process (DDP-
 free, the reference arithmetic) they are the same up to fp32 sums in other orders, gradient
 norms included: the experts and their moments all loaded, and the sharded expert gradients
@@ -47,7 +48,11 @@ def test_sharded_experts_saved_at_ep2_resume_at_ep2_and_ep1(stdlib_dataset: str,
             for key in (name, f"optimizer.state.{name}.exp_avg"):
                 stored = metadata.state_dict_metadata[key]
                 assert stored.size[0] == 4, (key, stored.size)
-                assert sorted(chunk.offsets[0] for chunk in stored.chunks) == [0, 2], key
+                # Each rank writes its own slices (its expert-parallel block of 2 experts,
+                # sharded again by FSDP2 over the 2 ranks holding it): they tile all 4.
+                rows = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in stored.chunks)
+                assert [start for start, _ in rows] == [0, 1, 2, 3], (key, rows)
+                assert all(end == start + 1 for start, end in rows), (key, rows)
     again = run(stdlib_dataset, 4, load=rolled_back(saved, 3, str(tmp_path / "a")), **ep2)
     assert [log["iteration"] for log in again] == [4, 5, 6]
     for mine, theirs in zip(again, straight[3:], strict=True):
