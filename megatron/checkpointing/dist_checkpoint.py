@@ -37,7 +37,12 @@ from torch import nn
 
 from megatron.checkpointing.disk import save_torch_file
 from megatron.checkpointing.file_format import SAFE_GLOBALS, enum_member, load_file
-from megatron.checkpointing.fsdp_slices import ShardedLayout, chunk_rows, sharded_slices
+from megatron.checkpointing.fsdp_slices import (
+    ShardedLayout,
+    chunk_rows,
+    sharded_slices,
+    stored_tensor,
+)
 from megatron.checkpointing.pipeline_stages import HEAD_WEIGHT, chunk_layers, renumber_layers
 from megatron.checkpointing.rng_state import capture_rng_state, restore_rng_state
 from megatron.checkpointing.shapes import WORD_EMBEDDINGS
@@ -135,7 +140,8 @@ class _TensorParallelView:
                 "megatron.checkpointing.fsdp_slices assumes"
             )
         shard_rank = ranks.get_local_rank() if ranks is not None else 0
-        return sharded_slices(tensor.to_local(), layout, shard_rank, rows, mesh.size(), saved_shape)
+        local = stored_tensor(tensor.to_local())
+        return sharded_slices(local, layout, shard_rank, rows, mesh.size(), saved_shape)
 
 
 def first_failure(error: BaseException) -> str:
@@ -342,7 +348,7 @@ class _Requests:
         if vocab and tuple(saved.size[1:]) == tuple(tensor.shape[1:]) and _is_dtensor(tensor):
             # FSDP2, padded to another multiple: this rank's rows that the saved matrix has.
             with torch.no_grad():
-                tensor.to_local().zero_()
+                stored_tensor(tensor.to_local()).zero_()
             self.tensors[key] = self.view.global_view(local_name, tensor, tuple(saved.size))
             return
         if vocab and tuple(saved.size[1:]) == tuple(tensor.shape[1:]):

@@ -96,6 +96,20 @@ class ShardedLayout:
         return boxes
 
 
+def stored_tensor(local: torch.Tensor) -> torch.Tensor:
+    """What a checkpoint stores of an FSDP2 shard: the shard itself, or the one tensor inside a
+    subclass wrapping it (`--fp8-param-gather`: torchao's weight that casts to FP8 before the
+    all-gather holds the fp32 shard); read and filled in place either way."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    while is_traceable_wrapper_subclass(local):
+        inner, _ = local.__tensor_flatten__()
+        if len(inner) != 1:
+            raise TypeError(f"a {type(local).__name__} shard holds {inner}: not one tensor to save")
+        local = getattr(local, inner[0])
+    return local
+
+
 def chunk_rows(length: int, rank: int, world: int) -> tuple[int, int]:
     """Rows [start, stop) of `length` that rank `rank` of `world` holds under FSDP2 (torch.chunk:
     ceil(length / world) rows each, the last ranks fewer or none)."""

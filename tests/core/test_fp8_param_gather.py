@@ -9,8 +9,9 @@ over the shards), with and without the FP8 all-gather, under both strategies. Wh
   gathered are exactly the FP8 weight the matmul casts from the gathered fp32 weight;
 - each FP8 weight travels 1 byte an element (every other parameter in its own dtype), counted
   on FSDP2's all-gather itself, and reaches the layer as torchao's `Float8TrainingTensor`;
-- the checkpoint's weights and Adam moments are plain fp32 tensors, equal to the run without
-  the FP8 gather, and load back (a fresh model and optimizer, then one more step, equal);
+- the checkpoint (torch_dist: each rank's slices, nothing gathered) holds plain fp32 weights
+  and Adam moments, the same tensors as the run without the FP8 gather, and loads back (a
+  fresh model and optimizer, still gathering in FP8, then more steps, equal);
 - in bf16 (FSDP2 gathers the other weights in bf16) the FP8 weight is cast from the fp32
   master weight, not from its bf16 copy as without the flag (a few percent of its FP8 values
   then differ by one FP8 step): bitwise torchao's cast of the fp32 weight, and losses within
@@ -19,6 +20,11 @@ over the shards), with and without the FP8 all-gather, under both strategies. Wh
 """
 
 from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -136,8 +142,6 @@ def _cast(local: torch.Tensor) -> bool:
 def _check_fp32_bitwise_one_byte_and_checkpoint(sharding: str) -> None:
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
-    from megatron.checkpointing.whole_tensors import whole_tensors
-
     plain = _train(sharding, "fp32", gather=False)
     fp8 = _train(sharding, "fp32", gather=True)
     assert fp8["losses"] == plain["losses"], (fp8["losses"], plain["losses"])
@@ -154,32 +158,78 @@ def _check_fp32_bitwise_one_byte_and_checkpoint(sharding: str) -> None:
         assert set(theirs) == {_expected_bytes(layer, 4)} and len(theirs) == len(ours)
         assert _expected_bytes(layer, 1) < _expected_bytes(layer, 4)
     # The checkpoint: plain fp32 tensors, the same as without the flag; they load back.
-    saved = whole_tensors(fp8["model"], fp8["optimizer"])
-    states, moments = saved.model_states(), saved.optimizer_states()
-    reference = whole_tensors(plain["model"], plain["optimizer"]).model_states()
-    for state, expected in zip(states, reference):
-        for name, tensor in state.items():
-            assert type(tensor) is torch.Tensor and tensor.dtype == torch.float32, name
-            assert torch.equal(tensor, expected[name]), name
-    for name, moment in moments.items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert type(moment[key]) is torch.Tensor, (name, key)
-            assert moment[key].dtype == torch.float32, (name, key)
-    model, optimizer, _ = _model_and_optimizer(sharding, "fp32", gather=True, seed=6)
-    loaded = whole_tensors(model, optimizer)
-    targets = loaded.load_targets()
-    for target, state in zip(targets, states):
-        for name, tensor in target.items():
-            tensor.copy_(state[name])
-    loaded.put(targets, moments, saved.parameter_groups())
-    for state, expected in zip(loaded.model_states(), states):
-        for name, tensor in state.items():
-            assert torch.equal(tensor, expected[name]), name
+    directory = _shared_directory()
+    try:
+        for run, where in ((fp8, "fp8"), (plain, "plain")):
+            _save(run["model"], run["optimizer"], sharding, os.path.join(directory, where))
+        stored = _stored(os.path.join(directory, "fp8"))
+        assert stored == _stored(os.path.join(directory, "plain"))  # names, shapes, dtypes
+        assert {dtype for _, dtype in stored.values()} == {torch.float32}, stored
+        model, optimizer, _ = _model_and_optimizer(sharding, "fp32", gather=True, seed=6)
+        _load(model, optimizer, sharding, os.path.join(directory, "fp8"))
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+    for (name, mine), theirs in zip(model.state_dict().items(), fp8["model"].state_dict().values()):
+        assert torch.equal(_whole(mine), _whole(theirs)), name
     assert _cast(model.get_submodule(WATCHED).weight.to_local())  # still gathered in FP8
     assert (
         _step(model, optimizer, STEPS, "fp32")[0]
         == _step(fp8["model"], fp8["optimizer"], STEPS, "fp32")[0]
     )
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    from megatron.checkpointing.fsdp_slices import stored_tensor
+
+    whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return stored_tensor(whole)
+
+
+def _shared_directory() -> str:
+    shared = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def _args(sharding: str) -> argparse.Namespace:
+    world = dist.get_world_size()
+    layout = ParallelLayout(
+        Engine.PLAIN, world, 1, False, 1, 1, world, 1, 1, 0, "fp32", sharding=sharding
+    )
+    return argparse.Namespace(num_layers=CONFIG["num_layers"], layout=layout)
+
+
+def _save(model, optimizer, sharding: str, directory: str) -> None:  # noqa: ANN001
+    from megatron.checkpointing.dist_checkpoint import save_dist_checkpoint
+    from megatron.checkpointing.whole_tensors import whole_tensors
+
+    if dist.get_rank() == 0:
+        os.makedirs(directory)
+    dist.barrier()
+    holder = whole_tensors(model, optimizer)
+    save_dist_checkpoint(directory, holder, {}, _args(sharding), save_rng=False)
+
+
+def _load(model, optimizer, sharding: str, directory: str) -> None:  # noqa: ANN001
+    from megatron.checkpointing.dist_checkpoint import load_dist_checkpoint
+    from megatron.checkpointing.whole_tensors import whole_tensors
+
+    holder = whole_tensors(model, optimizer)
+    assert load_dist_checkpoint(directory, holder, _args(sharding), load_rng=False)
+
+
+def _stored(directory: str) -> dict[str, tuple]:
+    """Each tensor the checkpoint holds: its global shape and dtype."""
+    from megatron.checkpointing.dist_checkpoint import _SafeReader
+
+    metadata = _SafeReader.create(directory).read_metadata().state_dict_metadata
+    return {
+        name: (tuple(entry.size), entry.properties.dtype)
+        for name, entry in metadata.items()
+        if hasattr(entry, "size") and not name.startswith("rng_state")
+    }
 
 
 def _check_bf16_casts_the_fp32_master_weight() -> None:

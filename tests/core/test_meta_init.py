@@ -12,7 +12,7 @@ weights from its own stream: both start from the first rank's), Megatron-LM MoE 
 with the tied embedding's head copy, and FP8 weights gathered in FP8. At TP=1 the weights
 also equal a one-process build's: the same model at DP=4 as at DP=1.
 
-Memory, counted per op (`_LiveBytes`, deterministic): today's start-up holds the whole model
+Memory, counted per op (`AllocationMeter`, deterministic): today's start-up holds the whole model
 at once; the meta-device one its shards plus at most twice the largest parameter (the one
 being initialized, and a fill's scratch), never a model-sized allocation.
 """
@@ -20,21 +20,19 @@ being initialized, and a fill's scratch), never a model-sized allocation.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from megatron.config import Fp8Config, ModelConfig, RoutedMoEConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.tensor_parallel.meta_init import RngStates, meta_device_build
 from megatron.layout import Engine, ParallelLayout
+from tests.allocation_meter import AllocationMeter
 from tests.core.spawn_checks import BODY
 
 SEED = 1234
@@ -53,46 +51,6 @@ MOE = dataclasses.replace(
         num_experts=4, moe_layers=(True, True), expert_bias=True, shared_expert_ffn_hidden_size=16
     ),
 )
-
-
-def _storage(value: object) -> torch.UntypedStorage | None:
-    """The real storage under `value`, if it is a tensor that has one (not a meta tensor, not a
-    wrapper such as a DTensor)."""
-    if not isinstance(value, torch.Tensor) or value.is_meta:
-        return None
-    try:
-        storage = value.untyped_storage()
-        storage.data_ptr()  # raises for a storage FSDP2 swapped out
-    except (RuntimeError, NotImplementedError):
-        return None
-    return storage
-
-
-class _LiveBytes(TorchDispatchMode):
-    """The bytes of tensor storage made inside it and still alive, and their peak: each new
-    storage an op returns counts until it is freed (its Python object is preserved with it,
-    so a finalizer sees the moment); `largest` is the largest single one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = self.largest = 0
-
-    def _freed(self, nbytes: int) -> None:
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        """Run `func`; count its outputs' storages that none of its inputs had."""
-        out = func(*args, **(kwargs or {}))
-        seen = {s.data_ptr() for s in map(_storage, tree_leaves((args, kwargs))) if s is not None}
-        for storage in map(_storage, tree_leaves(out)):
-            if storage is None or storage.data_ptr() in seen or storage.nbytes() == 0:
-                continue
-            seen.add(storage.data_ptr())
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-            self.largest = max(self.largest, storage.nbytes())
-            weakref.finalize(storage, self._freed, storage.nbytes())
-        return out
 
 
 def _layout(sharding: str = "optim_grads_params", precision: str = "fp32") -> ParallelLayout:
@@ -124,7 +82,7 @@ def _start(config: ModelConfig, pp: int, meta: bool, layout: ParallelLayout):
     from megatron.core.pipeline_parallel.schedules import initialize_tied_embedding
     from megatron.training.engines.fsdp import shard_model
 
-    meter = _LiveBytes()
+    meter = AllocationMeter()
     _seed()
     with meter:
         if meta:
@@ -177,7 +135,7 @@ def _check_memory(config: ModelConfig) -> None:
     """Today's start-up holds the whole model at once; the meta-device one holds this rank's
     shards (1/DP of the model) and at most one initializer's temporaries at a time (one
     parameter, or an MoE layer's two expert stacks, plus a fill's scratch), none model-sized.
-    (FSDP2 allocates the shards inside DTensor ops, below what `_LiveBytes` sees: they are
+    (FSDP2 allocates the shards inside DTensor ops, below what `AllocationMeter` sees: they are
     measured from the local tensors.)"""
     parallel_state.initialize_model_parallel(1, 1)
     world = dist.get_world_size()
