@@ -110,7 +110,7 @@ def _check_a_writer_failure_on_one_rank_fails_the_save_everywhere(world: int) ->
         message = str(failed.value)
         assert "\n" not in message, message
         assert checkpoint_directory(root, 1) in message and "failed" in message, message
-        assert f"rank {FAILING_RANK}: KeyError(\"the writer's own bug\")" in message, message
+        assert f'rank {FAILING_RANK}: KeyError("the writer\'s own bug")' in message, message
         assert not os.path.exists(checkpoint_directory(root, 1))
         assert not os.path.exists(os.path.join(root, "latest_checkpointed_iteration.txt"))
         # The ranks are in step: the next save (written by every rank now) commits.
