@@ -114,19 +114,19 @@ def _scaled_argv(dataset: str, tokenizer: str, scratch: str) -> list[str]:
 
 
 def _weights(directory: str) -> dict[str, torch.Tensor]:
-    flat = {}
-    for rank_dir in sorted(os.listdir(directory)):
-        saved = torch.load(
-            os.path.join(directory, rank_dir, "model_optim_rng.pt"), weights_only=False
-        )
-        stack = [(rank_dir, saved["model"])]
-        while stack:
-            prefix, value = stack.pop()
-            if isinstance(value, dict):
-                stack += [(f"{prefix}.{key}", item) for key, item in value.items()]
-            elif torch.is_tensor(value):
-                flat[prefix] = value
-    return flat
+    """The weights and Adam state of a torch_dist checkpoint (the recipe's format: Megatron-LM's
+    default, and FSDP2's), each tensor whole."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = directory.rstrip("/") + ".whole.pt"
+    dcp_to_torch_save(directory, whole)
+    saved = torch.load(whole, weights_only=False)
+    os.remove(whole)
+    return {
+        name: value
+        for name, value in saved.items()
+        if torch.is_tensor(value) and not name.startswith("rng_state")
+    }
 
 
 @pytest.mark.slow
