@@ -3,6 +3,7 @@
     python benchmarks/host_overhead.py                       # every path, the table
     python benchmarks/host_overhead.py --paths plain ds-z1 ds-pipe --rounds 5
     python benchmarks/host_overhead.py --kinds 10 --json /tmp/host_overhead.json
+    python benchmarks/host_overhead.py --torch-compile     # compiled layers, profiler's count
 
 For one training iteration of a launch-bound GPT (2 layers, hidden 64, 4 heads, seq 64,
 micro-batch 2, 4 micro-batches per iteration, vocabulary 512, bf16; on CPU this model is
@@ -12,6 +13,9 @@ bound by the host as GPT-2 124M is on an H200), per path:
   TorchDispatchMode; forward, backward, gradient accumulation, optimizer, LR schedule,
   logging reads). Nothing is compiled here, so all of them are dispatched outside a compiled
   graph; the model's own ops are the same on every path, the excess over plain is the engine's;
+  With `--torch-compile` the count is `op_meter.ProfiledOps`' instead: the top-level ops of
+  torch.profiler's events, a compiled graph's fused kernels not among them, composites once
+  (not comparable with the eager count; ratios only within one mode);
 - non-view: of those, the ops that do not just alias an input (each a kernel on a device);
 - syncs/iter: `aten._local_scalar_dense` (`.item()`, `float(t)`, `bool(t)`): a device sync each;
 - host ms/iter: median wall time of an uncounted iteration (one thread by default).
@@ -58,9 +62,10 @@ from benchmarks.op_meter import (  # noqa: E402
 
 TARGET_RATIO = 1.2
 TARGET_PATHS = ("ds-z1", "ds-pipe")
-LOSS_TOLERANCE = 2e-3
+LOSS_TOLERANCE = 5e-3
 """First-iteration losses of the paths agree to this (bf16 matmuls, the same data and seeds;
-DeepSpeed's bf16 parameters against the plain engine's fp32 ones under autocast)."""
+DeepSpeed's bf16 parameters against the plain engine's fp32 ones under autocast; eager spread
+6e-6, compiled 2.3e-3: inductor's fused kernels round bf16 differently)."""
 
 
 def print_header(shape: MeterShape) -> None:
@@ -79,6 +84,7 @@ def print_header(shape: MeterShape) -> None:
         f"{shape.num_attention_heads} heads, seq {shape.seq_length}, micro-batch "
         f"{shape.micro_batch_size} x {shape.micro_batches} per iteration, vocab "
         f"{shape.vocab_size}, {shape.precision}"
+        + (", --torch-compile (ops: profiler's top-level count)" if shape.torch_compile else "")
     )
 
 
@@ -176,6 +182,9 @@ def parse_cli() -> argparse.Namespace:
     parser.add_argument("--passes", type=int, default=2, help="fresh processes per path")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument(
+        "--torch-compile", action="store_true", help="--torch-compile on every path"
+    )
     parser.add_argument("--kinds", type=int, default=8, help="op kinds per path beyond plain's")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", default=None, help="also write the rows to this file")
@@ -191,7 +200,7 @@ def main() -> None:
     """Measure every path, print the table, the targets' verdicts and the excess op kinds."""
     cli = parse_cli()
     torch.set_num_threads(cli.threads)  # what the header reports; each path's process sets it
-    shape = MeterShape(precision=cli.precision)
+    shape = MeterShape(precision=cli.precision, torch_compile=cli.torch_compile)
     print_header(shape)
     paths = run_passes(cli, shape)
     check_losses(paths)

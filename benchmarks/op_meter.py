@@ -7,12 +7,13 @@ each path's count at or below its recorded figure.
   dispatch key, by kind (`aten.add_`), forward and backward alike (the autograd engine runs a
   CPU backward on the calling thread, and carries the mode into any other). Composite ops
   (`linear`, `item`) are seen as what they decompose into (`t` + `addmm`,
-  `_local_scalar_dense`): the ops a device would launch, each one host work. Nothing here
-  runs under `torch.compile`, so every op of the step is an op dispatched outside a compiled
-  graph; the model's own ops are the same on every path, so the excess over the plain engine
-  is the engine's. (With `--torch-compile` added, the counted iterations dispatched the same
-  2,171 ops on the plain engine: under an active dispatch mode the compiled layers' ops were
-  dispatched one by one again, so a compiled count needs another counter, e.g. the profiler's.)
+  `_local_scalar_dense`): the ops a device would launch, each one host work. Used for eager
+  steps: every op is then dispatched outside a compiled graph; the model's own ops are the
+  same on every path, so the excess over the plain engine is the engine's.
+- `ProfiledOps`: for steps under `--torch-compile` (`MeterShape.torch_compile`), the top-level
+  aten/c10d ops of torch.profiler's events: what Python and the compiled graphs' wrappers
+  dispatch (a graph's fused kernels are no ops; its extern matmuls count). Under it the plain
+  engine's compiled layers are a few calls each, so the engines' own per-parameter work shows.
 - `host syncs`: `aten._local_scalar_dense`, what `.item()`, `float(t)`, `bool(t)` and
   `.tolist()` on one element dispatch to: on a GPU each one waits for the device.
 - `build_path`: one setup through the project's own code, as `benchmarks/deepspeed_overhead.py`
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -89,6 +91,8 @@ class MeterShape:
     precision: str = "bf16"
     """bf16: DeepSpeed's bf16 parameters (BF16_Optimizer at ZeRO-1), the plain engine's fp32
     master weights under bf16 autocast; fp32 otherwise."""
+    torch_compile: bool = False
+    """`--torch-compile` (each transformer layer one graph); counted by `ProfiledOps`."""
 
 
 class OpCounter(TorchDispatchMode):
@@ -106,6 +110,51 @@ class OpCounter(TorchDispatchMode):
         self.counts[str(func.overloadpacket)] += 1
         self.views += func.is_view
         return func(*args, **(kwargs or {}))
+
+
+@functools.cache
+def _is_view(name: str) -> bool:
+    """Whether the aten op `name` ("aten::view") returns an alias of an input."""
+    namespace, _, op = name.partition("::")
+    packet = getattr(getattr(torch.ops, namespace), op, None)
+    overloads = packet.overloads() if packet is not None else []
+    return bool(overloads) and getattr(packet, overloads[0]).is_view
+
+
+class ProfiledOps:
+    """Counts the ops dispatched outside compiled graphs from torch.profiler's events: every
+    aten/c10d op not nested in another (a compiled graph is one event with its extern kernels,
+    the matmuls, inside it; its fused kernels are no ops), plus every host sync.
+
+    Composites count once (`aten::linear`, `aten::item`), unlike `OpCounter`'s decomposed
+    ops, so the two counts are not comparable. `OpCounter` cannot count compiled steps: under
+    an active dispatch mode the compiled layers ran op by op (the plain engine's count with
+    `--torch-compile` was its eager one, 2,171).
+    """
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.views = 0
+        self.syncs = 0
+        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+    def __enter__(self) -> ProfiledOps:
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._profile.__exit__(*exc)
+        for event in self._profile.events():
+            if not event.name.startswith(("aten::", "c10d::")):
+                continue
+            if event.name == "aten::_local_scalar_dense":
+                self.syncs += 1
+            parent = event.cpu_parent
+            while parent is not None and not parent.name.startswith(("aten::", "c10d::")):
+                parent = parent.cpu_parent
+            if parent is None:  # dispatched from Python or from a compiled graph's wrapper
+                self.counts[event.name] += 1
+                self.views += _is_view(event.name)
 
 
 @dataclass
@@ -218,7 +267,8 @@ def shape_flags(shape: MeterShape, seed: int) -> list[str]:
         "--distributed-backend": "gloo",
     }
     argv = [str(item) for pair in flags.items() for item in pair]
-    return argv + (["--bf16"] if shape.precision == "bf16" else [])
+    argv += ["--bf16"] if shape.precision == "bf16" else []
+    return argv + (["--torch-compile"] if shape.torch_compile else [])
 
 
 def synthetic_batches(shape: MeterShape, count: int, seed: int) -> list[dict]:
@@ -280,15 +330,17 @@ def warm_up(path: Path, iterations: int, seed: int = 1234) -> None:
         path.measurement.losses.append(path.step())
 
 
-def count_iterations(path: Path, iterations: int) -> None:
-    """Run `iterations` iterations under `OpCounter`; record each one's ops and syncs."""
+def count_iterations(path: Path, iterations: int, profiled: bool = False) -> None:
+    """Run `iterations` iterations under `OpCounter` (`ProfiledOps` if `profiled`); record
+    each one's ops and syncs."""
     for _ in range(iterations):
-        counter = OpCounter()
+        counter = ProfiledOps() if profiled else OpCounter()
         with counter:
             path.measurement.losses.append(path.step())
+        syncs = counter.syncs if profiled else counter.counts[SYNC_OP]
         path.measurement.ops_per_iteration.append(sum(counter.counts.values()))
         path.measurement.views_per_iteration.append(counter.views)
-        path.measurement.syncs_per_iteration.append(counter.counts[SYNC_OP])
+        path.measurement.syncs_per_iteration.append(syncs)
         path.measurement.kinds = counter.counts
 
 
@@ -315,7 +367,7 @@ def measure(
     initialize_world()
     path = build_path(name, shape, seed)
     warm_up(path, warmup, seed)
-    count_iterations(path, count)
+    count_iterations(path, count, profiled=shape.torch_compile)
     time_iterations(path, rounds)
     return path.measurement
 

@@ -4,7 +4,10 @@ Per path, one steady-state training iteration of the meter's launch-bound GPT (2
 hidden 64, seq 64, 4 micro-batches of 2, bf16), each path in a fresh process: the aten ops
 dispatched and the host syncs (`.item()`) must not grow past the figures recorded below, the
 counted iterations must agree (steady state), and DeepSpeed ZeRO-1 and DeepSpeed's pipeline
-engine at PP = 1 must stay within the issue's 1.2x of the plain engine's ops.
+engine at PP = 1 must stay within the issue's 1.2x of the plain engine's ops. Under
+`--torch-compile` (slow: inductor builds each path's layers) the profiler's count of the ops
+dispatched outside the compiled graphs is held to its figures for plain, ZeRO-1 and the
+pipeline engine (1.41x and 1.53x the plain engine's today: over the issue's 1.2x, not asserted).
 
 The figures were recorded with `python benchmarks/host_overhead.py` (torch 2.13.0+cpu,
 deepspeed 0.19.8); the counts are exact there (the same on every run: no timing, threads or
@@ -29,33 +32,46 @@ RECORDED = {
     "ds-pipe": (2540, 8),
     "mcore-pp1": (2274, 57),
 }
+RECORDED_COMPILED = {"plain": (769, 57), "ds-z1": (1086, 8), "ds-pipe": (1180, 9)}
+"""Under `--torch-compile`: `op_meter.ProfiledOps`' counts (top-level ops, composites once)."""
 MARGIN = 1.01
 TARGET_RATIO = 1.2
 """Issue 56: ds-z1 and ds-pipe dispatch at most 1.2x the plain engine's ops per iteration."""
 
-_measured: dict[str, PathMeasurement] = {}
+_measured: dict[tuple[str, bool], PathMeasurement] = {}
 
 
-def measured(name: str) -> PathMeasurement:
+def measured(name: str, compiled: bool = False) -> PathMeasurement:
     """`name`'s measurement (2 warm-up iterations, 2 counted, 1 timed), made once per session."""
-    if name not in _measured:
-        _measured[name] = measure_in_subprocess(name, MeterShape(), 2, 2, 1, timeout=240)
-    return _measured[name]
+    if (name, compiled) not in _measured:
+        shape = MeterShape(torch_compile=compiled)
+        _measured[name, compiled] = measure_in_subprocess(name, shape, 2, 2, 1, timeout=600)
+    return _measured[name, compiled]
 
 
 @pytest.mark.parametrize("name", list(RECORDED))
 def test_ops_per_iteration_do_not_grow_past_the_recorded_figure(name: str) -> None:
     """Steady counts, at most the recorded ops (+1%) and host syncs, and a real step seen."""
-    ops, syncs = RECORDED[name]
-    result = measured(name)
+    check_figures(name, measured(name), *RECORDED[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RECORDED_COMPILED))
+def test_compiled_ops_per_iteration_do_not_grow_past_the_recorded_figure(name: str) -> None:
+    """The same under --torch-compile, counted by the profiler."""
+    check_figures(name, measured(name, compiled=True), *RECORDED_COMPILED[name])
+
+
+def check_figures(name: str, result: PathMeasurement, ops: int, syncs: int) -> None:
+    """`result` steady, within `ops` (+`MARGIN`) and `syncs`, and a whole step counted."""
     assert result.steady, f"{name}: counted iterations differ: {result.ops_per_iteration}"
     assert result.ops <= ops * MARGIN, (
         f"{name} dispatches {result.ops} ops per iteration, recorded {ops}: "
-        f"the most beyond it: {result.kinds.most_common(8)}"
+        f"its most frequent kinds: {result.kinds.most_common(8)}"
     )
     assert result.syncs <= syncs, f"{name}: {result.syncs} host syncs per iteration, was {syncs}"
-    # Not a broken meter: the model's forward and backward (100 matmuls) are in the count.
-    assert result.kinds["aten.mm"] + result.kinds["aten.addmm"] >= 100
+    # Not a broken meter: the model's forward and backward matmuls (about 100) are counted.
+    assert sum(n for kind, n in result.kinds.items() if kind.endswith("mm")) >= 90
     assert result.ops >= ops // 2, f"{name}: {result.ops} ops, a count that lost the step?"
 
 
