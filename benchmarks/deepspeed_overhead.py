@@ -68,7 +68,6 @@ import json
 import logging
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -83,12 +82,11 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from machine import cpu_model  # noqa: E402  (benchmarks/machine.py)
+from op_meter import initialize_world  # noqa: E402  (benchmarks/op_meter.py)
 
 import pretrain_gpt  # noqa: E402
 from megatron.arguments import parse_args  # noqa: E402
 from megatron.config import ModelConfig  # noqa: E402
-from megatron.core import parallel_state  # noqa: E402
-from megatron.deepspeed_facts import skip_deepspeed_cpu_inference_comm  # noqa: E402
 from megatron.initialize import set_random_seed  # noqa: E402
 from megatron.model import flops_per_token, num_parameters  # noqa: E402
 from megatron.settled_args import with_settled  # noqa: E402
@@ -142,29 +140,6 @@ class Setup:
 # ---------------------------------------------------------------------------------------------
 # Building the three setups through the project's own code.
 # ---------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def initialize_world() -> None:
-    """torch.distributed over gloo with one process, then Megatron's groups (TP = PP = 1)."""
-    import deepspeed
-
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-    )
-    skip_deepspeed_cpu_inference_comm()  # as our runs start DeepSpeed
-    with contextlib.redirect_stdout(io.StringIO()):
-        deepspeed.init_distributed(dist_backend="gloo")
-    parallel_state.initialize_model_parallel(1, 1)
 
 
 def megatron_flags(shape: Shape, accumulation: int, seed: int) -> list[str]:

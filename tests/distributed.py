@@ -15,15 +15,17 @@ port can be taken by another process between choosing and binding it; ranks reac
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import random
+import shutil
 import signal
 import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import numpy
@@ -103,6 +105,20 @@ def world_store() -> dist.Store:
     if _STORE is None:
         raise RuntimeError("world_store() is only available inside a rank of a World")
     return _STORE
+
+
+@contextlib.contextmanager
+def shared_directory() -> Iterator[str]:
+    """A temporary directory every rank of the default group writes into (rank 0 makes it and
+    tells the others), removed once every rank has left the block (a collective)."""
+    shared = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    try:
+        yield shared[0]
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(shared[0], ignore_errors=True)
 
 
 def say_doing(rank: int, what: str) -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -19,14 +17,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from tests.core.spawn_checks import BODY
 from tests.core.test_sharded_optimizer_state import _layout, _llama, _whole
+from tests.distributed import shared_directory
 
 FAILING_RANK = 2
-
-
-def _shared_directory() -> str:
-    shared = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    return shared[0]
 
 
 def _stepped(layout) -> tuple:  # noqa: ANN001
@@ -62,8 +55,8 @@ def _check_background_save_commits_what_a_synchronous_one_writes(world: int) -> 
     layout = _layout(world, "optim_grads_params")
     args = argparse.Namespace(num_layers=2, layout=layout)
     model, optimizer = _stepped(layout)
-    root, saves = _shared_directory(), AsyncSaves()
-    try:
+    saves = AsyncSaves()
+    with shared_directory() as root:
         _save_in_background(saves, root, 1, model, optimizer, args)
         saves.finish()
         with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as tracker:
@@ -72,10 +65,6 @@ def _check_background_save_commits_what_a_synchronous_one_writes(world: int) -> 
         load_dist_checkpoint(
             checkpoint_directory(root, 1), whole_tensors(loaded, loaded_optimizer), args
         )
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(root, ignore_errors=True)
     named = dict(model.named_parameters())
     for name, param in loaded.named_parameters():
         assert torch.equal(_whole(param), _whole(named[name])), name
@@ -94,35 +83,33 @@ def _check_a_writer_failure_on_one_rank_fails_the_save_everywhere(world: int) ->
     layout = _layout(world, "optim_grads_params")
     args = argparse.Namespace(num_layers=2, layout=layout)
     model, optimizer = _stepped(layout)
-    root, saves = _shared_directory(), AsyncSaves()
+    saves = AsyncSaves()
     original = dcp.FileSystemWriter.write_data
 
     def broken(self, plan, planner):  # noqa: ANN001, ANN202
         raise KeyError("the writer's own bug")  # neither DCP's nor the disk's error type
 
-    try:
-        if dist.get_rank() == FAILING_RANK:
-            dcp.FileSystemWriter.write_data = broken
-        _save_in_background(saves, root, 1, model, optimizer, args)
-        with pytest.raises(CheckpointSaveError) as failed:
+    with shared_directory() as root:
+        try:
+            if dist.get_rank() == FAILING_RANK:
+                dcp.FileSystemWriter.write_data = broken
+            _save_in_background(saves, root, 1, model, optimizer, args)
+            with pytest.raises(CheckpointSaveError) as failed:
+                saves.finish()
+            dcp.FileSystemWriter.write_data = original
+            message = str(failed.value)
+            assert "\n" not in message, message
+            assert checkpoint_directory(root, 1) in message and "failed" in message, message
+            assert f'rank {FAILING_RANK}: KeyError("the writer\'s own bug")' in message, message
+            assert not os.path.exists(checkpoint_directory(root, 1))
+            assert not os.path.exists(os.path.join(root, "latest_checkpointed_iteration.txt"))
+            # The ranks are in step: the next save (written by every rank now) commits.
+            _save_in_background(saves, root, 2, model, optimizer, args)
             saves.finish()
-        dcp.FileSystemWriter.write_data = original
-        message = str(failed.value)
-        assert "\n" not in message, message
-        assert checkpoint_directory(root, 1) in message and "failed" in message, message
-        assert f'rank {FAILING_RANK}: KeyError("the writer\'s own bug")' in message, message
-        assert not os.path.exists(checkpoint_directory(root, 1))
-        assert not os.path.exists(os.path.join(root, "latest_checkpointed_iteration.txt"))
-        # The ranks are in step: the next save (written by every rank now) commits.
-        _save_in_background(saves, root, 2, model, optimizer, args)
-        saves.finish()
-        with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as tracker:
-            assert tracker.read() == "2"
-    finally:
-        dcp.FileSystemWriter.write_data = original
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(root, ignore_errors=True)
+            with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as tracker:
+                assert tracker.read() == "2"
+        finally:
+            dcp.FileSystemWriter.write_data = original
 
 
 SPAWN_WORLD_SIZES = [4]

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -34,6 +32,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from megatron.config import Fp8Config, ModelConfig
 from megatron.core import parallel_state
 from megatron.layout import Engine, ParallelLayout
+from tests.distributed import shared_directory
 
 CONFIG = dict(
     num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128,
@@ -158,8 +157,7 @@ def _check_fp32_bitwise_one_byte_and_checkpoint(sharding: str) -> None:
         assert set(theirs) == {_expected_bytes(layer, 4)} and len(theirs) == len(ours)
         assert _expected_bytes(layer, 1) < _expected_bytes(layer, 4)
     # The checkpoint: plain fp32 tensors, the same as without the flag; they load back.
-    directory = _shared_directory()
-    try:
+    with shared_directory() as directory:
         for run, where in ((fp8, "fp8"), (plain, "plain")):
             _save(run["model"], run["optimizer"], sharding, os.path.join(directory, where))
         stored = _stored(os.path.join(directory, "fp8"))
@@ -167,10 +165,6 @@ def _check_fp32_bitwise_one_byte_and_checkpoint(sharding: str) -> None:
         assert {dtype for _, dtype in stored.values()} == {torch.float32}, stored
         model, optimizer, _ = _model_and_optimizer(sharding, "fp32", gather=True, seed=6)
         _load(model, optimizer, sharding, os.path.join(directory, "fp8"))
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(directory, ignore_errors=True)
     for (name, mine), theirs in zip(model.state_dict().items(), fp8["model"].state_dict().values()):
         assert torch.equal(_whole(mine), _whole(theirs)), name
     assert _cast(model.get_submodule(WATCHED).weight.to_local())  # still gathered in FP8
@@ -185,12 +179,6 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
     whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
     return stored_tensor(whole)
-
-
-def _shared_directory() -> str:
-    shared = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    return shared[0]
 
 
 def _args(sharding: str) -> argparse.Namespace:

@@ -14,8 +14,6 @@ moments are the saved ones, into a sharded model and into an unsharded one."""
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ from megatron.core import parallel_state
 from megatron.layout import Engine, ParallelLayout
 from tests.allocation_meter import AllocationMeter
 from tests.core.spawn_checks import BODY
+from tests.distributed import shared_directory
 
 
 def _layout(world: int, sharding: str, tp: int = 1) -> ParallelLayout:
@@ -147,10 +146,7 @@ def _check_torch_dist_stays_sharded(sharding: str, world: int, tp: int) -> None:
     optimizer.step()
     moments, weights = _state_bytes(optimizer)
     own = moments + weights
-    shared = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    directory = shared[0]
-    try:
+    with shared_directory() as directory:
         with AllocationMeter() as saving:
             save_dist_checkpoint(
                 directory, whole_tensors(model, optimizer), {}, args, save_rng=False
@@ -168,10 +164,6 @@ def _check_torch_dist_stays_sharded(sharding: str, world: int, tp: int) -> None:
         for other, other_optimizer in resized.values():
             holder = whole_tensors(other, other_optimizer)
             load_dist_checkpoint(directory, holder, args, load_rng=False)
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(directory, ignore_errors=True)
     assert saving.allocated <= own + 64 * 1024, (saving.allocated, own)
     assert loading.allocated <= own + 64 * 1024, (loading.allocated, own)
     assert gathering >= world // tp * own * 0.9, (gathering, own)  # what sharding avoids
