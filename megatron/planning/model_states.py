@@ -244,8 +244,9 @@ def _bf16_optimizer_states(inputs: PlanInputs, w: int) -> States:
         # L191: "fp32_flat_buffer = torch.zeros_like(self.bf16_groups_flat[i],
         # dtype=self.grad_acc_dtype)": the whole model, allocated at start-up.
         gradient_buffers=accumulation * w,
-        # The bf16 gradients stay on the parameters (bfloat16.immediate_grad_update is off by
-        # default: clear_lp_grads zeroes them, L612-623, and never frees them).
+        # The bf16 gradients: one flat buffer per group for the whole run
+        # (megatron/training/engines/bf16_gradient_buffer.py; bfloat16.immediate_grad_update,
+        # off by default, would free each after its accumulation).
         gradients=half * w,
         reduction=flat + converted,
         # step() L414-418: the partition converted to fp32 when accumulated in bf16; then

@@ -31,6 +31,7 @@ from megatron.training.engines.base import (
     build_optimizer,
     expert_group_of,
 )
+from megatron.training.engines.bf16_gradient_buffer import accumulate_in_flat_buffers
 from megatron.training.engines.deepspeed_zeros import DeepSpeedZeroCount
 from megatron.training.monitor import Timers
 from megatron.training.scheduler import scheduler_from_args
@@ -99,6 +100,8 @@ class DeepSpeedEngine(TrainingEngine):
             mpu=None if cls.kind is Engine.DEEPSPEED_PIPE else mpu,
             config=config,
         )
+        # One add per group where DeepSpeed adds each parameter's gradient per micro-batch.
+        accumulate_in_flat_buffers(optimizer)
         if pipeline_batch is not None and cls.kind is Engine.DEEPSPEED_PIPE:
             engine.set_batch_fn(lambda data: pipeline_batch.batch_fn(data, args))
         created = cls(engine, optimizer, scheduler, args, forward_step_func)
