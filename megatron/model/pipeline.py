@@ -14,6 +14,7 @@ This is one of the few modules that import DeepSpeed.
 
 from __future__ import annotations
 
+import functools
 import re
 from functools import partial
 
@@ -205,6 +206,33 @@ class GPTModelPipe(PipelineModule):
         )
         self.groups = groups
         self.moe_losses = moe_losses
+        # As GPTModel compiles ids to loss in one graph: here the stage, layer to layer (the
+        # loss is DeepSpeed's separate call, compiled on its own: compile_stage_loss).
+        self.compiled_stage = (
+            config.torch_compile
+            and config.compile_whole_model
+            and groups.tensor.size == 1
+            and not recompute
+        )
+
+    def forward(
+        self, inputs: tuple[torch.Tensor, ...] | torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """DeepSpeed's stage forward; under `--torch-compile` (TP=1, no recompute) one graph
+        from the stage's inputs to its outputs, without eager kernels between its layers."""
+        if not self.compiled_stage:
+            return super().forward(inputs)
+        self.micro_offset += 1  # DeepSpeed's micro-batch count (its optional per-layer seeds)
+        return compiled_stage_forward()(self, inputs)
+
+    def stage_forward(
+        self, inputs: tuple[torch.Tensor, ...] | torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The stage's layers in order, as `PipelineModule.forward` runs them without
+        activation checkpointing (and without `seed_layers`, which GPTModelPipe never sets)."""
+        for layer in self.forward_funcs:
+            inputs = layer(inputs)
+        return inputs
 
     def _synchronize_tied_weights(self) -> None:
         """DeepSpeed's broadcast of the tied embedding weight, outside autograd.
@@ -216,6 +244,12 @@ class GPTModelPipe(PipelineModule):
         """
         with torch.no_grad():
             super()._synchronize_tied_weights()
+
+
+@functools.cache
+def compiled_stage_forward():
+    """`GPTModelPipe.stage_forward` under `torch.compile`, made once."""
+    return torch.compile(GPTModelPipe.stage_forward)
 
 
 def gpt_to_pipeline_name(name: str, num_layers: int, tied: bool = True) -> str:

@@ -1,8 +1,9 @@
 """`pretrain_gpt.py --torch-compile` through DeepSpeed trains like the eager run.
 
 Real runs of the tiny GPT-2 on the stdlib corpus (fp32, dropout off, 10 iterations, two
-ranks over gloo), each eager and compiled: DeepSpeed's pipeline engine at PP=2 with its
-ZeRO-1 optimizer and activation recomputation (each layer compiled), and the plain engine
+ranks over gloo), each eager and compiled: DeepSpeed's pipeline engine at PP=1 over DP=2
+(the whole stage one graph), at PP=2 with its ZeRO-1 optimizer (each stage one graph) and
+with activation recomputation (each layer compiled), and the plain engine
 with ZeRO-3 at DP=2 (where the whole-model graph of TP=1 is turned off: its parameter
 gathering hooks are not replayed by one graph). The logged losses (7 significant digits) must
 agree at every iteration up to fp32 sums in other orders (inductor fuses and reorders them),
@@ -30,6 +31,10 @@ TINY = ModelConfig(
 )  # fmt: skip
 """The model of `tiny_gpt_flags` (micro-batches of 2 x 64 tokens, 4 x 64 tokens a step)."""
 CASES = {
+    # What `--deepspeed` runs by default (scripts/ds_pretrain_gpt2.sh): the pipeline engine at
+    # PP=1, its whole stage one graph (GPTModelPipe.compiled_stage).
+    "pipeline-pp1-dp2-zero1": "--zero-stage 1",
+    "pipeline-pp2-zero1": "--pipeline-model-parallel-size 2 --zero-stage 1",  # a graph a stage
     "pipeline-pp2-zero1-recompute": "--pipeline-model-parallel-size 2 --zero-stage 1 "
     "--checkpoint-activations",
     "zero3-dp2": "--zero-stage 3 --no-pipeline-parallel",
