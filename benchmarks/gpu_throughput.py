@@ -1,7 +1,7 @@
 """What MFU does a real run get? GPT-2 iterations through pretrain_gpt.py's own engine, one GPU.
 
     python benchmarks/gpu_throughput.py                          # 124M and 350M, eager + compile
-    python benchmarks/gpu_throughput.py --model 124M --modes compile --engines pipe nopipe
+    python benchmarks/gpu_throughput.py --model 124M --modes compile --engines plain nopipe pipe
     python benchmarks/gpu_throughput.py --device cpu --model tiny --iters 2 --warmup 1  # smoke run
 
 Each measurement runs in its own process (clean memory peak, its own compile), started with
@@ -427,6 +427,11 @@ def main() -> None:
         verdicts(size, mfus, peak)
 
 
+ENGINE_TARGETS = {"nopipe": 0.95, "pipe": 0.9}
+"""Issue 56: DeepSpeed's engine (ZeRO-1, --no-pipeline-parallel) and its pipeline engine at
+PP=1, as a fraction of the plain engine's throughput in the same run and mode."""
+
+
 def verdicts(size: str, mfus: dict[str, float], peak: float | None) -> None:
     """Our best run against the baseline, and (124M, known peak) against the MFU target."""
     ours = {label: mfu for label, mfu in mfus.items() if label != "baseline"}
@@ -442,6 +447,14 @@ def verdicts(size: str, mfus: dict[str, float], peak: float | None) -> None:
     if size == "124M" and peak:
         verdict = "PASS" if ours[best] >= TARGET_MFU else "FAIL"
         print(f"  target: MFU >= {TARGET_MFU:.0%} for 124M -> {ours[best]:.1%} {verdict}")
+    for mode in ("compile", "eager"):
+        plain = ours.get(f"ours {mode} (plain)")
+        for engine, target in ENGINE_TARGETS.items():
+            label = f"ours {mode} ({engine})"
+            if plain and label in ours:
+                ratio = ours[label] / plain
+                verdict = "PASS" if ratio >= target else "FAIL"
+                print(f"  {label}: {ratio:.3f}x the plain engine (target >= {target}x) {verdict}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ each path's count at or below its recorded figure.
   dispatch (a graph's fused kernels are no ops; its extern matmuls count). Under it the plain
   engine's compiled layers are a few calls each, so the engines' own per-parameter work shows.
 - `host syncs`: `aten._local_scalar_dense`, what `.item()`, `float(t)`, `bool(t)` and
-  `.tolist()` on one element dispatch to: on a GPU each one waits for the device.
+  `.tolist()` on one element dispatch to: on a GPU each one waits for the device. Of them,
+  `StepCounterReads` are foreach AdamW's reads of its CPU step counters, which a GPU run's
+  fused AdamW does not make (`device_syncs`: the rest).
 - `build_path`: one setup through the project's own code, as `benchmarks/deepspeed_overhead.py`
   builds them: `megatron.arguments.parse_args` on a flag list, seeded, then
   `megatron.training.build_engine` (what `setup_model_and_optimizer` returns the parts of),
@@ -157,6 +159,43 @@ class ProfiledOps:
                 self.views += _is_view(event.name)
 
 
+class StepCounterReads:
+    """Counts AdamW's `.item()` reads of its per-parameter step counters.
+
+    On CPU `adamw_kernel` picks the foreach kernel, whose counters are CPU tensors read twice
+    per parameter and step (`_get_value` in `torch.optim.adam`, which AdamW runs): 2 x 28 of
+    the plain engine's 57 syncs here. On a GPU it picks the fused kernel, which reads none
+    (its counters stay on the device); so these are syncs of the CPU meter only, reported
+    apart.
+    """
+
+    MODULES = ("torch.optim.adam",)
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self._originals: dict[str, object] = {}
+
+    def __enter__(self) -> StepCounterReads:
+        import importlib
+
+        for name in self.MODULES:
+            module = importlib.import_module(name)
+            original = self._originals[name] = module._get_value
+
+            def counted(value, original=original):  # noqa: ANN001, ANN202
+                self.reads += isinstance(value, torch.Tensor) and not torch.jit.is_scripting()
+                return original(value)
+
+            module._get_value = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import importlib
+
+        for name, original in self._originals.items():
+            importlib.import_module(name)._get_value = original
+
+
 @dataclass
 class PathMeasurement:
     """One path's figures: ops and syncs per iteration, op kinds, host times."""
@@ -167,6 +206,8 @@ class PathMeasurement:
     ops_per_iteration: list[int] = field(default_factory=list)
     views_per_iteration: list[int] = field(default_factory=list)
     syncs_per_iteration: list[int] = field(default_factory=list)
+    step_reads_per_iteration: list[int] = field(default_factory=list)
+    """Of the syncs, AdamW's reads of its step counters (`StepCounterReads`)."""
     kinds: Counter[str] = field(default_factory=Counter)
     """The last counted iteration's ops by kind."""
     host_seconds: list[float] = field(default_factory=list)
@@ -186,6 +227,11 @@ class PathMeasurement:
     def syncs(self) -> int:
         """Host syncs in one steady-state iteration (the last counted)."""
         return self.syncs_per_iteration[-1]
+
+    @property
+    def device_syncs(self) -> int:
+        """Of `syncs`, those a GPU run would also make: all but AdamW's step-counter reads."""
+        return self.syncs - self.step_reads_per_iteration[-1]
 
     @property
     def steady(self) -> bool:
@@ -335,9 +381,10 @@ def count_iterations(path: Path, iterations: int, profiled: bool = False) -> Non
     each one's ops and syncs."""
     for _ in range(iterations):
         counter = ProfiledOps() if profiled else OpCounter()
-        with counter:
+        with counter, StepCounterReads() as step_reads:
             path.measurement.losses.append(path.step())
         syncs = counter.syncs if profiled else counter.counts[SYNC_OP]
+        path.measurement.step_reads_per_iteration.append(step_reads.reads)
         path.measurement.ops_per_iteration.append(sum(counter.counts.values()))
         path.measurement.views_per_iteration.append(counter.views)
         path.measurement.syncs_per_iteration.append(syncs)

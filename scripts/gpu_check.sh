@@ -29,8 +29,9 @@
 #           the training loss must stay finite and fall by at least MIN_LOSS_DROP (default 2.0)
 #   quickstart  bash examples/quickstart.sh (README command 1) on the GPU, in bf16 (its default
 #           there), with its own data, checkpoints and run under WORK
-#   bench   benchmarks/gpu_throughput.py --model $BENCH_MODELS (default "124M 350M"): MFU through
-#           pretrain_gpt.py's engine, eager and --torch-compile, against a compiled nanoGPT
+#   bench   benchmarks/gpu_throughput.py, compiled (8 micro-batches of 8 x 1024, bf16): at 124M
+#           the plain engine, DeepSpeed's engine and its pipeline engine at PP=1, their ratios
+#           to the plain engine; at 350M the plain engine; each size against a compiled nanoGPT
 #   fp8     benchmarks/fp8_throughput.py: pretrain_gpt.py --torch-compile on a 1B-class LLaMA,
 #           --bf16 and then --bf16 --fp8-format hybrid, 200 iterations each on the data step's
 #           corpus (built here if that step did not run): tokens/s of each, their ratio, and the
@@ -276,8 +277,15 @@ if wants quickstart; then
 fi
 
 if wants bench; then
-  # shellcheck disable=SC2086
-  run_step bench 900 "$python" benchmarks/gpu_throughput.py --model ${BENCH_MODELS:-124M 350M}
+  # Compiled, as the GPU runs train: at 124M the three engines (issue 56: DeepSpeed's engine
+  # >= 0.95x and its pipeline engine at PP=1 >= 0.9x the plain engine) and the baseline; at
+  # 350M the plain engine and the baseline. One inductor cache for all: the plain and the
+  # DeepSpeed engine compile the same whole-model graph. About 5 minutes on an H200.
+  export TORCHINDUCTOR_CACHE_DIR="$work/inductor"
+  run_step "bench 124M" 330 "$python" benchmarks/gpu_throughput.py --model 124M --modes compile \
+    --engines plain nopipe pipe --iters 8 --warmup 3
+  run_step "bench 350M" 180 "$python" benchmarks/gpu_throughput.py --model 350M --modes compile \
+    --engines plain --iters 8 --warmup 3
 fi
 
 if wants fp8; then

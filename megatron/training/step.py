@@ -65,23 +65,56 @@ class StepResult:
 def average_over_data_parallel(sums: dict[str, torch.Tensor], count: int) -> dict[str, float]:
     """Average per-rank sums of `count` micro-batches over the data-parallel group; a value
     summed as a [sum, count] pair (Megatron-LM's per-token reporting) is its sum / count."""
-    if not sums:
-        return {}
-    names = sorted(sums)
-    parts = [sums[name].detach().float().reshape(-1) for name in names]
-    values = torch.cat(parts).to(current_device())
-    group = parallel_state.get_data_parallel_group()
-    if dist.is_initialized() and parallel_state.get_data_parallel_world_size() > 1:
-        dist.all_reduce(values, group=group)
-    averaged, start = {}, 0
-    for name, part in zip(names, parts):
-        total = values[start : start + part.numel()].tolist()
-        start += part.numel()
-        if len(total) == 2:
-            averaged[name] = total[0] / max(total[1], 1.0)
+    return PendingAverages(sums, count).result()
+
+
+class PendingAverages:
+    """`average_over_data_parallel` in two halves: the all-reduce and the copy to the host
+    are queued when made, read by `result()`.
+
+    On a GPU the copy goes to pinned memory behind an event, so made before the optimizer
+    step and read after it, the read waits for the losses only: the iteration's one device
+    sync stays the gradient norm's (the clip and the skip decision need it on the host), and
+    nothing after the step stops the host from queueing the next iteration.
+    """
+
+    def __init__(self, sums: dict[str, torch.Tensor], count: int) -> None:
+        self.names = sorted(sums)
+        self.count = count
+        self.sizes = [sums[name].numel() for name in self.names]
+        self.host: torch.Tensor | None = None
+        self.ready: torch.cuda.Event | None = None
+        if not sums:
+            return
+        parts = [sums[name].detach().float().reshape(-1) for name in self.names]
+        values = torch.cat(parts).to(current_device())
+        if dist.is_initialized() and parallel_state.get_data_parallel_world_size() > 1:
+            dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+        if values.is_cuda:
+            self.host = values.to("cpu", non_blocking=True)  # pinned, behind the event
+            self.ready = torch.cuda.Event()
+            self.ready.record()
         else:
-            averaged[name] = total[0] / (count * parallel_state.get_data_parallel_world_size())
-    return averaged
+            self.host = values
+
+    def result(self) -> dict[str, float]:
+        """{name: the average}: the sums over the ranks, per micro-batch and rank (or per
+        token, for [sum, count] pairs)."""
+        if self.host is None:
+            return {}
+        if self.ready is not None:
+            self.ready.synchronize()
+        totals = self.host.tolist()  # one read for every value
+        ranks = parallel_state.get_data_parallel_world_size()
+        averaged, start = {}, 0
+        for name, size in zip(self.names, self.sizes):
+            total = totals[start : start + size]
+            start += size
+            if len(total) == 2:
+                averaged[name] = total[0] / max(total[1], 1.0)
+            else:
+                averaged[name] = total[0] / (self.count * ranks)
+        return averaged
 
 
 def accumulate_reported(sums: dict[str, torch.Tensor], reported: dict[str, torch.Tensor]) -> None:
@@ -154,19 +187,20 @@ def train_step_deepspeed(
         # The MoE losses get what DeepSpeed scales `loss` by.
         scale_aux_losses_like(loss, moe_losses)
         engine.backward(loss)  # scales by 1/accumulation steps itself
+        accumulate_reported(sums, reported)
         if index == micro_batches - 1:  # the boundary: this engine.step updates the weights
             forward_backward.stop()
             optimizer_step.start()
+            accumulate_reported(sums, moe_losses.pop())
+            # Queued before the update, read after it: no device sync of its own.
+            losses = PendingAverages(sums, micro_batches)
             # Megatron-LM's MoE at EP 1 (DeepSpeed reduces the experts with the rest): the
             # routers' expert biases move before the update, as on the other engines.
             update_expert_biases(engine.module)
         # The scheduler counts samples; DeepSpeed passes lr_kwargs on at the boundary only.
         engine.step(lr_kwargs={"increment": increment})
-        accumulate_reported(sums, reported)
     optimizer_step.stop()
-    accumulate_reported(sums, moe_losses.pop())
-    losses = average_over_data_parallel(sums, micro_batches)
-    return deepspeed_step_result(engine, losses)
+    return deepspeed_step_result(engine, losses.result())
 
 
 def train_step_deepspeed_pipe(
@@ -247,6 +281,8 @@ def train_step_plain(
         tokens.add(num_tokens)
         accumulate_reported(sums, reported)
     accumulate_reported(sums, moe_losses.pop())
+    # Queued now, read after the step: no device sync of its own (PendingAverages).
+    losses = PendingAverages(sums, micro_batches)
     timers("forward-backward").stop()
     timers("optimizer", 1).start()
     params = [param for group in trainer.optimizer.param_groups for param in group["params"]]
@@ -259,7 +295,7 @@ def train_step_plain(
         trainer, params, scale, global_batch_size or args.global_batch_size, multiplier
     )
     timers("optimizer").stop()
-    return plain_step_result(trainer, average_over_data_parallel(sums, micro_batches), skipped)
+    return plain_step_result(trainer, losses.result(), skipped)
 
 
 def plain_step_result(trainer: PlainTrainer, losses: dict[str, float], skipped: bool) -> StepResult:

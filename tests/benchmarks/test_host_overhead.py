@@ -7,7 +7,9 @@ counted iterations must agree (steady state), and DeepSpeed ZeRO-1 and DeepSpeed
 engine at PP = 1 must stay within the issue's 1.2x of the plain engine's ops. Under
 `--torch-compile` (slow: inductor builds each path's layers) the profiler's count of the ops
 dispatched outside the compiled graphs is held to its figures for plain, ZeRO-1 and the
-pipeline engine (1.41x and 1.53x the plain engine's today: over the issue's 1.2x, not asserted).
+pipeline engine, and the two DeepSpeed paths to the issue's 1.2x of the plain engine's (before
+the flat bf16 gradient buffers and the compiled pipeline stage: 1.41x and 1.53x; now 0.99x and
+1.02x).
 
 The figures were recorded with `python benchmarks/host_overhead.py` (torch 2.13.0+cpu,
 deepspeed 0.19.8); the counts are exact there (the same on every run: no timing, threads or
@@ -26,13 +28,13 @@ RECORDED = {
     # path: (ops per iteration, host syncs per iteration)
     "plain": (2171, 57),
     "ds-z0": (2769, 89),
-    "ds-z1": (2527, 7),
+    "ds-z1": (1982, 7),
     "ds-z2": (4199, 9),
     "ds-z3": (3693, 6),
-    "ds-pipe": (2540, 8),
+    "ds-pipe": (1995, 8),
     "mcore-pp1": (2274, 57),
 }
-RECORDED_COMPILED = {"plain": (769, 57), "ds-z1": (1086, 8), "ds-pipe": (1180, 9)}
+RECORDED_COMPILED = {"plain": (769, 57), "ds-z1": (765, 8), "ds-pipe": (787, 9)}
 """Under `--torch-compile`: `op_meter.ProfiledOps`' counts (top-level ops, composites once)."""
 MARGIN = 1.01
 TARGET_RATIO = 1.2
@@ -80,3 +82,11 @@ def test_deepspeed_paths_within_the_target_of_the_plain_engine(name: str) -> Non
     """ZeRO-1 and the pipeline engine at PP = 1: <= 1.2x plain's ops in the same session."""
     ratio = measured(name).ops / measured("plain").ops
     assert ratio <= TARGET_RATIO, f"{name}: {ratio:.3f}x the plain engine's ops per iteration"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ds-z1", "ds-pipe"])
+def test_compiled_deepspeed_paths_within_the_target_of_the_plain_engine(name: str) -> None:
+    """The same under --torch-compile, where the engines' own work is most of the count."""
+    ratio = measured(name, compiled=True).ops / measured("plain", compiled=True).ops
+    assert ratio <= TARGET_RATIO, f"{name}: {ratio:.3f}x the plain engine's ops outside graphs"
