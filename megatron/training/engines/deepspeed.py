@@ -33,6 +33,7 @@ from megatron.training.engines.base import (
 )
 from megatron.training.engines.bf16_gradient_buffer import accumulate_in_flat_buffers
 from megatron.training.engines.deepspeed_zeros import DeepSpeedZeroCount
+from megatron.training.engines.overflow_check import check_overflow_in_one_read
 from megatron.training.monitor import Timers
 from megatron.training.scheduler import scheduler_from_args
 from megatron.training.step import (
@@ -100,8 +101,10 @@ class DeepSpeedEngine(TrainingEngine):
             mpu=None if cls.kind is Engine.DEEPSPEED_PIPE else mpu,
             config=config,
         )
-        # One add per group where DeepSpeed adds each parameter's gradient per micro-batch.
+        # One add per group where DeepSpeed adds each parameter's gradient per micro-batch;
+        # one device read where it checks each gradient for inf/NaN (ZeRO-0 in bf16/fp16).
         accumulate_in_flat_buffers(optimizer)
+        check_overflow_in_one_read(optimizer)
         if pipeline_batch is not None and cls.kind is Engine.DEEPSPEED_PIPE:
             engine.set_batch_fn(lambda data: pipeline_batch.batch_fn(data, args))
         created = cls(engine, optimizer, scheduler, args, forward_step_func)
