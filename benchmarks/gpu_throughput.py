@@ -74,6 +74,17 @@ TARGET_MFU = 0.45
 RESULT = "RESULT "
 
 
+INDUCTOR_VARIANTS = {
+    "default": {},
+    # CUDA graphs of the compiled forward and backward (torch.compile's "reduce-overhead").
+    "cudagraphs": {"TORCHINDUCTOR_CUDAGRAPHS": "1"},
+    # Autotuned matmul kernels (part of "max-autotune-no-cudagraphs"; minutes of compiling).
+    "autotune-gemm": {"TORCHINDUCTOR_MAX_AUTOTUNE_GEMM": "1"},
+}
+"""Issue 56's sweep of the compiled plain engine, set through inductor's own environment
+variables in the measured process: `--inductor default cudagraphs autotune-gemm`."""
+
+
 def parse_args() -> argparse.Namespace:
     """Command-line flags (Megatron's names where one exists)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -93,6 +104,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dropout", type=float, default=0.0, help="hidden and attention")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations")
     parser.add_argument("--warmup", type=int, default=3, help="untimed (compile) iterations")
+    parser.add_argument(
+        "--inductor",
+        nargs="+",
+        default=["default"],
+        choices=list(INDUCTOR_VARIANTS),
+        help="compiled runs under each of these inductor settings (INDUCTOR_VARIANTS)",
+    )
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument(
@@ -226,6 +244,7 @@ def time_iterations(step, args: argparse.Namespace) -> dict:
 def run_ours(size: str, engine: str, mode: str, args: argparse.Namespace) -> dict:
     """One measurement through pretrain_gpt.py's engine (in this process)."""
     from megatron.initialize import initialize_megatron
+    from megatron.settled_args import with_settled
     from megatron.training.engines import PipelineBatch
     from megatron.training.loop import TrainingLoop
     from megatron.training.monitor import Timers
@@ -236,7 +255,9 @@ def run_ours(size: str, engine: str, mode: str, args: argparse.Namespace) -> dic
         json.dump({"zero_optimization": {"stage": 1}, "steps_per_print": 10**9}, config)
     megatron_args = initialize_megatron(argv=megatron_flags(size, engine, mode, args, config.name))
     # What build_tokenizer sets in a real run (GPT-2's vocabulary, padded).
-    megatron_args.padded_vocab_size, megatron_args.eod_token_id = args.vocab_size, 50256
+    megatron_args = with_settled(
+        megatron_args, padded_vocab_size=args.vocab_size, eod_token_id=50256
+    )
     pipeline_batch = PipelineBatch(batch_fn=get_batch_pipe, loss_func=loss_func)
     engine = build_engine(model_provider, megatron_args, forward_step, pipeline_batch)
     loop = TrainingLoop(megatron_args, engine, Timers(0), None)
@@ -307,9 +328,13 @@ def child(args: argparse.Namespace) -> None:
     print(RESULT + json.dumps(result), flush=True)
 
 
-def measure(size: str, engine: str, mode: str, args: argparse.Namespace) -> dict | None:
-    """Run one measurement in a fresh process; its result, or None (with its output shown)."""
+def measure(
+    size: str, engine: str, mode: str, args: argparse.Namespace, settings: dict | None = None
+) -> dict | None:
+    """Run one measurement in a fresh process (with the environment `settings` added); its
+    result, or None (with its output shown)."""
     env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    env.update(settings or {})
     env.setdefault("MASTER_PORT", "29531")
     if args.device == "cpu":
         env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
@@ -369,7 +394,7 @@ def report(label: str, result: dict, tokens: int, flops: float, peak, gemm: floa
     mfu = tflops / peak if peak else None
     memory = f"{result['peak_gib']:5.1f} GiB" if result["peak_gib"] is not None else "    n/a"
     print(
-        f"  {label:<26} {seconds * 1e3:9.1f} {tokens / seconds:11,.0f} {tflops:8.1f} "
+        f"  {label:<36} {seconds * 1e3:9.1f} {tokens / seconds:11,.0f} {tflops:8.1f} "
         f"{f'{mfu:6.1%}' if mfu is not None else '   n/a'} {tflops / gemm:7.1%} {memory}  "
         f"{result['attention']}"
     )
@@ -405,19 +430,26 @@ def main() -> None:
             f"{half_precision(args.device)}, dropout {args.dropout}"
         )
         print(
-            f"  {'run':<26} {'ms/iter':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} "
+            f"  {'run':<36} {'ms/iter':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} "
             f"{'of GEMM':>7} {'peak mem':>9}  attention"
         )
         mfus = {}
-        for engine in args.engines:
-            for mode in args.modes:
-                result = measure(size, engine, mode, args)
-                if result:
-                    label = f"ours {mode} ({engine})"
-                    mfus[label] = report(label, result, tokens, flops, peak, gemm)
-                    plan = planned(size, engine, mode, args) if args.plan else None
-                    if plan:
-                        report_plan(label, plan, result)
+        runs = [
+            (engine, mode, variant)
+            for engine in args.engines
+            for mode in args.modes
+            for variant in (args.inductor if mode == "compile" else ["default"])
+        ]
+        for engine, mode, variant in runs:
+            result = measure(size, engine, mode, args, INDUCTOR_VARIANTS[variant])
+            if result:
+                label = f"ours {mode} ({engine})"
+                if variant != "default":
+                    label = f"ours {mode} ({engine}, {variant})"
+                mfus[label] = report(label, result, tokens, flops, peak, gemm)
+                plan = planned(size, engine, mode, args) if args.plan else None
+                if plan:
+                    report_plan(label, plan, result)
         if not args.no_baseline:
             result = measure(size, "baseline", "compile", args)
             if result:

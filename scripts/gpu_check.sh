@@ -32,6 +32,8 @@
 #   bench   benchmarks/gpu_throughput.py, compiled (8 micro-batches of 8 x 1024, bf16): at 124M
 #           the plain engine, DeepSpeed's engine and its pipeline engine at PP=1, their ratios
 #           to the plain engine; at 350M the plain engine; each size against a compiled nanoGPT
+#   sweep   (only when named in STEPS) the compiled plain engine at 124M under inductor's CUDA
+#           graphs and autotuned matmuls, and at micro-batch 16: what each adds to its MFU
 #   fp8     benchmarks/fp8_throughput.py: pretrain_gpt.py --torch-compile on a 1B-class LLaMA,
 #           --bf16 and then --bf16 --fp8-format hybrid, 200 iterations each on the data step's
 #           corpus (built here if that step did not run): tokens/s of each, their ratio, and the
@@ -286,6 +288,16 @@ if wants bench; then
     --engines plain nopipe pipe --iters 8 --warmup 3
   run_step "bench 350M" 180 "$python" benchmarks/gpu_throughput.py --model 350M --modes compile \
     --engines plain --iters 8 --warmup 3
+fi
+
+if wants sweep; then
+  # Not in the default steps (about 6 minutes more): what the plain engine's MFU at 124M gets
+  # from CUDA graphs and autotuned matmuls (inductor's own settings), and from micro-batch 16.
+  export TORCHINDUCTOR_CACHE_DIR="$work/inductor"
+  run_step "sweep inductor" 420 "$python" benchmarks/gpu_throughput.py --model 124M \
+    --modes compile --engines plain --inductor default cudagraphs autotune-gemm --no-baseline
+  run_step "sweep micro-batch 16" 180 "$python" benchmarks/gpu_throughput.py --model 124M \
+    --modes compile --engines plain --micro-batch-size 16 --no-baseline
 fi
 
 if wants fp8; then

@@ -263,3 +263,31 @@ def test_fp8_throughput_smoke_compares_bf16_and_fp8_runs(tmp_path) -> None:
     assert any(re.match(r"fp8 / bf16 tokens/s: \d+\.\d{3}x \(steady", line) for line in lines)
     agreement = [line for line in lines if line.startswith("loss agreement:")]
     assert len(agreement) == 1 and "-> OK" in agreement[0], agreement
+
+
+@pytest.mark.slow
+def test_gpu_throughput_cpu_smoke_runs_the_three_engines() -> None:
+    """`benchmarks/gpu_throughput.py --device cpu`: the plain engine, DeepSpeed's engine and
+    its pipeline engine each train through pretrain_gpt.py's code (the settled arguments
+    included) and print a row, and both DeepSpeed engines' ratios to the plain one parse."""
+    command = [
+        sys.executable,
+        os.path.join(REPO_ROOT, "benchmarks", "gpu_throughput.py"),
+        *("--device", "cpu", "--model", "tiny", "--iters", "1", "--warmup", "1"),
+        *("--modes", "eager", "--engines", "plain", "nopipe", "pipe", "--no-baseline"),
+        *("--seq-length", "64", "--global-batch-size", "4", "--micro-batch-size", "2"),
+    ]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(
+        command, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    rows = [line.split()[2] for line in lines if re.match(r"  ours eager \(\w+\) +\d", line)]
+    assert rows == ["(plain)", "(nopipe)", "(pipe)"], result.stdout
+    ratios = [
+        re.match(r"  ours eager \((\w+)\): (\d+\.\d{3})x the plain engine \(target >= ", line)
+        for line in lines
+    ]
+    assert [m.group(1) for m in ratios if m] == ["nopipe", "pipe"], result.stdout
+    assert all(float(m.group(2)) > 0 for m in ratios if m)
