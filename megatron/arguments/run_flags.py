@@ -158,7 +158,9 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
         "--torch-compile",
         action="store_true",
         help="torch.compile (inductor): at TP=1 the whole model to the loss as one graph "
-        "(not under ZeRO-3), else each transformer layer (one graph shared by all layers); "
+        "(not under ZeRO-3; on DeepSpeed's pipeline engine each stage one graph and the loss "
+        "another, unless recomputing full layers), else each transformer layer (one graph "
+        "shared by all layers); "
         "elementwise work fused; the first iteration pays the compile time. Generation with a "
         "key/value cache stays eager.",
     )
