@@ -4,8 +4,12 @@
 #   bash scripts/gpu_check.sh [LOG]     # LOG: benchmarks/results/<device>-<date>.txt by default
 #   WHEELS=.whl bash scripts/gpu_check.sh "$OUT/gpu_check.log"   # no DeepSpeed/torchao yet
 #
-# Steps, in order (STEPS="..." runs a subset; each is PASS or FAIL (fp8: or SKIP) in the summary;
-# a failed step does not stop the later ones):
+# Steps, in order (STEPS="..." runs a subset or adds the opt-in ones; each is PASS or FAIL (fp8:
+# or SKIP) in the summary; a failed step does not stop the later ones). The default ones,
+# env deps build doctor tests data train bench fp8, are sized for one lent GPU's 15 minutes,
+# machine start included (estimated from the H100/H200 runs in benchmarks/results/: about
+# 1 min of set-up, 1.5 of tests, 2 of training, 5 of benchmarks, 3 of FP8); tests-more,
+# quickstart and sweep run when named:
 #   env     the GPU (nvidia-smi), Python, torch, the checkout
 #   deps    DeepSpeed and torchao importable; where one is not and WHEELS names a folder of
 #           wheels (DeepSpeed, pydantic, ..., torchao), installs the missing one's wheels with no
@@ -20,19 +24,22 @@
 #             pip download torchao==0.18.0 --no-deps -d .whl   # its FP8 needs torch >= 2.11
 #   build   the two pybind11 extensions, in place (python setup.py build_ext --inplace)
 #   doctor  python -m megatron.doctor
-#   tests   pytest -m gpu over the suite, then the tests that touch CUDA and tests/model
+#   tests   pytest -m gpu over the suite (every GPU-only branch has a gpu-marked test)
+#   tests-more  (opt-in) the tests that touch CUDA, and tests/model, on the GPU
 #   data    a small real corpus as examples/quickstart.sh builds it (this Python's standard
 #           library, tools/files_to_jsonl.py), tokenized with the real GPT-2 vocabulary
-#   train   pretrain_gpt.py --deepspeed, ZeRO-1, a small GPT-2, for each precision in
-#           PRECISIONS (default "bf16 fp16") on each engine in ENGINES (default "pipe nopipe":
-#           DeepSpeed's pipeline engine, the --deepspeed default, and --no-pipeline-parallel);
-#           the training loss must stay finite and fall by at least MIN_LOSS_DROP (default 2.0)
-#   quickstart  bash examples/quickstart.sh (README command 1) on the GPU, in bf16 (its default
-#           there), with its own data, checkpoints and run under WORK
+#   train   pretrain_gpt.py --deepspeed, ZeRO-1, a small GPT-2: the PRECISION:ENGINE runs in
+#           TRAIN_RUNS (default "bf16:pipe fp16:nopipe": DeepSpeed's pipeline engine, the
+#           --deepspeed default, and --no-pipeline-parallel), or every precision in PRECISIONS
+#           on every engine in ENGINES where either is set; the training loss must stay finite
+#           and fall by at least MIN_LOSS_DROP (default 2.0)
+#   quickstart  (opt-in) bash examples/quickstart.sh (README command 1) on the GPU, in bf16
+#           (its default there), with its own data, checkpoints and run under WORK
 #   bench   benchmarks/gpu_throughput.py, compiled (8 micro-batches of 8 x 1024, bf16): at 124M
 #           the plain engine, DeepSpeed's engine and its pipeline engine at PP=1, their ratios
-#           to the plain engine; at 350M the plain engine; each size against a compiled nanoGPT
-#   sweep   (only when named in STEPS) the compiled plain engine at 124M under inductor's CUDA
+#           to the plain engine, the planner's peak against max_memory_allocated; at 350M the
+#           plain engine; each size against a compiled nanoGPT
+#   sweep   (opt-in) the compiled plain engine at 124M under inductor's CUDA
 #           graphs and autotuned matmuls, and at micro-batch 16: what each adds to its MFU
 #   fp8     benchmarks/fp8_throughput.py: pretrain_gpt.py --torch-compile on a 1B-class LLaMA,
 #           --bf16 and then --bf16 --fp8-format hybrid, 200 iterations each on the data step's
@@ -190,7 +197,7 @@ device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n
 log=$(realpath -m "${1:-benchmarks/results/${device:-no-gpu}-$(date -u +%F).txt}")
 mkdir -p "$(dirname "$log")" && : > "$log"
 exec > >(tee -a "$log") 2>&1
-steps=${STEPS:-env deps build doctor tests data train quickstart bench fp8}
+steps=${STEPS:-env deps build doctor tests data train bench fp8}
 work=${WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 mkdir -p "$work"
 start=$(date +%s)
@@ -256,6 +263,11 @@ if wants tests; then
   if [ "${#xdist[@]}" -gt 0 ]; then gpu_xdist=(-n "${GPU_XDIST_WORKERS:-4}" --dist loadfile); fi
   run_step "pytest -m gpu" 420 "$python" -m pytest -q -p no:cacheprovider "${gpu_xdist[@]}" \
     -m gpu tests
+fi
+
+if wants tests-more; then
+  xdist=()   # where pytest-xdist is installed, the larger set runs in parallel processes
+  if "$python" -c 'import xdist' 2>/dev/null; then xdist=(-n "${XDIST_WORKERS:-8}"); fi
   run_step "pytest CUDA-touching tests + tests/model" 420 "$python" -m pytest -q \
     -p no:cacheprovider "${xdist[@]}" tests/training/test_optimizer.py tests/test_doctor.py \
     tests/training/test_monitor.py tests/core/test_random.py tests/core/test_deepspeed_mpu.py tests/model
@@ -266,10 +278,18 @@ if wants data; then
 fi
 
 if wants train; then
-  for precision in ${PRECISIONS:-bf16 fp16}; do
-    for engine in ${ENGINES:-pipe nopipe}; do
-      run_step "train $precision ZeRO-1 $engine" 240 train "$precision" "$engine" "$work"
+  # Two runs unless PRECISIONS or ENGINES ask for their product: bf16 on the pipeline engine
+  # (the --deepspeed default), fp16 on the other (its loss scaling).
+  runs=${TRAIN_RUNS:-bf16:pipe fp16:nopipe}
+  if [ -n "${PRECISIONS:-}${ENGINES:-}" ]; then
+    runs=""
+    for precision in ${PRECISIONS:-bf16 fp16}; do
+      for engine in ${ENGINES:-pipe nopipe}; do runs+=" $precision:$engine"; done
     done
+  fi
+  for run in $runs; do
+    precision=${run%%:*} engine=${run##*:}
+    run_step "train $precision ZeRO-1 $engine" 240 train "$precision" "$engine" "$work"
   done
 fi
 
@@ -285,7 +305,7 @@ if wants bench; then
   # DeepSpeed engine compile the same whole-model graph. About 5 minutes on an H200.
   export TORCHINDUCTOR_CACHE_DIR="$work/inductor"
   run_step "bench 124M" 330 "$python" benchmarks/gpu_throughput.py --model 124M --modes compile \
-    --engines plain nopipe pipe --iters 8 --warmup 3
+    --engines plain nopipe pipe --iters 8 --warmup 3 --plan
   run_step "bench 350M" 180 "$python" benchmarks/gpu_throughput.py --model 350M --modes compile \
     --engines plain --iters 8 --warmup 3
 fi
