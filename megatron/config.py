@@ -195,6 +195,45 @@ class RoutedMoEConfig:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-latent attention (`--multi-latent-attention`; megatron-core's MLATransformerConfig
+    defaults)."""
+
+    q_lora_rank: int | None = None
+    """Query latent width; None: queries projected from the hidden states directly."""
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    """Per head: the query/key channels without rotary positions."""
+    qk_pos_emb_head_dim: int = 64
+    """Per head: the rotary query/key channels (the key's shared by the heads)."""
+    v_head_dim: int = 128
+    rope_type: str = "yarn"
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+def mla_config_from_args(args: Namespace) -> MLAConfig | None:
+    """`--multi-latent-attention` and its flags, or None."""
+    if not getattr(args, "multi_latent_attention", False):
+        return None
+    return MLAConfig(
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim,
+        rope_type=getattr(args, "rope_type", None) or "yarn",
+        rotary_scaling_factor=args.rotary_scaling_factor,
+        mscale=args.mscale,
+        mscale_all_dim=args.mscale_all_dim,
+    )
+
+
+@dataclass(frozen=True)
 class Fp8Config:
     """FP8 matmuls in the transformer layers' linear layers through torchao's float8 training
     (`--fp8-format`, `--fp8-recipe`; megatron.model.fp8). Weights, gradients, optimizer state
@@ -350,6 +389,8 @@ class ModelConfig:
     """Megatron-LM's MoE layers (`--num-experts` with its `--moe-*` flags), or None."""
     fp8: Fp8Config | None = None
     """FP8 matmuls in the transformer layers (`--fp8-format`), or None."""
+    mla: MLAConfig | None = None
+    """Multi-latent attention in every layer (`--multi-latent-attention`), or None."""
 
     def __post_init__(self) -> None:
         """Fill the derived defaults and reject impossible shapes."""
@@ -474,6 +515,7 @@ class ModelConfig:
             moe=moe,
             routed_moe=routed_moe,
             fp8=fp8_config_from_args(args),
+            mla=mla_config_from_args(args),
         )
 
 

@@ -84,17 +84,25 @@ def forward_terms(config: ModelConfig, tokens: int) -> int:
     size, another MoE dispatch) computes the same logits in fp32. Per layer: its two norms
     (hidden each), QKV (hidden), scores (kv_channels), softmax and context (tokens each),
     attention output (heads x kv_channels), the MLP (hidden, then ffn); with `qk_layernorm`
-    the query's norm (kv_channels) before the scores; with experts also the
+    the query's norm (kv_channels) before the scores; multi-latent attention: its latent norm
+    and up-projection (the latent's width each), scores over its query/key channels, output
+    over heads x its value channels; with experts also the
     gate (hidden), its softmax (experts), the dispatch (tokens), the combine (experts x tokens)
     and PR-MoE's mixing coefficient (hidden). Then the final norm and the output layer."""
     hidden = config.hidden_size
     experts = config.moe.experts_per_layer if config.moe else (1,) * config.num_layers
     terms = 2 * hidden
     for count in experts:
-        terms += 3 * hidden + config.kv_channels + 2 * tokens + config.projection_size
-        terms += hidden + config.ffn_hidden_size
-        if config.qk_layernorm:
-            terms += config.kv_channels
+        terms += 3 * hidden + 2 * tokens + hidden + config.ffn_hidden_size
+        if config.mla is not None:  # latent norm and up-projection, wider scores and output
+            mla = config.mla
+            latent = max(mla.kv_lora_rank, mla.q_lora_rank or 0)
+            terms += 2 * latent + mla.qk_head_dim + mla.qk_pos_emb_head_dim
+            terms += config.num_attention_heads * mla.v_head_dim
+        else:
+            terms += config.kv_channels + config.projection_size
+            if config.qk_layernorm:
+                terms += config.kv_channels
         if count > 1:
             terms += 2 * hidden + count + tokens + count * tokens
     return terms

@@ -293,20 +293,6 @@ REFUSED: list[CompatFlag] = [
         accepts=_equals("vanilla", None, False),
     ),
     *_refused(
-        "Multi-Latent Attention (DeepSeek-V2/V3's MLA: its low-rank query and key-value "
-        "projections, head widths and YaRN scaling) is not built here",
-        "--multi-latent-attention",
-        "--q-lora-rank:int",
-        "--kv-lora-rank:int",
-        "--qk-head-dim:int",
-        "--qk-pos-emb-head-dim:int",
-        "--v-head-dim:int",
-        "--rotary-scaling-factor:float",
-        "--mscale:float",
-        "--mscale-all-dim:float",
-        accepts=_equals(None, False),
-    ),
-    *_refused(
         "multi-token prediction (DeepSeek-V3's MTP layers) is not built here",
         "--mtp-num-layers:int",
         "--mtp-loss-scaling-factor:float",
@@ -330,9 +316,13 @@ REFUSED: list[CompatFlag] = [
         "--moe-router-force-load-balancing",
     ),
     *_refused(
-        "only standard rotary embeddings are built here (--rope-type rope)",
+        "YaRN positions are built for multi-latent attention only (--rope-type yarn with "
+        "--multi-latent-attention); other layers take --rope-type rope",
         "--rope-type:str",
-        accepts=_equals("rope"),
+        accepts=lambda value, args: (
+            value in (None, "rope")
+            or (value == "yarn" and getattr(args, "multi_latent_attention", False))
+        ),
     ),
     *_refused(
         "Megatron's DDP implementations are not used here (local and torch are accepted: "

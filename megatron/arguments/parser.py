@@ -22,6 +22,7 @@ from megatron.arguments import (
     compat_flags,
     fp8_flags,
     housekeeping_flags,
+    mla_flags,
     model_flags,
     moe_flags,
     muon_flags,
@@ -41,6 +42,7 @@ __all__ = ["ArgumentError", "build_parser", "parse_args", "typed_flags", "valida
 
 FLAG_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     model_flags.add_model_size_flags,
+    mla_flags.add_mla_flags,
     model_flags.add_regularization_flags,
     muon_flags.add_muon_flags,
     run_flags.add_training_flags,

@@ -123,6 +123,7 @@ def _model_shape(args: argparse.Namespace) -> None:
             f"({args.num_attention_heads}); set --kv-channels"
         )
     _architecture(args, tp)
+    _multi_latent_attention(args)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -180,6 +181,33 @@ def _architecture(args: argparse.Namespace, tp: int) -> None:
             f"--ffn-hidden-size ({args.ffn_hidden_size}) is not divisible by "
             f"--tensor-model-parallel-size ({tp})"
         )
+
+
+def _multi_latent_attention(args: argparse.Namespace) -> None:
+    """--multi-latent-attention: a key and a value per head from the shared latent."""
+    if not getattr(args, "multi_latent_attention", False):
+        return
+    if args.num_key_value_heads != args.num_attention_heads:
+        raise ArgumentError(
+            "--multi-latent-attention derives a key and a value per head from its shared "
+            "latent: --group-query-attention / --num-key-value-heads do not apply"
+        )
+    for flag in ("context_parallel_size", "ds_sequence_parallel_size"):
+        if (getattr(args, flag, None) or 1) > 1:
+            raise ArgumentError(
+                f"--multi-latent-attention with --{flag.replace('_', '-')} above 1 is not "
+                "built here yet (its queries and keys are wider than its values)"
+            )
+    for flag in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        if getattr(args, flag) < 1:
+            raise ArgumentError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.qk_pos_emb_head_dim % 2:
+        raise ArgumentError(
+            f"--qk-pos-emb-head-dim ({args.qk_pos_emb_head_dim}) must be even: its channels "
+            "rotate in pairs"
+        )
+    if args.q_lora_rank is not None and args.q_lora_rank < 1:
+        raise ArgumentError("--q-lora-rank must be at least 1 (or unset: no query latent)")
 
 
 def _batch_sizes(args: argparse.Namespace) -> None:

@@ -66,9 +66,11 @@ UNSUPPORTED_MODEL_TYPES = {
     "attention has no QK norm",
     "qwen2_moe": "Qwen2-MoE scales its shared expert by a sigmoid gate (shared_expert_gate) and "
     "puts biases on q, k and v only; our model computes neither",
-    "deepseek_v3": "DeepSeek-V3's multi-head latent attention is not built here (its MoE "
-    "converts as GLM-4-MoE's, model_type 'glm4_moe')",
-    "deepseek_v2": "DeepSeek-V2's multi-head latent attention is not built here",
+    "deepseek_v3": "DeepSeek-V3's import is not built here yet (its multi-latent attention "
+    "trains here, --multi-latent-attention; its MoE converts as GLM-4-MoE's, model_type "
+    "'glm4_moe')",
+    "deepseek_v2": "DeepSeek-V2's import is not built here yet (its multi-latent attention "
+    "trains here, --multi-latent-attention)",
 }
 """Mixture-of-Experts model types an import refuses, and why (one line each)."""
 
@@ -138,6 +140,11 @@ def hf_architecture(config: ModelConfig) -> str:
 
     Raises, naming what differs from the closest, when none does exactly.
     """
+    if config.mla is not None:
+        raise CheckpointConversionError(
+            "multi-latent attention (--multi-latent-attention) has no Hugging Face export here "
+            "yet (DeepseekV3ForCausalLM / DeepseekV2ForCausalLM are not built)"
+        )
     if config.routed_moe is not None:
         candidates = {MIXTRAL: mixtral_differences(config), GLM4_MOE: glm4_moe_differences(config)}
     elif config.moe is not None:

@@ -46,10 +46,11 @@ class InferenceParams:
                 f"batch of {b} is larger than the cache's max_batch_size {self.max_batch_size}"
             )
         if layer_number not in self.key_value_memory_dict:
-            shape = (self.max_sequence_length, self.max_batch_size, *key.shape[2:])
+            rows = (self.max_sequence_length, self.max_batch_size)
+            # Keys and values may differ in width (multi-latent attention).
             self.key_value_memory_dict[layer_number] = (
-                torch.empty(shape, dtype=key.dtype, device=key.device),
-                torch.empty(shape, dtype=value.dtype, device=value.device),
+                torch.empty((*rows, *key.shape[2:]), dtype=key.dtype, device=key.device),
+                torch.empty((*rows, *value.shape[2:]), dtype=value.dtype, device=value.device),
             )
         key_memory, value_memory = self.key_value_memory_dict[layer_number]
         key_memory[self.sequence_len_offset : end, :b] = key

@@ -23,6 +23,7 @@ from megatron.model.parameter_inventory import (
     experts_per_layer,
     head_parameters,
     layer_parameters,
+    mla_parameters,
     mlp_parameters,
     parameter_inventory,
 )
@@ -105,6 +106,11 @@ def flops_per_token(config: ModelConfig, seq_length: int) -> int:
         + 2 * 2 * seq_length * proj  # q k^T and probs v
         + 2 * proj * h  # attention dense
     )
+    if config.mla is not None:  # its projections' matmuls, then q k^T and probs v
+        mla, n = config.mla, config.num_attention_heads
+        weights = sum(spec.numel for spec in mla_parameters(config) if len(spec.shape) == 2)
+        head_widths = mla.qk_head_dim + mla.qk_pos_emb_head_dim + mla.v_head_dim
+        attention = 2 * weights + 2 * seq_length * n * head_widths
     layers = sum(attention + _moe_layer(config, e, True)[1] for e in _experts(config))
     forward = layers + 2 * h * config.vocab_size  # + logits
     return 3 * forward

@@ -90,8 +90,12 @@ def layer_parameters(config: ModelConfig, experts: int = 1) -> list[ParameterSpe
     (`qk_layernorm`) are [hn], whole on every tensor-parallel rank.
     """
     h = config.hidden_size
-    qkv = config.projection_size + 2 * config.kv_projection_size
     specs = _norm("input_layernorm", config)
+    if config.mla is not None:
+        specs += mla_parameters(config)
+        specs += _norm("post_attention_layernorm", config)
+        return specs + _mlp_or_experts(config, experts)
+    qkv = config.projection_size + 2 * config.kv_projection_size
     specs.append(ParameterSpec("self_attention.query_key_value.weight", (qkv, h), 0))
     if config.add_bias_linear or config.add_qkv_bias:
         specs.append(ParameterSpec("self_attention.query_key_value.bias", (qkv,), 0))
@@ -102,10 +106,46 @@ def layer_parameters(config: ModelConfig, experts: int = 1) -> list[ParameterSpe
     if config.add_bias_linear:
         specs.append(ParameterSpec("self_attention.dense.bias", (h,), None))
     specs += _norm("post_attention_layernorm", config)
+    return specs + _mlp_or_experts(config, experts)
+
+
+def mla_parameters(config: ModelConfig) -> list[ParameterSpec]:
+    """Multi-latent attention's (megatron/model/multi_latent_attention.py): the projections
+    split over tensor-parallel ranks by rows, the output projection by columns."""
+    mla, h, n = config.mla, config.hidden_size, config.num_attention_heads
+    q_head = mla.qk_head_dim + mla.qk_pos_emb_head_dim
+    prefix = "self_attention."
+    if mla.q_lora_rank is None:
+        specs = [ParameterSpec(f"{prefix}linear_q_proj.weight", (n * q_head, h), 0)]
+    else:
+        specs = [
+            ParameterSpec(f"{prefix}linear_q_down_proj.weight", (mla.q_lora_rank, h), 0),
+            ParameterSpec(f"{prefix}linear_q_up_proj.weight", (n * q_head, mla.q_lora_rank), 0),
+        ]
+    down = mla.kv_lora_rank + mla.qk_pos_emb_head_dim
+    up = n * (mla.qk_head_dim + mla.v_head_dim)
+    specs += [
+        ParameterSpec(f"{prefix}linear_kv_down_proj.weight", (down, h), 0),
+        ParameterSpec(f"{prefix}linear_kv_up_proj.weight", (up, mla.kv_lora_rank), 0),
+    ]
+    if config.qk_layernorm:
+        if mla.q_lora_rank is not None:
+            specs += _norm(f"{prefix}q_layernorm", config, mla.q_lora_rank)
+        specs += _norm(f"{prefix}kv_layernorm", config, mla.kv_lora_rank)
+    specs.append(ParameterSpec(f"{prefix}linear_proj.weight", (h, n * mla.v_head_dim), 1))
+    if config.add_bias_linear:
+        specs.append(ParameterSpec(f"{prefix}linear_proj.bias", (h,), None))
+    return specs
+
+
+def _mlp_or_experts(config: ModelConfig, experts: int) -> list[ParameterSpec]:
+    """A layer's MLP: dense, Megatron-LM's routed MoE or DeepSpeed-MoE's experts."""
+    h = config.hidden_size
     if experts == 1:
-        return specs + mlp_parameters(config)
+        return mlp_parameters(config)
     if config.routed_moe is not None:
-        return specs + routed_moe_parameters(config)
+        return routed_moe_parameters(config)
+    specs = []
     specs.append(ParameterSpec("mlp.deepspeed_moe.gate.wg.weight", (experts, h), None))
     for number in range(experts):
         prefix = f"mlp.deepspeed_moe.experts.deepspeed_experts.{number}."

@@ -51,6 +51,7 @@ from megatron.model.model_size import runs_in_fp8
 from megatron.model.moe import build_moe_mlp
 from megatron.model.moe_aux_loss import AuxLossTracker, attach_aux_loss
 from megatron.model.moe_layer import RoutedMoE
+from megatron.model.multi_latent_attention import MultiLatentAttention
 from megatron.model.utils import (
     build_norm,
     init_method_normal,
@@ -236,7 +237,8 @@ class ParallelTransformerLayer(nn.Module):
         self.bias_dropout_fusion = config.bias_dropout_fusion
         self.torch_compile = config.torch_compile
         self.input_layernorm = build_norm(config)
-        self.self_attention = ParallelAttention(config, layer_number, groups)
+        attention = MultiLatentAttention if config.mla is not None else ParallelAttention
+        self.self_attention = attention(config, layer_number, groups)
         self.post_attention_layernorm = build_norm(config)
         experts = config.moe.experts_per_layer[layer_number - 1] if config.moe else 1
         self.is_moe = experts > 1  # DeepSpeed-MoE

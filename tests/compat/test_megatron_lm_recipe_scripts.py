@@ -35,11 +35,12 @@ REFUSED = [
         8,
         ["--ckpt-format fsdp_dtensor", "not built here"],
     ),
-    # DeepSeek-V3 on Megatron-FSDP: multi-latent attention (and multi-token prediction).
+    # DeepSeek-V3 on Megatron-FSDP: its multi-latent attention is built, its multi-token
+    # prediction not yet (issue 57).
     (
         "megatron_fsdp__sbatch_mfsdp_deepseek_v3.json",
         8,
-        ["--multi-latent-attention", "Multi-Latent Attention", "not built here"],
+        ["--mtp-num-layers 1", "multi-token prediction", "not built here"],
     ),
 ]
 FP8_FLAGS = (

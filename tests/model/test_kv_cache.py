@@ -3,7 +3,8 @@
 A model run over a whole sequence and the same model fed the sequence in pieces (one token
 at a time, a prompt then single tokens, or several multi-token chunks on a non-empty cache)
 must give the same logits at every position, for each attention backend and both kinds of
-position embedding, and grouped-query attention (whose cache holds only the key/value heads).
+position embedding, grouped-query attention (whose cache holds only the key/value heads) and
+multi-latent attention (keys wider than values).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron.config import MLAConfig
 from megatron.model.inference_params import InferenceParams
 from tests.model.helpers import build_model, random_batch, tiny_config
 from tests.tolerances import assert_close_reordered, forward_terms
@@ -33,6 +35,21 @@ VARIANTS = {
     ),
     "unfused-mqa": dict(
         attention_backend="unfused", position_embedding_type="rope", num_key_value_heads=1
+    ),
+    # Multi-latent attention: keys wider than values, YaRN positions, a query latent.
+    "sdpa-mla": dict(
+        position_embedding_type="rope",
+        normalization="rmsnorm",
+        qk_layernorm=True,
+        mla=MLAConfig(
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_head_dim=12,
+            qk_pos_emb_head_dim=8,
+            v_head_dim=10,
+            rotary_scaling_factor=4.0,
+            mscale_all_dim=1.0,
+        ),
     ),
 }
 SPLITS = {

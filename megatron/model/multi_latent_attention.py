@@ -1,0 +1,234 @@
+"""Multi-latent attention (DeepSeek-V2/V3's MLA), as megatron-core computes it.
+
+Queries come through a low-rank latent (`--q-lora-rank`: hidden -> q_lora_rank -> heads), or
+straight from the hidden states when it is unset (DeepSeek-V2-Lite). Keys and values share one
+latent of `--kv-lora-rank` channels; each head's key is its up-projected `--qk-head-dim`
+channels plus `--qk-pos-emb-head-dim` rotary channels shared by all heads, taken from the
+down-projection beside the latent (the "decoupled" rotary part); values have `--v-head-dim`
+channels. With `--qk-layernorm` the two latents are normalized (megatron-core's q_layernorm and
+kv_layernorm). Rotary positions are `--rope-type rope` or `yarn` (MLA's default:
+`--rotary-scaling-factor`, `--mscale`, `--mscale-all-dim`; at factor 1 it is plain rope), applied
+as megatron-core applies them for MLA: each rotary part's even channels, then its odd ones,
+rotated by halves. The softmax scale is mscale(all-dim)^2 / sqrt(qk + pos channels).
+
+Parameter names are megatron-core's (`linear_q_proj` or `linear_q_down_proj` and
+`linear_q_up_proj`, `linear_kv_down_proj`, `linear_kv_up_proj`, `linear_proj`, `q_layernorm`,
+`kv_layernorm`). Tensor parallelism as megatron-core's local layers: the up-projections split
+the heads (column-parallel), the output projection is row-parallel, and the down-projections
+are column-parallel with their outputs gathered (every rank needs the whole latent), scattered
+back over the sequence under `--sequence-parallel`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from megatron.config import MLAConfig, ModelConfig
+from megatron.core.process_groups import ModelGroups
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
+from megatron.core.tensor_parallel.layers import divide
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+    this_ranks_sequence_positions,
+)
+from megatron.model.attention import CoreAttention
+from megatron.model.inference_params import InferenceParams
+from megatron.model.mlp import linear_kwargs
+from megatron.model.utils import build_norm, init_method_normal, scaled_init_method_normal
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for a context `scale`-times the original (1 at scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inverse_frequencies(dim: int, base: float, mla: MLAConfig) -> torch.Tensor:
+    """YaRN's rotary frequencies [dim / 2]: the original ones for the fast-turning channels,
+    divided by the scaling factor for the slow ones, a linear ramp between (megatron-core's
+    YarnRotaryEmbedding; the original frequencies at factor 1)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    extrapolated = 1.0 / base**exponents
+    interpolated = 1.0 / (mla.rotary_scaling_factor * base**exponents)
+
+    def correction_dim(rotations: float) -> float:
+        turns = mla.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(turns) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(mla.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(mla.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # as megatron-core: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp  # 1: the original frequency
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
+class MLARotary(nn.Module):
+    """MLA's rotary angles and the factor its cos and sin are scaled by."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        mla = config.mla
+        dim = mla.qk_pos_emb_head_dim
+        if mla.rope_type == "yarn":
+            inv_freq = yarn_inverse_frequencies(dim, config.rotary_base, mla)
+            self.factor = yarn_mscale(mla.rotary_scaling_factor, mla.mscale) / yarn_mscale(
+                mla.rotary_scaling_factor, mla.mscale_all_dim
+            )
+        else:
+            inv_freq = 1.0 / config.rotary_base ** (
+                torch.arange(0, dim, 2, dtype=torch.float32) / dim
+            )
+            self.factor = 1.0
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Angles [s, 1, 1, dim] for the positions [s]."""
+        freqs = torch.outer(positions.to(self.inv_freq.device, torch.float32), self.inv_freq)
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+    def apply(self, tensor: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """Rotate [s, b, n, dim]: its even channels then its odd ones, by halves (MLA's order)."""
+        tensor = torch.cat((tensor[..., 0::2], tensor[..., 1::2]), dim=-1)
+        first, second = tensor.chunk(2, dim=-1)
+        half_turned = torch.cat((-second, first), dim=-1)
+        cos = (angles.cos() * self.factor).to(tensor.dtype)
+        sin = (angles.sin() * self.factor).to(tensor.dtype)
+        return tensor * cos + half_turned * sin
+
+
+class MultiLatentAttention(nn.Module):
+    """[s(/tp), b, h] -> ([s(/tp), b, h], output bias): MLA self-attention, causal."""
+
+    def __init__(self, config: ModelConfig, layer_number: int, groups: ModelGroups) -> None:
+        super().__init__()
+        mla = config.mla
+        self.mla = mla
+        self.sequence_parallel = config.sequence_parallel
+        self.tensor_parallel_size = groups.tensor.size
+        self.heads = divide(config.num_attention_heads, groups.tensor.size, "--num-attention-heads")
+        self.q_head_dim = mla.qk_head_dim + mla.qk_pos_emb_head_dim
+        self.layer_number = layer_number
+        init = init_method_normal(config.init_method_std)
+        plain = dict(linear_kwargs(config), bias=False)
+        n = config.num_attention_heads
+        if mla.q_lora_rank is None:
+            self.linear_q_proj = ColumnParallelLinear(
+                config.hidden_size, n * self.q_head_dim, init, **plain
+            )
+        else:
+            self.linear_q_down_proj = ColumnParallelLinear(
+                config.hidden_size, mla.q_lora_rank, init, **plain
+            )
+            self.linear_q_up_proj = ColumnParallelLinear(
+                mla.q_lora_rank, n * self.q_head_dim, init, **plain
+            )
+        self.linear_kv_down_proj = ColumnParallelLinear(
+            config.hidden_size, mla.kv_lora_rank + mla.qk_pos_emb_head_dim, init, **plain
+        )
+        self.linear_kv_up_proj = ColumnParallelLinear(
+            mla.kv_lora_rank, n * (mla.qk_head_dim + mla.v_head_dim), init, **plain
+        )
+        self.q_layernorm = self.kv_layernorm = None
+        if config.qk_layernorm:
+            if mla.q_lora_rank is not None:
+                self.q_layernorm = build_norm(config, mla.q_lora_rank)
+            self.kv_layernorm = build_norm(config, mla.kv_lora_rank)
+        self.rotary = MLARotary(config)
+        # flash_attn wants one head width for queries, keys and values; SDPA picks a fused
+        # kernel that takes MLA's wider queries and keys (flash or memory-efficient).
+        core_config = config
+        if config.attention_backend == "flash":
+            core_config = dataclasses.replace(config, attention_backend="sdpa")
+        self.core_attention = CoreAttention(core_config, layer_number)
+        all_dim = mla.mscale_all_dim if mla.rope_type == "yarn" else 0.0
+        factor = yarn_mscale(mla.rotary_scaling_factor, all_dim) if mla.rope_type == "yarn" else 1
+        self.core_attention.scale = factor * factor / math.sqrt(self.q_head_dim)
+        self.recompute_core = config.recompute_granularity == "selective"
+        self.linear_proj = RowParallelLinear(
+            n * mla.v_head_dim,
+            config.hidden_size,
+            scaled_init_method_normal(config.init_method_std, config.num_layers),
+            input_is_parallel=True,
+            skip_bias_add=True,
+            **linear_kwargs(config),
+        )
+
+    def _down(self, layer: ColumnParallelLinear, hidden: torch.Tensor) -> torch.Tensor:
+        """A down-projection's whole output [s, b, r] (gathered over the TP ranks)."""
+        out, _ = layer(hidden)
+        return gather_from_tensor_model_parallel_region(out) if layer.split else out
+
+    def _to_sequence_part(self, latent: torch.Tensor) -> torch.Tensor:
+        """[s, b, r] -> this rank's [s / tp, b, r] under sequence parallelism."""
+        return scatter_to_sequence_parallel_region(latent) if self.sequence_parallel else latent
+
+    def query_key_value(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """[s(/tp), b, h] -> query, key [s, b, n/tp, qk + pos] and value [s, b, n/tp, v]."""
+        mla = self.mla
+        if mla.q_lora_rank is None:
+            q, _ = self.linear_q_proj(hidden)
+        else:
+            q_latent = self._to_sequence_part(self._down(self.linear_q_down_proj, hidden))
+            if self.q_layernorm is not None:
+                q_latent = self.q_layernorm(q_latent)
+            q, _ = self.linear_q_up_proj(q_latent)
+        kv_combined = self._down(self.linear_kv_down_proj, hidden)  # [s, b, kv_lora + pos]
+        kv_latent, k_pos = kv_combined.split([mla.kv_lora_rank, mla.qk_pos_emb_head_dim], -1)
+        if self.tensor_parallel_size > 1:
+            # Every rank's heads read the shared rotary key: its gradient is their sum.
+            k_pos = copy_to_tensor_model_parallel_region(k_pos)
+        kv_latent = self._to_sequence_part(kv_latent)
+        if self.kv_layernorm is not None:
+            kv_latent = self.kv_layernorm(kv_latent)
+        kv, _ = self.linear_kv_up_proj(kv_latent)
+        s, b = q.shape[:2]
+        q = q.view(s, b, self.heads, self.q_head_dim)
+        kv = kv.view(s, b, self.heads, mla.qk_head_dim + mla.v_head_dim)
+        q_content, q_pos = q.split([mla.qk_head_dim, mla.qk_pos_emb_head_dim], -1)
+        k_content, value = kv.split([mla.qk_head_dim, mla.v_head_dim], -1)
+        angles = self.rotary.at(positions)
+        q_pos = self.rotary.apply(q_pos, angles)
+        k_pos = self.rotary.apply(k_pos.unsqueeze(2), angles).expand(-1, -1, self.heads, -1)
+        query = torch.cat((q_content, q_pos), dim=-1)
+        key = torch.cat((k_content, k_pos), dim=-1)
+        return query, key, value
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        inference_params: InferenceParams | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[s(/tp), b, h] -> ([s(/tp), b, h], output bias).
+
+        With `inference_params`, `hidden` holds the positions from its `sequence_len_offset`
+        on; their keys and values (up-projected) join the cache."""
+        s = hidden.size(0) * (self.tensor_parallel_size if self.sequence_parallel else 1)
+        if inference_params is None:
+            positions = this_ranks_sequence_positions(s, hidden.device)
+        else:
+            offset = inference_params.sequence_len_offset
+            positions = torch.arange(offset, offset + s, device=hidden.device)
+        query, key, value = self.query_key_value(hidden, positions)
+        causal = True
+        if inference_params is not None:
+            key, value = inference_params.update_key_value(self.layer_number, key, value)
+            attention_mask = None  # an empty cache: causal attention over the s tokens
+            if s == 1:
+                causal = False  # one new token sees every cached position
+            elif inference_params.sequence_len_offset > 0:
+                attention_mask = inference_params.causal_mask(s, hidden.device)
+        # [b, n/tp, s, qk + pos] queries and keys, [b, n/tp, s, v] values
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.recompute_core and self.training:
+            context = checkpoint(self.core_attention, False, query, key, value, attention_mask)
+        else:
+            context = self.core_attention(query, key, value, attention_mask, causal)
+        return self.linear_proj(context)  # context [s, b, n/tp * v]
