@@ -147,8 +147,8 @@ class MultiLatentAttention(nn.Module):
         if config.attention_backend == "flash":
             core_config = dataclasses.replace(config, attention_backend="sdpa")
         self.core_attention = CoreAttention(core_config, layer_number)
-        all_dim = mla.mscale_all_dim if mla.rope_type == "yarn" else 0.0
-        factor = yarn_mscale(mla.rotary_scaling_factor, all_dim) if mla.rope_type == "yarn" else 1
+        # As megatron-core, whatever the rope type (1 unless --rotary-scaling-factor > 1).
+        factor = yarn_mscale(mla.rotary_scaling_factor, mla.mscale_all_dim)
         self.core_attention.scale = factor * factor / math.sqrt(self.q_head_dim)
         self.recompute_core = config.recompute_granularity == "selective"
         self.linear_proj = RowParallelLinear(
