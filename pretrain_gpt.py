@@ -140,7 +140,9 @@ def per_token_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) ->
 def forward_step(data_iterator: Iterator, model: torch.nn.Module, args: argparse.Namespace):  # noqa: ANN201
     """Megatron's GPT forward step: per-token losses, then `loss_func` reduces them."""
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, args)
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    # Multi-token prediction weighs its modules' losses by the (shifted) loss mask.
+    extra = {"loss_mask": loss_mask} if getattr(args, "mtp_num_layers", None) else {}
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, **extra)
     reduce = per_token_loss_func if getattr(args, "calculate_per_token_loss", False) else loss_func
     return output_tensor, partial(reduce, loss_mask)
 

@@ -74,6 +74,8 @@ class RunFeatures:
     """DeepSpeed's `zero_optimization.offload_optimizer` puts the optimizer on a device."""
     zero3_reduce_scatter: bool = True
     """DeepSpeed's `zero_optimization.reduce_scatter` (its default: on)."""
+    mtp_layers: int | None = None
+    """`--mtp-num-layers`: multi-token prediction's modules, or None."""
     muon_flags_for_deepspeed: tuple[str, ...] = ()
     """The flags Megatron-LM's Muon needs to update as DeepSpeed's Muon does (empty: it
     already does)."""
@@ -263,6 +265,19 @@ FEATURES: tuple[Feature, ...] = (
                 "{flag} needs --no-pipeline-parallel under --deepspeed (DeepSpeed's pipeline "
                 "engine reduces gradients over the data-parallel ranks only, not the context "
                 "ones), or no --deepspeed for Megatron's schedules at PP above 1"
+            ),
+        },
+    ),
+    Feature(
+        name="multi-token prediction",
+        flag="--mtp-num-layers",
+        used=lambda layout, run: run.mtp_layers is not None,
+        engines=frozenset({Engine.PLAIN, Engine.DEEPSPEED, Engine.MEGATRON_SCHEDULES}),
+        refusals={
+            Engine.DEEPSPEED_PIPE: (
+                "{flag} does not run on DeepSpeed's pipeline engine (its last stage receives "
+                "hidden states only, not the token ids multi-token prediction embeds): add "
+                "--no-pipeline-parallel, or drop --deepspeed for Megatron's pipeline schedules"
             ),
         },
     ),
@@ -490,6 +505,7 @@ _FLAG_VALUES: dict[str, Callable[[ParallelLayout, RunFeatures], str]] = {
     ),
     "--use-distributed-optimizer": lambda layout, run: run.sharding_flag,
     "--num-experts": lambda layout, run: run.moe or "--num-experts",
+    "--mtp-num-layers": lambda layout, run: f"--mtp-num-layers {run.mtp_layers}",
     "--moe-expert-parallel-size": lambda layout, run: (
         f"--moe-expert-parallel-size {layout.expert_parallel}"
     ),

@@ -8,6 +8,13 @@ from __future__ import annotations
 from argparse import Namespace
 from dataclasses import dataclass
 
+from megatron.deepseek_config import (
+    MLAConfig,
+    MTPConfig,
+    mla_config_from_args,
+    mtp_config_from_args,
+)
+
 
 def model_params_dtype(args: Namespace) -> str:
     """The dtype the model's parameters are created in for `--fp16` / `--bf16` on each path.
@@ -195,45 +202,6 @@ class RoutedMoEConfig:
 
 
 @dataclass(frozen=True)
-class MLAConfig:
-    """Multi-latent attention (`--multi-latent-attention`; megatron-core's MLATransformerConfig
-    defaults)."""
-
-    q_lora_rank: int | None = None
-    """Query latent width; None: queries projected from the hidden states directly."""
-    kv_lora_rank: int = 32
-    qk_head_dim: int = 128
-    """Per head: the query/key channels without rotary positions."""
-    qk_pos_emb_head_dim: int = 64
-    """Per head: the rotary query/key channels (the key's shared by the heads)."""
-    v_head_dim: int = 128
-    rope_type: str = "yarn"
-    rotary_scaling_factor: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-
-
-def mla_config_from_args(args: Namespace) -> MLAConfig | None:
-    """`--multi-latent-attention` and its flags, or None."""
-    if not getattr(args, "multi_latent_attention", False):
-        return None
-    return MLAConfig(
-        q_lora_rank=args.q_lora_rank,
-        kv_lora_rank=args.kv_lora_rank,
-        qk_head_dim=args.qk_head_dim,
-        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
-        v_head_dim=args.v_head_dim,
-        rope_type=getattr(args, "rope_type", None) or "yarn",
-        rotary_scaling_factor=args.rotary_scaling_factor,
-        mscale=args.mscale,
-        mscale_all_dim=args.mscale_all_dim,
-    )
-
-
-@dataclass(frozen=True)
 class Fp8Config:
     """FP8 matmuls in the transformer layers' linear layers through torchao's float8 training
     (`--fp8-format`, `--fp8-recipe`; megatron.model.fp8). Weights, gradients, optimizer state
@@ -391,6 +359,8 @@ class ModelConfig:
     """FP8 matmuls in the transformer layers (`--fp8-format`), or None."""
     mla: MLAConfig | None = None
     """Multi-latent attention in every layer (`--multi-latent-attention`), or None."""
+    mtp: MTPConfig | None = None
+    """Multi-token prediction modules after the last layer (`--mtp-num-layers`), or None."""
 
     def __post_init__(self) -> None:
         """Fill the derived defaults and reject impossible shapes."""
@@ -510,12 +480,14 @@ class ModelConfig:
             compile_whole_model=(get("zero_stage") or 0) < 3
             and moe is None
             and routed_moe is None
+            and not get("mtp_num_layers")
             and (get("ds_sequence_parallel_size") or 1) == 1
             and (get("context_parallel_size") or 1) == 1,
             moe=moe,
             routed_moe=routed_moe,
             fp8=fp8_config_from_args(args),
             mla=mla_config_from_args(args),
+            mtp=mtp_config_from_args(args),
         )
 
 

@@ -21,7 +21,8 @@ own package, or any package of a lower layer; nothing else:
 - tokenizer: `megatron.tokenizer.*` (the data tools encode with it).
 - core: `megatron.core.*`.
 - base: `megatron` itself, `config`, `layout`, `settled_args`, `utils`, `atomic_files`,
-  `extensions`, `deepspeed_facts`: import nothing of megatron.
+  `extensions`, `deepspeed_facts`: import nothing of megatron but the config parts.
+- config parts: `deepseek_config` (the typed DeepSeek options `config` holds): nothing.
 
 Parts that share a layer (model and data; the entry points; the base modules) do not import
 each other.
@@ -66,6 +67,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "megatron.extensions",
         ),
     ),
+    ("config parts", ("megatron.deepseek_config",)),
 )
 # The package namespaces that only re-export: `megatron` holds the version, and
 # `megatron.training` resolves `pretrain` and its siblings from megatron.training.training.

@@ -293,12 +293,6 @@ REFUSED: list[CompatFlag] = [
         accepts=_equals("vanilla", None, False),
     ),
     *_refused(
-        "multi-token prediction (DeepSeek-V3's MTP layers) is not built here",
-        "--mtp-num-layers:int",
-        "--mtp-loss-scaling-factor:float",
-        accepts=_equals(None),
-    ),
-    *_refused(
         "selective recomputation here recomputes the core attention only (Megatron-LM's "
         "--recompute-modules core_attn, its default); other module lists are not built",
         "--recompute-modules:strs",

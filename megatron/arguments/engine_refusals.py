@@ -65,6 +65,7 @@ def run_features(args: argparse.Namespace) -> RunFeatures:
         offload_optimizer=isinstance(offload, dict)
         and offload.get("device", "none") not in (None, "none"),
         zero3_reduce_scatter=bool(zero.get("reduce_scatter", True)),
+        mtp_layers=getattr(args, "mtp_num_layers", None),
         muon_flags_for_deepspeed=_muon_flags_for_deepspeed(args),
     )
 

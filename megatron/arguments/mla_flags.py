@@ -1,6 +1,6 @@
 """Megatron-LM's multi-latent attention flags (DeepSeek-V2/V3's MLA), with its defaults.
 
-`megatron.config.mla_config_from_args` turns them into the model's `MLAConfig`;
+`megatron.deepseek_config.mla_config_from_args` turns them into the model's `MLAConfig`;
 `megatron/model/multi_latent_attention.py` says what each shape means. `--rope-type` is a
 compatibility flag (`compat_flags.py`): yarn, MLA's default, needs `--multi-latent-attention`.
 """
@@ -8,6 +8,8 @@ compatibility flag (`compat_flags.py`): yarn, MLA's default, needs `--multi-late
 from __future__ import annotations
 
 import argparse
+
+from megatron.arguments.errors import ArgumentError
 
 
 def add_mla_flags(parser: argparse.ArgumentParser) -> None:
@@ -65,3 +67,31 @@ def add_mla_flags(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="YaRN's coefficient for the softmax scale and the cos/sin divisor (DeepSeek-V3: 1).",
     )
+
+
+def check_mla(args: argparse.Namespace) -> None:
+    """--multi-latent-attention: a key and a value per head from the shared latent, shapes
+    that exist, and the sequence splits it does not run with yet."""
+    if not getattr(args, "multi_latent_attention", False):
+        return
+    if args.num_key_value_heads != args.num_attention_heads:
+        raise ArgumentError(
+            "--multi-latent-attention derives a key and a value per head from its shared "
+            "latent: --group-query-attention / --num-key-value-heads do not apply"
+        )
+    for flag in ("context_parallel_size", "ds_sequence_parallel_size"):
+        if (getattr(args, flag, None) or 1) > 1:
+            raise ArgumentError(
+                f"--multi-latent-attention with --{flag.replace('_', '-')} above 1 is not "
+                "built here yet (its queries and keys are wider than its values)"
+            )
+    for flag in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        if getattr(args, flag) < 1:
+            raise ArgumentError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.qk_pos_emb_head_dim % 2:
+        raise ArgumentError(
+            f"--qk-pos-emb-head-dim ({args.qk_pos_emb_head_dim}) must be even: its channels "
+            "rotate in pairs"
+        )
+    if args.q_lora_rank is not None and args.q_lora_rank < 1:
+        raise ArgumentError("--q-lora-rank must be at least 1 (or unset: no query latent)")

@@ -25,6 +25,7 @@ from megatron.arguments import (
     mla_flags,
     model_flags,
     moe_flags,
+    mtp_flags,
     muon_flags,
     parallel_flags,
     routed_moe_flags,
@@ -43,6 +44,7 @@ __all__ = ["ArgumentError", "build_parser", "parse_args", "typed_flags", "valida
 FLAG_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     model_flags.add_model_size_flags,
     mla_flags.add_mla_flags,
+    mtp_flags.add_mtp_flags,
     model_flags.add_regularization_flags,
     muon_flags.add_muon_flags,
     run_flags.add_training_flags,

@@ -39,7 +39,9 @@ from megatron.arguments.engine_refusals import refuse_what_the_engine_cannot_run
 from megatron.arguments.errors import ArgumentError, flag_name
 from megatron.arguments.fp8_flags import settle_fp8
 from megatron.arguments.housekeeping_flags import check_housekeeping
+from megatron.arguments.mla_flags import check_mla
 from megatron.arguments.moe_flags import settle_moe
+from megatron.arguments.mtp_flags import settle_mtp
 from megatron.arguments.muon_flags import settle_muon
 from megatron.arguments.parallel_flags import job_backend
 from megatron.arguments.pipeline_checks import settle_pipeline
@@ -123,7 +125,7 @@ def _model_shape(args: argparse.Namespace) -> None:
             f"({args.num_attention_heads}); set --kv-channels"
         )
     _architecture(args, tp)
-    _multi_latent_attention(args)
+    check_mla(args)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -181,33 +183,6 @@ def _architecture(args: argparse.Namespace, tp: int) -> None:
             f"--ffn-hidden-size ({args.ffn_hidden_size}) is not divisible by "
             f"--tensor-model-parallel-size ({tp})"
         )
-
-
-def _multi_latent_attention(args: argparse.Namespace) -> None:
-    """--multi-latent-attention: a key and a value per head from the shared latent."""
-    if not getattr(args, "multi_latent_attention", False):
-        return
-    if args.num_key_value_heads != args.num_attention_heads:
-        raise ArgumentError(
-            "--multi-latent-attention derives a key and a value per head from its shared "
-            "latent: --group-query-attention / --num-key-value-heads do not apply"
-        )
-    for flag in ("context_parallel_size", "ds_sequence_parallel_size"):
-        if (getattr(args, flag, None) or 1) > 1:
-            raise ArgumentError(
-                f"--multi-latent-attention with --{flag.replace('_', '-')} above 1 is not "
-                "built here yet (its queries and keys are wider than its values)"
-            )
-    for flag in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
-        if getattr(args, flag) < 1:
-            raise ArgumentError(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.qk_pos_emb_head_dim % 2:
-        raise ArgumentError(
-            f"--qk-pos-emb-head-dim ({args.qk_pos_emb_head_dim}) must be even: its channels "
-            "rotate in pairs"
-        )
-    if args.q_lora_rank is not None and args.q_lora_rank < 1:
-        raise ArgumentError("--q-lora-rank must be at least 1 (or unset: no query latent)")
 
 
 def _batch_sizes(args: argparse.Namespace) -> None:
@@ -555,6 +530,7 @@ def validate_args(
     note_what_the_engine_ignores(args)
     settle_moe(args)
     settle_routed_moe(args)
+    settle_mtp(args)
     check_housekeeping(args)
     settle_ulysses(args)
     settle_context_parallel(args)

@@ -47,6 +47,9 @@ ENCODER_PREFIX = "language_model.encoder."
 HEAD_KEY = "word_embeddings_for_head"
 OUTPUT_LAYER_PREFIX = "language_model.output_layer."
 """The untied output layer (`--untie-embeddings-and-output-weights`), on the last stage."""
+MTP_KEY = "mtp"
+"""Multi-token prediction's modules (`--mtp-num-layers`), on the last stage: `model["mtp"]`
+holds megatron-core's names below `mtp.` (`layers.0.enorm.weight`, ...)."""
 MEGATRON_FILENAME = "model_optim_rng.pt"
 
 
@@ -164,6 +167,7 @@ def nest_model_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
     encoder: dict[str, torch.Tensor] = {}
     head: dict[str, torch.Tensor] = {}
     output: dict[str, torch.Tensor] = {}
+    mtp: dict[str, torch.Tensor] = {}
     for name, tensor in flat.items():
         if name.startswith(EMBEDDING_PREFIX):
             module, _, param = name.removeprefix(EMBEDDING_PREFIX).partition(".")
@@ -174,6 +178,8 @@ def nest_model_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
             head[name.removeprefix(HEAD_KEY + ".")] = tensor
         elif name.startswith(OUTPUT_LAYER_PREFIX):
             output[name.removeprefix(OUTPUT_LAYER_PREFIX)] = tensor
+        elif name.startswith(MTP_KEY + "."):
+            mtp[name.removeprefix(MTP_KEY + ".")] = tensor
         else:
             raise KeyError(f"no place in Megatron's checkpoint layout for parameter {name!r}")
     language_model: dict[str, Any] = {}
@@ -186,6 +192,8 @@ def nest_model_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
     nested: dict[str, Any] = {"language_model": language_model}
     if head:
         nested[HEAD_KEY] = head
+    if mtp:
+        nested[MTP_KEY] = mtp
     return nested
 
 
@@ -211,4 +219,6 @@ def flatten_model_state(model: dict[str, Any]) -> dict[str, torch.Tensor]:
         flat[OUTPUT_LAYER_PREFIX + param] = tensor
     for param, tensor in model.get(HEAD_KEY, {}).items():
         flat[f"{HEAD_KEY}.{param}"] = tensor
+    for name, tensor in model.get(MTP_KEY, {}).items():
+        flat[f"{MTP_KEY}.{name}"] = tensor
     return flat

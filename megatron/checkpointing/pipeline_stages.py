@@ -5,7 +5,8 @@ L / (PP x V) consecutive layers; chunk c of pipeline rank r is stage c x PP + r
 (`megatron.core.pipeline_parallel.layout`, Megatron-LM's interleaved assignment; V = 1 is the
 plain even split). Stage 0 also holds the embeddings, the last stage the final layer norm and
 either the untied `output_layer` or (more than one stage) `word_embeddings_for_head`, the tied
-copy of the word embeddings. In Megatron's files each chunk numbers its layers from 0, and a
+copy of the word embeddings (also untied with multi-token prediction, whose modules, `mtp.*`,
+the last stage holds too). In Megatron's files each chunk numbers its layers from 0, and a
 rank file holds `model` (V = 1) or `model0`, `model1`, ... (`file_format.model_entries`).
 
     local = chunk_state_dict(tp_rank_state, num_layers, pp_size, virtual_size, pp_rank, chunk)
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatron.checkpointing.file_format import HEAD_KEY, flatten_model_state
+from megatron.checkpointing.file_format import HEAD_KEY, MTP_KEY, flatten_model_state
 from megatron.checkpointing.layouts import CheckpointConversionError
 from megatron.checkpointing.shapes import OUTPUT_LAYER, WORD_EMBEDDINGS
 from megatron.core.pipeline_parallel.layout import chunk_layer_numbers, stage_index
@@ -98,12 +99,17 @@ def chunk_state_dict(
             keep = first
         elif name.startswith("language_model.encoder.final_layernorm.") or name == OUTPUT_LAYER:
             keep = last
+        elif name.startswith(MTP_KEY + "."):  # multi-token prediction: after the last layer
+            keep = last
         else:
             raise CheckpointConversionError(f"no pipeline stage holds parameter {name!r}")
         if keep:
             out[name] = tensor
     tied = OUTPUT_LAYER not in flat_tp_rank_state
-    if last and stages > 1 and tied and WORD_EMBEDDINGS in flat_tp_rank_state:
+    mtp = any(name.startswith(MTP_KEY + ".") for name in flat_tp_rank_state)
+    # The last stage's copy of the word embeddings: the tied output layer's, or what
+    # multi-token prediction embeds its tokens with.
+    if last and stages > 1 and (tied or mtp) and WORD_EMBEDDINGS in flat_tp_rank_state:
         out[HEAD_WEIGHT] = flat_tp_rank_state[WORD_EMBEDDINGS]
     return renumber_layers(out, -layers.start)
 

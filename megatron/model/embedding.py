@@ -53,22 +53,45 @@ class Embedding(nn.Module):
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """[b, s] ids (and positions; default 0..s-1) -> [s(/tp under SP), b, h]."""
-        embeddings = self.word_embeddings(input_ids)  # [b, s, h]
-        if self.position_embeddings is not None:
-            seq_length = input_ids.size(1)
-            if seq_length > self.config.max_position_embeddings:
-                raise ValueError(
-                    f"sequence of {seq_length} tokens is longer than "
-                    f"--max-position-embeddings {self.config.max_position_embeddings}"
-                )
-            if position_ids is None:
-                position_ids = torch.arange(seq_length, device=input_ids.device).unsqueeze(0)
-            embeddings = embeddings + self.position_embeddings(position_ids)
-        embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
-        rng = contextlib.nullcontext()
-        if self.config.sequence_parallel:
-            embeddings = scatter_to_sequence_parallel_region(embeddings)
-        if self.sequence_split:  # independent dropout on each rank's part
-            rng = get_cuda_rng_tracker().fork() if self.training else rng
-        with rng:
-            return F.dropout(embeddings, self.config.hidden_dropout, self.training)
+        return embed(
+            self.word_embeddings,
+            self.position_embeddings,
+            input_ids,
+            position_ids,
+            self.config,
+            self.sequence_split,
+            self.training,
+        )
+
+
+def embed(
+    word_embeddings: nn.Module,
+    position_embeddings: nn.Module | None,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    config: ModelConfig,
+    sequence_split: bool,
+    training: bool,
+) -> torch.Tensor:
+    """`Embedding`'s arithmetic with the given tables: [b, s] ids -> [s(/tp under SP), b, h]
+    (also the last pipeline stage's multi-token prediction, through its copy of the word
+    embeddings)."""
+    embeddings = word_embeddings(input_ids)  # [b, s, h]
+    if position_embeddings is not None:
+        seq_length = input_ids.size(1)
+        if seq_length > config.max_position_embeddings:
+            raise ValueError(
+                f"sequence of {seq_length} tokens is longer than "
+                f"--max-position-embeddings {config.max_position_embeddings}"
+            )
+        if position_ids is None:
+            position_ids = torch.arange(seq_length, device=input_ids.device).unsqueeze(0)
+        embeddings = embeddings + position_embeddings(position_ids)
+    embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
+    rng = contextlib.nullcontext()
+    if config.sequence_parallel:
+        embeddings = scatter_to_sequence_parallel_region(embeddings)
+    if sequence_split:  # independent dropout on each rank's part
+        rng = get_cuda_rng_tracker().fork() if training else rng
+    with rng:
+        return F.dropout(embeddings, config.hidden_dropout, training)

@@ -37,11 +37,12 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.tensor_parallel.cross_entropy import check_labels_in_vocabulary
 from megatron.core.tensor_parallel.mappings import gather_sequence_parts
-from megatron.model.embedding import Embedding
+from megatron.model.embedding import Embedding, embed
 from megatron.model.inference_params import InferenceParams
 from megatron.model.moe_aux_loss import AuxLossTracker
+from megatron.model.multi_token_prediction import MultiTokenPredictionBlock, attach_mtp_losses
 from megatron.model.transformer import ParallelTransformer
-from megatron.model.utils import init_method_normal
+from megatron.model.utils import init_method_normal, sequence_is_split
 
 
 def output_layer(config: ModelConfig) -> ColumnParallelLinear:
@@ -178,7 +179,9 @@ class GPTModel(nn.Module):
         self.language_model = TransformerLanguageModel(
             config, self.groups, self.moe_losses, layers, self.is_first, self.is_last
         )
-        if self.is_last and not self.is_first and not config.untie_embeddings_and_output_weights:
+        tied = not config.untie_embeddings_and_output_weights
+        if self.is_last and not self.is_first and (tied or config.mtp is not None):
+            # The tied output layer's and multi-token prediction's copy of the embeddings.
             self.word_embeddings_for_head = VocabParallelEmbedding(
                 config.vocab_size,
                 config.hidden_size,
@@ -188,6 +191,8 @@ class GPTModel(nn.Module):
             )
             # Counted once in the gradient norm (the first stage counts it).
             self.word_embeddings_for_head.weight.shared = True
+        if self.is_last and config.mtp is not None:
+            self.mtp = MultiTokenPredictionBlock(config, self.groups, self.moe_losses)
 
     def word_embeddings_weight(self) -> torch.Tensor:
         """The (vocab-split) embedding matrix (of the first stage)."""
@@ -210,6 +215,9 @@ class GPTModel(nn.Module):
         labels: torch.Tensor | None = None,
         inference_params: InferenceParams | None = None,
         document_ids: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        mtp_input_ids: torch.Tensor | None = None,
+        mtp_position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] when `labels` are given, else logits [b, s, vocab(/tp)].
 
@@ -224,6 +232,12 @@ class GPTModel(nn.Module):
         [s(/tp), b, h] as `input_ids`; one before the last returns its own (in the parameters'
         dtype, what `activation_shape` announced). The schedule passes `labels` and
         `document_ids` to every chunk of a rank; only the last stage reads the labels.
+
+        With multi-token prediction (`config.mtp`) the last stage also computes its modules'
+        losses (`multi_token_prediction.py`): `loss_mask` [b, s] (default: every position)
+        weighs them, and a last stage without the embedding gets the token ids and positions
+        as `mtp_input_ids`, `mtp_position_ids`. The returned per-token losses are the next
+        token's; the modules' weighted losses reach the backward through them.
         """
         if document_ids is not None:
             if attention_mask is not None:
@@ -241,7 +255,42 @@ class GPTModel(nn.Module):
         ):
             # No collective inside the model: one graph from the ids to the loss.
             return compiled_gpt_forward()(self, input_ids, position_ids, attention_mask, labels)
-        return self.model_forward(input_ids, position_ids, attention_mask, labels, inference_params)
+        if not hasattr(self, "mtp") or labels is None or inference_params is not None:
+            return self.model_forward(
+                input_ids, position_ids, attention_mask, labels, inference_params
+            )
+        if self.is_first:
+            mtp_input_ids, mtp_position_ids = input_ids, position_ids
+        elif mtp_input_ids is None:
+            raise ValueError("the last stage's multi-token prediction needs mtp_input_ids")
+        hidden = self.language_model(input_ids, position_ids, attention_mask)
+        losses = self.output_forward(hidden, labels)
+        weighted = self.mtp(
+            hidden,
+            mtp_input_ids,
+            mtp_position_ids,
+            labels,
+            loss_mask,
+            attention_mask,
+            self._mtp_embed,
+            self._mtp_head,
+        )
+        return attach_mtp_losses(losses, weighted, self.moe_losses)
+
+    def _mtp_embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Multi-token prediction's embedding: the first stage's, or the last stage's copy of
+        the word embeddings (no position embeddings there: validation refuses them)."""
+        if self.is_first:
+            return self.language_model.embedding(input_ids, position_ids)
+        split = sequence_is_split(self.config, self.groups)
+        return embed(
+            self.word_embeddings_for_head, None, input_ids, None, self.config, split, self.training
+        )
+
+    def _mtp_head(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The output layer and per-token loss [b, s] of a prediction module's hidden states."""
+        logits = logits_from_hidden(hidden, self.output_weight(), self.config)
+        return loss_from_logits(logits, labels, False)
 
     def model_forward(
         self,
@@ -253,6 +302,11 @@ class GPTModel(nn.Module):
     ) -> torch.Tensor:
         """`forward`'s arithmetic, after the key/value cache checks."""
         hidden = self.language_model(input_ids, position_ids, attention_mask, inference_params)
+        return self.output_forward(hidden, labels)
+
+    def output_forward(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The decoder's output [s(/tp), b, h] -> what `forward` returns: a stage's
+        activations, logits, or (with `labels`) per-token losses."""
         if not self.is_last:
             # What the next stage was told to expect (`activation_shape`): the residual
             # stream's dtype (the parameters', also under autocast), contiguous.

@@ -25,6 +25,7 @@ from megatron.model.parameter_inventory import (
     layer_parameters,
     mla_parameters,
     mlp_parameters,
+    mtp_parameters,
     parameter_inventory,
 )
 
@@ -111,8 +112,12 @@ def flops_per_token(config: ModelConfig, seq_length: int) -> int:
         weights = sum(spec.numel for spec in mla_parameters(config) if len(spec.shape) == 2)
         head_widths = mla.qk_head_dim + mla.qk_pos_emb_head_dim + mla.v_head_dim
         attention = 2 * weights + 2 * seq_length * n * head_widths
-    layers = sum(attention + _moe_layer(config, e, True)[1] for e in _experts(config))
+    experts = _experts(config)
+    layers = sum(attention + _moe_layer(config, e, True)[1] for e in experts)
     forward = layers + 2 * h * config.vocab_size  # + logits
+    if config.mtp is not None:  # each module: eh_proj, a layer like the last, its logits
+        module = 2 * 2 * h * h + attention + _moe_layer(config, experts[-1], True)[1]
+        forward += config.mtp.num_layers * (module + 2 * h * config.vocab_size)
     return 3 * forward
 
 
@@ -233,8 +238,11 @@ def stage_tensor_sizes(
         parts["layers"] += layer_tensor_sizes(config, tp, experts[n - 1], ep)
     if last:
         parts["head"] = [spec.numel_per_rank(tp) for spec in head_parameters(config)]
-        if not config.untie_embeddings_and_output_weights and not first:
-            parts["head"].append(embedding[0].numel_per_rank(tp))  # the tied copy
+        tied = not config.untie_embeddings_and_output_weights
+        if (tied or config.mtp is not None) and not first:
+            parts["head"].append(embedding[0].numel_per_rank(tp))  # the embeddings' copy
+        if config.mtp is not None:  # multi-token prediction's modules (a layer like the last)
+            parts["head"] += _rank_sizes(mtp_parameters(config), config, tp, ep, experts[-1])[0]
     return parts
 
 

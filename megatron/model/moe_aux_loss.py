@@ -95,6 +95,7 @@ class AuxLossTracker:
         self._open = False
         self._forward: list[torch.Tensor] | None = None
         self._metrics: dict[tuple[str, int], torch.Tensor] = {}
+        self._losses: dict[str, torch.Tensor] = {}
         self._layers = (1, False)  # the model's MoE layers, per-layer logging
 
     def set_backward_scale(self, scale: torch.Tensor | float) -> None:
@@ -103,7 +104,7 @@ class AuxLossTracker:
 
     def start(self) -> None:
         """Begin a step: forget any earlier total and sum the forwards from now on."""
-        self._total, self._open, self._metrics = None, True, {}
+        self._total, self._open, self._metrics, self._losses = None, True, {}, {}
 
     @contextlib.contextmanager
     def forward(self, coeff: float, moe_layers: int = 1, per_layer: bool = False) -> Iterator[None]:
@@ -131,12 +132,21 @@ class AuxLossTracker:
             value = value.detach().float().reshape(())
             self._metrics[key] = self._metrics[key] + value if key in self._metrics else value
 
+    def record_loss(self, name: str, value: torch.Tensor) -> None:
+        """A loss logged under its own name as it is, summed over the step's forwards
+        (multi-token prediction's 'mtp_k loss'; the step averages over micro-batches)."""
+        if self._open:
+            value = value.detach().float().reshape(())
+            self._losses[name] = self._losses[name] + value if name in self._losses else value
+
     def pop(self) -> dict[str, torch.Tensor]:
         """End the step: `{"moe loss": the sum}` over its forwards and the named metrics, or {}
         when no MoE layer ran."""
         total, self._total, self._open = self._total, None, False
         metrics, self._metrics = self._metrics, {}
         reported = {} if total is None else {MOE_LOSS: total}
+        reported.update(self._losses)
+        self._losses = {}
         moe_layers, per_layer = self._layers
         for (name, layer), value in sorted(metrics.items()):
             mean = value / moe_layers

@@ -93,7 +93,7 @@ class MLARotary(nn.Module):
         freqs = torch.outer(positions.to(self.inv_freq.device, torch.float32), self.inv_freq)
         return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
-    def apply(self, tensor: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    def rotate(self, tensor: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         """Rotate [s, b, n, dim]: its even channels then its odd ones, by halves (MLA's order)."""
         tensor = torch.cat((tensor[..., 0::2], tensor[..., 1::2]), dim=-1)
         first, second = tensor.chunk(2, dim=-1)
@@ -194,8 +194,8 @@ class MultiLatentAttention(nn.Module):
         q_content, q_pos = q.split([mla.qk_head_dim, mla.qk_pos_emb_head_dim], -1)
         k_content, value = kv.split([mla.qk_head_dim, mla.v_head_dim], -1)
         angles = self.rotary.at(positions)
-        q_pos = self.rotary.apply(q_pos, angles)
-        k_pos = self.rotary.apply(k_pos.unsqueeze(2), angles).expand(-1, -1, self.heads, -1)
+        q_pos = self.rotary.rotate(q_pos, angles)
+        k_pos = self.rotary.rotate(k_pos.unsqueeze(2), angles).expand(-1, -1, self.heads, -1)
         query = torch.cat((q_content, q_pos), dim=-1)
         key = torch.cat((k_content, k_pos), dim=-1)
         return query, key, value

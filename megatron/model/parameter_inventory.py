@@ -22,6 +22,8 @@ POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"
 OUTPUT_LAYER = "language_model.output_layer.weight"
 """The untied output layer (`--untie-embeddings-and-output-weights`), vocab-parallel."""
 LAYER_PREFIX = "language_model.encoder.layers."
+MTP_PREFIX = "mtp.layers."
+"""Multi-token prediction's modules (`--mtp-num-layers`), megatron-core's names."""
 
 
 @dataclass(frozen=True)
@@ -206,19 +208,32 @@ def head_parameters(config: ModelConfig, vocab_rows: int | None = None) -> list[
     return specs
 
 
+def mtp_parameters(config: ModelConfig) -> list[ParameterSpec]:
+    """Multi-token prediction's modules (megatron/model/multi_token_prediction.py), full
+    names: two norms, the column-parallel projection [h, 2h], a transformer layer of the last
+    layer's kind, the final norm; none without `config.mtp`."""
+    if config.mtp is None:
+        return []
+    h, experts = config.hidden_size, experts_per_layer(config)[-1]
+    specs = []
+    for index in range(config.mtp.num_layers):
+        prefix = f"{MTP_PREFIX}{index}."
+        module = _norm("enorm", config) + _norm("hnorm", config)
+        module.append(ParameterSpec("eh_proj.weight", (h, 2 * h), 0))
+        module += [
+            dataclasses.replace(spec, name=f"transformer_layer.{spec.name}")
+            for spec in layer_parameters(config, experts)
+        ]
+        module += _norm("final_layernorm", config)
+        specs += [dataclasses.replace(spec, name=prefix + spec.name) for spec in module]
+    return specs
+
+
 def parameter_inventory(config: ModelConfig, vocab_rows: int | None = None) -> list[ParameterSpec]:
     """Every parameter of the whole model under its full name, in state-dict order; a tied
     output layer is the word embedding (listed once)."""
     specs = embedding_parameters(config, vocab_rows)
     for number, experts in enumerate(experts_per_layer(config)):
         for spec in layer_parameters(config, experts):
-            specs.append(
-                ParameterSpec(
-                    f"{LAYER_PREFIX}{number}.{spec.name}",
-                    spec.shape,
-                    spec.tensor_split,
-                    spec.expert,
-                    spec.expert_split,
-                )
-            )
-    return specs + head_parameters(config, vocab_rows)
+            specs.append(dataclasses.replace(spec, name=f"{LAYER_PREFIX}{number}.{spec.name}"))
+    return specs + head_parameters(config, vocab_rows) + mtp_parameters(config)

@@ -228,9 +228,14 @@ class ParallelTransformerLayer(nn.Module):
         layer_number: int,
         groups: ModelGroups,
         moe_losses: AuxLossTracker,
+        like_layer: int | None = None,
     ) -> None:
+        """`like_layer`: the decoder layer whose kind (dense, MoE, FP8) this one takes, when
+        its own number lies past the decoder's (a multi-token prediction module's layer takes
+        the last layer's kind, as megatron-core builds it from the last layer's spec)."""
         super().__init__()
         self.layer_number = layer_number
+        kind = like_layer or layer_number
         self.moe_losses = moe_losses  # the model's tracker (megatron.model.moe_aux_loss)
         self.hidden_dropout = config.hidden_dropout
         self.sequence_split = sequence_is_split(config, groups)
@@ -240,10 +245,10 @@ class ParallelTransformerLayer(nn.Module):
         attention = MultiLatentAttention if config.mla is not None else ParallelAttention
         self.self_attention = attention(config, layer_number, groups)
         self.post_attention_layernorm = build_norm(config)
-        experts = config.moe.experts_per_layer[layer_number - 1] if config.moe else 1
+        experts = config.moe.experts_per_layer[kind - 1] if config.moe else 1
         self.is_moe = experts > 1  # DeepSpeed-MoE
         routed = config.routed_moe
-        self.is_routed_moe = routed is not None and routed.moe_layers[layer_number - 1]
+        self.is_routed_moe = routed is not None and routed.moe_layers[kind - 1]
         # DeepSpeed's MoE layer (`.mlp.deepspeed_moe...`, Megatron-DeepSpeed's names),
         # Megatron-LM's (`.mlp.router`, `.mlp.experts`) or the dense MLP.
         if self.is_moe:
@@ -253,7 +258,7 @@ class ParallelTransformerLayer(nn.Module):
         else:
             self.mlp = ParallelMLP(config)
         self.moe_loss_coeff = config.moe.loss_coeff if self.is_moe else 0.0
-        if runs_in_fp8(config, layer_number):
+        if runs_in_fp8(config, kind):
             use_fp8_matmuls(self, config.fp8)
 
     def forward(
@@ -314,6 +319,19 @@ def compiled_layer_forward():
     return torch.compile(ParallelTransformerLayer.layer_forward)
 
 
+def moe_metrics_of(config: ModelConfig) -> tuple[int, bool]:
+    """How Megatron-LM's named MoE losses are logged (`AuxLossTracker.forward`): as means over
+    the whole model's MoE layers, multi-token prediction's included (megatron-core's count),
+    and whether per layer too."""
+    routed = config.routed_moe
+    if routed is None:
+        return 1, False
+    layers = sum(routed.moe_layers)
+    if config.mtp is not None and routed.moe_layers[-1]:  # MTP layers are like the last
+        layers += config.mtp.num_layers
+    return layers, routed.per_layer_logging
+
+
 def recompute_chunks(config: ModelConfig, layers: int) -> list[tuple[int, int, bool]]:
     """Under `--recompute-granularity full`, how a stack of `layers` layers runs: (start,
     stop, recomputed) runs of its layers, each recomputed run one checkpoint (the planner
@@ -353,11 +371,7 @@ class ParallelTransformer(nn.Module):
         self.has_moe = any(layer.is_moe or layer.is_routed_moe for layer in self.layers)
         # DeepSpeed-MoE layers record their raw losses, Megatron-LM's their weighted ones.
         self.moe_loss_coeff = config.moe.loss_coeff if config.moe else 1.0
-        routed = config.routed_moe
-        # Megatron-LM's logged losses are means over the whole model's MoE layers.
-        self.moe_metrics = (
-            (sum(routed.moe_layers), routed.per_layer_logging) if routed else (1, False)
-        )
+        self.moe_metrics = moe_metrics_of(config)
 
     def _recomputed_layers(self, hidden, attention_mask):
         config = self.config

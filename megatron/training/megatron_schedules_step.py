@@ -104,10 +104,12 @@ def _global_batch(data_iterator: Iterator, trainer: PipelineTrainer, microbatche
 
 def _moe_loss_over_stages(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
     """This step's 'moe loss' (and Megatron-LM's named MoE losses) of every stage's MoE layers,
-    summed over the stages; {} for a dense model. A collective of the pipeline group."""
+    summed over the stages, with the last stage's 'mtp_k loss'; {} for a dense model without
+    multi-token prediction. A collective of the pipeline group with MoE layers."""
     stage = moe_losses_of(trainer.model).pop()
-    if trainer.model[0].config.moe is None and trainer.model[0].config.routed_moe is None:
-        return {}
+    config = trainer.model[0].config
+    if config.moe is None and config.routed_moe is None:
+        return stage  # {} or, on the last stage, multi-token prediction's 'mtp_k loss'
     # A stage may hold no MoE layer (--expert-interval, --moe-layer-freq): it adds nothing.
     local = {name: float(value) for name, value in stage.items()}
     local.setdefault(MOE_LOSS, 0.0)

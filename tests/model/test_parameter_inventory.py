@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron.config import RoutedMoEConfig
+from megatron.deepseek_config import MTPConfig
 from megatron.model import GPTModel
 from megatron.model.parameter_inventory import parameter_inventory
 from tests.model.helpers import tiny_config
@@ -38,6 +39,16 @@ OPTIONS = {
     "megatron-lm moe, no biases": dict(
         add_bias_linear=False,
         routed_moe=RoutedMoEConfig(num_experts=2, moe_layers=(True, True)),
+    ),
+    "multi-token prediction, tied": dict(mtp=MTPConfig(num_layers=2)),
+    "multi-token prediction after an moe layer": dict(
+        activation="swiglu",
+        normalization="rmsnorm",
+        untie_embeddings_and_output_weights=True,
+        mtp=MTPConfig(num_layers=1),
+        routed_moe=RoutedMoEConfig(
+            num_experts=4, moe_layers=(False, True), shared_expert_ffn_hidden_size=40
+        ),
     ),
 }
 

@@ -133,6 +133,9 @@ class PipelineRunner:
         inputs, documents = inputs[:2], inputs[2:]
         args = inputs if self.is_first else ()
         kwargs = {"labels": labels} if self.is_last else {}
+        if self.is_last and any(hasattr(chunk, "mtp") for chunk in self.chunks):
+            # Multi-token prediction on the last stage: the tokens it embeds, the loss mask.
+            kwargs.update(loss_mask=target, mtp_input_ids=inputs[0], mtp_position_ids=inputs[1])
         if documents:
             kwargs["document_ids"] = documents[0]
         last_target = target if self.is_last else None
