@@ -145,6 +145,11 @@ def hf_architecture(config: ModelConfig) -> str:
             "multi-latent attention (--multi-latent-attention) has no Hugging Face export here "
             "yet (DeepseekV3ForCausalLM / DeepseekV2ForCausalLM are not built)"
         )
+    if config.mtp is not None:
+        raise CheckpointConversionError(
+            "multi-token prediction (--mtp-num-layers) has no Hugging Face export here yet "
+            "(DeepSeek-V3's format holds its modules as layer num_layers; the others none)"
+        )
     if config.routed_moe is not None:
         candidates = {MIXTRAL: mixtral_differences(config), GLM4_MOE: glm4_moe_differences(config)}
     elif config.moe is not None:

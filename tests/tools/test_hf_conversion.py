@@ -442,3 +442,32 @@ def test_user_errors_are_one_line(small_checkpoint, tmp_path, capsys, case):
     code = main([f.format(**paths) for f in flags])
     assert_one_line_error(code, capsys.readouterr().err, *[n.format(**paths) for n in named])
     assert snapshot(tmp_path) == before and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        (
+            dict(
+                multi_latent_attention=True,
+                q_lora_rank=None,
+                kv_lora_rank=16,
+                qk_head_dim=8,
+                qk_pos_emb_head_dim=8,
+                v_head_dim=8,
+                rotary_scaling_factor=1.0,
+                mscale=1.0,
+                mscale_all_dim=0.0,
+            ),
+            "--multi-latent-attention",
+        ),
+        (dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.1), "--mtp-num-layers"),
+    ],
+    ids=["multi-latent attention", "multi-token prediction"],
+)
+def test_deepseek_parts_without_an_export_are_refused_by_flag(changes, named):
+    config = model_config({**ARGS, **LLAMA_ARGS, **changes})
+    with pytest.raises(CheckpointConversionError) as error:
+        hf_architecture(config)
+    message = str(error.value)
+    assert "\n" not in message and named in message and "Hugging Face export" in message
