@@ -199,6 +199,12 @@ class RoutedMoEConfig:
     `--expert-model-parallel-size`)."""
     per_layer_logging: bool = False
     """Log each MoE layer's losses, not only their mean (`--moe-per-layer-logging`)."""
+    num_groups: int | None = None
+    """Group-limited routing: the experts in this many equal groups (`--moe-router-num-groups`)."""
+    group_topk: int | None = None
+    """Groups each token chooses its experts from (`--moe-router-group-topk`)."""
+    force_load_balancing: bool = False
+    """Random router logits, for benchmarking (`--moe-router-force-load-balancing`)."""
 
 
 @dataclass(frozen=True)
@@ -531,6 +537,9 @@ def routed_moe_config_from_args(args: Namespace) -> RoutedMoEConfig | None:
         grouped_gemm=args.moe_grouped_gemm,
         expert_parallel_size=args.expert_model_parallel_size,
         per_layer_logging=args.moe_per_layer_logging,
+        num_groups=args.moe_router_num_groups,
+        group_topk=args.moe_router_group_topk,
+        force_load_balancing=args.moe_router_force_load_balancing,
     )
 
 

@@ -299,17 +299,6 @@ REFUSED: list[CompatFlag] = [
         accepts=lambda value, args: value in (None, ["core_attn"]),
     ),
     *_refused(
-        "Megatron-LM's flex token dispatcher (DeepEP / HybridEP kernels) is not built here; "
-        "--moe-token-dispatcher-type alltoall or allgather run",
-        "--moe-flex-dispatcher-backend:str",
-        accepts=_equals(None),
-    ),
-    *_refused(
-        "forced balanced routing (Megatron-LM's benchmarking aid that ignores the router) is "
-        "not built here",
-        "--moe-router-force-load-balancing",
-    ),
-    *_refused(
         "YaRN positions are built for multi-latent attention only (--rope-type yarn with "
         "--multi-latent-attention); other layers take --rope-type rope",
         "--rope-type:str",

@@ -161,19 +161,35 @@ def add_routed_moe_flags(parser: argparse.ArgumentParser) -> None:
         "--moe-router-num-groups",
         type=int,
         default=None,
-        help="Device-limited routing groups (not built here).",
+        help="Group-limited routing (DeepSeek-V2's device-limited, V3's node-limited): the "
+        "experts in this many equal groups, of which each token uses --moe-router-group-topk.",
     )
     add(
         "--moe-router-group-topk",
         type=int,
         default=None,
-        help="Groups each token may use (not built here).",
+        help="Groups each token chooses (by the sum of its top k / group-topk scores in each) "
+        "before its top-k experts among them.",
+    )
+    add(
+        "--moe-router-force-load-balancing",
+        action="store_true",
+        help="Megatron-LM's benchmarking mode: random router logits (each token's experts "
+        "drawn uniformly; the gradient passes through as if they were the router's).",
     )
     add(
         "--moe-token-dispatcher-type",
         choices=["allgather", "alltoall", "flex"],
         default="allgather",
-        help="How tokens reach other ranks' experts.",
+        help="How tokens reach other ranks' experts (flex: Megatron-LM's DeepEP/HybridEP "
+        "dispatcher, run as alltoall here).",
+    )
+    add(
+        "--moe-flex-dispatcher-backend",
+        choices=["deepep", "hybridep"],
+        default=None,
+        help="The flex dispatcher's GPU kernels (DeepEP or HybridEP; not used here: flex runs "
+        "as alltoall).",
     )
     add(
         "--moe-expert-capacity-factor",
@@ -223,7 +239,9 @@ ROUTED_DEFAULTS = {
     "moe_router_dtype": None,
     "moe_router_num_groups": None,
     "moe_router_group_topk": None,
+    "moe_router_force_load_balancing": False,
     "moe_token_dispatcher_type": "allgather",
+    "moe_flex_dispatcher_backend": None,
     "moe_expert_capacity_factor": None,
     "moe_token_drop_policy": "probs",
     "moe_grouped_gemm": False,
@@ -300,9 +318,55 @@ def settle_routed_moe(args: argparse.Namespace) -> None:
             f"--moe-expert-capacity-factor {args.moe_expert_capacity_factor}: must be above 0"
         )
     moe_layers(args)  # checks the pattern's length
+    _group_limited(args, experts)
+    _flex_dispatcher(args)
     for dest, (typed, reason) in INERT.items():
         if getattr(args, dest):
             args.compat_notes.append(f" > {typed}: accepted; no effect here ({reason})")
+
+
+def _group_limited(args: argparse.Namespace, experts: int) -> None:
+    """--moe-router-num-groups G with --moe-router-group-topk g: G equal groups of experts,
+    g of them per token, k experts among those (megatron-core's `group_limited_topk`)."""
+    groups, chosen, k = args.moe_router_num_groups, args.moe_router_group_topk, args.moe_router_topk
+    if groups is None and chosen is None:
+        return
+    if groups is None or chosen is None:
+        raise ArgumentError(
+            "--moe-router-num-groups and --moe-router-group-topk go together (group-limited "
+            "routing needs both)"
+        )
+    if groups < 1 or experts % groups:
+        raise ArgumentError(
+            f"--moe-router-num-groups {groups}: must divide --num-experts {experts}"
+        )
+    if not 1 <= chosen <= groups:
+        raise ArgumentError(f"--moe-router-group-topk {chosen}: must be 1 to {groups} groups")
+    if k % chosen or k > chosen * (experts // groups):
+        raise ArgumentError(
+            f"--moe-router-topk {k} with --moe-router-group-topk {chosen}: k must be a multiple "
+            f"of the chosen groups (each contributes k / {chosen} scores) and fit in them "
+            f"({chosen} x {experts // groups} experts)"
+        )
+
+
+def _flex_dispatcher(args: argparse.Namespace) -> None:
+    """--moe-token-dispatcher-type flex runs as alltoall (the same tokens reach the same
+    experts); its GPU kernel libraries are named in a start-up note."""
+    backend = args.moe_flex_dispatcher_backend
+    if args.moe_token_dispatcher_type == "flex":
+        args.moe_token_dispatcher_type = "alltoall"
+        kernels = {"deepep": "DeepEP", "hybridep": "HybridEP"}.get(backend, "DeepEP/HybridEP")
+        args.compat_notes.append(
+            f" > --moe-token-dispatcher-type flex: runs as alltoall here ({kernels} is a GPU "
+            "kernel library for NVLink/InfiniBand all-to-all, not built; tokens, experts and "
+            "results are the same)"
+        )
+    elif backend is not None:
+        args.compat_notes.append(
+            f" > --moe-flex-dispatcher-backend {backend}: accepted; no effect without "
+            "--moe-token-dispatcher-type flex"
+        )
 
 
 def _not_built(args: argparse.Namespace) -> None:
@@ -322,16 +386,6 @@ def _not_built(args: argparse.Namespace) -> None:
         (
             args.moe_router_score_function == "sqrtsoftplus",
             "--moe-router-score-function sqrtsoftplus: not built here (softmax and sigmoid are)",
-        ),
-        (
-            args.moe_router_num_groups is not None or args.moe_router_group_topk is not None,
-            "--moe-router-num-groups / --moe-router-group-topk: device-limited routing is not "
-            "built here",
-        ),
-        (
-            args.moe_token_dispatcher_type == "flex",
-            "--moe-token-dispatcher-type flex: DeepEP's dispatcher is not built here (alltoall "
-            "and allgather are)",
         ),
         (
             (args.expert_tensor_parallel_size or 1) > 1,

@@ -5,7 +5,11 @@ Scores: softmax of the logits over the chosen k (or over all experts first, with
 `--moe-router-pre-softmax`), or sigmoid normalized over the chosen k (DeepSeek-V3). With
 `--moe-router-enable-expert-bias` a per-expert bias is added to the scores when choosing the
 experts only (the weights stay unbiased) and moved after every step toward even loads
-(`update_expert_biases`; aux-loss-free balancing, arXiv 2408.15664). The losses reach the
+(`update_expert_biases`; aux-loss-free balancing, arXiv 2408.15664). With
+`--moe-router-num-groups G --moe-router-group-topk g` (DeepSeek-V3's node-limited routing) a
+token first picks the g groups of experts whose top k / g scores sum highest, then its k
+experts among them; `--moe-router-force-load-balancing` (Megatron-LM's benchmarking mode)
+replaces the logits by normal noise whose gradient passes straight through. The losses reach the
 backward through autograd (`megatron.model.moe_aux_loss`): the z-loss through the logits,
 the load-balancing loss through the routing weights.
 """
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig, RoutedMoEConfig
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.tensor_parallel.meta_init import initialize, new_parameter
 from megatron.model.moe_aux_loss import AuxLossTracker, attach_aux_loss
 from megatron.model.utils import init_method_normal
@@ -52,6 +57,8 @@ class TopKRouter(nn.Module):
     def forward(self, hidden: torch.Tensor, seq_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, h] tokens ([s, b] flattened, `seq_length` = s) -> weights and map, [T, E]."""
         logits = self._logits(hidden)  # [T, E]
+        if self.moe.force_load_balancing:
+            logits = RandomLogits.apply(logits)
         # Full recomputation first runs each layer without gradients (the logged losses are
         # recorded then: that forward is the step's), then again in the backward (the losses
         # join the graph then; that pass is outside the step's forwards, so records nothing).
@@ -111,14 +118,14 @@ def topk_routing(
     if moe.score_function == "softmax":
         if moe.pre_softmax:
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            chosen = _choose(scores, k, expert_bias)
+            chosen = _choose(scores, moe, expert_bias)
             probs = scores.gather(1, chosen)
         else:
-            chosen = _choose(logits.float(), k, expert_bias)
+            chosen = _choose(logits.float(), moe, expert_bias)
             probs = torch.softmax(logits.gather(1, chosen), dim=-1, dtype=torch.float32)
     else:  # sigmoid
         scores = torch.sigmoid(logits.float())
-        chosen = _choose(scores, k, expert_bias)
+        chosen = _choose(scores, moe, expert_bias)
         probs = scores.gather(1, chosen)
         if k > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
@@ -130,11 +137,47 @@ def topk_routing(
     return dense, routing_map
 
 
-def _choose(scores: torch.Tensor, k: int, expert_bias: torch.Tensor | None) -> torch.Tensor:
-    """The k experts of highest score (plus the expert bias, when there is one): [T, k]."""
+def _choose(
+    scores: torch.Tensor, moe: RoutedMoEConfig, expert_bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The k experts of highest score (plus the expert bias, when there is one), within each
+    token's chosen groups under group-limited routing: [T, k]."""
     if expert_bias is not None:
         scores = scores + expert_bias.float()
-    return torch.topk(scores, k=k, dim=1).indices
+    if moe.group_topk:
+        scores = group_limited_scores(scores, moe.top_k, moe.num_groups, moe.group_topk)
+    return torch.topk(scores, k=moe.top_k, dim=1).indices
+
+
+def group_limited_scores(
+    scores: torch.Tensor, k: int, num_groups: int, group_topk: int
+) -> torch.Tensor:
+    """[T, E] scores with every expert outside each token's `group_topk` best groups at -inf;
+    a group's worth is the sum of its top k / group_topk scores (megatron-core's
+    `group_limited_topk`)."""
+    tokens, experts = scores.shape
+    grouped = scores.view(tokens, num_groups, experts // num_groups)
+    worth = grouped.topk(k // group_topk, dim=-1).values.sum(dim=-1)  # [T, G]
+    best = worth.topk(group_topk, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(worth, dtype=torch.bool).scatter(1, best, True)  # [T, G]
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view(tokens, experts)
+
+
+class RandomLogits(torch.autograd.Function):
+    """`--moe-router-force-load-balancing`: standard normal logits in place of the router's,
+    drawn on the model-parallel stream (each tensor-parallel rank its own, as megatron-core's
+    `RandomSTE` on its expert stream); the gradient goes to the router's logits unchanged."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        """Normal noise of `logits`' shape and dtype."""
+        with get_cuda_rng_tracker().fork():
+            return torch.randn_like(logits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        """Straight through."""
+        return grad
 
 
 def expert_capacity(moe: RoutedMoEConfig, tokens: int) -> int | None:

@@ -107,9 +107,24 @@ def test_num_experts_alone_stays_deepspeed_moe() -> None:
         ("--num-experts 4 --expert-model-parallel-size 4", 2, ["data-parallel size 2"]),
         ("--num-experts 4 --moe-layer-freq [1,0]", 2, ["--moe-layer-freq", "--num-layers is 4"]),
         ("--num-experts 4 --moe-router-load-balancing-type sinkhorn", 2, ["sinkhorn", "not built"]),
-        ("--num-experts 4 --moe-token-dispatcher-type flex", 2, ["flex", "not built"]),
         ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2", 2, ["TP 1"]),
-        ("--num-experts 4 --moe-router-num-groups 2", 2, ["device-limited routing"]),
+        ("--num-experts 4 --moe-router-num-groups 2", 2, ["--moe-router-group-topk", "both"]),
+        (
+            "--num-experts 6 --moe-router-num-groups 4 --moe-router-group-topk 2",
+            2,
+            ["--moe-router-num-groups 4", "--num-experts 6"],
+        ),
+        (
+            "--num-experts 8 --moe-router-num-groups 4 --moe-router-group-topk 5",
+            2,
+            ["--moe-router-group-topk 5", "1 to 4"],
+        ),
+        (
+            "--num-experts 8 --moe-router-topk 3 --moe-router-num-groups 4 "
+            "--moe-router-group-topk 2",
+            2,
+            ["--moe-router-topk 3", "multiple"],
+        ),
     ],
 )
 def test_refused_in_one_line(extra: str, world_size: int, words: list[str]) -> None:
@@ -137,3 +152,21 @@ def test_engines(tmp_path) -> None:
     assert (
         sharded.layout.describe() == "TP 1 x PP 1 x DP 2 x EP 2, fp32, FSDP2 optim_grads on plain"
     )
+
+
+def test_deepseek_v3_routing_flags() -> None:
+    """Group-limited routing and forced balancing reach the router; flex runs as alltoall with
+    a start-up note naming its GPU kernels; Megatron-LM's first-k-dense expression reads."""
+    args = validated(
+        "--num-experts 8 --moe-router-topk 4 --moe-router-num-groups 4 --moe-router-group-topk 2 "
+        "--moe-router-force-load-balancing --moe-token-dispatcher-type flex "
+        "--moe-flex-dispatcher-backend hybridep --moe-layer-freq [0]*1+[1]*3"
+    )
+    routed = ModelConfig.from_args(args).routed_moe
+    assert (routed.num_groups, routed.group_topk, routed.force_load_balancing) == (4, 2, True)
+    assert routed.dispatcher == "alltoall"
+    assert routed.moe_layers == (False, True, True, True)
+    notes = [note for note in args.compat_notes if "--moe-token-dispatcher-type flex" in note]
+    assert len(notes) == 1 and "runs as alltoall" in notes[0] and "HybridEP" in notes[0]
+    unused = validated("--num-experts 4 --moe-flex-dispatcher-backend deepep").compat_notes
+    assert any("--moe-flex-dispatcher-backend deepep: accepted; no effect" in n for n in unused)

@@ -1,4 +1,5 @@
-"""Oracle job: megatron-core's multi-latent attention on CPU (run with megatron-core as `megatron`).
+"""Oracle job: megatron-core's DeepSeek-V3 parts on CPU (run with megatron-core as `megatron`):
+multi-latent attention, and the router's top-k with group-limited routing.
 
     python megatron_core_mla.py OUT PORT
 
@@ -29,6 +30,32 @@ CASES = {
 SHAPE = dict(hidden_size=64, num_attention_heads=4, kv_lora_rank=16, qk_head_dim=12,
              qk_pos_emb_head_dim=8, v_head_dim=10)  # fmt: skip
 SEQ, BATCH = 8, 2
+ROUTING = {
+    "sigmoid, bias, groups (DeepSeek-V3)": dict(topk=4, num_groups=4, group_topk=2,
+        score_function="sigmoid", scaling_factor=2.5, experts=16, bias=True),
+    "softmax before the top-k, groups": dict(topk=2, num_groups=4, group_topk=2,
+        use_pre_softmax=True, experts=8),
+    "softmax after the top-k, groups": dict(topk=4, num_groups=2, group_topk=1, experts=8),
+}  # fmt: skip
+"""megatron-core's `topk_routing_with_score_function` keywords (and the experts, whether an
+expert bias is added) of each routing case: OUT["routing"][case] holds its logits, bias,
+routing weights and map."""
+
+
+def routing_cases() -> dict:
+    """megatron-core's routing of seeded logits for every `ROUTING` case."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    results = {}
+    for case, fields in ROUTING.items():
+        fields = dict(fields)
+        experts, with_bias = fields.pop("experts"), fields.pop("bias", False)
+        generator = torch.Generator().manual_seed(len(results))
+        logits = torch.randn(64, experts, generator=generator)
+        bias = torch.randn(experts, generator=generator) * 0.1 if with_bias else None
+        probs, routing_map = topk_routing_with_score_function(logits, expert_bias=bias, **fields)
+        results[case] = {"logits": logits, "bias": bias, "probs": probs, "map": routing_map}
+    return results
 
 
 class CausalCore(torch.nn.Module):
@@ -92,6 +119,7 @@ def main() -> None:
             "grads": {"x": x.grad.clone()}
             | {n: p.grad.clone() for n, p in attention.named_parameters()},
         }
+    results["routing"] = routing_cases()
     torch.save(results, out_path)
     dist.destroy_process_group()
 

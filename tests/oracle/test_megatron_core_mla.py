@@ -1,4 +1,5 @@
-"""Our multi-latent attention equals released megatron-core's (issue 57).
+"""Our multi-latent attention and group-limited routing equal released megatron-core's
+(issue 57).
 
 `megatron_core_mla.py` builds megatron-core 0.16.1's `MLASelfAttention` (local spec, CPU; see
 there for the two start-up shims and the causal core attention at its softmax scale) for
@@ -6,7 +7,10 @@ DeepSeek-V3's form (a query latent, latent norms, YaRN at factor 4 with mscale 0
 mscale-all-dim 1) and DeepSeek-V2-Lite's (no query latent, plain rope), runs forward and
 backward, and saves its weights and results. Our `MultiLatentAttention` with the same flags,
 its weights copied by name (megatron-core's names are ours), must give the same output and the
-same gradients (input's and every weight's) up to fp32 sums in other orders.
+same gradients (input's and every weight's) up to fp32 sums in other orders. The same job
+routes seeded logits with megatron-core's `topk_routing_with_score_function` (DeepSeek-V3's
+sigmoid scores with an expert bias, top-4 of 16 in the best 2 of 4 groups, scaled by 2.5; softmax
+before and after the top-k with groups): our router's weights and map are the same.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import os
 import pytest
 import torch
 
-from megatron.config import MLAConfig, ModelConfig
+from megatron.config import MLAConfig, ModelConfig, RoutedMoEConfig
 from megatron.core.process_groups import this_rank_groups
+from megatron.model.moe_router import topk_routing
 from megatron.model.multi_latent_attention import MultiLatentAttention
 from tests.conftest import run_oracle
 from tests.distributed import free_port
@@ -66,3 +71,23 @@ def test_our_mla_equals_megatron_cores(oracle: dict, case: str) -> None:
     assert grads.keys() == theirs["grads"].keys()
     for name, grad in theirs["grads"].items():
         assert_close_reordered(grads[name], grad, terms=3 * FORWARD_TERMS + 16, msg=name)
+
+
+ROUTING = {
+    "sigmoid, bias, groups (DeepSeek-V3)": dict(top_k=4, num_groups=4, group_topk=2,
+        score_function="sigmoid", topk_scaling_factor=2.5, num_experts=16),
+    "softmax before the top-k, groups": dict(top_k=2, num_groups=4, group_topk=2,
+        pre_softmax=True, num_experts=8),
+    "softmax after the top-k, groups": dict(top_k=4, num_groups=2, group_topk=1, num_experts=8),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(ROUTING))
+def test_group_limited_routing_equals_megatron_cores(oracle: dict, case: str) -> None:
+    """The same experts for every token, with the same weights."""
+    theirs = oracle["routing"][case]
+    moe = RoutedMoEConfig(moe_layers=(True,), **ROUTING[case])
+    probs, routing_map = topk_routing(theirs["logits"], moe, theirs["bias"])
+    assert torch.equal(routing_map, theirs["map"].bool())
+    assert routing_map.sum(dim=1).eq(moe.top_k).all()
+    torch.testing.assert_close(probs, theirs["probs"], rtol=1e-6, atol=1e-7)
