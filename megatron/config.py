@@ -331,6 +331,10 @@ class ModelConfig:
     """`uniform` (every group of N layers) or `block` (only the first N layers)."""
     recompute_num_layers: int = 1
     """N of `recompute_method` (`--recompute-num-layers`, `--checkpoint-num-layers`)."""
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    """Under selective recomputation, the parts of each layer recomputed in the backward
+    (`--recompute-modules`: core_attn, mlp, moe, shared_experts, moe_act, layernorm,
+    mla_up_proj; `megatron.model.utils.recomputes`)."""
     distribute_saved_activations: bool = False
     """Keep 1/tp of each recomputed layer's input on every TP rank."""
     parallel_output: bool = True
@@ -470,6 +474,7 @@ class ModelConfig:
             recompute_granularity=granularity,
             recompute_method=get("recompute_method") or "uniform",
             recompute_num_layers=get("recompute_num_layers") or get("checkpoint_num_layers") or 1,
+            recompute_modules=tuple(get("recompute_modules") or ("core_attn",)),
             distribute_saved_activations=bool(
                 get("distribute_saved_activations") or get("partition_activations")
             ),

@@ -293,12 +293,6 @@ REFUSED: list[CompatFlag] = [
         accepts=_equals("vanilla", None, False),
     ),
     *_refused(
-        "selective recomputation here recomputes the core attention only (Megatron-LM's "
-        "--recompute-modules core_attn, its default); other module lists are not built",
-        "--recompute-modules:strs",
-        accepts=lambda value, args: value in (None, ["core_attn"]),
-    ),
-    *_refused(
         "YaRN positions are built for multi-latent attention only (--rope-type yarn with "
         "--multi-latent-attention); other layers take --rope-type rope",
         "--rope-type:str",

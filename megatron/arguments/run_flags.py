@@ -9,6 +9,17 @@ from __future__ import annotations
 
 import argparse
 
+RECOMPUTE_MODULES = (
+    "core_attn",
+    "moe_act",
+    "layernorm",
+    "mla_up_proj",
+    "mlp",
+    "moe",
+    "shared_experts",
+)
+"""`--recompute-modules` choices (Megatron-LM's)."""
+
 
 def add_training_flags(parser: argparse.ArgumentParser) -> None:
     """The training flags."""
@@ -100,6 +111,16 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
         "--recompute-activations",
         action="store_true",
         help="Megatron's shorthand for --recompute-granularity selective.",
+    )
+    group.add_argument(
+        "--recompute-modules",
+        nargs="*",
+        choices=RECOMPUTE_MODULES,
+        default=None,
+        help="With --recompute-granularity selective, the parts of each layer recomputed in "
+        "the backward (Megatron-LM's; default core_attn): core_attn, mlp (the dense MLP), moe "
+        "(the whole MoE layer), shared_experts, moe_act (the experts' activation), layernorm "
+        "(the two norms' outputs), mla_up_proj (MLA's up-projections and rotary part).",
     )
     group.add_argument(
         "--recompute-method",

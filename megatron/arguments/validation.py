@@ -318,6 +318,11 @@ def _recompute(args: argparse.Namespace) -> None:
     if args.recompute_granularity == "full" and args.recompute_method is None:
         args.recompute_method = "uniform"
     args.recompute_num_layers = args.recompute_num_layers or 1
+    if args.recompute_modules is not None and args.recompute_granularity != "selective":
+        args.compat_notes.append(
+            f" > --recompute-modules {' '.join(args.recompute_modules)}: accepted; no effect "
+            "without --recompute-granularity selective (as in Megatron-LM)"
+        )
     if args.sequence_parallel and (args.distribute_saved_activations or args.partition_activations):
         raise ArgumentError(
             "--distribute-saved-activations/--partition-activations cannot be combined with "

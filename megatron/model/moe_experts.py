@@ -16,8 +16,9 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.core.tensor_parallel.meta_init import initialize, new_parameter
+from megatron.core.tensor_parallel.output_discarding import OutputDiscardingCheckpoint
 from megatron.model.fused_ops import bias_swiglu
-from megatron.model.utils import init_method_normal, scaled_init_method_normal
+from megatron.model.utils import init_method_normal, recomputes, scaled_init_method_normal
 
 
 def _zeros(*tensors: torch.Tensor) -> None:
@@ -36,6 +37,8 @@ class GroupedExperts(nn.Module):
         self.swiglu = config.activation == "swiglu"
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
         self.grouped_gemm = moe.grouped_gemm
+        # Its output freed after the second matmul saved it, recomputed in the backward.
+        self.recompute_activation = recomputes(config, "moe_act")
         width = ffn * (2 if self.swiglu else 1)
         hidden, dtype = config.hidden_size, config.torch_dtype
         self.weight1 = new_parameter((num_local_experts, hidden, width), dtype)
@@ -67,12 +70,22 @@ class GroupedExperts(nn.Module):
         tokens = tokens.to(dtype)
         intermediate = self._matmul(tokens, self.weight1.to(dtype), counts)  # [N, (2 x) ffn]
         intermediate = _add_bias(intermediate, self.bias1, counts)
-        if self.swiglu:
-            activated = bias_swiglu(intermediate, None)
+        recompute = None
+        if self.recompute_activation and self.training and torch.is_grad_enabled():
+            recompute = OutputDiscardingCheckpoint()  # --recompute-modules moe_act
+            activated = recompute.checkpoint(self._activation, intermediate)
         else:
-            activated = F.gelu(intermediate, approximate=self.approximate)
+            activated = self._activation(intermediate)
         output = self._matmul(activated, self.weight2.to(dtype), counts)  # [N, h]
+        if recompute is not None:
+            recompute.discard_output_and_register_recompute(output)
         return _add_bias(output, self.bias2, counts)
+
+    def _activation(self, intermediate: torch.Tensor) -> torch.Tensor:
+        """SwiGLU or GeLU of the first matmul's output."""
+        if self.swiglu:
+            return bias_swiglu(intermediate, None)
+        return F.gelu(intermediate, approximate=self.approximate)
 
     def _matmul(
         self, tokens: torch.Tensor, weight: torch.Tensor, counts: list[int]

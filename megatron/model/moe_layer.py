@@ -39,6 +39,7 @@ from megatron.model.mlp import ParallelMLP
 from megatron.model.moe_aux_loss import AuxLossTracker
 from megatron.model.moe_experts import GroupedExperts
 from megatron.model.moe_router import TopKRouter
+from megatron.model.utils import checkpointed_pair, recomputes
 
 EXPERT_GROUP_NAME = "expert_model_parallel"
 """`group_name` of the routed experts' parameters (DeepSpeed-MoE's are named by their EP)."""
@@ -78,6 +79,10 @@ class RoutedMoE(nn.Module):
             self.shared_experts = ParallelMLP(shared)
         else:
             self.shared_experts = None
+        # --recompute-modules shared_experts (not when the whole layer is recomputed: moe).
+        self.recompute_shared = recomputes(config, "shared_experts") and not recomputes(
+            config, "moe"
+        )
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
         """[s, b, h] -> ([s, b, h], no separate bias)."""
@@ -90,7 +95,10 @@ class RoutedMoE(nn.Module):
             output = self._all_gather(tokens, probs, routing_map)
         output = output.view(seq_length, batch, width)
         if self.shared_experts is not None:
-            shared, bias = self.shared_experts(hidden)
+            if self.recompute_shared and self.training and torch.is_grad_enabled():
+                shared, bias = checkpointed_pair(self.shared_experts, hidden)
+            else:
+                shared, bias = self.shared_experts(hidden)
             output = output + (shared if bias is None else shared + bias)
         return output, None
 

@@ -37,10 +37,16 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
     this_ranks_sequence_positions,
 )
+from megatron.core.tensor_parallel.output_discarding import OutputDiscardingCheckpoint
 from megatron.model.attention import CoreAttention
 from megatron.model.inference_params import InferenceParams
 from megatron.model.mlp import linear_kwargs
-from megatron.model.utils import build_norm, init_method_normal, scaled_init_method_normal
+from megatron.model.utils import (
+    build_norm,
+    init_method_normal,
+    recomputes,
+    scaled_init_method_normal,
+)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -150,7 +156,8 @@ class MultiLatentAttention(nn.Module):
         # As megatron-core, whatever the rope type (1 unless --rotary-scaling-factor > 1).
         factor = yarn_mscale(mla.rotary_scaling_factor, mla.mscale_all_dim)
         self.core_attention.scale = factor * factor / math.sqrt(self.q_head_dim)
-        self.recompute_core = config.recompute_granularity == "selective"
+        self.recompute_core = recomputes(config, "core_attn")
+        self.recompute_up = recomputes(config, "mla_up_proj")
         self.linear_proj = RowParallelLinear(
             n * mla.v_head_dim,
             config.hidden_size,
@@ -171,14 +178,18 @@ class MultiLatentAttention(nn.Module):
 
     def query_key_value(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple:
         """[s(/tp), b, h] -> query, key [s, b, n/tp, qk + pos] and value [s, b, n/tp, v]."""
+        return self.up_projections(*self.latents(hidden), self.rotary.at(positions))
+
+    def latents(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[s(/tp), b, h] -> the query latent (normalized; without one the projected query),
+        the key/value latent (normalized) and the shared rotary key [s, b, pos]."""
         mla = self.mla
         if mla.q_lora_rank is None:
-            q, _ = self.linear_q_proj(hidden)
+            q_in, _ = self.linear_q_proj(hidden)
         else:
-            q_latent = self._to_sequence_part(self._down(self.linear_q_down_proj, hidden))
+            q_in = self._to_sequence_part(self._down(self.linear_q_down_proj, hidden))
             if self.q_layernorm is not None:
-                q_latent = self.q_layernorm(q_latent)
-            q, _ = self.linear_q_up_proj(q_latent)
+                q_in = self.q_layernorm(q_in)
         kv_combined = self._down(self.linear_kv_down_proj, hidden)  # [s, b, kv_lora + pos]
         kv_latent, k_pos = kv_combined.split([mla.kv_lora_rank, mla.qk_pos_emb_head_dim], -1)
         if self.tensor_parallel_size > 1:
@@ -187,18 +198,31 @@ class MultiLatentAttention(nn.Module):
         kv_latent = self._to_sequence_part(kv_latent)
         if self.kv_layernorm is not None:
             kv_latent = self.kv_layernorm(kv_latent)
+        return q_in, kv_latent, k_pos
+
+    def up_projections(
+        self, q_in: torch.Tensor, kv_latent: torch.Tensor, k_pos: torch.Tensor, angles: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`latents` -> query, key, value: the up-projections and the rotary part
+        (`--recompute-modules mla_up_proj` recomputes this)."""
+        mla = self.mla
+        q = q_in if mla.q_lora_rank is None else self.linear_q_up_proj(q_in)[0]
         kv, _ = self.linear_kv_up_proj(kv_latent)
         s, b = q.shape[:2]
         q = q.view(s, b, self.heads, self.q_head_dim)
         kv = kv.view(s, b, self.heads, mla.qk_head_dim + mla.v_head_dim)
         q_content, q_pos = q.split([mla.qk_head_dim, mla.qk_pos_emb_head_dim], -1)
         k_content, value = kv.split([mla.qk_head_dim, mla.v_head_dim], -1)
-        angles = self.rotary.at(positions)
         q_pos = self.rotary.rotate(q_pos, angles)
         k_pos = self.rotary.rotate(k_pos.unsqueeze(2), angles).expand(-1, -1, self.heads, -1)
         query = torch.cat((q_content, q_pos), dim=-1)
         key = torch.cat((k_content, k_pos), dim=-1)
         return query, key, value
+
+    def _contiguous_up_projections(self, *latents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`up_projections` as tensors of their own storage (the value is a slice of the
+        key/value projection otherwise), what a recomputation refills."""
+        return tuple(t.contiguous() for t in self.up_projections(*latents))
 
     def forward(
         self,
@@ -216,7 +240,13 @@ class MultiLatentAttention(nn.Module):
         else:
             offset = inference_params.sequence_len_offset
             positions = torch.arange(offset, offset + s, device=hidden.device)
-        query, key, value = self.query_key_value(hidden, positions)
+        up = None
+        if self.recompute_up and self.training and torch.is_grad_enabled():
+            up = OutputDiscardingCheckpoint()
+            latents = (*self.latents(hidden), self.rotary.at(positions))
+            query, key, value = up.checkpoint(self._contiguous_up_projections, *latents)
+        else:
+            query, key, value = self.query_key_value(hidden, positions)
         causal = True
         if inference_params is not None:
             key, value = inference_params.update_key_value(self.layer_number, key, value)
@@ -231,4 +261,6 @@ class MultiLatentAttention(nn.Module):
             context = checkpoint(self.core_attention, False, query, key, value, attention_mask)
         else:
             context = self.core_attention(query, key, value, attention_mask, causal)
+        if up is not None:  # the core attention has saved them: free, refill in the backward
+            up.discard_output_and_register_recompute(context)
         return self.linear_proj(context)  # context [s, b, n/tp * v]

@@ -31,6 +31,7 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.tensor_parallel.layers import divide
 from megatron.core.tensor_parallel.mappings import this_ranks_sequence_positions
+from megatron.core.tensor_parallel.output_discarding import OutputDiscardingCheckpoint
 from megatron.model.attention import (
     CoreAttention,
     RotaryEmbedding,
@@ -54,7 +55,9 @@ from megatron.model.moe_layer import RoutedMoE
 from megatron.model.multi_latent_attention import MultiLatentAttention
 from megatron.model.utils import (
     build_norm,
+    checkpointed_pair,
     init_method_normal,
+    recomputes,
     run_eagerly_when_compiled,
     scaled_init_method_normal,
     sequence_is_split,
@@ -89,7 +92,7 @@ class ParallelAttention(nn.Module):
         self.kv_channels = config.kv_channels
         self.layer_number = layer_number
         self.window = config.window_size
-        self.recompute_core = config.recompute_granularity == "selective"
+        self.recompute_core = recomputes(config, "core_attn")
         if config.torch_compile and self.recompute_core:
             # Eager even inside a compiled layer: the recomputation runs in the backward pass,
             # outside the compiled function, so a compiled first pass would draw other dropout
@@ -258,6 +261,11 @@ class ParallelTransformerLayer(nn.Module):
         else:
             self.mlp = ParallelMLP(config)
         self.moe_loss_coeff = config.moe.loss_coeff if self.is_moe else 0.0
+        # --recompute-modules beyond core_attn: the norms' outputs (discarded, refilled in
+        # the backward), the dense MLP, the whole MoE layer.
+        self.recompute_norms = recomputes(config, "layernorm")
+        self.recompute_mlp = recomputes(config, "moe" if self.is_routed_moe else "mlp")
+        self.recompute_mlp = self.recompute_mlp and not self.is_moe
         if runs_in_fp8(config, kind):
             use_fp8_matmuls(self, config.fp8)
 
@@ -280,6 +288,8 @@ class ParallelTransformerLayer(nn.Module):
             # Inside the whole-model graph (TP=1) the layer is traced as part of it. An MoE
             # layer stays eager: its routing sizes the all-to-all from the data.
             compile_me = self.torch_compile and not (self.is_moe or self.is_routed_moe)
+            # (Freeing the norms' outputs resizes storage, which a graph cannot replay.)
+            compile_me = compile_me and not self.recompute_norms
             if compile_me and inference_params is None and not is_compiling():
                 return compiled_layer_forward()(self, hidden, attention_mask)
             return self.layer_forward(hidden, attention_mask, inference_params)
@@ -296,21 +306,39 @@ class ParallelTransformerLayer(nn.Module):
             if fuse_eagerly(hidden, self.bias_dropout_fusion)
             else bias_dropout_add
         )
-        attention_out, attention_bias = self.self_attention(
-            self.input_layernorm(hidden), attention_mask, inference_params
-        )
+        recompute = self.recompute_norms and self.training and torch.is_grad_enabled()
+        first_norm = OutputDiscardingCheckpoint() if recompute else None
+        normed = _norm(self.input_layernorm, hidden, first_norm)
+        attention = self.self_attention(normed, attention_mask, inference_params)
+        attention_out, attention_bias = attention
+        if first_norm is not None:
+            first_norm.discard_output_and_register_recompute(attention_out)
         hidden = residual_add(
             attention_out, attention_bias, hidden, self.hidden_dropout, self.training
         )
+        second_norm = OutputDiscardingCheckpoint() if recompute else None
+        normed = _norm(self.post_attention_layernorm, hidden, second_norm)
         if self.is_moe:
             # DeepSpeed's MoE: (output with the experts' biases in it, gate loss, counts). The
             # weighted gate loss reaches the backward through the output (moe_aux_loss.py).
-            mlp_out, balancing, _ = self.mlp(self.post_attention_layernorm(hidden))
+            mlp_out, balancing, _ = self.mlp(normed)
             mlp_out = attach_aux_loss(mlp_out, balancing, self.moe_loss_coeff, self.moe_losses)
             mlp_bias = None
+        elif self.recompute_mlp and self.training and torch.is_grad_enabled():
+            mlp_out, mlp_bias = checkpointed_pair(self.mlp, normed)
         else:
-            mlp_out, mlp_bias = self.mlp(self.post_attention_layernorm(hidden))
+            mlp_out, mlp_bias = self.mlp(normed)
+        if second_norm is not None:
+            second_norm.discard_output_and_register_recompute(mlp_out)
         return residual_add(mlp_out, mlp_bias, hidden, self.hidden_dropout, self.training)
+
+
+def _norm(
+    norm: nn.Module, hidden: torch.Tensor, recompute: OutputDiscardingCheckpoint | None
+) -> torch.Tensor:
+    """`norm(hidden)`, or (`--recompute-modules layernorm`) the same, its output freed once
+    the next matmul has saved it and recomputed when the backward gets there."""
+    return norm(hidden) if recompute is None else recompute.checkpoint(norm, hidden)
 
 
 @functools.cache

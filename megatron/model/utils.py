@@ -11,7 +11,7 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.core.process_groups import ModelGroups
-from megatron.core.tensor_parallel import mark_sequence_parallel
+from megatron.core.tensor_parallel import checkpoint, mark_sequence_parallel
 from megatron.core.tensor_parallel.meta_init import initialize, new_parameter, parameter_device
 
 
@@ -121,3 +121,24 @@ def build_norm(
     (default: under sequence parallelism)."""
     norm = RMSNorm if config.normalization == "rmsnorm" else LayerNorm
     return norm(config, width, partial_grads)
+
+
+def recomputes(config: ModelConfig, module: str) -> bool:
+    """Whether selective recomputation recomputes `module` of each layer
+    (`--recompute-granularity selective --recompute-modules ...`; core_attn by default)."""
+    return config.recompute_granularity == "selective" and module in config.recompute_modules
+
+
+def checkpointed_pair(
+    module: nn.Module, hidden: torch.Tensor, distribute: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`module(hidden)` -> (output, bias or None) recomputed in the backward (a dense MLP,
+    the shared expert, a whole MoE layer: `--recompute-modules mlp / shared_experts / moe`)."""
+
+    def run(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        output, bias = module(x)
+        return (output,) if bias is None else (output, bias)
+
+    outputs = checkpoint(run, distribute, hidden)
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    return outputs[0], (outputs[1] if len(outputs) > 1 else None)

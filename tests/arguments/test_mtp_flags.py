@@ -61,3 +61,19 @@ def test_refused_in_one_line(extra: str, world_size: int, named: str) -> None:
 def test_runs_on_the_other_engines() -> None:
     assert validated("--mtp-num-layers 1 --deepspeed --no-pipeline-parallel").mtp_num_layers == 1
     assert validated("--mtp-num-layers 1 --pipeline-model-parallel-size 2", 2).mtp_num_layers == 1
+
+
+def test_recompute_modules_flag() -> None:
+    """Megatron-LM's --recompute-modules (here with the flags tests of the DeepSeek-V3 recipe's
+    other new flags): the list reaches the model under selective recomputation, core_attn by
+    default, and without selective recomputation it is noted as without effect."""
+    config = model_config("--recompute-granularity selective --recompute-modules mlp moe layernorm")
+    assert (config.recompute_granularity, config.recompute_modules) == (
+        "selective",
+        ("mlp", "moe", "layernorm"),
+    )
+    assert model_config("--recompute-activations").recompute_modules == ("core_attn",)
+    args = validated("--recompute-modules mlp")
+    assert any("--recompute-modules mlp: accepted; no effect" in n for n in args.compat_notes)
+    with pytest.raises(SystemExit):
+        validated("--recompute-modules attention")  # not one of Megatron-LM's choices

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -183,6 +184,40 @@ def _autocast(states: dict[str, tuple[bool, torch.dtype]]) -> contextlib.ExitSta
     for device, (enabled, dtype) in states.items():
         stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
     return stack
+
+
+@dataclass(frozen=True)
+class RandomState:
+    """Every random stream a recomputation must replay, and the autocast it ran under."""
+
+    cpu: torch.Tensor
+    device: torch.Tensor
+    tracker: dict[str, torch.Tensor]
+    autocast: dict[str, tuple[bool, torch.dtype]]
+
+
+def capture_random_state() -> RandomState:
+    """The CPU, device and tracker RNG states and the autocast states, now."""
+    return RandomState(
+        torch.get_rng_state(), _device_rng_state(), _TRACKER.get_states(), _autocast_states()
+    )
+
+
+@contextlib.contextmanager
+def replaying(state: RandomState) -> Iterator[None]:
+    """Run the block with `state`'s random streams and autocast (gradients on), then put the
+    streams back as they were: a recomputation draws the forward's dropout masks."""
+    current = capture_random_state()
+    torch.set_rng_state(state.cpu)
+    _set_device_rng_state(state.device)
+    _TRACKER.set_states(state.tracker)
+    try:
+        with torch.enable_grad(), _autocast(state.autocast):
+            yield
+    finally:
+        torch.set_rng_state(current.cpu)
+        _set_device_rng_state(current.device)
+        _TRACKER.set_states(current.tracker)
 
 
 class _CheckpointFunction(torch.autograd.Function):
