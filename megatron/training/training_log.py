@@ -151,20 +151,39 @@ def params_l2_norm(params: Iterable[torch.nn.Parameter]) -> float:
 
     Every rank of the model-parallel group must call it. Each weight counts once: replicated
     ones on tensor-parallel rank 0, tied copies on their first stage. ZeRO-3 parameters are
-    read from this rank's partition (`ds_tensor`) and summed over the data-parallel group too.
+    read from this rank's partition (`ds_tensor`) and summed over the data-parallel group too;
+    FSDP2's from this rank's shards, summed over their sharding groups.
     """
     tp_rank_0 = parallel_state.get_tensor_model_parallel_rank() == 0
     device = current_device()
     squares = torch.zeros((), dtype=torch.float64, device=device)
     zero3 = False
+    # FSDP2's parameters are DTensors: each rank squares its shard, and the sums of the
+    # tensors sharded alike are added over their sharding groups (never gathered).
+    sharded: dict[tuple, torch.Tensor] = {}
     for param in params:
         if not counted_once(param, tp_rank_0):
             continue
         data = getattr(param, "ds_tensor", None)
         zero3 = zero3 or data is not None
         data = param.detach() if data is None else data.detach()
+        if hasattr(data, "to_local"):
+            groups = tuple(
+                data.device_mesh.get_group(dim)
+                for dim, placement in enumerate(data.placements)
+                if placement.is_shard()
+            )
+            data = data.to_local()
+            if groups:
+                square = torch.linalg.vector_norm(data, dtype=torch.float64).square().to(device)
+                sharded[groups] = sharded[groups] + square if groups in sharded else square
+                continue
         # float64: a float32 sum over millions of elements drifts by ~1e-4 on CPU.
         squares += torch.linalg.vector_norm(data, dtype=torch.float64).square().to(device)
+    for groups, square in sharded.items():  # the same order on every rank
+        for group in groups:
+            all_reduce_if_distributed(square, dist.ReduceOp.SUM, group)
+        squares += square
     # ZeRO-3 partitions every parameter, so all ranks of a group agree on `zero3`. DeepSpeed
     # partitions over the sequence-data-parallel group (the data-parallel one without Ulysses).
     if zero3:

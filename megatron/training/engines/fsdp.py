@@ -114,7 +114,10 @@ def shard_model(
     roots = list(model) if isinstance(model, nn.ModuleList) else [model]
     for root in roots:
         layers = list(root.language_model.encoder.layers)
-        for layer in layers:
+        # Multi-token prediction's modules (the last stage) are units of their own too.
+        mtp = [module.transformer_layer for module in getattr(root, "mtp", nn.Module()).modules()
+               if hasattr(module, "transformer_layer")]  # fmt: skip
+        for layer in layers + mtp:
             if expert_mesh is not None and isinstance(layer.mlp, RoutedMoE):
                 experts = layer.mlp.experts
                 # Averaged over the expert-data ranks here; `reduce_expert_gradients` then
