@@ -542,9 +542,10 @@ def routed_moe_config_from_args(args: Namespace) -> RoutedMoEConfig | None:
         grouped_gemm=args.moe_grouped_gemm,
         expert_parallel_size=args.expert_model_parallel_size,
         per_layer_logging=args.moe_per_layer_logging,
-        num_groups=args.moe_router_num_groups,
-        group_topk=args.moe_router_group_topk,
-        force_load_balancing=args.moe_router_force_load_balancing,
+        # (Saved args of checkpoints written before these flags lack them.)
+        num_groups=getattr(args, "moe_router_num_groups", None),
+        group_topk=getattr(args, "moe_router_group_topk", None),
+        force_load_balancing=bool(getattr(args, "moe_router_force_load_balancing", False)),
     )
 
 
