@@ -6,7 +6,9 @@ for LLaMA with q/k/v biases alone, QK norm or a sliding window, `Qwen2ForCausalL
 `Qwen3ForCausalLM` or `MistralForCausalLM` (`huggingface_qwen_mistral.py`)
 for a dense model, `MixtralForCausalLM` for a Mixture-of-Experts one (`huggingface_mixtral.py`)
 or, for Megatron-LM's MoE with DeepSeek-V3's router (sigmoid, expert bias, shared expert,
-first layers dense), `Glm4MoeForCausalLM` (`huggingface_glm4_moe.py`), and refuses, in one
+first layers dense), `Glm4MoeForCausalLM` (`huggingface_glm4_moe.py`); with multi-latent
+attention `DeepseekV3ForCausalLM` or `DeepseekV2ForCausalLM` (`huggingface_deepseek.py`, the
+former with multi-token prediction); and refuses, in one
 line naming what differs, a model none computes exactly. `UNSUPPORTED_MODEL_TYPES` says why
 other Mixture-of-Experts families do not import. `hf_config_json`
 and `to_hf_weights` write the chosen class's config.json and weights.
@@ -35,6 +37,13 @@ from typing import Any
 
 import torch
 
+from megatron.checkpointing.huggingface_deepseek import V2 as DEEPSEEK_V2
+from megatron.checkpointing.huggingface_deepseek import V3 as DEEPSEEK_V3
+from megatron.checkpointing.huggingface_deepseek import (
+    deepseek_config_json,
+    deepseek_differences,
+    to_deepseek_state_dict,
+)
 from megatron.checkpointing.huggingface_glm4_moe import ARCHITECTURE as GLM4_MOE
 from megatron.checkpointing.huggingface_glm4_moe import (
     glm4_moe_config_json,
@@ -66,11 +75,6 @@ UNSUPPORTED_MODEL_TYPES = {
     "attention has no QK norm",
     "qwen2_moe": "Qwen2-MoE scales its shared expert by a sigmoid gate (shared_expert_gate) and "
     "puts biases on q, k and v only; our model computes neither",
-    "deepseek_v3": "DeepSeek-V3's import is not built here yet (its multi-latent attention "
-    "trains here, --multi-latent-attention; its MoE converts as GLM-4-MoE's, model_type "
-    "'glm4_moe')",
-    "deepseek_v2": "DeepSeek-V2's import is not built here yet (its multi-latent attention "
-    "trains here, --multi-latent-attention)",
 }
 """Mixture-of-Experts model types an import refuses, and why (one line each)."""
 
@@ -135,20 +139,22 @@ def gpt2_differences(config: ModelConfig) -> list[str]:
 
 def hf_architecture(config: ModelConfig) -> str:
     """`GPT2LMHeadModel`, `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
-    `MistralForCausalLM` or (Mixture-of-Experts) `MixtralForCausalLM` or `Glm4MoeForCausalLM`:
-    the Hugging Face class computing `config`'s model.
+    `MistralForCausalLM` or (Mixture-of-Experts) `MixtralForCausalLM` or `Glm4MoeForCausalLM`
+    or (multi-latent attention) `DeepseekV3ForCausalLM` or `DeepseekV2ForCausalLM`: the
+    Hugging Face class computing `config`'s model.
 
     Raises, naming what differs from the closest, when none does exactly.
     """
     if config.mla is not None:
-        raise CheckpointConversionError(
-            "multi-latent attention (--multi-latent-attention) has no Hugging Face export here "
-            "yet (DeepseekV3ForCausalLM / DeepseekV2ForCausalLM are not built)"
-        )
+        candidates = {
+            DEEPSEEK_V3: deepseek_differences(config, DEEPSEEK_V3),
+            DEEPSEEK_V2: deepseek_differences(config, DEEPSEEK_V2),
+        }
+        return _closest(candidates)
     if config.mtp is not None:
         raise CheckpointConversionError(
-            "multi-token prediction (--mtp-num-layers) has no Hugging Face export here yet "
-            "(DeepSeek-V3's format holds its modules as layer num_layers; the others none)"
+            "multi-token prediction (--mtp-num-layers) without multi-latent attention has no "
+            "Hugging Face export (DeepSeek-V3's format holds it, with MLA)"
         )
     if config.routed_moe is not None:
         candidates = {MIXTRAL: mixtral_differences(config), GLM4_MOE: glm4_moe_differences(config)}
@@ -157,6 +163,11 @@ def hf_architecture(config: ModelConfig) -> str:
     else:
         candidates = {GPT2: gpt2_differences(config), LLAMA: llama_differences(config)}
         candidates.update({name: check(config) for name, check in QWEN_MISTRAL.items()})
+    return _closest(candidates)
+
+
+def _closest(candidates: dict[str, list[str]]) -> str:
+    """The first architecture with no differences, or a refusal naming the closest's."""
     for name, differences in candidates.items():
         if not differences:
             return name
@@ -220,6 +231,10 @@ def hf_config_json(
         )
     elif architecture == GLM4_MOE:
         keys = glm4_moe_config_json(config, true_vocab_size, bos_token_id, eos_token_id)
+    elif architecture in (DEEPSEEK_V3, DEEPSEEK_V2):
+        keys = deepseek_config_json(
+            config, architecture, true_vocab_size, bos_token_id, eos_token_id
+        )
     elif architecture in QWEN_MISTRAL:
         keys = qwen_mistral_config_json(
             architecture, config, true_vocab_size, bos_token_id, eos_token_id
@@ -237,11 +252,13 @@ def to_hf_weights(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     architecture = hf_architecture(config)
     if config.apply_layernorm_1p:
         state = {
-            name: tensor + 1 if name.endswith("layernorm.weight") else tensor
+            name: tensor + 1 if name.endswith("norm.weight") else tensor
             for name, tensor in state.items()
         }
     if architecture == GPT2:
         return to_hf_state_dict(state, config.num_attention_heads)
+    if architecture in (DEEPSEEK_V3, DEEPSEEK_V2):
+        return to_deepseek_state_dict(state, config, architecture)
     convert = {MIXTRAL: to_mixtral_state_dict, GLM4_MOE: to_glm4_moe_state_dict}
     return convert.get(architecture, to_llama_state_dict)(state, config)
 
@@ -328,7 +345,8 @@ def megatron_args_from_hf(
     if hf_config.get("model_type") != "gpt2":
         raise CheckpointConversionError(
             f"config.json has model_type={hf_config.get('model_type')!r}; only 'gpt2', "
-            "'llama', 'qwen2', 'qwen3', 'mistral', 'mixtral' and 'glm4_moe' convert"
+            "'llama', 'qwen2', 'qwen3', 'mistral', 'mixtral', 'glm4_moe', 'deepseek_v2' and "
+            "'deepseek_v3' convert"
         )
     problems = {
         "scale_attn_weights": (hf_config.get("scale_attn_weights", True), True),

@@ -1,8 +1,8 @@
 """Megatron-LM's DeepSeek-style MoE with standard attention <-> Hugging Face
 `Glm4MoeForCausalLM` (GLM-4.5's architecture: DeepSeek-V3's MoE, grouped-query attention).
 
-DeepSeek-V3 itself needs multi-head latent attention, not built here; GLM-4-MoE computes
-DeepSeek-V3's MoE beside ordinary attention, and converts exactly when our model is:
+DeepSeek-V3 itself, with multi-latent attention, is `huggingface_deepseek.py`'s; GLM-4-MoE
+computes DeepSeek-V3's MoE beside ordinary attention, and converts exactly when our model is:
 
 - LLaMA-style attention (RMSNorm, SwiGLU, RoPE, grouped-query or not; `huggingface_llama.py`
   maps all but the MLPs) with no linear biases (GLM's `attention_bias` puts biases on q, k and
@@ -17,9 +17,10 @@ DeepSeek-V3's MoE beside ordinary attention, and converts exactly when our model
   without it), a shared expert (`--moe-shared-expert-intermediate-size`, a multiple s of
   `--moe-ffn-hidden-size`: `n_shared_experts` = s / moe ffn) and the first k layers dense
   (`--moe-layer-freq "([0]*k+[1]*(L-k))"`, `first_k_dense_replace`), dropless;
-- GLM's group-limited routing is off (`n_group` groups, tokens limited to `topk_group` of
-  them): an import with `topk_group < n_group` is refused (Megatron-LM's
-  `--moe-router-num-groups`, not built here).
+- GLM's group-limited routing (`n_group` groups, each token's experts within its
+  `topk_group` best, a group worth the sum of its two best scores) is ours
+  (`--moe-router-num-groups`, `--moe-router-group-topk`, a group worth its best top k /
+  group-topk scores) where top k / group-topk is 2, or with every group kept.
 
 Both routers compute the logits in fp32 (GLM always; ours with `--moe-router-dtype fp32`, which
 the import sets), the sigmoid, the top k of score + bias, the unbiased scores of those,
@@ -132,6 +133,12 @@ def glm4_moe_differences(config: ModelConfig) -> list[str]:
             moe.capacity_factor is not None,
             f"token dropping (--moe-expert-capacity-factor; {family} computes every token)",
         ),
+        (
+            bool(moe.group_topk) and moe.top_k // moe.group_topk != 2,
+            f"--moe-router-topk {moe.top_k} over --moe-router-group-topk {moe.group_topk}: "
+            f"groups ranked by their best {moe.top_k // max(moe.group_topk or 1, 1)} scores "
+            f"({family}: by their best 2)",
+        ),
     ]
     return differences + [text for differs, text in checks if differs]
 
@@ -169,8 +176,8 @@ def glm4_moe_config_json(
         n_shared_experts=moe.shared_expert_ffn_hidden_size // ffn,
         routed_scaling_factor=float(moe.topk_scaling_factor or 1.0),
         norm_topk_prob=moe.top_k > 1,
-        n_group=1,
-        topk_group=1,
+        n_group=moe.num_groups or 1,
+        topk_group=moe.group_topk or moe.num_groups or 1,
         first_k_dense_replace=_first_moe_layer(config),
         num_nextn_predict_layers=0,
         output_router_logits=False,
@@ -253,18 +260,23 @@ def _check_glm4_moe(hf_config: dict[str, Any]) -> None:
             "config.json has attention_bias=true (biases on q, k and v only); our "
             "--add-bias-linear puts biases on every linear layer"
         )
-    if not isinstance(groups, int) or groups < 1 or not isinstance(kept, int) or kept < groups:
+    top_k = hf_config["num_experts_per_tok"]
+    if not isinstance(groups, int) or groups < 1 or not isinstance(kept, int) or kept < 1:
         raise CheckpointConversionError(
-            f"config.json has n_group={groups!r}, topk_group={kept!r}: group-limited routing "
-            "(--moe-router-num-groups / --moe-router-group-topk) is not built here; only "
-            "topk_group = n_group (every group kept) converts"
+            f"config.json has n_group={groups!r}, topk_group={kept!r}; need whole numbers >= 1"
+        )
+    if kept < groups and (experts % groups or top_k // kept != 2):
+        raise CheckpointConversionError(
+            f"config.json has n_group={groups}, topk_group={kept} with num_experts_per_tok="
+            f"{top_k}: ours ranks groups by their best top k / topk_group scores, GLM by its "
+            "best 2; group-limited routing converts where that is 2"
         )
     shared = hf_config["n_shared_experts"]
     if not isinstance(shared, int) or shared < 1:
         raise CheckpointConversionError(
             f"config.json has n_shared_experts={shared!r}; need 1 or more"
         )
-    top_k, normalized = hf_config["num_experts_per_tok"], bool(hf_config["norm_topk_prob"])
+    normalized = bool(hf_config["norm_topk_prob"])
     if isinstance(top_k, int) and normalized != (top_k > 1):
         raise CheckpointConversionError(
             f"config.json has norm_topk_prob={normalized} with num_experts_per_tok={top_k}: "
@@ -324,5 +336,14 @@ def megatron_args_from_glm4_moe(
         moe_router_topk_scaling_factor=None if scale == 1.0 else scale,
         moe_router_enable_expert_bias=True,
         moe_router_dtype="fp32",
+        **_group_args(hf_config),
     )
     return dict(args, **routed)
+
+
+def _group_args(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """`--moe-router-num-groups` / `--moe-router-group-topk` where some groups are left out."""
+    groups, kept = hf_config["n_group"], hf_config["topk_group"]
+    if kept >= groups:
+        return {}
+    return dict(moe_router_num_groups=groups, moe_router_group_topk=kept)

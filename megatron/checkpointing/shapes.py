@@ -61,9 +61,14 @@ def expected_shapes(args: dict[str, Any], vocab_rows: int) -> dict[str, tuple[in
     shapes = {spec.name: spec.shape for spec in parameter_inventory(config, vocab_rows)}
     moe = config.routed_moe
     if moe is not None and moe.expert_bias:  # the routers' fp32 buffers, saved with the model
-        for number, is_moe in enumerate(moe.moe_layers):
-            for buffer in ("expert_bias", "local_tokens_per_expert") if is_moe else ():
-                shapes[f"{LAYER_PREFIX}{number}.mlp.router.{buffer}"] = (moe.num_experts,)
+        routers = [f"{LAYER_PREFIX}{n}.mlp" for n, is_moe in enumerate(moe.moe_layers) if is_moe]
+        if config.mtp is not None and moe.moe_layers[-1]:  # each MTP layer is the last's kind
+            routers += [
+                f"mtp.layers.{k}.transformer_layer.mlp" for k in range(config.mtp.num_layers)
+            ]
+        for router in routers:
+            for buffer in ("expert_bias", "local_tokens_per_expert"):
+                shapes[f"{router}.router.{buffer}"] = (moe.num_experts,)
     return shapes
 
 

@@ -459,15 +459,20 @@ def test_user_errors_are_one_line(small_checkpoint, tmp_path, capsys, case):
                 mscale=1.0,
                 mscale_all_dim=0.0,
             ),
-            "--multi-latent-attention",
+            "unnormalized latents (DeepseekV3 normalizes them: --qk-layernorm)",
         ),
-        (dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.1), "--mtp-num-layers"),
+        (
+            dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.1),
+            "--mtp-num-layers) without multi-latent attention has no Hugging Face export",
+        ),
     ],
     ids=["multi-latent attention", "multi-token prediction"],
 )
-def test_deepseek_parts_without_an_export_are_refused_by_flag(changes, named):
+def test_deepseek_parts_no_hf_model_computes_are_refused_by_flag(changes, named):
+    """MLA with latents left unnormalized (DeepSeek normalizes them) and MTP without MLA (only
+    DeepSeek-V3's format holds it): one line naming the flag."""
     config = model_config({**ARGS, **LLAMA_ARGS, **changes})
     with pytest.raises(CheckpointConversionError) as error:
         hf_architecture(config)
     message = str(error.value)
-    assert "\n" not in message and named in message and "Hugging Face export" in message
+    assert "\n" not in message and named in message

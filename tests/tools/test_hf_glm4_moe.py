@@ -10,9 +10,9 @@ of each head, grouped-query attention, untied output layer) and a plain one (2 l
 MoE, 4 experts, top-1 unnormalised, no expert bias: zeros exported, whole-head RoPE, tied
 output layer). Imported back: our weights bit for bit (the import adds zero expert biases
 where we had none), args building the same model. A random `Glm4MoeForCausalLM` saved by
-transformers 5 (top-3, a non-zero `e_score_correction_bias`, partial RoPE by GLM's default)
-imports with its logits. Whatever GLM-4-MoE or our model cannot compute is refused in one line
-naming it, and so are Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 imports.
+transformers 5 (top-4 within the best 2 of 4 groups, a non-zero `e_score_correction_bias`,
+partial RoPE by GLM's default) imports with its logits. Whatever GLM-4-MoE or our model cannot
+compute is refused in one line naming it, and so are Qwen2-MoE and Qwen3-MoE imports.
 
 End to end (the real command lines): 3 `pretrain_gpt.py` iterations of the DeepSeek-V3 shape
 with aux-loss-free balancing (the expert biases move), `convert_to_hf.py` exports it (our
@@ -183,13 +183,15 @@ def test_export_then_import_gives_our_model_back(exports, tmp_path, variant):
 
 
 def test_import_of_a_glm4_moe_saved_by_transformers(tmp_path):
-    """A random `Glm4MoeForCausalLM` (3 layers, the first dense, 8 experts, top-3, a shared
-    expert, expert biases, scaling 2.5, GLM's default RoPE over half of each head) saved by
+    """A random `Glm4MoeForCausalLM` (3 layers, the first dense, 8 experts, top-4 within the
+    best 2 of 4 groups, a shared expert, expert biases, scaling 2.5, GLM's default RoPE over
+    half of each head) saved by
     transformers 5 gives its logits in our GPT (up to reordered sums)."""
     config = transformers.Glm4MoeConfig(
         vocab_size=300, max_position_embeddings=32, hidden_size=64, intermediate_size=96,
         moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+        num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=4, n_group=4,
+        topk_group=2, n_shared_experts=1,
         first_k_dense_replace=1, routed_scaling_factor=2.5, rope_theta=500000.0,
         tie_word_embeddings=False,
     )  # fmt: skip
@@ -202,6 +204,7 @@ def test_import_of_a_glm4_moe_saved_by_transformers(tmp_path):
     loaded = import_folder(str(tmp_path / "hf"), str(tmp_path / "ours"))
     assert loaded.args["rotary_percent"] == 0.5 and loaded.args["moe_layer_freq"] == [0, 1, 1]
     assert loaded.args["moe_router_topk_scaling_factor"] == 2.5
+    assert (loaded.args["moe_router_num_groups"], loaded.args["moe_router_group_topk"]) == (4, 2)
     tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = model(tokens).logits
@@ -270,10 +273,10 @@ GLM_CONFIG = dict(
 NOT_IMPORTED = {
     "qk norm": (dict(use_qk_norm=True), [], "config.json has use_qk_norm=true"),
     "q/k/v biases": (dict(attention_bias=True), [], "config.json has attention_bias=true"),
-    "group-limited routing": (
-        dict(n_group=2, topk_group=1),
+    "groups ranked by three scores": (
+        dict(n_group=2, topk_group=1, num_experts_per_tok=3),
         [],
-        "config.json has n_group=2, topk_group=1: group-limited routing",
+        "config.json has n_group=2, topk_group=1 with num_experts_per_tok=3: ours ranks groups",
     ),
     "unnormalised top-2": (dict(norm_topk_prob=False), [], "norm_topk_prob=False"),
     "no shared expert": (dict(n_shared_experts=0), [], "n_shared_experts=0"),
@@ -291,7 +294,11 @@ NOT_IMPORTED = {
     "tensor parallel": ({}, ["--target-tensor-parallel-size", "2"], "--target-tensor-parallel"),
     "qwen3_moe": (dict(model_type="qwen3_moe"), [], "(q_norm, k_norm)"),
     "qwen2_moe": (dict(model_type="qwen2_moe"), [], "shared_expert_gate"),
-    "deepseek_v3": (dict(model_type="deepseek_v3"), [], "import is not built here yet"),
+    "deepseek_v3 without its attention keys": (
+        dict(model_type="deepseek_v3", num_key_value_heads=8),
+        [],
+        "config.json has no 'kv_lora_rank'",
+    ),
 }
 
 

@@ -1,5 +1,5 @@
-"""Import a Hugging Face GPT-2, LLaMA, Qwen2, Qwen3, Mistral, Mixtral or GLM-4-MoE folder as a
-Megatron-layout `release` checkpoint.
+"""Import a Hugging Face GPT-2, LLaMA, Qwen2, Qwen3, Mistral, Mixtral, GLM-4-MoE, DeepSeek-V2 or
+DeepSeek-V3 folder as a Megatron-layout `release` checkpoint.
 
     python tools/checkpoint/convert_from_hf.py --load hf/gpt2 --save checkpoints/gpt2_tp2 \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1
@@ -8,13 +8,14 @@ Megatron-layout `release` checkpoint.
 
 Reads `config.json` and the weights (safetensors or pytorch_model.bin) with
 `GPT2LMHeadModel` / `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
-`MistralForCausalLM` / `MixtralForCausalLM` / `Glm4MoeForCausalLM .from_pretrained` (by the
+`MistralForCausalLM` / `MixtralForCausalLM` / `Glm4MoeForCausalLM` /
+`DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM .from_pretrained` (by the
 config's `model_type`), refuses what our GPT cannot compute (GPT-2:
 other activations, an untied output layer, cross-attention, unscaled or layer-scaled attention;
 LLaMA, Mixtral and GLM-4-MoE: RoPE scaling, activations other than silu, attention and MLP
 biases that differ; LLaMA and Mixtral: partial RoPE; Mixtral: a sliding window shorter than the
-positions; GLM-4-MoE: QK norm, q/k/v biases, group-limited routing; Qwen2-MoE, Qwen3-MoE and
-DeepSeek-V2/V3 are refused naming why), and writes the checkpoint with args complete enough for
+positions; GLM-4-MoE: QK norm, q/k/v biases, groups ranked otherwise than ours; Qwen2-MoE and
+Qwen3-MoE are refused naming why), and writes the checkpoint with args complete enough for
 `pretrain_gpt.py --load` to build the same model (LLaMA: RMSNorm, SwiGLU, RoPE theta, key/value
 heads, untied output layer, no linear biases; Qwen2: `--add-qkv-bias`; Qwen3: `--qk-layernorm`;
 Mistral: `--window-size`, see `megatron/checkpointing/huggingface_qwen_mistral.py`, which also
@@ -28,12 +29,17 @@ pipeline stages if wanted) or DeepSpeed-MoE (`--moe-family deepspeed`: `--topk`,
 expert sampling, as Mixtral computes). Mixtral: experts in every layer, softmax top-k.
 GLM-4-MoE (DeepSeek-V3's MoE beside grouped-query attention, `huggingface_glm4_moe.py`):
 sigmoid router in fp32 with expert bias, scaling factor, shared expert, the first layers dense
-(`--moe-layer-freq "([0]*k+[1]*n)"`), partial RoPE (`--rotary-percent`).
+(`--moe-layer-freq "([0]*k+[1]*n)"`), partial RoPE (`--rotary-percent`), group-limited routing.
+DeepSeek-V3 / V2 (`huggingface_deepseek.py`): `--multi-latent-attention` with its shapes and
+YaRN, the V3 router as GLM's, V2's softmax over all experts (`--moe-router-pre-softmax`);
+DeepSeek-V3's multi-token prediction modules (layers num_hidden_layers and on, read from the
+safetensors files) become `--mtp-num-layers`.
 A config.json may come from transformers 4 (top-level `rope_theta`, `partial_rotary_factor`,
 `rope_scaling`) or 5 (`rope_parameters`); one whose values disagree between the places is
 refused.
 The vocabulary is padded to a multiple of `--make-vocab-size-divisible-by` x TP.
-Needs `pip install transformers safetensors` (GLM-4-MoE: transformers 4.54 or later).
+Needs `pip install transformers safetensors` (GLM-4-MoE: transformers 4.54 or later;
+DeepSeek-V2/V3: 4.57).
 """
 
 from __future__ import annotations
@@ -51,6 +57,14 @@ from megatron.checkpointing.huggingface import (  # noqa: E402
     from_hf_state_dict,
     megatron_args_from_hf,
     model_config,
+)
+from megatron.checkpointing.huggingface_deepseek import (  # noqa: E402
+    MODEL_TYPES as DEEPSEEK_TYPES,
+)
+from megatron.checkpointing.huggingface_deepseek_import import (  # noqa: E402
+    from_deepseek_state_dict,
+    megatron_args_from_deepseek,
+    mtp_layers_in,
 )
 from megatron.checkpointing.huggingface_glm4_moe import (  # noqa: E402
     from_glm4_moe_state_dict,
@@ -87,7 +101,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--load",
         required=True,
-        help="Hugging Face GPT-2, LLaMA, Qwen2, Qwen3, Mistral, Mixtral or GLM-4-MoE folder.",
+        help="Hugging Face GPT-2, LLaMA, Qwen2, Qwen3, Mistral, Mixtral, GLM-4-MoE, DeepSeek-V2 "
+        "or DeepSeek-V3 folder.",
     )
     parser.add_argument("--save", required=True, help="Checkpoint directory to write.")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
@@ -136,6 +151,11 @@ LLAMA_SHAPE = (
 SHAPE_FIELDS = {
     "gpt2": "n_layer, n_embd, n_head, n_positions and vocab_size",
     **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "mixtral", "glm4_moe"), LLAMA_SHAPE),
+    **dict.fromkeys(
+        DEEPSEEK_TYPES,
+        LLAMA_SHAPE + ", kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, "
+        "v_head_dim, n_routed_experts, num_experts_per_tok and moe_intermediate_size",
+    ),
 }
 """What each family's config.json must list (save_pretrained writes them all)."""
 ARGS_FROM_HF = {
@@ -146,9 +166,10 @@ ARGS_FROM_HF = {
     "mistral": megatron_args_from_mistral,
     "mixtral": megatron_args_from_mixtral,
     "glm4_moe": megatron_args_from_glm4_moe,
+    **dict.fromkeys(DEEPSEEK_TYPES, megatron_args_from_deepseek),
 }
 """Each family's Megatron args from its config.json (GPT-2's also refuses other types)."""
-MOE_MODEL_TYPES = ("mixtral", "glm4_moe")
+MOE_MODEL_TYPES = ("mixtral", "glm4_moe", *DEEPSEEK_TYPES)
 """The families whose args take `--moe-family`."""
 FROM_HF = {
     "llama": from_llama_state_dict,
@@ -157,13 +178,15 @@ FROM_HF = {
     "mistral": from_llama_state_dict,
     "mixtral": from_mixtral_state_dict,
     "glm4_moe": from_glm4_moe_state_dict,
+    "deepseek_v3": from_deepseek_state_dict,
+    "deepseek_v2": lambda state, config: from_deepseek_state_dict(state, config, v3=False),
 }
 """Each family's weights (but GPT-2's) as our state dict."""
 
 
 def read_hf_model(folder: str, model_type: str) -> tuple[dict, dict]:
-    """(config dict, state dict) of the GPT-2, LLaMA, Qwen2, Qwen3, Mistral, Mixtral or
-    GLM-4-MoE in `folder`, loaded offline."""
+    """(config dict, state dict) of the GPT-2, LLaMA, Qwen2, Qwen3, Mistral, Mixtral,
+    GLM-4-MoE or DeepSeek-V2/V3 in `folder`, loaded offline."""
     import transformers
 
     names = {
@@ -173,16 +196,62 @@ def read_hf_model(folder: str, model_type: str) -> tuple[dict, dict]:
         "mistral": "MistralForCausalLM",
         "mixtral": "MixtralForCausalLM",
         "glm4_moe": "Glm4MoeForCausalLM",
+        **DEEPSEEK_TYPES,
     }
     name = names.get(model_type, "GPT2LMHeadModel")
     if not hasattr(transformers, name):
         raise CheckpointConversionError(
             f"--load {folder}: {model_type} needs transformers with {name} (4.51 or later for "
-            f"Qwen3, 4.54 for GLM-4-MoE); this is {transformers.__version__}"
+            f"Qwen3, 4.54 for GLM-4-MoE, 4.57 for DeepSeek-V2/V3); this is "
+            f"{transformers.__version__}"
         )
     model_class = getattr(transformers, name)
     model = model_class.from_pretrained(folder, local_files_only=True)
     return model.config.to_dict(), dict(model.state_dict())
+
+
+def safetensors_names(folder: str) -> dict[str, str]:
+    """Every weight name in `folder`'s safetensors files, with the file holding it."""
+    from safetensors import safe_open
+
+    names = {}
+    for file in sorted(os.listdir(folder)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, file), framework="pt") as handle:
+                names.update(dict.fromkeys(handle.keys(), file))
+    return names
+
+
+def deepseek_mtp_weights(folder: str, num_layers: int, depth: int) -> dict:
+    """DeepSeek's multi-token prediction modules (layers num_layers .. + depth - 1), read from
+    the safetensors files: transformers' causal LM leaves them unread."""
+    from safetensors import safe_open
+
+    wanted = tuple(f"model.layers.{num_layers + k}." for k in range(depth))
+    found: dict = {}
+    for name, file in safetensors_names(folder).items():
+        if name.startswith(wanted):
+            with safe_open(os.path.join(folder, file), framework="pt") as handle:
+                found[name] = handle.get_tensor(name)
+    return found
+
+
+def mtp_depth(args: argparse.Namespace, hf_config: dict) -> int:
+    """How many of DeepSeek-V3's multi-token prediction modules `--load` holds; says so when
+    config.json announces more than its weights hold."""
+    if hf_config.get("model_type") != "deepseek_v3":
+        return 0
+    layers = hf_config.get("num_hidden_layers", 0)
+    found = mtp_layers_in(list(safetensors_names(args.load)), layers)
+    announced = hf_config.get("num_nextn_predict_layers") or 0
+    if announced > found:
+        print(
+            f"note: config.json has num_nextn_predict_layers={announced} but the weights hold "
+            f"{found} multi-token prediction module(s) (model.layers.{layers + found}.eh_proj "
+            f"is absent); imported with --mtp-num-layers {found}",
+            flush=True,
+        )
+    return found
 
 
 def checkpoint_args(args: argparse.Namespace, hf_config: dict) -> dict:
@@ -196,6 +265,8 @@ def checkpoint_args(args: argparse.Namespace, hf_config: dict) -> dict:
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     build = ARGS_FROM_HF.get(model_type, megatron_args_from_hf)
     family = {"moe_family": args.moe_family} if model_type in MOE_MODEL_TYPES else {}
+    if model_type in DEEPSEEK_TYPES:
+        family["mtp_layers"] = mtp_depth(args, hf_config)
     try:
         return build(
             hf_config, tp, pp, args.make_vocab_size_divisible_by, args.seq_length, **family
@@ -244,6 +315,8 @@ def model_flags(args: dict) -> str:
             flags.append(f"--window-size {args['window_size'][0]},{args['window_size'][1]}")
     elif not args["bias_gelu_fusion"]:
         flags.append("--no-bias-gelu-fusion")
+    if args.get("multi_latent_attention"):
+        flags += mla_flags(args)
     if args.get("routed_moe"):
         flags += routed_moe_flags(args)
     elif args.get("num_experts"):
@@ -258,6 +331,26 @@ def model_flags(args: dict) -> str:
         flags.append(f"--tokenizer-type {args['tokenizer_type']}")
         flags.append(f"--tokenizer-model {args['tokenizer_model']}")
     return " ".join(flags)
+
+
+def mla_flags(args: dict) -> list[str]:
+    """The multi-latent attention and multi-token prediction flags of imported args."""
+    flags = ["--multi-latent-attention"]
+    if args["q_lora_rank"] is not None:
+        flags.append(f"--q-lora-rank {args['q_lora_rank']}")
+    flags += [
+        f"--kv-lora-rank {args['kv_lora_rank']} --qk-head-dim {args['qk_head_dim']}",
+        f"--qk-pos-emb-head-dim {args['qk_pos_emb_head_dim']} --v-head-dim {args['v_head_dim']}",
+        f"--rope-type {args['rope_type']}",
+    ]
+    if args["rope_type"] == "yarn":
+        flags.append(
+            f"--rotary-scaling-factor {args['rotary_scaling_factor']!r} --mscale "
+            f"{args['mscale']!r} --mscale-all-dim {args['mscale_all_dim']!r}"
+        )
+    if args.get("mtp_num_layers"):
+        flags.append(f"--mtp-num-layers {args['mtp_num_layers']}")
+    return flags
 
 
 def layer_pattern(pattern: list[int]) -> str:
@@ -293,6 +386,13 @@ def routed_moe_flags(args: dict) -> list[str]:
         flags.append(f"--moe-router-score-function {args['moe_router_score_function']}")
     if args["moe_router_enable_expert_bias"]:
         flags.append("--moe-router-enable-expert-bias")
+    if args.get("moe_router_pre_softmax"):
+        flags.append("--moe-router-pre-softmax")
+    if args.get("moe_router_num_groups"):
+        flags.append(
+            f"--moe-router-num-groups {args['moe_router_num_groups']} "
+            f"--moe-router-group-topk {args['moe_router_group_topk']}"
+        )
     if args["moe_aux_loss_coeff"][0]:
         flags.append(f"--moe-aux-loss-coeff {args['moe_aux_loss_coeff'][0]:g}")
     return flags
@@ -305,6 +405,9 @@ def read_hf_folder(args: argparse.Namespace) -> DenseCheckpoint:
     model_type = hf_config["model_type"]
     print(f"reading Hugging Face {model_type} {args.load} ...", flush=True)
     hf_config, hf_state = read_hf_model(args.load, model_type)
+    if megatron_args.get("mtp_num_layers"):
+        layers, depth = megatron_args["num_layers"], megatron_args["mtp_num_layers"]
+        hf_state.update(deepseek_mtp_weights(args.load, layers, depth))
     tokenizer = imported_tokenizer_args(args.load)
     if tokenizer["tokenizer_type"] is not None:
         megatron_args.update(tokenizer)

@@ -1,5 +1,5 @@
 """Export a GPT checkpoint (either layout, any TP x PP) as a Hugging Face GPT-2, LLaMA, Qwen2,
-Qwen3, Mistral, Mixtral or GLM-4-MoE.
+Qwen3, Mistral, Mixtral, GLM-4-MoE, DeepSeek-V2 or DeepSeek-V3.
 
     python tools/checkpoint/convert_to_hf.py --load checkpoints/gpt2 --save hf/gpt2
     python tools/checkpoint/convert_to_hf.py --load checkpoints/moe --save hf/moe \
@@ -14,7 +14,10 @@ RMSNorm + SwiGLU + RoPE ones, grouped-query attention and an untied output layer
 Megatron-LM's softmax-routed MoE in every layer; `Glm4MoeForCausalLM` for Megatron-LM's MoE
 with DeepSeek-V3's router: sigmoid scores, expert bias, scaling factor, a shared expert, the
 first layers dense, see `megatron/checkpointing/huggingface_glm4_moe.py`; it loads in
-transformers 4.54+ or 5.x),
+transformers 4.54+ or 5.x; `DeepseekV3ForCausalLM` / `DeepseekV2ForCausalLM` for
+`--multi-latent-attention` models with the V3 (sigmoid) or V2 (softmax over all experts)
+router, or dense, V3 with its `--mtp-num-layers` modules in DeepSeek's layer-L layout, see
+`megatron/checkpointing/huggingface_deepseek.py`),
 `model.safetensors` and the tokenizer files (see `hf_tokenizer.py`), so that
 `AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer.from_pretrained(dir)` load it
 offline, with transformers 4.45+ or 5.x alike (config.json carries both releases' keys: see
