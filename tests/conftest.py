@@ -31,7 +31,8 @@ ORACLE_DIR = os.path.join(CACHE_DIR, f"megatron-core-{MEGATRON_CORE_VERSION}")
 # The transformers 4.x release (and the tokenizers / huggingface-hub it needs) that our Hugging
 # Face exports must load in besides the installed 5.x: the last 4.46, inside `>=4.45`.
 TRANSFORMERS_4 = ("transformers==4.46.3", "tokenizers==0.20.3", "huggingface-hub==0.26.5")
-TRANSFORMERS_4_DIR = os.path.join(CACHE_DIR, "transformers-4.46.3")
+# The last 4.x release, for the families 4.46 lacks (DeepSeek-V2 and -V3).
+TRANSFORMERS_4_LAST = ("transformers==4.57.3", "tokenizers==0.22.1", "huggingface-hub==0.36.0")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -120,24 +121,31 @@ def _fetch_megatron_core_oracle() -> None:
         os.replace(unpacked, ORACLE_DIR)
 
 
-def ensure_transformers_4() -> str:
-    """Install `TRANSFORMERS_4` into .cache/ (fetched from PyPI once); returns its folder.
+def transformers_4_dir(release: tuple[str, ...] = TRANSFORMERS_4) -> str:
+    """The .cache/ folder holding `release` (its transformers pin first)."""
+    return os.path.join(CACHE_DIR, release[0].replace("==", "-"))
+
+
+def ensure_transformers_4(release: tuple[str, ...] = TRANSFORMERS_4) -> str:
+    """Install `release` (`TRANSFORMERS_4` or `TRANSFORMERS_4_LAST`) into .cache/ (fetched from
+    PyPI once); returns its folder.
 
     `pip install --no-deps --target`: torch, numpy, safetensors and the rest still come from
     this interpreter's environment, which stays untouched; the folder, first on a subprocess's
     PYTHONPATH, only shadows transformers 5 and its newer tokenizers and huggingface-hub.
     """
-    marker = os.path.join(TRANSFORMERS_4_DIR, "transformers", "__init__.py")
+    folder = transformers_4_dir(release)
+    marker = os.path.join(folder, "transformers", "__init__.py")
     if os.path.isfile(marker):
-        return TRANSFORMERS_4_DIR
-    with cache_lock("transformers-4"):
+        return folder
+    with cache_lock(os.path.basename(folder)):
         if not os.path.isfile(marker):
-            _install_transformers_4()
-    return TRANSFORMERS_4_DIR
+            _install_transformers_4(release, folder)
+    return folder
 
 
-def _install_transformers_4() -> None:
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(TRANSFORMERS_4_DIR)) as scratch:
+def _install_transformers_4(release: tuple[str, ...], folder: str) -> None:
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(folder)) as scratch:
         target = os.path.join(scratch, "site-packages")
         command = [
             sys.executable,
@@ -149,23 +157,26 @@ def _install_transformers_4() -> None:
             "--only-binary=:all:",
             "--target",
             target,
-            *TRANSFORMERS_4,
+            *release,
         ]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0 or not os.path.isfile(
             os.path.join(target, "transformers", "__init__.py")
         ):
             pytest.fail(
-                f"could not fetch {TRANSFORMERS_4[0]}, the release our Hugging Face exports must "
-                f"load in besides 5.x: {' '.join(command)} failed:\n{result.stderr[-2000:]}"
+                f"could not fetch {release[0]}, a release our Hugging Face exports must load in "
+                f"besides 5.x: {' '.join(command)} failed:\n{result.stderr[-2000:]}"
             )
-        os.replace(target, TRANSFORMERS_4_DIR)
+        os.replace(target, folder)
 
 
-def run_transformers_4(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run `python {script} {args}` in the repository root with transformers 4.x importable
-    (`ensure_transformers_4`) instead of the installed 5.x; fails the test if it fails."""
-    env = dict(os.environ, PYTHONPATH=ensure_transformers_4(), PYTHONWARNINGS="ignore")
+def run_transformers_4(
+    script: str, *args: str, timeout: int = 300, release: tuple[str, ...] = TRANSFORMERS_4
+) -> subprocess.CompletedProcess:
+    """Run `python {script} {args}` in the repository root with the transformers 4.x `release`
+    importable (`ensure_transformers_4`) instead of the installed 5.x; fails the test if it
+    fails."""
+    env = dict(os.environ, PYTHONPATH=ensure_transformers_4(release), PYTHONWARNINGS="ignore")
     result = subprocess.run(
         [sys.executable, script, *args],
         cwd=REPO_ROOT,
@@ -176,8 +187,7 @@ def run_transformers_4(script: str, *args: str, timeout: int = 300) -> subproces
     )
     if result.returncode != 0:
         pytest.fail(
-            f"{script} under {TRANSFORMERS_4[0]} failed:\n{result.stdout[-3000:]}\n"
-            f"{result.stderr[-3000:]}"
+            f"{script} under {release[0]} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         )
     return result
 

@@ -15,6 +15,10 @@ layers dense and the rest DeepSeek's MoE (routed experts plus a shared expert of
   or, under `group_limited_greedy`, within the best groups by their best score (ours at
   top k / group-topk = 1), unnormalized, times `routed_scaling_factor`.
 
+transformers 4.x's DeepSeek-V3 (4.57) masks the groups left out with 0 where DeepSeek's code,
+megatron-core, transformers 5 and ours mask with -inf: it chooses alike wherever a kept
+expert's score + bias is positive, and otherwise may pick an expert of a group left out.
+
 Attention (`megatron/model/multi_latent_attention.py`; ours under `self_attention.`, theirs
 under `self_attn.`): `linear_q_down_proj` / `q_layernorm` / `linear_q_up_proj` are `q_a_proj` /
 `q_a_layernorm` / `q_b_proj` (or `linear_q_proj` is `q_proj` without a query latent),

@@ -2,12 +2,13 @@
 
     python tests/tools/hf_reader.py OUT.pt --text TEXT --new-tokens 8 DIR...
     python tests/tools/hf_reader.py OUT.pt --make-llama DIR
+    python tests/tools/hf_reader.py OUT.pt --make-deepseek-v3 DIR
 
 Imports only torch and transformers, so that a test can run it under transformers 4.x (a
 subprocess with `tests.conftest.ensure_transformers_4()` first on PYTHONPATH) and call `read`
 in-process under the installed 5.x. `--make-llama DIR` saves a random LLaMA (grouped-query
 attention, untied output layer, RoPE base 500000) to DIR with this release's `save_pretrained`,
-and its logits.
+and its logits; `--make-deepseek-v3 DIR` likewise a random DeepSeek-V3 (MoE, MLA, YaRN).
 """
 
 from __future__ import annotations
@@ -63,6 +64,40 @@ def make_llama(folder: str) -> dict:
     return dict(version=transformers.__version__, ids=ids[0].tolist(), logits=logits)
 
 
+def make_deepseek_v3(folder: str) -> dict:
+    """Save a random DeepSeek-V3 (every weight and expert bias random, norms around 1, the
+    biases positive; MLA
+    with a query latent, DeepSeek's YaRN settings, top-4 within the best 2 of 4 groups, a
+    shared expert, the first layer dense) with this `save_pretrained`; its logits [s, v]."""
+    yarn = dict(
+        factor=40.0, mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=4096,
+        beta_fast=32, beta_slow=1,
+    )  # fmt: skip
+    if transformers.__version__.startswith("4."):
+        rope = dict(rope_theta=10000.0, rope_scaling=dict(yarn, type="yarn"))
+    else:
+        rope = dict(rope_parameters=dict(yarn, rope_type="yarn", rope_theta=10000.0))
+    config = transformers.DeepseekV3Config(
+        vocab_size=300, max_position_embeddings=64, hidden_size=64, intermediate_size=96,
+        moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=4, n_group=4,
+        topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, tie_word_embeddings=False, **rope,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(("norm" in name) + torch.randn_like(tensor) * 0.2)
+            if "e_score_correction_bias" in name:  # >= 0: see test_hf_deepseek.py
+                tensor.abs_()
+        ids = torch.randint(0, config.vocab_size, (1, 24))
+        logits = model(ids).logits[0]
+    model.save_pretrained(folder)
+    return dict(version=transformers.__version__, ids=ids[0].tolist(), logits=logits)
+
+
 def main() -> None:
     """Command-line entry point: results of every folder, by folder, into OUT (torch.save)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -71,10 +106,13 @@ def main() -> None:
     parser.add_argument("--text", default="")
     parser.add_argument("--new-tokens", type=int, default=0)
     parser.add_argument("--make-llama", default=None)
+    parser.add_argument("--make-deepseek-v3", default=None)
     args = parser.parse_intermixed_args()
     results = {folder: read(folder, args.text, args.new_tokens) for folder in args.folders}
     if args.make_llama:
         results[args.make_llama] = make_llama(args.make_llama)
+    if args.make_deepseek_v3:
+        results[args.make_deepseek_v3] = make_deepseek_v3(args.make_deepseek_v3)
     torch.save(results, args.out)
 
 

@@ -21,6 +21,9 @@ mscale_all_dim 1; group-limited routing; non-zero `e_score_correction_bias`) and
 `DeepseekV2ForCausalLM` (V2-Lite's shape) saved by transformers give its logits in our GPT;
 whatever differs is refused in one line naming the config.json key or flag.
 
+transformers 4.57.3 (the last 4.x) reads both exports alike and saves a DeepSeek-V3 that
+imports with its logits.
+
 End to end (the real command lines, slow): 3 `pretrain_gpt.py` iterations of the V3 shape,
 `convert_to_hf.py` (our logits in transformers), `convert_from_hf.py` back, and `pretrain_gpt.py
 --finetune` with the printed flags gives the same first loss, MTP loss included.
@@ -50,7 +53,12 @@ from megatron.checkpointing.shards import (  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.model.moe_aux_loss import moe_losses_of  # noqa: E402
 from megatron.tokenizer import GPT2BPETokenizer  # noqa: E402
-from tests.conftest import MERGE_FILE, VOCAB_FILE  # noqa: E402
+from tests.conftest import (  # noqa: E402
+    MERGE_FILE,
+    TRANSFORMERS_4_LAST,
+    VOCAB_FILE,
+    run_transformers_4,
+)
 from tests.one_line_errors import assert_one_line_error  # noqa: E402
 from tests.pretrain_runs import iteration_logs, launch, tiny_gpt_flags  # noqa: E402
 from tests.tolerances import assert_close_reordered  # noqa: E402
@@ -68,7 +76,7 @@ from tests.tools.hf_routed_moe import (  # noqa: E402
     run_checkpoint_tool,
 )
 from tests.tools.test_hf_conversion import TRUE_VOCAB, our_logits, same_model  # noqa: E402
-from tests.tools.test_hf_transformers4 import NEW_TOKENS, PROMPT  # noqa: E402
+from tests.tools.test_hf_transformers4 import NEW_TOKENS, PROMPT, READER  # noqa: E402
 from tools.checkpoint import convert_from_hf  # noqa: E402
 
 MLA = dict(
@@ -317,6 +325,44 @@ def test_import_of_a_model_saved_by_transformers(tmp_path, capsys, variant):
         expected = model(tokens).logits
     ours = our_logits(loaded.state_dict, loaded.args, tokens)
     assert_close_reordered(ours, expected, terms=terms_of(loaded.args, tokens.numel()))
+
+
+def test_transformers_4_reads_the_exports_and_saves_what_we_import(exports, tmp_path):
+    """transformers 4.57.3 (the last 4.x; 4.46 has neither DeepSeek class) reads both exports
+    as ours (its per-expert modules, `rope_scaling`), and a random DeepSeek-V3 it saves (YaRN
+    as DeepSeek's config.json writes it, group-limited routing, expert biases) imports with
+    its logits. Its V3 router masks the groups left out with 0 where DeepSeek's code, megatron-
+    core, transformers 5 and ours mask with -inf: the same choice wherever score + expert bias
+    is positive, so the V3 checkpoints here have positive biases."""
+    out, made = str(tmp_path / "read.pt"), str(tmp_path / "made")
+    v3, _, _ = exports["v3"]
+    positive = dict(v3.state_dict)
+    positive.update({n: t.abs() for n, t in v3.state_dict.items() if n.endswith("expert_bias")})
+    v3 = dataclasses.replace(v3, state_dict=positive)
+    assert export_folder(v3, str(tmp_path / "v3")) == ARCHITECTURES["v3"]
+    ids = GPT2BPETokenizer(VOCAB_FILE, MERGE_FILE).tokenize(PROMPT)
+    ours = {"v3": (v3, our_reading(v3, ids)), "v2_lite": exports["v2_lite"][:2]}
+    folders = {"v3": str(tmp_path / "v3"), "v2_lite": exports["v2_lite"][2]}
+    text = ["--text", PROMPT, "--new-tokens", str(NEW_TOKENS)]
+    flags = [*text, *folders.values(), "--make-deepseek-v3", made]
+    run_transformers_4(READER, out, *flags, release=TRANSFORMERS_4_LAST)
+    results = torch.load(out)
+    for variant, folder in folders.items():
+        dense, reading = ours[variant]
+        theirs = results[folder]
+        assert theirs["version"] == TRANSFORMERS_4_LAST[0].removeprefix("transformers==")
+        assert theirs["architecture"] == ARCHITECTURES[variant] and theirs["missing"] == []
+        assert all(name.startswith("model.layers.3.") for name in theirs["unexpected"])
+        assert theirs["ids"] == reading["ids"]
+        terms = terms_of(dense.args, len(reading["ids"]))
+        assert_close_reordered(theirs["logits"], reading["logits"], terms=terms)
+        assert theirs["greedy"] == reading["greedy"], variant
+    saved = results[made]
+    loaded = import_folder(made, str(tmp_path / "ours"))
+    assert loaded.args["rotary_scaling_factor"] == 40.0
+    assert loaded.args["moe_router_group_topk"] == 2
+    logits = our_logits(loaded.state_dict, loaded.args, torch.tensor([saved["ids"]]))[0]
+    assert_close_reordered(logits, saved["logits"], terms=terms_of(loaded.args, len(saved["ids"])))
 
 
 # args on top of the exportable V3 shape -> what the one-line refusal must name
