@@ -70,8 +70,8 @@ def add_mla_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def check_mla(args: argparse.Namespace) -> None:
-    """--multi-latent-attention: a key and a value per head from the shared latent, shapes
-    that exist, and the sequence splits it does not run with yet."""
+    """--multi-latent-attention: a key and a value per head from the shared latent, and
+    shapes that exist."""
     if not getattr(args, "multi_latent_attention", False):
         return
     if args.num_key_value_heads != args.num_attention_heads:
@@ -79,12 +79,6 @@ def check_mla(args: argparse.Namespace) -> None:
             "--multi-latent-attention derives a key and a value per head from its shared "
             "latent: --group-query-attention / --num-key-value-heads do not apply"
         )
-    for flag in ("context_parallel_size", "ds_sequence_parallel_size"):
-        if (getattr(args, flag, None) or 1) > 1:
-            raise ArgumentError(
-                f"--multi-latent-attention with --{flag.replace('_', '-')} above 1 is not "
-                "built here yet (its queries and keys are wider than its values)"
-            )
     for flag in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
         if getattr(args, flag) < 1:
             raise ArgumentError(f"--{flag.replace('_', '-')} must be at least 1")

@@ -235,7 +235,8 @@ class _HeadSplitCore(nn.Module):
         return self._attend(query, key, value, mask)
 
     def _attend(self, query, key, value, mask) -> torch.Tensor:
-        s, b, heads, hn = query.shape
+        s, b, heads = query.shape[:3]
+        hn = value.size(-1)  # the context's head width (MLA's values are narrower)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, hn]
         if self.recompute and self.training:
             # Selective recomputation: the core again in the backward, not the all-to-alls.

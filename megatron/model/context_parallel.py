@@ -320,8 +320,13 @@ class ContextParallelAttention(nn.Module):
         seed = draw_dropout_seed() if dropout_p > 0.0 else 0
         kernel = BlockKernel(self.core.scale, dropout_p, seed)
         plan = ring_plan(self.ring.rank, self.ring.size, query.size(2) // 2, mask)
+        width = value.size(-1)
+        if width != query.size(-1):
+            # Multi-latent attention's values are narrower than its queries and keys, and the
+            # block kernels take one head size: zero channels weigh nothing in the output.
+            value = F.pad(value, (0, query.size(-1) - width))
         # [b, np, s/C, hn]
-        context = RingAttention.apply(query, key, value, kernel, self.ring, plan)
+        context = RingAttention.apply(query, key, value, kernel, self.ring, plan)[..., :width]
         b, heads, s, hn = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, heads * hn)
 

@@ -38,7 +38,8 @@ from megatron.core.tensor_parallel.mappings import (
     this_ranks_sequence_positions,
 )
 from megatron.core.tensor_parallel.output_discarding import OutputDiscardingCheckpoint
-from megatron.model.attention import CoreAttention
+from megatron.model.attention import CoreAttention, UlyssesAttention
+from megatron.model.context_parallel import ContextParallelAttention
 from megatron.model.inference_params import InferenceParams
 from megatron.model.mlp import linear_kwargs
 from megatron.model.utils import (
@@ -158,6 +159,18 @@ class MultiLatentAttention(nn.Module):
         self.core_attention.scale = factor * factor / math.sqrt(self.q_head_dim)
         self.recompute_core = recomputes(config, "core_attn")
         self.recompute_up = recomputes(config, "mla_up_proj")
+        # A sequence split across ranks: as standard attention's (its values narrower than its
+        # queries and keys: ContextParallelAttention pads them for the ring's kernels).
+        self.context_parallel = self.ulysses = None
+        if groups.context.size > 1:
+            comm_type = config.cp_comm_types[(layer_number - 1) % len(config.cp_comm_types)]
+            self.context_parallel = ContextParallelAttention(
+                self.core_attention, comm_type, self.recompute_core, groups.context
+            )
+        if groups.ulysses.size > 1:
+            self.ulysses = UlyssesAttention(
+                self.core_attention, groups.ulysses.group, self.recompute_core
+            )
         self.linear_proj = RowParallelLinear(
             n * mla.v_head_dim,
             config.hidden_size,
@@ -247,6 +260,13 @@ class MultiLatentAttention(nn.Module):
             query, key, value = up.checkpoint(self._contiguous_up_projections, *latents)
         else:
             query, key, value = self.query_key_value(hidden, positions)
+        split = self.context_parallel or self.ulysses
+        if split is not None and inference_params is None:
+            # [s/C, b, n/tp, d] in, context [s/C, b, n/tp * v] out
+            context = split(query, key, value, attention_mask)
+            if up is not None:  # the split attention has saved what it needs of them
+                up.discard_output_and_register_recompute(context)
+            return self.linear_proj(context)
         causal = True
         if inference_params is not None:
             key, value = inference_params.update_key_value(self.layer_number, key, value)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megatron.config import ModelConfig
 from megatron.deepspeed_facts import OptimizerWrapper, effective_overlap_comm
 from megatron.model.model_size import runs_in_fp8
 from megatron.planning.dtypes import dtypes
@@ -376,7 +377,7 @@ def context_parallel_layer_bytes(inputs: PlanInputs, comm_type: str) -> dict[str
     (run again by full recomputation) and `backward`.
 
     KV = 2 b (s/C) g hn e, the keys and values of this rank's tokens (g key/value heads per
-    tensor-parallel rank, e the compute dtype's bytes):
+    tensor-parallel rank, e the compute dtype's bytes; MLA's by `attention_widths`):
     - `p2p` (ring attention): forward C-1 sends of KV to the next rank; backward C-1 sends
       of KV again and C sends of their gradients, which travel in fp32 (KV x 4 / e);
     - `allgather`: forward the all-gather of K and V (its output: C x KV), backward the
@@ -386,14 +387,28 @@ def context_parallel_layer_bytes(inputs: PlanInputs, comm_type: str) -> dict[str
     """
     config, c, e = inputs.model, inputs.cp, dtypes(inputs).compute
     tokens = inputs.local_seq_length * inputs.micro_batch
-    key_values = 2 * tokens * config.kv_projection_size // inputs.tp * e
+    query, key, value, context = attention_widths(config)
     if comm_type == "p2p":
+        # The ring's kernels take one head size: MLA's narrower values travel padded to it.
+        key_values = tokens * 2 * key // inputs.tp * e
         gradients = key_values // e * _FP32
         return {"forward": (c - 1) * key_values, "backward": (c - 1) * key_values + c * gradients}
+    key_values = tokens * (key + value) // inputs.tp * e
     if comm_type == "allgather":
         return {"forward": c * key_values, "backward": c * key_values}
-    width = (2 * config.projection_size + 2 * config.kv_projection_size) // inputs.tp
+    width = (query + key + value + context) // inputs.tp  # q, k, v there, the context back
     return {"forward": tokens * width * e, "backward": tokens * width * e}
+
+
+def attention_widths(config: ModelConfig) -> tuple[int, int, int, int]:
+    """Per token, all heads: the query, key, value and context widths (multi-latent
+    attention's keys carry the shared rotary channels, its values their own width)."""
+    if config.mla is None:
+        kv = config.kv_projection_size
+        return config.projection_size, kv, kv, config.projection_size
+    mla, heads = config.mla, config.num_attention_heads
+    query = heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim)
+    return query, query, heads * mla.v_head_dim, heads * mla.v_head_dim
 
 
 def context_parallel_parts(inputs: PlanInputs, role: RankRole) -> dict[str, int]:

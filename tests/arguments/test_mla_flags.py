@@ -67,7 +67,12 @@ def test_what_cannot_run_stops_in_one_line(extra: str, message: str) -> None:
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_context_parallelism_with_mla_is_refused_by_name() -> None:
-    """Not built yet: the flag named in one line."""
-    with pytest.raises(ArgumentError, match="--context-parallel-size above 1 is not built"):
-        validated("--multi-latent-attention --context-parallel-size 2", world_size=2)
+def test_sequence_splits_take_mla() -> None:
+    """Context parallelism and Ulysses run MLA (tests/core/test_context_parallel.py); MTP
+    still stops at them (tests/arguments/test_mtp_flags.py)."""
+    for split in (
+        "--context-parallel-size 2",
+        "--ds-sequence-parallel-size 2 --deepspeed --no-pipeline-parallel",
+    ):
+        args = validated(f"--multi-latent-attention {split}", world_size=2)
+        assert args.multi_latent_attention

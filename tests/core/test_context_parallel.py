@@ -6,7 +6,9 @@
   over the C ranks (what DDP / DeepSpeed reduce), for C = 2 and 4: ring attention (p2p) for
   causal GPT-2 attention, grouped-query attention with 2 key/value heads and multi-query
   attention with 1 (rotary positions of the global sequence), selective recomputation and
-  bf16 (to bf16's precision); the allgather and a2a kinds. With a sliding window
+  bf16 (to bf16's precision); the allgather and a2a kinds; multi-latent attention (values
+  narrower than queries and keys: the ring pads them) on each kind, with YaRN, without a query
+  latent in bf16, and with `--recompute-modules core_attn mla_up_proj`. With a sliding window
   (`--window-size`) and packed documents (`--reset-attention-mask`'s document ids, whole on
   every rank), and both, on each kind and in bf16: one process is given the same
   `DocumentMask` (and the mask changes its output: the comparison has teeth).
@@ -25,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.config import ModelConfig
+from megatron.config import MLAConfig, ModelConfig
 from megatron.core import parallel_state
 from megatron.core.process_groups import this_rank_groups
 from megatron.core.tensor_parallel.mappings import this_ranks_sequence_part
@@ -51,6 +53,12 @@ def _config(**overrides) -> ModelConfig:
 
 
 _LLAMA = dict(position_embedding_type="rope", add_bias_linear=False, rotary_base=500000.0)
+_MLA_SHAPES = dict(
+    q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
+    rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+)  # fmt: skip
+# Multi-latent attention (values narrower than queries and keys), with its latent norms.
+_MLA = dict(mla=MLAConfig(**_MLA_SHAPES), qk_layernorm=True, normalization="rmsnorm", **_LLAMA)
 CASES = {
     "p2p causal GPT-2 attention": {},
     "p2p grouped-query attention, 2 key/value heads, rotary": dict(num_key_value_heads=2, **_LLAMA),
@@ -64,6 +72,15 @@ CASES = {
     "a2a grouped-query attention, rotary": dict(
         cp_comm_types=("a2a",), num_key_value_heads=4, **_LLAMA
     ),
+    "p2p multi-latent attention, YaRN": dict(_MLA),
+    "p2p multi-latent attention, no query latent, bf16": dict(
+        _MLA, mla=MLAConfig(**dict(_MLA_SHAPES, q_lora_rank=None)), params_dtype="bfloat16"
+    ),
+    "p2p multi-latent attention, --recompute-modules core_attn mla_up_proj": dict(
+        _MLA, recompute_granularity="selective", recompute_modules=("core_attn", "mla_up_proj")
+    ),
+    "allgather multi-latent attention": dict(_MLA, cp_comm_types=("allgather",)),
+    "a2a multi-latent attention": dict(_MLA, cp_comm_types=("a2a",)),
 }
 # Packed documents: [b][document lengths] (boundaries inside chunks and on chunk edges,
 # documents across chunks; tests/model/test_ring_blocks.py checks the ring's plan for them).
@@ -81,6 +98,9 @@ MASKED_CASES = {
     ),
     "p2p packed documents, selective recomputation": dict(
         documents=SHORT_DOCUMENTS, recompute_granularity="selective"
+    ),
+    "p2p multi-latent attention, packed documents and window": dict(
+        _MLA, documents=DOCUMENTS, window_size=(5, 0)
     ),
     "allgather packed documents and window, rotary": dict(
         cp_comm_types=("allgather",), documents=DOCUMENTS, window_size=(5, 0), **_LLAMA
@@ -125,10 +145,12 @@ def _run_layer(
     config: ModelConfig, hidden: torch.Tensor, grad: torch.Tensor, mask: DocumentMask | None
 ) -> tuple:
     """(output, input grad, {param: grad}) of a fresh layer 1 on `hidden`, seeded alike."""
+    from megatron.model.multi_latent_attention import MultiLatentAttention
     from megatron.model.transformer import ParallelAttention
 
     torch.manual_seed(11)
-    layer = ParallelAttention(config, 1, this_rank_groups())
+    kind = ParallelAttention if config.mla is None else MultiLatentAttention
+    layer = kind(config, 1, this_rank_groups())
     hidden = hidden.detach().requires_grad_()
     output, bias = layer(hidden, mask)
     output = output if bias is None else output + bias

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from megatron.config import ModelConfig
+from megatron.config import MLAConfig, ModelConfig
 from megatron.core import parallel_state
 from megatron.planning.activations import (
     autocast_copy_bytes,
@@ -84,6 +84,22 @@ def test_allgather_and_a2a_bytes_by_hand():
     # Per layer: layer 1 p2p, layer 2 allgather.
     mixed = _parts(_config("p2p", cp_comm_types=("p2p", "allgather")))
     assert (mixed["p2p"], mixed["allgather"]) == (4 * KV_LOCAL * 3, 2 * 2 * KV_LOCAL * 3)
+
+
+def test_multi_latent_attention_bytes_by_hand():
+    """MLA: 8 heads of keys 12 + 4 rotary = 16 channels, values 6. The ring sends values
+    padded to the keys' 16 channels: the same bytes as 8 key/value heads of 16 (4 x KV_local
+    x 4 per layer). The allgather gathers keys (16) and values (6) per head; a2a moves queries
+    (16), keys (16), values (6) and the context (6) per head."""
+    mla = MLAConfig(q_lora_rank=32, kv_lora_rank=24, qk_head_dim=12, qk_pos_emb_head_dim=4,
+                    v_head_dim=6, rope_type="rope")  # fmt: skip
+    settings = dict(mla=mla, num_key_value_heads=HEADS, qk_layernorm=True)
+    assert _parts(_config("p2p", **settings))["p2p"] == 4 * (4 * KV_LOCAL) * 2 * 3
+    tokens = MICRO_BATCH * SEQ // 2
+    gathered = 2 * tokens * HEADS * (16 + 6) * 4  # C x (K + V), forward and backward alike
+    assert _parts(_config("allgather", **settings))["allgather"] == 2 * gathered * 2 * 3
+    moved = tokens * HEADS * (16 + 16 + 6 + 6) * 4
+    assert _parts(_config("a2a", **settings))["a2a"] == 2 * moved * 2 * 3
 
 
 def test_gradients_are_reduced_over_data_x_context_ranks():

@@ -76,3 +76,25 @@ def test_mla_mtp_run_on_deepspeed_zero1_in_bf16(stdlib_dataset) -> None:
     logged = _logged(run.stdout)
     assert len(logged) == 6, run.stdout[-3000:]
     assert logged[-1][0] < logged[0][0] - 0.5 and logged[-1][1] < logged[0][1] - 0.5, logged
+
+
+@pytest.mark.slow
+def test_mla_run_at_cp2_logs_one_process_losses(stdlib_dataset) -> None:
+    """Context parallelism with MLA (ring attention, its values padded to the queries' width):
+    4 iterations at CP=2 log one process's losses and gradient norms."""
+    model = [flag for flag in MODEL if flag not in ("--mtp-num-layers", "1")]
+    model = [flag for flag in model if flag not in ("--mtp-loss-scaling-factor", "0.1")]
+    flags = tiny_gpt_flags(stdlib_dataset) + model + ["--global-batch-size", "4"]
+    flags += ["--train-iters", "4", "--lr", "5e-3", "--min-lr", "5e-4"]
+    alone = launch(1, flags)
+    assert alone.returncode == 0, alone.stdout[-3000:]
+    split = launch(2, flags + ["--context-parallel-size", "2"])
+    assert split.returncode == 0, split.stdout[-3000:]
+    assert "CP 2" in split.stdout, split.stdout[-3000:]
+    names = ("lm loss", "grad norm")
+    expected = [tuple(log[n] for n in names) for log in iteration_logs(alone.stdout)]
+    got = [tuple(log[n] for n in names) for log in iteration_logs(split.stdout)]
+    assert len(got) == len(expected) == 4, split.stdout[-3000:]
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine[0] == pytest.approx(theirs[0], rel=1e-4), (mine, theirs)
+        assert mine[1] == pytest.approx(theirs[1], abs=2e-3), (mine, theirs)
