@@ -8,7 +8,10 @@
 
 Each attention layer keeps its keys and values in `key_value_memory_dict[layer_number]`,
 two tensors `[max_sequence_length, max_batch_size, heads / tp, kv_channels]` allocated on
-first use. As in Megatron, the caller advances `sequence_len_offset` after every forward.
+first use; a multi-latent attention layer keeps one, its compressed latent with the rotated
+shared key `[max_sequence_length, max_batch_size, 1, kv_lora_rank + qk_pos_emb_head_dim]`,
+and up-projects the cached positions at every step (as transformers' DeepSeek does). As in
+Megatron, the caller advances `sequence_len_offset` after every forward.
 """
 
 from __future__ import annotations
@@ -28,13 +31,19 @@ class InferenceParams:
         self.max_batch_size = max_batch_size
         self.max_sequence_length = max_sequence_length
         self.sequence_len_offset = 0
-        self.key_value_memory_dict: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.key_value_memory_dict: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def update_key_value(
         self, layer_number: int, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write [s, b, np, hn] keys/values at the offset; return all cached [offset+s, b, ...]."""
-        s, b = key.shape[:2]
+        key, value = self.update(layer_number, key, value)
+        return key, value
+
+    def update(self, layer_number: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Write each [s, b, ...] tensor at the offset; return all cached [offset+s, b, ...]
+        (a layer's tensors may differ in width: keys and values, or one latent)."""
+        s, b = tensors[0].shape[:2]
         end = self.sequence_len_offset + s
         if end > self.max_sequence_length:
             raise ValueError(
@@ -47,15 +56,13 @@ class InferenceParams:
             )
         if layer_number not in self.key_value_memory_dict:
             rows = (self.max_sequence_length, self.max_batch_size)
-            # Keys and values may differ in width (multi-latent attention).
-            self.key_value_memory_dict[layer_number] = (
-                torch.empty((*rows, *key.shape[2:]), dtype=key.dtype, device=key.device),
-                torch.empty((*rows, *value.shape[2:]), dtype=value.dtype, device=value.device),
+            self.key_value_memory_dict[layer_number] = tuple(
+                torch.empty((*rows, *t.shape[2:]), dtype=t.dtype, device=t.device) for t in tensors
             )
-        key_memory, value_memory = self.key_value_memory_dict[layer_number]
-        key_memory[self.sequence_len_offset : end, :b] = key
-        value_memory[self.sequence_len_offset : end, :b] = value
-        return key_memory[:end, :b], value_memory[:end, :b]
+        memories = self.key_value_memory_dict[layer_number]
+        for memory, tensor in zip(memories, tensors, strict=True):
+            memory[self.sequence_len_offset : end, :b] = tensor
+        return tuple(memory[:end, :b] for memory in memories)
 
     def causal_mask(self, query_length: int, device: torch.device) -> torch.Tensor:
         """Bool [1, 1, s, offset+s], True = masked, for `query_length` new tokens.

@@ -218,19 +218,45 @@ class MultiLatentAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`latents` -> query, key, value: the up-projections and the rotary part
         (`--recompute-modules mla_up_proj` recomputes this)."""
+        query = self.query_heads(q_in, angles)
+        key, value = self.key_value_heads(kv_latent, self.rotary.rotate(k_pos.unsqueeze(2), angles))
+        return query, key, value
+
+    def query_heads(self, q_in: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """The query latent (or projected query) [s, b, *] -> queries [s, b, n/tp, qk + pos],
+        their rotary channels rotated by `angles`."""
         mla = self.mla
         q = q_in if mla.q_lora_rank is None else self.linear_q_up_proj(q_in)[0]
-        kv, _ = self.linear_kv_up_proj(kv_latent)
-        s, b = q.shape[:2]
-        q = q.view(s, b, self.heads, self.q_head_dim)
-        kv = kv.view(s, b, self.heads, mla.qk_head_dim + mla.v_head_dim)
+        q = q.view(*q.shape[:2], self.heads, self.q_head_dim)
         q_content, q_pos = q.split([mla.qk_head_dim, mla.qk_pos_emb_head_dim], -1)
+        return torch.cat((q_content, self.rotary.rotate(q_pos, angles)), dim=-1)
+
+    def key_value_heads(
+        self, kv_latent: torch.Tensor, k_rotated: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key/value latent [s, b, r] and the rotated shared key [s, b, 1, pos] -> keys
+        [s, b, n/tp, qk + pos] and values [s, b, n/tp, v]."""
+        mla = self.mla
+        kv, _ = self.linear_kv_up_proj(kv_latent)
+        kv = kv.view(*kv.shape[:2], self.heads, mla.qk_head_dim + mla.v_head_dim)
         k_content, value = kv.split([mla.qk_head_dim, mla.v_head_dim], -1)
-        q_pos = self.rotary.rotate(q_pos, angles)
-        k_pos = self.rotary.rotate(k_pos.unsqueeze(2), angles).expand(-1, -1, self.heads, -1)
-        query = torch.cat((q_content, q_pos), dim=-1)
-        key = torch.cat((k_content, k_pos), dim=-1)
-        return query, key, value
+        k_pos = k_rotated.expand(-1, -1, self.heads, -1)
+        return torch.cat((k_content, k_pos), dim=-1), value
+
+    def _cached_query_key_value(
+        self, hidden: torch.Tensor, positions: torch.Tensor, cache: InferenceParams
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Generation: the new tokens' compressed latent and rotated shared key join the cache
+        (what DeepSeek's MLA caches); the queries of the new tokens, the keys and values of
+        every cached position, up-projected from it."""
+        q_in, kv_latent, k_pos = self.latents(hidden)
+        k_rotated = self.rotary.rotate(k_pos.unsqueeze(2), self.rotary.at(positions))
+        (latent,) = cache.update(
+            self.layer_number, torch.cat((kv_latent.unsqueeze(2), k_rotated), dim=-1)
+        )
+        kv_latent, k_rotated = latent.split([self.mla.kv_lora_rank, k_rotated.size(-1)], -1)
+        key, value = self.key_value_heads(kv_latent.squeeze(2), k_rotated)
+        return self.query_heads(q_in, self.rotary.at(positions)), key, value
 
     def _contiguous_up_projections(self, *latents: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`up_projections` as tensors of their own storage (the value is a slice of the
@@ -246,7 +272,7 @@ class MultiLatentAttention(nn.Module):
         """[s(/tp), b, h] -> ([s(/tp), b, h], output bias).
 
         With `inference_params`, `hidden` holds the positions from its `sequence_len_offset`
-        on; their keys and values (up-projected) join the cache."""
+        on; their compressed latents join the cache."""
         s = hidden.size(0) * (self.tensor_parallel_size if self.sequence_parallel else 1)
         if inference_params is None:
             positions = this_ranks_sequence_positions(s, hidden.device)
@@ -254,7 +280,9 @@ class MultiLatentAttention(nn.Module):
             offset = inference_params.sequence_len_offset
             positions = torch.arange(offset, offset + s, device=hidden.device)
         up = None
-        if self.recompute_up and self.training and torch.is_grad_enabled():
+        if inference_params is not None:
+            query, key, value = self._cached_query_key_value(hidden, positions, inference_params)
+        elif self.recompute_up and self.training and torch.is_grad_enabled():
             up = OutputDiscardingCheckpoint()
             latents = (*self.latents(hidden), self.rotary.at(positions))
             query, key, value = up.checkpoint(self._contiguous_up_projections, *latents)
@@ -269,7 +297,6 @@ class MultiLatentAttention(nn.Module):
             return self.linear_proj(context)
         causal = True
         if inference_params is not None:
-            key, value = inference_params.update_key_value(self.layer_number, key, value)
             attention_mask = None  # an empty cache: causal attention over the s tokens
             if s == 1:
                 causal = False  # one new token sees every cached position

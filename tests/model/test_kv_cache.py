@@ -4,7 +4,7 @@ A model run over a whole sequence and the same model fed the sequence in pieces 
 at a time, a prompt then single tokens, or several multi-token chunks on a non-empty cache)
 must give the same logits at every position, for each attention backend and both kinds of
 position embedding, grouped-query attention (whose cache holds only the key/value heads) and
-multi-latent attention (keys wider than values).
+multi-latent attention (keys wider than values; its cache holds the compressed latent).
 """
 
 from __future__ import annotations
@@ -113,6 +113,21 @@ def test_cache_layout_per_layer():
     heads, head_dim = config.num_attention_heads, config.kv_channels
     for key, value in cache.key_value_memory_dict.values():
         assert key.shape == value.shape == (10, 3, heads, head_dim)
+
+
+@torch.no_grad()
+def test_mla_cache_holds_the_compressed_latent():
+    """Multi-latent attention caches what DeepSeek's does: per position its key/value latent
+    and the rotated shared key (16 + 8 channels here, against 4 heads x (20 + 10) for the
+    up-projected keys and values), and the incremental logits still equal the full ones."""
+    config = tiny_config(**VARIANTS["sdpa-mla"])
+    model = build_model(config).eval()
+    tokens, _ = random_batch(BATCH, SEQ, config.vocab_size)
+    cache = InferenceParams(max_batch_size=3, max_sequence_length=SEQ)
+    model(tokens, inference_params=cache)
+    assert sorted(cache.key_value_memory_dict) == [1, 2]
+    for memories in cache.key_value_memory_dict.values():
+        assert [tuple(m.shape) for m in memories] == [(SEQ, 3, 1, 16 + 8)]
 
 
 def test_causal_mask_is_aligned_to_the_newest_token():

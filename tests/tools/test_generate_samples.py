@@ -93,6 +93,35 @@ def test_moe_checkpoint_generates_in_one_process(moe_checkpoint, capsys):
         assert torch.equal(model(tokens), model(tokens))
 
 
+@pytest.fixture(scope="module")
+def deepseek_checkpoint(tmp_path_factory) -> str:
+    """A random DeepSeek-V3-shaped GPT (MLA with a query latent and YaRN, group-limited
+    sigmoid routing with expert biases, a shared expert, the first layer dense, one MTP
+    module; tests/tools/test_hf_deepseek.py), saved at TP=1."""
+    from tests.tools.hf_routed_moe import random_routed_checkpoint
+    from tests.tools.test_hf_deepseek import VARIANT_ARGS
+
+    root = str(tmp_path_factory.mktemp("generate_deepseek") / "checkpoint")
+    save_megatron_checkpoint(random_routed_checkpoint(VARIANT_ARGS["v3"]), root, 1, 1)
+    return root
+
+
+def test_deepseek_checkpoint_generates_from_its_latent_cache(deepseek_checkpoint, capsys):
+    """The tool's greedy text is what the model gives without a cache: the latent cache
+    (each MLA layer's compressed latent and rotated shared key) is exact."""
+    from megatron.text_generation import generate
+
+    assert main(["--load", deepseek_checkpoint, *GREEDY]) == 0
+    (text,) = continuations(capsys.readouterr().out)
+    args = get_args(["--load", deepseek_checkpoint])
+    model, tokenizer = build_model_and_tokenizer(args, torch.device("cpu"))
+    ids = tokenizer.tokenize("def main(")
+    runs = [generate(model, ids, 8, greedy=True, use_cache=use, vocab_size=GPT2_VOCAB)
+            for use in (True, False)]  # fmt: skip
+    assert runs[0] == runs[1]
+    assert text == tokenizer.detokenize(runs[0][0])
+
+
 def run_tool(launcher: list[str], *args: str) -> subprocess.CompletedProcess:
     """The tool's process (or torchrun's) on CPU; stdout and stderr kept apart."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
