@@ -39,9 +39,12 @@ from megatron.config import ModelConfig
 from megatron.core.tensor_parallel.cross_entropy import CHUNK_BYTES, CPU_CHUNK_BYTES
 from megatron.model.model_size import runs_in_fp8
 from megatron.model.transformer import recompute_chunks
-from megatron.planning.dtypes import dtypes
+from megatron.model.utils import recomputes
+from megatron.planning.dtypes import Dtypes, dtypes
 from megatron.planning.fp8 import keeps_gathered_input
 from megatron.planning.inputs import PlanInputs
+from megatron.planning.mla_activations import mla_attention_bytes, mla_weight_elements
+from megatron.planning.mtp_activations import mtp_module_bytes, mtp_weight_elements
 from megatron.planning.routed_moe import (
     is_routed_layer,
     routed_mlp_bytes,
@@ -109,8 +112,9 @@ def _attention_core_bytes(inputs: PlanInputs, comm_type: str | None, math: bool)
     heads = config.num_attention_heads // tp
     output = local * b * (config.projection_size // tp) * size.compute
     grouped = config.num_key_value_heads < config.num_attention_heads
-    # With fewer key/value heads the query is a reshaped copy of the fused projection's slice.
-    query = output if grouped else 0
+    # With fewer key/value heads the query is a reshaped copy of the fused projection's slice
+    # (with rotary positions the rotated copy is kept instead: `rotary_bytes`).
+    query = output if grouped and config.position_embedding_type != "rope" else 0
     if comm_type == "p2p":
         return query + output + b * heads * local * _FP32
     if comm_type == "allgather":
@@ -144,20 +148,29 @@ def layer_bytes(inputs: PlanInputs, kept: bool = True, layer_number: int | None 
     region = tokens // tp if config.sequence_parallel else tokens
     h = config.hidden_size
     qkv = (config.projection_size + 2 * config.kv_projection_size) // tp
-    norm = region * h * size.residual + 2 * region * _FP32  # input, mean and rstd
+    norm = norm_bytes(config, size, region, h)
+    if recomputes(config, "layernorm"):  # run without a graph: only its input is kept
+        norm = region * h * size.residual
     # Two norms, and the first's output as the next matmul's input: under sequence
     # parallelism only this rank's part, gathered again in the backward (the second's with
     # the MLP, `_mlp_bytes`), unless FP8 keeps the gathered input.
-    total = 2 * norm + _matmul_input_tokens(inputs, layer_number) * h * size.compute
+    total = 2 * norm
+    if not _norm_output_freed(inputs):
+        total += _matmul_input_tokens(inputs, layer_number) * h * size.compute
     selective = config.recompute_granularity == "selective"
     comm_type = _comm_type(inputs, layer_number)
     math = _math_attention(inputs, comm_type) and not selective
     # (The upcasting math kernel keeps fp32 copies; over gathered keys and values, also of
     # the value.)
-    if not (math and (size.compute < _FP32 or comm_type == "allgather")):
-        total += tokens * qkv * size.compute  # query, key, value
-    total += tokens * (config.projection_size // tp) * size.compute  # the output's input
-    total += _attention_core_bytes(inputs, comm_type, math)
+    if config.mla is not None:  # its widths differ: the math kernel on CPUs
+        math = inputs.device_type == "cpu" or config.attention_dropout > 0.0
+        total += mla_attention_bytes(inputs, size, math)
+    else:
+        if not (math and (size.compute < _FP32 or comm_type == "allgather")):
+            total += tokens * qkv * size.compute  # query, key, value
+        total += rotary_bytes(inputs, math)
+        total += tokens * (config.projection_size // tp) * size.compute  # the output's input
+        total += _attention_core_bytes(inputs, comm_type, math)
     total += _mlp_bytes(inputs, layer_number)
     if config.hidden_dropout > 0.0:  # masks after attention and after the MLP
         mlp_mask = size.branch_mask
@@ -167,17 +180,59 @@ def layer_bytes(inputs: PlanInputs, kept: bool = True, layer_number: int | None 
     return total
 
 
+def norm_bytes(config: ModelConfig, size: Dtypes, rows: int, width: int) -> int:
+    """What one norm over `rows` x `width` keeps: LayerNorm its input, mean and rstd; RMSNorm
+    (computed in fp32) its fp32 input (a copy when the residual is half), rstd, and the
+    normalized rows in the residual dtype (the weight's gradient reads them)."""
+    if config.normalization == "rmsnorm":
+        return rows * width * (_FP32 + size.residual) + rows * _FP32
+    return rows * width * size.residual + 2 * rows * _FP32
+
+
+def rotary_bytes(inputs: PlanInputs, math: bool = False) -> int:
+    """What rotary positions add to a standard attention layer: the rotated queries and keys
+    (new tensors a fused core keeps in place of the projection's views; the math kernel keeps
+    its own scaled copies instead) and each rotation's cos and sin [s, 1, 1, rotated
+    channels] in the compute dtype (two rotations)."""
+    config = inputs.model
+    if config.position_embedding_type != "rope" or config.mla is not None:
+        return 0
+    size = dtypes(inputs).compute
+    tokens = inputs.local_seq_length * inputs.micro_batch
+    rotated = int(config.kv_channels * config.rotary_percent)
+    copies = tokens * (config.projection_size + config.kv_projection_size) // inputs.tp
+    copies = 0 if math else copies
+    return (copies + 4 * inputs.local_seq_length * rotated) * size
+
+
+def _norm_output_freed(inputs: PlanInputs) -> bool:
+    """Whether `--recompute-modules layernorm` frees a norm's output the next matmul keeps:
+    yes where the matmul keeps the output itself, not autocast's half copy of it."""
+    size = dtypes(inputs)
+    return recomputes(inputs.model, "layernorm") and size.compute == size.residual
+
+
 def _mlp_bytes(inputs: PlanInputs, layer_number: int | None) -> int:
     """What a layer's MLP keeps, its input (the second norm's output) included: the dense
-    MLP's, or a routed MoE layer's (`routed_moe.routed_mlp_bytes`)."""
+    MLP's, or a routed MoE layer's (`routed_moe.routed_mlp_bytes`); recomputed
+    (`--recompute-modules mlp` / `moe`), its input alone (nothing once the norm's output is
+    freed too)."""
     config, tp = inputs.model, inputs.tp
     size = dtypes(inputs)
-    if is_routed_layer(config, layer_number):
+    routed = is_routed_layer(config, layer_number)
+    if recomputes(config, "moe" if routed else "mlp"):
+        rows = inputs.local_seq_length * inputs.micro_batch
+        rows = rows // tp if config.sequence_parallel else rows
+        freed = recomputes(config, "layernorm")  # the checkpoint's input is the norm's output
+        return 0 if freed else rows * config.hidden_size * size.residual
+    if routed:
         return routed_mlp_bytes(inputs, size)
     tokens = inputs.local_seq_length * inputs.micro_batch
     ffn = config.ffn_hidden_size // tp
     mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
-    total = _matmul_input_tokens(inputs, layer_number) * config.hidden_size * size.compute
+    total = 0
+    if not _norm_output_freed(inputs):
+        total += _matmul_input_tokens(inputs, layer_number) * config.hidden_size * size.compute
     total += tokens * mlp_in * size.activation_input + tokens * ffn * size.compute
     if config.activation == "swiglu":
         total += tokens * ffn * size.activation_input  # silu(gate), kept for the product
@@ -234,7 +289,19 @@ def stage_activation_bytes(
             total += region * h * size.mask
     if last:
         # The final norm's input and statistics, its output (the output layer's input).
-        total += region * h * size.residual + 2 * region * _FP32 + region * h * size.compute
+        total += norm_bytes(config, size, region, h) + region * h * size.compute
+        if config.mtp is not None:  # each module's layer is the last layer's kind
+            layer = layer_bytes(inputs, layer_number=config.num_layers)
+            norm = norm_bytes(config, size, region, h)
+            # `hnorm` reads the final norm's output: the output layer's own input when it
+            # keeps that output itself (no autocast copy) and the norm reads it as it is (not
+            # RMSNorm's fp32 copy of a half one), not kept twice.
+            read_as_is = config.normalization != "rmsnorm" or size.residual == _FP32
+            shared = 0
+            if size.compute == size.residual and read_as_is:
+                shared = region * h * size.residual
+            module = mtp_module_bytes(inputs, size, layer, norm) - shared
+            total += config.mtp.num_layers * module
     return total
 
 
@@ -258,17 +325,26 @@ def autocast_copy_bytes(
     ffn = config.ffn_hidden_size
     mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
     attention = h * (proj + 2 * config.kv_projection_size) + proj * h
+    if config.mla is not None:
+        attention = mla_weight_elements(config)
     numbers = list(layer_numbers or range(1, layers + 1))
-    total = 0
-    for number in numbers[recomputed:]:
+    # A recomputed MLP or MoE layer casts without a graph: autograd keeps none of its copies.
+    mlp = 0 if recomputes(config, "mlp") else h * mlp_in + ffn * h
+
+    def layer_copies(number: int) -> int:
         # An FP8 layer's linear layers hand their weights to torchao's matmul uncast.
         fp8 = runs_in_fp8(config, number)
         if is_routed_layer(config, number):  # at TP 1
-            total += (0 if fp8 else attention) + routed_weight_copy_elements(config, fp8)
-        elif not fp8:
-            total += (attention + h * mlp_in + ffn * h) // tp
+            routed = 0 if recomputes(config, "moe") else routed_weight_copy_elements(config, fp8)
+            return (0 if fp8 else attention) + routed
+        return 0 if fp8 else (attention + mlp) // tp
+
+    total = sum(layer_copies(number) for number in numbers[recomputed:])
     if last:
         total += config.vocab_size // tp * h
+        if config.mtp is not None:  # each module's projection and layer (the last's kind)
+            module = mtp_weight_elements(config) // tp + layer_copies(config.num_layers)
+            total += config.mtp.num_layers * module
     return total * size.compute
 
 

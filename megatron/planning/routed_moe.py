@@ -37,6 +37,7 @@ import torch
 from megatron.config import ModelConfig
 from megatron.model.moe_experts import grouped_mm_runs
 from megatron.model.moe_router import expert_capacity
+from megatron.model.utils import recomputes
 from megatron.planning.dtypes import Dtypes
 from megatron.planning.inputs import PlanInputs
 
@@ -128,10 +129,13 @@ def _router_input_bytes(inputs: PlanInputs, size: Dtypes) -> int:
     else:
         kept_itself = True
     if moe.shared_expert_ffn_hidden_size:
-        if autocast:
+        # Recomputed (`shared_experts`), it keeps its input itself: no cast without a graph.
+        if autocast and not recomputes(inputs.model, "shared_experts"):
             copies.append(size.compute)
         else:
             kept_itself = True
+    # `--recompute-modules layernorm` frees the norm's output (the copies stay).
+    kept_itself = kept_itself and not recomputes(inputs.model, "layernorm")
     per_token = (size.residual if kept_itself else 0) + sum(copies)
     return routed_tokens(inputs) * h * per_token
 
@@ -156,9 +160,11 @@ def _experts_bytes(inputs: PlanInputs, size: Dtypes, rows: int) -> int:
     ffn = moe.ffn_hidden_size or config.ffn_hidden_size
     width = 2 * ffn if config.activation == "swiglu" else ffn
     local = moe.num_experts // inputs.ep
-    total = rows * h * c + rows * width * c + rows * ffn * c  # input, first product, activation
-    if config.activation == "swiglu":
-        total += rows * ffn * c  # silu(gate)
+    total = rows * h * c + rows * width * c  # input, first product
+    if not recomputes(config, "moe_act"):  # else run without a graph, its output freed
+        total += rows * ffn * c  # the activation's output
+        if config.activation == "swiglu":
+            total += rows * ffn * c  # silu(gate)
     if config.add_bias_linear:
         total += 2 * rows * _INDEX  # each bias's row-to-expert index
     if c != size.residual:  # weight.to(dtype): copies made in every forward
@@ -173,7 +179,7 @@ def _shared_expert_bytes(inputs: PlanInputs, size: Dtypes) -> int:
     """The shared expert's dense MLP, but for its input (`_router_input_bytes`)."""
     config = inputs.model
     ffn = config.routed_moe.shared_expert_ffn_hidden_size
-    if not ffn:
+    if not ffn or recomputes(config, "shared_experts"):  # recomputed: its input alone
         return 0
     tokens = routed_tokens(inputs)
     mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
@@ -219,7 +225,7 @@ def routed_weight_copy_elements(config: ModelConfig, fp8: bool = False) -> int:
     moe, h = config.routed_moe, config.hidden_size
     total = 0 if moe.router_dtype is not None else moe.num_experts * h
     ffn = moe.shared_expert_ffn_hidden_size
-    if ffn and not fp8:
+    if ffn and not fp8 and not recomputes(config, "shared_experts"):
         mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
         total += h * mlp_in + ffn * h
     return total
