@@ -60,10 +60,11 @@ def add_checkpoint_format_flags(parser: argparse.ArgumentParser) -> None:
         "--dist-ckpt-strictness",
         choices=STRICTNESS,
         default="assume_ok_unexpected",
-        help="Megatron-LM's handling of keys the model and checkpoint do not share: here a "
-        "tensor the model needs and the checkpoint lacks ends the run in one line naming it, "
-        "and extra tensors in the checkpoint are ignored (assume_ok_unexpected, the default); "
-        "the other choices are refused.",
+        help="Megatron-LM's handling of torch_dist tensors the model and checkpoint do not "
+        "share: a tensor the checkpoint lacks ends the run naming it, or keeps this model's "
+        "values (log_all: listed; ignore_all); extra tensors in the checkpoint are ignored "
+        "(assume_ok_unexpected, the default; ignore_all), listed (log_unexpected, log_all) or "
+        "end the run (raise_unexpected, raise_all). return_* (API callers') are refused.",
     )
     group.add_argument(
         "--async-save",
@@ -126,10 +127,11 @@ def settle_checkpoint_format(args: argparse.Namespace) -> None:
             f"--dist-ckpt-format {args.dist_ckpt_format}: only torch_dist "
             "(torch.distributed.checkpoint) is built here"
         )
-    if args.dist_ckpt_strictness != "assume_ok_unexpected":
+    if args.dist_ckpt_strictness.startswith("return"):
         raise ArgumentError(
-            f"--dist-ckpt-strictness {args.dist_ckpt_strictness}: only assume_ok_unexpected "
-            "is built (missing tensors end the run naming them; extra ones are ignored)"
+            f"--dist-ckpt-strictness {args.dist_ckpt_strictness}: megatron-core returns the "
+            "mismatched keys to an API caller; a training run logs them: log_unexpected or "
+            "log_all"
         )
     args.ckpt_format = "torch" if chosen == "torch" else "torch_dist"
     if args.async_save and args.ckpt_format != "torch_dist":

@@ -98,7 +98,8 @@ class DeepSpeedWholeTensors(WholeTensors):
         (state,) = states
         params = dict(self.module.named_parameters())
         for name, param in params.items():
-            self._set_weight(param, state[name])
+            if name in state:  # (not read: the model keeps its own, --dist-ckpt-strictness)
+                self._set_weight(param, state[name])
         for name, buffer in self.module.named_buffers():
             if name in state and state[name] is not buffer:
                 buffer.copy_(state[name])

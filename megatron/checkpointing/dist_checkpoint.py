@@ -327,36 +327,56 @@ def read_common(directory: str) -> tuple[str, dict]:
     return path, load_file(path)
 
 
+TOLERATES_MISSING = ("log_all", "ignore_all")
+"""--dist-ckpt-strictness choices under which a model tensor the checkpoint lacks keeps this
+model's values (megatron-core's: logged, or not)."""
+
+
 class _Requests:
     """The tensors a load asks DCP for, checked against the checkpoint's metadata first."""
 
-    def __init__(self, directory: str, metadata: dict, view: _TensorParallelView):
+    def __init__(
+        self,
+        directory: str,
+        metadata: dict,
+        view: _TensorParallelView,
+        strictness: str = "assume_ok_unexpected",
+    ):
         self.directory, self.metadata, self.view = directory, metadata, view
+        self.strictness = strictness
         self.tensors: dict[str, object] = {}
         self.vocab_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.missing: list[str] = []
 
-    def add(self, key: str, local_name: str, tensor: torch.Tensor) -> None:
-        """Read `key` into `tensor`, this rank's shard of `local_name` (in place)."""
+    def add(self, key: str, local_name: str, tensor: torch.Tensor) -> bool:
+        """Read `key` into `tensor`, this rank's shard of `local_name` (in place); False
+        where the checkpoint lacks it and the strictness keeps this model's values."""
         saved = self.metadata.get(key)
         if saved is None or not hasattr(saved, "size"):
-            raise DistCheckpointError(f"{self.directory} has no tensor {key}")
+            if self.strictness in TOLERATES_MISSING:
+                self.missing.append(key)
+                return False
+            raise DistCheckpointError(
+                f"{self.directory} has no tensor {key} (--dist-ckpt-strictness log_all keeps "
+                "this model's values for what the checkpoint lacks)"
+            )
         request = self.view.global_view(local_name, tensor)
         if tuple(saved.size) == tuple(request.shape):
             self.tensors[key] = request
-            return
+            return True
         vocab = self.view.splits[local_name].vocab
         if vocab and tuple(saved.size[1:]) == tuple(tensor.shape[1:]) and _is_dtensor(tensor):
             # FSDP2, padded to another multiple: this rank's rows that the saved matrix has.
             with torch.no_grad():
                 stored_tensor(tensor.to_local()).zero_()
             self.tensors[key] = self.view.global_view(local_name, tensor, tuple(saved.size))
-            return
+            return True
         if vocab and tuple(saved.size[1:]) == tuple(tensor.shape[1:]):
             # Padded to another multiple: read the whole saved matrix, keep this rank's rows.
             whole = torch.zeros(tuple(saved.size), dtype=tensor.dtype)
             self.tensors[key] = whole
             self.vocab_copies.append((whole, tensor))
-            return
+            return True
         raise DistCheckpointError(
             f"{self.directory}: tensor {key} has shape {tuple(saved.size)} there, this "
             f"model's is {tuple(request.shape)}"
@@ -403,10 +423,18 @@ def load_dist_checkpoint(
             "--load NEW_DIR"
         )
     states = holder.load_targets()
-    requests = _Requests(directory, metadata, _TensorParallelView(holder.chunks()))
+    strictness = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
+    requests = _Requests(directory, metadata, _TensorParallelView(holder.chunks()), strictness)
     entries = _model_entries(holder, args)
     for _, index, local, name in entries:
-        requests.add(name, local, states[index][local])
+        if not requests.add(name, local, states[index][local]):
+            del states[index][local]  # not read: the model keeps its own
+    _check_unexpected(directory, metadata, {name for *_, name in entries}, strictness)
+    if requests.missing and strictness == "log_all":
+        print_rank_0(
+            f"> {directory} lacks {len(requests.missing)} of this model's tensors, which keep "
+            f"their values (--dist-ckpt-strictness log_all): {', '.join(requests.missing)}"
+        )
 
     params = dict(holder.module.named_parameters())
     moments: dict[str, dict[str, torch.Tensor]] | None = None
@@ -451,6 +479,36 @@ def load_dist_checkpoint(
         why = "saved without them" if same_layout else f"saved at {common.get('layout')}"
         print_rank_0(f"> {directory}: {why}; random generators keep their seeds")
     return load_optimizer
+
+
+def _check_unexpected(directory: str, metadata: dict, expected: set[str], strictness: str) -> None:
+    """Model tensors the checkpoint holds and this model (on any rank) does not: ignored
+    (assume_ok_unexpected, ignore_all), listed (log_unexpected, log_all) or refused
+    (raise_unexpected, raise_all), as megatron-core's `StrictHandling`."""
+    if strictness in ("assume_ok_unexpected", "ignore_all"):
+        return
+    import torch.distributed as dist
+
+    local = set(expected)
+    if dist.is_initialized() and dist.get_world_size() > 1:  # other stages hold other layers
+        everyone: list[set[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+        local = set().union(*everyone)
+    unexpected = sorted(
+        key for key in metadata
+        if not key.startswith(("optimizer.state.", "rng_state.")) and key not in local
+    )  # fmt: skip
+    if not unexpected:
+        return
+    if strictness.startswith("raise"):
+        raise DistCheckpointError(
+            f"{directory} holds {len(unexpected)} tensors this model has not, "
+            f"{unexpected[0]} first (--dist-ckpt-strictness {strictness})"
+        )
+    print_rank_0(
+        f"> {directory} holds {len(unexpected)} tensors this model has not, ignored "
+        f"(--dist-ckpt-strictness {strictness}): {', '.join(unexpected)}"
+    )
 
 
 def _checked_metadata(directory: str):  # noqa: ANN202 - DCP's Metadata

@@ -55,7 +55,8 @@ def test_each_spelling_means_one_format(flags: str, chosen: str) -> None:
         ("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor"),
         ("--async-save", "--async-save needs --ckpt-format torch_dist"),
         ("--dist-ckpt-format zarr", "--dist-ckpt-format zarr"),
-        ("--dist-ckpt-strictness raise_all", "--dist-ckpt-strictness raise_all"),
+        ("--dist-ckpt-strictness return_all", "--dist-ckpt-strictness return_all: "
+         "megatron-core returns the mismatched keys to an API caller"),
         ("--ckpt-format torch_dist --deepspeed --zero-stage 1", "--ckpt-format torch_dist with "
          "DeepSpeed's pipeline engine"),
         ("--ckpt-format torch_dist --deepspeed --zero-stage 0 --no-pipeline-parallel --bf16",

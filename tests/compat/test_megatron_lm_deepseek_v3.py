@@ -2,9 +2,9 @@
 captured in tests/compat/megatron_lm/) here (issue 57).
 
 - As written it stops at `--ckpt-format fsdp_dtensor` (Megatron-FSDP's own format, not built:
-  torch_dist saves FSDP2 runs at any layout) and, without it, at `--dist-ckpt-strictness
-  log_all`, each in one line naming the flag. With `--ckpt-format torch_dist` and without the
-  strictness flag it validates at its 8 ranks (FSDP2 over DP 8, its 256 experts over EP 8;
+  torch_dist saves FSDP2 runs at any layout) in one line naming the flag. With `--ckpt-format
+  torch_dist` (and its `--dist-ckpt-strictness log_all`) it validates at its 8 ranks (FSDP2
+  over DP 8, its 256 experts over EP 8;
   `--moe-token-dispatcher-type flex` runs as alltoall, said at start-up) and `--dry-run`
   prints its plan: MLA, multi-token prediction, 58 routed MoE layers after 3 dense ones.
 - Scaled down (4 layers: 1 dense then 3 with 8 routed experts, group-limited top-2 in the best
@@ -33,8 +33,8 @@ from tests.compat.test_script_runs import _iteration_lines, _launch
 RECIPE = os.path.join(
     os.path.dirname(__file__), "megatron_lm", "megatron_fsdp__sbatch_mfsdp_deepseek_v3.json"
 )
-NOT_BUILT = {"--ckpt-format": ["torch_dist"], "--dist-ckpt-strictness": None}
-"""Megatron-FSDP's checkpoint format (torch_dist instead) and the log_all strictness."""
+NOT_BUILT = {"--ckpt-format": ["torch_dist"]}
+"""Megatron-FSDP's checkpoint format (torch_dist instead)."""
 TINY = {
     "--num-layers": ["4"],
     "--hidden-size": ["64"],
@@ -91,14 +91,12 @@ def _localized(argv: list[str], dataset: str, scratch: str) -> list[str]:
 def test_the_recipe_validates_and_plans_at_its_world_size(stdlib_dataset: str, tmp_path) -> None:
     script = load_script(RECIPE)
     argv = _localized(script.argv, stdlib_dataset, str(tmp_path))
-    for flag, expected in (
-        ("--ckpt-format fsdp_dtensor", argv),
-        ("--dist-ckpt-strictness log_all", with_values(argv, {"--ckpt-format": ["torch_dist"]})),
-    ):
-        with pytest.raises(ArgumentError) as refused:
-            _validate(expected, script.world_size)
-        assert str(refused.value).startswith(flag) and "\n" not in str(refused.value)
+    with pytest.raises(ArgumentError) as refused:
+        _validate(argv, script.world_size)
+    message = str(refused.value)
+    assert message.startswith("--ckpt-format fsdp_dtensor") and "\n" not in message
     args = _validate(with_values(argv, NOT_BUILT), script.world_size)
+    assert args.dist_ckpt_strictness == "log_all"
     assert (
         args.layout.describe()
         == "TP 1 x PP 1 x DP 8 x EP 8, bf16, FSDP2 optim_grads_params on plain"
