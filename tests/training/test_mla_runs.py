@@ -9,6 +9,12 @@ iterations; a second launch resumed from a copy of the iteration-6 checkpoint lo
 run's values for iterations 7-12 (the same digits: a bit-exact resume); and a third, resumed
 from the same copy at PP=2 on Megatron's pipeline schedules (the MTP module and the copy of
 the word embeddings it embeds with on the last stage), logs them within fp32 reordering.
+
+From a plain run's weights resharded by tools/checkpoint/reshard.py, MLA runs as stages of
+DeepSpeed's pipeline engine (PP=2), and MTP on the last model chunk of Megatron's interleaved
+schedule (PP=2 x 2 chunks): the plain resume's losses, the MTP loss after an update too (the
+last stage's copy of the untied embeddings gets the first stage's gradient). At CP=2, MLA logs
+one process's losses.
 """
 
 from __future__ import annotations
@@ -98,3 +104,64 @@ def test_mla_run_at_cp2_logs_one_process_losses(stdlib_dataset) -> None:
     for mine, theirs in zip(got, expected, strict=True):
         assert mine[0] == pytest.approx(theirs[0], rel=1e-4), (mine, theirs)
         assert mine[1] == pytest.approx(theirs[1], abs=2e-3), (mine, theirs)
+
+
+def _from_resharded(dataset: str, tmp_path, model: list[str], target: list[str], engine: list[str]):
+    """A plain 2-rank run of `model` saved at iteration 2 (Megatron's per-rank files), resharded
+    by tools/checkpoint/reshard.py (`target`), resumed on `engine` and, unchanged, on the plain
+    engine, both with a fresh optimizer: (the resumed run's, the plain resume's) logs."""
+    from tools.checkpoint import reshard
+
+    save, resharded = str(tmp_path / "plain"), str(tmp_path / "resharded")
+    flags = tiny_gpt_flags(dataset) + model + ["--global-batch-size", "4"]
+    flags += ["--train-iters", "4", "--lr", "5e-3", "--min-lr", "5e-4"]
+    first = launch(2, flags + ["--save", save, "--save-interval", "2", "--exit-interval", "2"])
+    assert first.returncode == 0, first.stdout[-3000:]
+    assert reshard.main(["--load", save, "--save", resharded, *target]) == 0
+    fresh = ["--no-load-optim", "--no-load-rng"]
+    moved = launch(2, flags + engine + fresh + ["--load", resharded])
+    assert moved.returncode == 0, moved.stdout[-3000:]
+    plain = launch(2, flags + fresh + ["--load", save])
+    assert plain.returncode == 0, plain.stdout[-3000:]
+    return iteration_logs(moved.stdout), iteration_logs(plain.stdout)
+
+
+def _assert_same_losses(got: list[dict], expected: list[dict], names: tuple[str, ...]) -> None:
+    assert [log["iteration"] for log in got] == [log["iteration"] for log in expected] == [3, 4]
+    for mine, theirs in zip(got, expected, strict=True):
+        for name in names:  # fp32 sums in other orders
+            assert mine[name] == pytest.approx(theirs[name], rel=1e-4), (name, mine, theirs)
+
+
+@pytest.mark.slow
+def test_mla_on_deepspeeds_pipeline_engine(stdlib_dataset, tmp_path) -> None:
+    """MLA layers as DeepSpeed pipeline-engine stages (PP=2): from the plain run's weights,
+    resharded, iterations 3-4 log the plain resume's losses."""
+    model = [flag for flag in MODEL if flag not in ("--mtp-num-layers", "1")]
+    model = [flag for flag in model if flag not in ("--mtp-loss-scaling-factor", "0.1")]
+    model = [flag for flag in model if flag not in ("--ckpt-format", "torch_dist")]
+    got, expected = _from_resharded(
+        stdlib_dataset, tmp_path, model, ["--target-pipeline-parallel-size", "2"],
+        ["--deepspeed", "--pipeline-model-parallel-size", "2"],
+    )  # fmt: skip
+    _assert_same_losses(got, expected, ("lm loss",))
+
+
+@pytest.mark.slow
+def test_mtp_on_the_last_virtual_stage(stdlib_dataset, tmp_path) -> None:
+    """Megatron's interleaved schedule (PP=2, 2 model chunks per rank over 4 layers): the MTP
+    module on the last chunk of the last stage, as megatron-core places it; from the plain
+    run's weights, resharded, iterations 3-4 log the plain resume's lm and MTP losses."""
+    model = [flag for flag in MODEL if flag not in ("--ckpt-format", "torch_dist")]
+    model += ["--num-layers", "4"]
+    target = [
+        "--target-pipeline-parallel-size",
+        "2",
+        "--target-virtual-pipeline-parallel-size",
+        "2",
+    ]
+    got, expected = _from_resharded(
+        stdlib_dataset, tmp_path, model, target,
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    )  # fmt: skip
+    _assert_same_losses(got, expected, ("lm loss", "mtp_1 loss"))

@@ -149,9 +149,11 @@ class PipelineRunner:
 
 
 def _tied_embedding_weight(chunks: nn.ModuleList) -> torch.Tensor | None:
-    """This rank's copy of the tied word embedding: the first stage's, or the head copy."""
+    """This rank's copy of the shared word embedding: the first stage's, or the last stage's
+    copy (the tied output layer's, or multi-token prediction's, which embeds with it)."""
     for chunk in chunks:
-        if chunk.config.untie_embeddings_and_output_weights or chunk.num_stages == 1:
+        shared = not chunk.config.untie_embeddings_and_output_weights or chunk.config.mtp
+        if not shared or chunk.num_stages == 1:
             return None
         if chunk.is_first:
             return chunk.language_model.embedding.word_embeddings.weight
