@@ -24,7 +24,7 @@ whatever differs is refused in one line naming the config.json key or flag.
 transformers 4.57.3 (the last 4.x) reads both exports alike and saves a DeepSeek-V3 that
 imports with its logits.
 
-End to end (the real command lines, slow): 3 `pretrain_gpt.py` iterations of the V3 shape,
+End to end (the real command lines, slow): 3 `pretrain_gpt.py` iterations of each shape,
 `convert_to_hf.py` (our logits in transformers), `convert_from_hf.py` back, and `pretrain_gpt.py
 --finetune` with the printed flags gives the same first loss, MTP loss included.
 """
@@ -450,36 +450,50 @@ def test_import_refuses_what_our_model_cannot_compute_in_one_line(tmp_path, caps
     assert not (tmp_path / "ours").exists()
 
 
-MODEL_FLAGS = (
-    "--num-layers 3 --num-attention-heads 8 --ffn-hidden-size 96 --normalization rmsnorm "
-    "--swiglu --untie-embeddings-and-output-weights --disable-bias-linear "
-    "--position-embedding-type rope --multi-latent-attention --q-lora-rank 32 --kv-lora-rank 24 "
-    "--qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 12 --qk-layernorm "
-    "--rotary-scaling-factor 4 --mscale 1.0 --mscale-all-dim 1.0 --mtp-num-layers 1 "
-    "--num-experts 8 --moe-router-topk 4 --moe-layer-freq ([0]*1+[1]*2) "
-    "--moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 64 "
-    "--moe-router-score-function sigmoid --moe-router-topk-scaling-factor 2.5 "
-    "--moe-router-enable-expert-bias --moe-router-dtype fp32 --moe-router-num-groups 4 "
-    "--moe-router-group-topk 2"
-).split()
-"""The V3 shape as pretrain_gpt.py flags (on tiny_gpt_flags' hidden 64, 64 tokens)."""
+MODEL_FLAGS = {
+    "v3": (
+        "--num-layers 3 --num-attention-heads 8 --ffn-hidden-size 96 --normalization rmsnorm "
+        "--swiglu --untie-embeddings-and-output-weights --disable-bias-linear "
+        "--position-embedding-type rope --multi-latent-attention --q-lora-rank 32 "
+        "--kv-lora-rank 24 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 12 "
+        "--qk-layernorm --rotary-scaling-factor 4 --mscale 1.0 --mscale-all-dim 1.0 "
+        "--mtp-num-layers 1 --num-experts 8 --moe-router-topk 4 --moe-layer-freq ([0]*1+[1]*2) "
+        "--moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 64 "
+        "--moe-router-score-function sigmoid --moe-router-topk-scaling-factor 2.5 "
+        "--moe-router-enable-expert-bias --moe-router-dtype fp32 --moe-router-num-groups 4 "
+        "--moe-router-group-topk 2 --moe-router-bias-update-rate 0.01"
+    ).split(),
+    "v2_lite": (
+        "--num-layers 2 --num-attention-heads 8 --ffn-hidden-size 96 --normalization rmsnorm "
+        "--swiglu --disable-bias-linear --position-embedding-type rope "
+        "--multi-latent-attention --kv-lora-rank 24 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+        "--v-head-dim 12 --qk-layernorm --rope-type rope --num-experts 8 --moe-router-topk 2 "
+        "--moe-layer-freq ([0]*1+[1]*1) --moe-ffn-hidden-size 32 "
+        "--moe-shared-expert-intermediate-size 64 --moe-router-pre-softmax "
+        "--moe-router-dtype fp32 --moe-aux-loss-coeff 0.01"
+    ).split(),
+}
+"""The V3 and V2-Lite shapes as pretrain_gpt.py flags (on tiny_gpt_flags' hidden 64, 64
+tokens); V3's expert biases move fast enough to be seen."""
 
 
 @pytest.mark.slow
-def test_trained_model_through_both_command_lines(stdlib_dataset, tmp_path):
+@pytest.mark.parametrize("variant", sorted(MODEL_FLAGS))
+def test_trained_model_through_both_command_lines(stdlib_dataset, tmp_path, variant):
     """pretrain_gpt.py -> convert_to_hf.py -> transformers reads our logits ->
     convert_from_hf.py -> pretrain_gpt.py --finetune with the printed flags: the same first
-    lm and MTP losses as a finetune from the trained checkpoint itself."""
+    losses (lm, and V3's MTP) as a finetune from the trained checkpoint itself."""
     names = ("trained", "hf", "back", "reference")
     trained, hf_dir, back, reference = (str(tmp_path / name) for name in names)
     data = [*tiny_gpt_flags(stdlib_dataset), "--global-batch-size", "4"]
     training = ["--train-iters", "3", "--save-interval", "3", "--save", trained]
-    run = launch(1, [*data, *MODEL_FLAGS, "--moe-router-bias-update-rate", "0.01", *training])
+    model_flags = MODEL_FLAGS[variant]
+    run = launch(1, [*data, *model_flags, *training])
     assert run.returncode == 0, run.stdout[-4000:]
     dense = load_dense_checkpoint(trained)
     assert dense.iteration == 3
     tool = run_checkpoint_tool("convert_to_hf.py", "--load", trained, "--save", hf_dir)
-    assert "DeepseekV3ForCausalLM" in tool.stdout
+    assert ARCHITECTURES[variant] in tool.stdout
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
     tokens = torch.randint(0, TRUE_VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -489,17 +503,21 @@ def test_trained_model_through_both_command_lines(stdlib_dataset, tmp_path):
     flags = printed_flags(
         run_checkpoint_tool("convert_from_hf.py", "--load", hf_dir, "--save", back).stdout
     )
-    assert "--mtp-num-layers" in flags and "--moe-router-group-topk" in flags
+    expected = ("--mtp-num-layers", "--moe-router-group-topk")
+    if variant == "v2_lite":
+        expected = ("--moe-router-pre-softmax",)
+    assert all(flag in flags for flag in expected), flags
     imported = load_dense_checkpoint(back)
     assert all(torch.equal(imported.state_dict[n], t) for n, t in dense.state_dict.items()
                if "local_tokens" not in n)  # fmt: skip
     # The vocabulary padding rows (random, in the loss's softmax; not exported) as zeros.
     dense.vocab_padding = dense.output_layer_padding = None
     save_megatron_checkpoint(dense, reference, 1, 1)
+    logged_names = ("lm loss", "mtp_1 loss") if variant == "v3" else ("lm loss",)
     firsts = []
-    for load, model_flags in ((back, flags), (reference, MODEL_FLAGS)):
-        run = launch(1, [*data, *model_flags, "--load", load, "--finetune", "--train-iters", "2"])
+    for load, flags_used in ((back, flags), (reference, model_flags)):
+        run = launch(1, [*data, *flags_used, "--load", load, "--finetune", "--train-iters", "2"])
         assert run.returncode == 0, run.stdout[-4000:]
         logged = iteration_logs(run.stdout)[0]
-        firsts.append((logged["lm loss"], logged["mtp_1 loss"]))
+        firsts.append(tuple(logged[name] for name in logged_names))
     assert firsts[0] == firsts[1]
