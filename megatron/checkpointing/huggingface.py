@@ -6,7 +6,8 @@ for LLaMA with q/k/v biases alone, QK norm or a sliding window, `Qwen2ForCausalL
 `Qwen3ForCausalLM` or `MistralForCausalLM` (`huggingface_qwen_mistral.py`)
 for a dense model, `MixtralForCausalLM` for a Mixture-of-Experts one (`huggingface_mixtral.py`)
 or, for Megatron-LM's MoE with DeepSeek-V3's router (sigmoid, expert bias, shared expert,
-first layers dense), `Glm4MoeForCausalLM` (`huggingface_glm4_moe.py`); with multi-latent
+first layers dense), `Glm4MoeForCausalLM` (`huggingface_glm4_moe.py`), for it with Qwen3's
+attention `Qwen3MoeForCausalLM` (`huggingface_qwen3_moe.py`); with multi-latent
 attention `DeepseekV3ForCausalLM` or `DeepseekV2ForCausalLM` (`huggingface_deepseek.py`, the
 former with multi-token prediction); and refuses, in one
 line naming what differs, a model none computes exactly. `UNSUPPORTED_MODEL_TYPES` says why
@@ -63,6 +64,12 @@ from megatron.checkpointing.huggingface_mixtral import (
     mixtral_differences,
     to_mixtral_state_dict,
 )
+from megatron.checkpointing.huggingface_qwen3_moe import ARCHITECTURE as QWEN3_MOE
+from megatron.checkpointing.huggingface_qwen3_moe import (
+    qwen3_moe_config_json,
+    qwen3_moe_differences,
+    to_qwen3_moe_state_dict,
+)
 from megatron.checkpointing.huggingface_qwen_mistral import DIFFERENCES as QWEN_MISTRAL
 from megatron.checkpointing.huggingface_qwen_mistral import qwen_mistral_config_json
 from megatron.checkpointing.layouts import CheckpointConversionError
@@ -71,8 +78,6 @@ from megatron.config import ModelConfig
 
 GPT2 = "GPT2LMHeadModel"
 UNSUPPORTED_MODEL_TYPES = {
-    "qwen3_moe": "Qwen3-MoE normalizes each head's queries and keys (q_norm, k_norm); our "
-    "attention has no QK norm",
     "qwen2_moe": "Qwen2-MoE scales its shared expert by a sigmoid gate (shared_expert_gate) and "
     "puts biases on q, k and v only; our model computes neither",
 }
@@ -139,9 +144,9 @@ def gpt2_differences(config: ModelConfig) -> list[str]:
 
 def hf_architecture(config: ModelConfig) -> str:
     """`GPT2LMHeadModel`, `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
-    `MistralForCausalLM` or (Mixture-of-Experts) `MixtralForCausalLM` or `Glm4MoeForCausalLM`
-    or (multi-latent attention) `DeepseekV3ForCausalLM` or `DeepseekV2ForCausalLM`: the
-    Hugging Face class computing `config`'s model.
+    `MistralForCausalLM` or (Mixture-of-Experts) `MixtralForCausalLM`, `Glm4MoeForCausalLM` or
+    `Qwen3MoeForCausalLM` or (multi-latent attention) `DeepseekV3ForCausalLM` or
+    `DeepseekV2ForCausalLM`: the Hugging Face class computing `config`'s model.
 
     Raises, naming what differs from the closest, when none does exactly.
     """
@@ -157,7 +162,11 @@ def hf_architecture(config: ModelConfig) -> str:
             "Hugging Face export (DeepSeek-V3's format holds it, with MLA)"
         )
     if config.routed_moe is not None:
-        candidates = {MIXTRAL: mixtral_differences(config), GLM4_MOE: glm4_moe_differences(config)}
+        candidates = {
+            MIXTRAL: mixtral_differences(config),
+            GLM4_MOE: glm4_moe_differences(config),
+            QWEN3_MOE: qwen3_moe_differences(config),
+        }
     elif config.moe is not None:
         candidates = {MIXTRAL: mixtral_differences(config)}
     else:
@@ -231,6 +240,10 @@ def hf_config_json(
         )
     elif architecture == GLM4_MOE:
         keys = glm4_moe_config_json(config, true_vocab_size, bos_token_id, eos_token_id)
+    elif architecture == QWEN3_MOE:
+        keys = qwen3_moe_config_json(
+            config, true_vocab_size, bos_token_id, eos_token_id, moe_loss_coeff
+        )
     elif architecture in (DEEPSEEK_V3, DEEPSEEK_V2):
         keys = deepseek_config_json(
             config, architecture, true_vocab_size, bos_token_id, eos_token_id
@@ -259,7 +272,11 @@ def to_hf_weights(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
         return to_hf_state_dict(state, config.num_attention_heads)
     if architecture in (DEEPSEEK_V3, DEEPSEEK_V2):
         return to_deepseek_state_dict(state, config, architecture)
-    convert = {MIXTRAL: to_mixtral_state_dict, GLM4_MOE: to_glm4_moe_state_dict}
+    convert = {
+        MIXTRAL: to_mixtral_state_dict,
+        GLM4_MOE: to_glm4_moe_state_dict,
+        QWEN3_MOE: to_qwen3_moe_state_dict,
+    }
     return convert.get(architecture, to_llama_state_dict)(state, config)
 
 
@@ -345,8 +362,8 @@ def megatron_args_from_hf(
     if hf_config.get("model_type") != "gpt2":
         raise CheckpointConversionError(
             f"config.json has model_type={hf_config.get('model_type')!r}; only 'gpt2', "
-            "'llama', 'qwen2', 'qwen3', 'mistral', 'mixtral', 'glm4_moe', 'deepseek_v2' and "
-            "'deepseek_v3' convert"
+            "'llama', 'qwen2', 'qwen3', 'mistral', 'mixtral', 'glm4_moe', 'qwen3_moe', "
+            "'deepseek_v2' and 'deepseek_v3' convert"
         )
     problems = {
         "scale_attn_weights": (hf_config.get("scale_attn_weights", True), True),

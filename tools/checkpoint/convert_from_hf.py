@@ -14,8 +14,9 @@ config's `model_type`), refuses what our GPT cannot compute (GPT-2:
 other activations, an untied output layer, cross-attention, unscaled or layer-scaled attention;
 LLaMA, Mixtral and GLM-4-MoE: RoPE scaling, activations other than silu, attention and MLP
 biases that differ; LLaMA and Mixtral: partial RoPE; Mixtral: a sliding window shorter than the
-positions; GLM-4-MoE: QK norm, q/k/v biases, groups ranked otherwise than ours; Qwen2-MoE and
-Qwen3-MoE are refused naming why), and writes the checkpoint with args complete enough for
+positions; GLM-4-MoE: QK norm, q/k/v biases, groups ranked otherwise than ours; Qwen3-MoE
+(`huggingface_qwen3_moe.py`): attention biases, a sliding window; Qwen2-MoE is refused naming
+why), and writes the checkpoint with args complete enough for
 `pretrain_gpt.py --load` to build the same model (LLaMA: RMSNorm, SwiGLU, RoPE theta, key/value
 heads, untied output layer, no linear biases; Qwen2: `--add-qkv-bias`; Qwen3: `--qk-layernorm`;
 Mistral: `--window-size`, see `megatron/checkpointing/huggingface_qwen_mistral.py`, which also
@@ -78,6 +79,10 @@ from megatron.checkpointing.huggingface_mixtral import (  # noqa: E402
     MOE_FAMILIES,
     from_mixtral_state_dict,
     megatron_args_from_mixtral,
+)
+from megatron.checkpointing.huggingface_qwen3_moe import (  # noqa: E402
+    from_qwen3_moe_state_dict,
+    megatron_args_from_qwen3_moe,
 )
 from megatron.checkpointing.huggingface_qwen_mistral import (  # noqa: E402
     megatron_args_from_mistral,
@@ -150,7 +155,9 @@ LLAMA_SHAPE = (
 )
 SHAPE_FIELDS = {
     "gpt2": "n_layer, n_embd, n_head, n_positions and vocab_size",
-    **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "mixtral", "glm4_moe"), LLAMA_SHAPE),
+    **dict.fromkeys(
+        ("llama", "qwen2", "qwen3", "mistral", "mixtral", "glm4_moe", "qwen3_moe"), LLAMA_SHAPE
+    ),
     **dict.fromkeys(
         DEEPSEEK_TYPES,
         LLAMA_SHAPE + ", kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, "
@@ -166,10 +173,11 @@ ARGS_FROM_HF = {
     "mistral": megatron_args_from_mistral,
     "mixtral": megatron_args_from_mixtral,
     "glm4_moe": megatron_args_from_glm4_moe,
+    "qwen3_moe": megatron_args_from_qwen3_moe,
     **dict.fromkeys(DEEPSEEK_TYPES, megatron_args_from_deepseek),
 }
 """Each family's Megatron args from its config.json (GPT-2's also refuses other types)."""
-MOE_MODEL_TYPES = ("mixtral", "glm4_moe", *DEEPSEEK_TYPES)
+MOE_MODEL_TYPES = ("mixtral", "glm4_moe", "qwen3_moe", *DEEPSEEK_TYPES)
 """The families whose args take `--moe-family`."""
 FROM_HF = {
     "llama": from_llama_state_dict,
@@ -178,6 +186,7 @@ FROM_HF = {
     "mistral": from_llama_state_dict,
     "mixtral": from_mixtral_state_dict,
     "glm4_moe": from_glm4_moe_state_dict,
+    "qwen3_moe": from_qwen3_moe_state_dict,
     "deepseek_v3": from_deepseek_state_dict,
     "deepseek_v2": lambda state, config: from_deepseek_state_dict(state, config, v3=False),
 }
@@ -196,6 +205,7 @@ def read_hf_model(folder: str, model_type: str) -> tuple[dict, dict]:
         "mistral": "MistralForCausalLM",
         "mixtral": "MixtralForCausalLM",
         "glm4_moe": "Glm4MoeForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
         **DEEPSEEK_TYPES,
     }
     name = names.get(model_type, "GPT2LMHeadModel")
