@@ -56,6 +56,7 @@ from megatron.checkpointing.huggingface_llama import (
     attention_differences,
     llama_style_config_json,
 )
+from megatron.checkpointing.huggingface_routed import first_moe_layer, group_ranking_differences
 from megatron.checkpointing.layouts import CheckpointConversionError
 from megatron.config import ModelConfig
 from megatron.model.multi_latent_attention import yarn_mscale
@@ -89,12 +90,6 @@ YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta
 """YaRN's settings our MLA fixes (megatron-core's MLATransformerConfig defaults)."""
 
 
-def _first_moe_layer(config: ModelConfig) -> int:
-    """How many layers come before the first MoE layer (all of them without MoE)."""
-    layers = config.routed_moe.moe_layers if config.routed_moe else ()
-    return layers.index(True) if True in layers else config.num_layers
-
-
 def _router_differences(config: ModelConfig, architecture: str) -> list[str]:
     """What in `config`'s Megatron-LM MoE `architecture`'s router cannot compute."""
     moe, family = config.routed_moe, architecture.removesuffix("ForCausalLM")
@@ -120,7 +115,7 @@ def _router_differences(config: ModelConfig, architecture: str) -> list[str]:
             f"--moe-router-enable-expert-bias ({family}: no expert bias)",
         ),
         (
-            not all(moe.moe_layers[_first_moe_layer(config) :]),
+            not all(moe.moe_layers[first_moe_layer(config) :]),
             f"--moe-layer-freq: dense layers after MoE ones ({family}: the first "
             "first_k_dense_replace layers dense, then experts in every layer)",
         ),
@@ -133,14 +128,9 @@ def _router_differences(config: ModelConfig, architecture: str) -> list[str]:
             moe.capacity_factor is not None,
             f"token dropping (--moe-expert-capacity-factor; {family} computes every token)",
         ),
-        (
-            bool(moe.group_topk) and moe.top_k // moe.group_topk != worth,
-            f"--moe-router-topk {moe.top_k} over --moe-router-group-topk {moe.group_topk}: "
-            f"groups ranked by their best {moe.top_k // max(moe.group_topk or 1, 1)} scores "
-            f"({family}: by their best {worth})",
-        ),
     ]
-    return [text for differs, text in checks if differs]
+    differences = [text for differs, text in checks if differs]
+    return differences + group_ranking_differences(moe, family, worth)
 
 
 def _rope_differences(config: ModelConfig, family: str) -> list[str]:
@@ -243,7 +233,7 @@ def deepseek_config_json(
         routed_scaling_factor=float((moe.topk_scaling_factor if moe else None) or 1.0),
         n_group=groups,
         topk_group=(moe.group_topk or groups) if moe else 1,
-        first_k_dense_replace=_first_moe_layer(config),
+        first_k_dense_replace=first_moe_layer(config),
         output_router_logits=False,
     )
     if architecture == V3:

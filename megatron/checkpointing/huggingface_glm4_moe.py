@@ -54,6 +54,8 @@ from megatron.checkpointing.huggingface_llama import (
 from megatron.checkpointing.huggingface_routed import (
     RoutedLayer,
     check_routed_import,
+    first_moe_layer,
+    group_ranking_differences,
     hf_expert_tensors,
     pop_hf_experts,
     routed_layer_state,
@@ -107,7 +109,7 @@ def glm4_moe_differences(config: ModelConfig) -> list[str]:
         kind = "DeepSpeed-MoE" if config.moe is not None else "no Mixture-of-Experts layers"
         return [*differences, f"{kind} ({family}: Megatron-LM's MoE, --moe-router-topk ...)"]
     ffn = moe.ffn_hidden_size or config.ffn_hidden_size
-    dense = _first_moe_layer(config)
+    dense = first_moe_layer(config)
     shared = moe.shared_expert_ffn_hidden_size
     checks = [
         (
@@ -133,20 +135,9 @@ def glm4_moe_differences(config: ModelConfig) -> list[str]:
             moe.capacity_factor is not None,
             f"token dropping (--moe-expert-capacity-factor; {family} computes every token)",
         ),
-        (
-            bool(moe.group_topk) and moe.top_k // moe.group_topk != 2,
-            f"--moe-router-topk {moe.top_k} over --moe-router-group-topk {moe.group_topk}: "
-            f"groups ranked by their best {moe.top_k // max(moe.group_topk or 1, 1)} scores "
-            f"({family}: by their best 2)",
-        ),
     ]
-    return differences + [text for differs, text in checks if differs]
-
-
-def _first_moe_layer(config: ModelConfig) -> int:
-    """How many layers come before the first MoE layer (all of them without one)."""
-    layers = config.routed_moe.moe_layers
-    return layers.index(True) if True in layers else len(layers)
+    differences += [text for differs, text in checks if differs]
+    return differences + group_ranking_differences(moe, family, 2)
 
 
 def glm4_moe_config_json(
@@ -178,7 +169,7 @@ def glm4_moe_config_json(
         norm_topk_prob=moe.top_k > 1,
         n_group=moe.num_groups or 1,
         topk_group=moe.group_topk or moe.num_groups or 1,
-        first_k_dense_replace=_first_moe_layer(config),
+        first_k_dense_replace=first_moe_layer(config),
         num_nextn_predict_layers=0,
         output_router_logits=False,
     )

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from megatron.checkpointing.layouts import CheckpointConversionError
+from megatron.config import ModelConfig, RoutedMoEConfig
 
 _ROUTED = re.compile(
     r"language_model\.encoder\.layers\.(\d+)\.mlp\."
@@ -208,3 +209,22 @@ def check_routed_import(tp_size: int) -> None:
             f"--target-tensor-parallel-size {tp_size}: Megatron-LM's MoE runs at tensor-parallel "
             "size 1 here (expert tensor parallelism is not built); use 1"
         )
+
+
+def first_moe_layer(config: ModelConfig) -> int:
+    """How many layers come before the first Megatron-LM MoE layer (all of them without one):
+    DeepSeek's and GLM's `first_k_dense_replace`."""
+    layers = config.routed_moe.moe_layers if config.routed_moe else ()
+    return layers.index(True) if True in layers else config.num_layers
+
+
+def group_ranking_differences(moe: RoutedMoEConfig, family: str, worth: int) -> list[str]:
+    """Under group-limited routing, the one-line difference where ours ranks the groups by
+    their best top k / group-topk scores and `family` by their best `worth`; else none."""
+    if not moe.group_topk or moe.top_k // moe.group_topk == worth:
+        return []
+    return [
+        f"--moe-router-topk {moe.top_k} over --moe-router-group-topk {moe.group_topk}: groups "
+        f"ranked by their best {moe.top_k // moe.group_topk} scores ({family}: by their best "
+        f"{worth})"
+    ]

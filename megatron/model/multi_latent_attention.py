@@ -250,13 +250,14 @@ class MultiLatentAttention(nn.Module):
         (what DeepSeek's MLA caches); the queries of the new tokens, the keys and values of
         every cached position, up-projected from it."""
         q_in, kv_latent, k_pos = self.latents(hidden)
-        k_rotated = self.rotary.rotate(k_pos.unsqueeze(2), self.rotary.at(positions))
+        angles = self.rotary.at(positions)
+        k_rotated = self.rotary.rotate(k_pos.unsqueeze(2), angles)
         (latent,) = cache.update(
             self.layer_number, torch.cat((kv_latent.unsqueeze(2), k_rotated), dim=-1)
         )
         kv_latent, k_rotated = latent.split([self.mla.kv_lora_rank, k_rotated.size(-1)], -1)
         key, value = self.key_value_heads(kv_latent.squeeze(2), k_rotated)
-        return self.query_heads(q_in, self.rotary.at(positions)), key, value
+        return self.query_heads(q_in, angles), key, value
 
     def _contiguous_up_projections(self, *latents: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`up_projections` as tensors of their own storage (the value is a slice of the

@@ -238,11 +238,14 @@ def deepseek_mtp_weights(folder: str, num_layers: int, depth: int) -> dict:
     from safetensors import safe_open
 
     wanted = tuple(f"model.layers.{num_layers + k}." for k in range(depth))
-    found: dict = {}
+    by_file: dict[str, list[str]] = {}
     for name, file in safetensors_names(folder).items():
         if name.startswith(wanted):
-            with safe_open(os.path.join(folder, file), framework="pt") as handle:
-                found[name] = handle.get_tensor(name)
+            by_file.setdefault(file, []).append(name)
+    found: dict = {}
+    for file, names in by_file.items():  # each file opened once
+        with safe_open(os.path.join(folder, file), framework="pt") as handle:
+            found.update({name: handle.get_tensor(name) for name in names})
     return found
 
 
