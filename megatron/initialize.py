@@ -48,6 +48,15 @@ def _single_process_environment() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
+def timeout_new_groups_after(timeout: timedelta) -> None:
+    """Give every process group made from now on without a timeout of its own `timeout`:
+    the device meshes' groups (expert-parallel ones included), the embedding group, DeepSpeed's
+    pipeline p2p groups. (torch's per-backend default would be 30 minutes on gloo: Megatron-LM
+    users have seen an expert-parallel group ignore --distributed-timeout-minutes.)"""
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
+
+
 def initialize_distributed(
     backend: str, local_rank: int, use_deepspeed: bool, timeout_minutes: float = 10
 ) -> None:
@@ -59,10 +68,7 @@ def initialize_distributed(
     if dist.is_initialized():
         return
     timeout = timedelta(minutes=timeout_minutes)
-    # Groups made later without a timeout (ours, DeepSpeed's pipeline p2p groups) get torch's
-    # per-backend default, 30 minutes on gloo: make it this run's timeout instead.
-    distributed_c10d.default_pg_timeout = timeout
-    distributed_c10d.default_pg_nccl_timeout = timeout
+    timeout_new_groups_after(timeout)
     if torch.cuda.is_available():
         # One GPU per process, picked by the launcher's local rank.
         torch.cuda.set_device(local_rank % torch.cuda.device_count())

@@ -1,19 +1,19 @@
 """Megatron-LM's `--use-checkpoint-args`: the model's flags from the checkpoint in `--load`.
 
-`load_args_from_checkpoint` runs between parsing and validation (`parse_args`), where
-Megatron-LM's `parse_and_validate_args` runs its function of the same name, so validation
-builds the model config from the saved shape and a command line (text generation, continued
-training) needs no architecture flags. Its list and rule are Megatron-LM's
-(megatron/training/checkpointing.py): a flag of the first kind keeps the value the command line
-gave it and takes the checkpoint's only where it is unset (None); one of the second kind always
-takes the checkpoint's value. Each value taken prints 'Setting NAME to VALUE from checkpoint',
-each one the checkpoint lacks 'Checkpoint did not provide arguments NAME'. Besides Megatron-LM's
-names, the same settings under this parser's other spellings (`--num-key-value-heads`,
-`--rotary-position-embeddings-theta`, DeepSpeed-MoE's `--expert-interval`, `--topk`,
-`--mlp-type`, `--moe-expert-parallel-size`), and `--qk-layernorm`, which Megatron-LM's list
-lacks (its weights are in the checkpoint), come from the checkpoint too. The tokenizer type and
-model file come from it unless `--no-use-tokenizer-model-from-checkpoint-args`; the parallel
-sizes only with `--use-mp-args-from-checkpoint-args`.
+`load_args_from_checkpoint` runs between parsing and validation (`parse_args`), where Megatron-LM's
+`parse_and_validate_args` runs its function of the same name, so validation builds the model config
+from the saved shape and a command line (text generation, continued training) needs no architecture
+flags. Its list and rule are Megatron-LM's (megatron/training/checkpointing.py): a flag of the first
+kind keeps the value the command line gave it and takes the checkpoint's only where it is unset
+(None); one of the second kind always takes the checkpoint's value. Each value taken prints 'Setting
+NAME to VALUE from checkpoint', each one the checkpoint lacks 'Checkpoint did not provide arguments
+NAME'. Besides Megatron-LM's names, the same settings under this parser's other spellings
+(`--num-key-value-heads`, `--rotary-position-embeddings-theta`, DeepSpeed-MoE's `--expert-interval`,
+`--topk`, `--mlp-type`, `--moe-expert-parallel-size`), and `--qk-layernorm`, which Megatron-LM's
+list lacks (its weights are in the checkpoint), come from the checkpoint too, as do the MoE family
+(Megatron-LM's MoE or DeepSpeed-MoE, whatever the flags' values) and group-limited routing. The
+tokenizer type and model file come from it unless `--no-use-tokenizer-model-from-checkpoint-args`;
+the parallel sizes only with `--use-mp-args-from-checkpoint-args`.
 """
 
 from __future__ import annotations
@@ -66,7 +66,12 @@ _MODEL_ARGS: tuple[tuple[str, str, bool], ...] = (
     ("moe_router_score_function", "moe_router_score_function", True),
     ("moe_router_enable_expert_bias", "moe_router_enable_expert_bias", True),
     ("moe_router_topk_scaling_factor", "moe_router_topk_scaling_factor", True),
+    # Not in Megatron-LM's list; which experts a token reaches depends on them.
+    ("moe_router_num_groups", "moe_router_num_groups", True),
+    ("moe_router_group_topk", "moe_router_group_topk", True),
 )
+_DEEPSPEED_MOE_ARGS = {"expert_interval", "topk", "mlp_type", "moe_expert_parallel_size"}
+"""Megatron-DeepSpeed's MoE flags: not taken from a checkpoint of Megatron-LM's MoE."""
 _TOKENIZER_ARGS = (
     ("tokenizer_model", "tokenizer_model", True),
     ("tokenizer_type", "tokenizer_type", True),
@@ -157,8 +162,15 @@ def load_args_from_checkpoint(
             entries.append(("tensor_model_parallel_size", "model_parallel_size", False))
         else:
             entries += _PARALLEL_ARGS
+    # The MoE family is the checkpoint's (`routed_moe`), even where its flags are the parser's
+    # defaults (top-2): validation reads the family off the flags given.
+    routed = bool(checkpoint.get("routed_moe"))
+    if routed and typed is not None:
+        typed.add("moe_router_topk")
     for name, key, force in entries:
         if not hasattr(args, name):  # a Megatron-LM flag this parser does not have
+            continue
+        if routed and name in _DEEPSPEED_MOE_ARGS:
             continue
         if key == "moe_ffn_hidden_size" and checkpoint.get("num_experts") is None:
             continue

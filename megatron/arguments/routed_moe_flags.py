@@ -303,10 +303,14 @@ def settle_routed_moe(args: argparse.Namespace) -> None:
             f"--expert-model-parallel-size {ep}: must divide {flag} (each rank holds "
             "num_experts / EP experts)"
         )
-    if args.data_parallel_size % ep != 0:
+    layout = args.layout
+    stage = layout.tensor_parallel * layout.context_parallel * layout.data_parallel
+    if stage % ep != 0:
         raise ArgumentError(
-            f"--expert-model-parallel-size {ep} must divide the data-parallel size "
-            f"{args.data_parallel_size} (the experts are split over data-parallel ranks)"
+            f"--expert-model-parallel-size {ep} must divide the ranks of a pipeline stage, "
+            f"tensor x context x data-parallel size {layout.tensor_parallel} x "
+            f"{layout.context_parallel} x {layout.data_parallel} = {stage} (the experts are "
+            "spread over them)"
         )
     if len(args.moe_aux_loss_coeff) != 1 or args.moe_aux_loss_coeff[0] < 0:
         raise ArgumentError(
@@ -371,7 +375,7 @@ def _flex_dispatcher(args: argparse.Namespace) -> None:
 
 def _not_built(args: argparse.Namespace) -> None:
     """The parts of Megatron-LM's MoE not built here, refused in one line each."""
-    balancing = args.moe_router_load_balancing_type
+    balancing, tp = args.moe_router_load_balancing_type, args.tensor_model_parallel_size
     refusals = [
         (
             len(balancing) > 1,
@@ -390,17 +394,25 @@ def _not_built(args: argparse.Namespace) -> None:
         (
             (args.expert_tensor_parallel_size or 1) > 1,
             f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: experts split over "
-            "tensor-parallel ranks are not built here; use 1",
+            "tensor-parallel ranks are not built here; use 1 (experts whole, expert parallelism "
+            "folded over the tensor x context x data-parallel ranks)",
         ),
         (
-            args.tensor_model_parallel_size > 1,
-            f"--num-experts with --tensor-model-parallel-size {args.tensor_model_parallel_size}: "
-            "Megatron-LM's MoE runs at TP 1 here (expert tensor parallelism is not built)",
+            tp > 1 and args.expert_tensor_parallel_size is None,
+            f"--num-experts with --tensor-model-parallel-size {tp}: Megatron-LM's default "
+            "--expert-tensor-parallel-size is the TP size (each expert split over the "
+            "tensor-parallel ranks), which is not built here; pass --expert-tensor-parallel-size "
+            "1 (experts whole, expert parallelism folded over TP x CP x DP)",
         ),
         (
-            args.layout.sequence_split > 1,
-            "--num-experts with a split sequence (--context-parallel-size or "
-            "--ds-sequence-parallel-size above 1): not built here for Megatron-LM's MoE",
+            tp > 1 and not args.sequence_parallel,
+            f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
+            "(as in Megatron-LM: each tensor-parallel rank routes its own part of the sequence)",
+        ),
+        (
+            args.layout.ulysses > 1,
+            "--num-experts with --ds-sequence-parallel-size above 1: not built here for "
+            "Megatron-LM's MoE (--context-parallel-size is)",
         ),
     ]
     for refused, line in refusals:

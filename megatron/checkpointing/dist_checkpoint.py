@@ -86,11 +86,10 @@ class _TensorParallelView:
         # a tensor on another device, and a load would then fill the copy).
         tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
         expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
-        mesh = parallel_state.get_device_mesh() if tensor_parallel or expert_parallel else None
-        self.mesh = mesh["tp"] if tensor_parallel else None
+        self.mesh = parallel_state.mesh_slice("tp") if tensor_parallel else None
         # Megatron-LM's stacked experts: rank r of the expert-parallel group holds the r-th
         # block of experts, a slice along dim 0 of the whole stack.
-        self.expert_mesh = mesh["ep"] if expert_parallel else None
+        self.expert_mesh = parallel_state.mesh_slice("ep") if expert_parallel else None
         # Chunk-local names: the same name in two chunks is the same kind of tensor.
         self.splits = {
             name: split for chunk in chunks for name, split in declared_splits(chunk).items()

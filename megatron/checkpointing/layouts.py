@@ -188,46 +188,91 @@ def read_megatron_files(directory: str) -> tuple[dict[str, Any], list[list[list[
     """
     tp, pp, ep, first = _megatron_sizes(directory)
     keys = chunk_keys(_virtual_size(first))
+    cache: dict[str, list[dict]] = {}
+    first_path = _first_path(directory)
+
+    def chunks_of(path: str) -> list[dict]:
+        """The model chunks of one rank file (read once; the first file is already read)."""
+        if path not in cache:
+            contents = first if path == first_path else load_file(path)
+            missing = [key for key in keys if key not in contents]
+            if missing:
+                raise CheckpointConversionError(
+                    f"{path} has no {missing[0]!r} entry (the checkpoint has {len(keys)} "
+                    "model chunk(s) per file)"
+                )
+            cache[path] = [contents[key] for key in keys]
+        return cache[path]
+
     models = []
     for tp_rank in range(tp):
         row = []
         for pp_rank in range(pp):
-            per_expert_rank = []
-            for ep_rank in range(ep):
-                path = rank_file(directory, tp_rank, pp_rank, pp, ep_rank if ep > 1 else None)
-                if tp_rank == 0 and pp_rank == 0 and ep_rank == 0:
-                    contents = first
-                elif not os.path.isfile(path):
-                    raise CheckpointConversionError(
-                        f"missing shard file {path} (the checkpoint has tensor-parallel size "
-                        f"{tp}, pipeline-parallel size {pp} and expert-parallel size {ep})"
-                    )
-                else:
-                    contents = load_file(path)
-                missing = [key for key in keys if key not in contents]
-                if missing:
-                    raise CheckpointConversionError(
-                        f"{path} has no {missing[0]!r} entry (the checkpoint has {len(keys)} "
-                        "model chunk(s) per file)"
-                    )
-                per_expert_rank.append([contents[key] for key in keys])
-            row.append(_join_expert_ranks(per_expert_rank))
+            if ep == 1:
+                row.append(chunks_of(_shard_file(directory, tp_rank, pp_rank, pp, None, tp, ep)))
+                continue
+            # Folded expert parallelism writes one file per (tensor rank, expert rank) pair a
+            # rank holds: this tensor rank's dense weights from any of its files, each expert
+            # block from any file of its expert rank (experts are whole on every tensor rank).
+            dense = chunks_of(_shard_file(directory, tp_rank, pp_rank, pp, None, tp, ep))
+            blocks = [
+                chunks_of(_shard_file(directory, None, pp_rank, pp, ep_rank, tp, ep))
+                for ep_rank in range(ep)
+            ]
+            row.append(_join_expert_ranks(dense, blocks))
         models.append(row)
+    cache.clear()
     skip = {"optimizer", "opt_param_scheduler", "rng_state", "loss_scaler", *keys}
     metadata = {k: v for k, v in first.items() if k not in skip}
     metadata.setdefault("args", {})
     return metadata, models
 
 
-def _join_expert_ranks(ranks: list[list[dict]]) -> list[dict]:
-    """One stage's model chunks from its expert-parallel ranks' files: the dense weights of the
-    first, each MoE layer's stacked experts concatenated in rank order (global numbers)."""
-    if len(ranks) == 1:
-        return ranks[0]
+def _first_path(directory: str) -> str | None:
+    """The file `_megatron_sizes` read first."""
+    for path in (
+        rank_file(directory, 0, 0, 1),
+        rank_file(directory, 0, 0, 2),
+        rank_file(directory, 0, 0, 2, 0),
+    ):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _shard_file(
+    directory: str,
+    tp_rank: int | None,
+    pp_rank: int,
+    pp: int,
+    ep_rank: int | None,
+    tp: int,
+    ep: int,
+) -> str:
+    """The rank file of this pipeline stage holding tensor rank `tp_rank` and expert rank
+    `ep_rank` (None: any); the missing-file error names the checkpoint's sizes."""
+    tp_ranks = range(tp) if tp_rank is None else [tp_rank]
+    ep_ranks = [None] if ep == 1 else (range(ep) if ep_rank is None else [ep_rank])
+    for t in tp_ranks:
+        for e in ep_ranks:
+            path = rank_file(directory, t, pp_rank, pp, e)
+            if os.path.isfile(path):
+                return path
+    wanted = rank_file(directory, tp_rank or 0, pp_rank, pp, None if ep == 1 else (ep_rank or 0))
+    raise CheckpointConversionError(
+        f"missing shard file {wanted} (the checkpoint has tensor-parallel size {tp}, "
+        f"pipeline-parallel size {pp} and expert-parallel size {ep})"
+    )
+
+
+def _join_expert_ranks(dense: list[dict], blocks: list[list[dict]]) -> list[dict]:
+    """One stage's model chunks: the dense weights of `dense` (a file of the tensor rank), each
+    MoE layer's stacked experts concatenated over the expert ranks' `blocks` in rank order
+    (global numbers)."""
     joined = []
-    for chunks in zip(*ranks, strict=True):
-        flats = [flatten_model_state(chunk) for chunk in chunks]
-        merged = dict(flats[0])
+    for index, chunk in enumerate(dense):
+        merged = dict(flatten_model_state(chunk))
+        flats = [flatten_model_state(block[index]) for block in blocks]
         for name in merged:
             if ".mlp.experts." in name:
                 merged[name] = torch.cat([flat[name] for flat in flats])

@@ -21,6 +21,7 @@ with its optimizer needs the size it was saved with.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -93,9 +94,16 @@ def _this_rank_file(directory: str) -> str:
 
 def _writes_megatron_file() -> bool:
     """The first of the ranks holding the same weights: data (and context) rank 0, or with
-    Megatron-LM's expert parallelism the first rank holding the same experts."""
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
-        return parallel_state.get_parallel_state().expert_data_ranks[0] == dist.get_rank()
+    Megatron-LM's expert parallelism one rank of each (tensor-parallel rank, expert-parallel
+    rank) pair that occurs: the first lcm(TP, EP) ranks of the stage (rank i of a stage has
+    tensor rank i mod TP and expert rank i mod EP, so those hold every pair once)."""
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if ep > 1:
+        state = parallel_state.get_parallel_state()
+        stage_size = (
+            len(state.data_ranks) * state.sequence_split_size * (state.tensor_model_parallel_size)
+        )
+        return dist.get_rank() % stage_size < math.lcm(state.tensor_model_parallel_size, ep)
     return parallel_state.get_sequence_data_parallel_rank() == 0
 
 

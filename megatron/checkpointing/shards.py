@@ -340,6 +340,19 @@ def _target_args(dense: DenseCheckpoint, sizes: tuple[int, int, int], divisible:
     return args
 
 
+def _expert_block(
+    state: dict[str, torch.Tensor], ep_size: int, ep_rank: int
+) -> dict[str, torch.Tensor]:
+    """`state` with each Megatron-LM MoE layer's stacked experts cut to expert rank
+    `ep_rank`'s block of `ep_size`."""
+    if ep_size == 1:
+        return state
+    return {
+        name: tensor.chunk(ep_size)[ep_rank].clone() if ".mlp.experts." in name else tensor
+        for name, tensor in state.items()
+    }
+
+
 def save_megatron_checkpoint(
     dense: DenseCheckpoint,
     save_dir: str,
@@ -348,9 +361,15 @@ def save_megatron_checkpoint(
     make_vocab_size_divisible_by: int | None = None,
     overwrite: bool = False,
     virtual_size: int = 1,
+    expert_size: int | None = None,
 ) -> str:
     """Write `dense` in Megatron's layout split TP x PP (x V virtual pipeline stages, each
     rank file then holding `model0`, `model1`, ...); returns the checkpoint directory.
+
+    Megatron-LM's MoE (`routed_moe`) is written for `expert_size` expert-parallel ranks
+    (default: the source's `--expert-model-parallel-size`): above 1, one file per (tensor,
+    pipeline, expert rank), `mp_rank_TT[_PPP]_EEE`, holding that rank's block of each layer's
+    experts, as Megatron-LM names them.
 
     Iteration 0 is written as `release`. Nothing is touched when `save_dir` already holds a
     checkpoint (unless `overwrite`) or when the model cannot be split this way.
@@ -372,6 +391,21 @@ def save_megatron_checkpoint(
         make_vocab_size_divisible_by or dense.args.get("make_vocab_size_divisible_by") or 128
     )
     target = _target_args(dense, (tp_size, pp_size, virtual_size), divisible)
+    ep_size = 1
+    if dense.args.get("routed_moe"):
+        ep_size = expert_size or int(dense.args.get("expert_model_parallel_size") or 1)
+        experts = int(config.routed_moe.num_experts)
+        if ep_size < 1 or experts % ep_size:
+            raise CheckpointConversionError(
+                f"expert-parallel size {ep_size}: must divide the {experts} experts"
+            )
+        target["expert_model_parallel_size"] = ep_size
+    elif expert_size not in (None, 1):
+        raise CheckpointConversionError(
+            f"expert-parallel size {expert_size}: the checkpoint has no Megatron-LM MoE layers "
+            "(DeepSpeed-MoE's experts are whole in every file; the run chooses "
+            "--moe-expert-parallel-size)"
+        )
     padded = target["padded_vocab_size"]
     state = dict(dense.state_dict)
     for name, rows in (
@@ -387,19 +421,22 @@ def save_megatron_checkpoint(
     }
     files, splits = {}, checkpoint_splits(target)
     for tp_rank in range(tp_size):
-        shard = shard_state_dict(state, tp_size, tp_rank, padded, splits)
-        for pp_rank in range(pp_size):
-            chunks = [
-                nest_model_state(
-                    chunk_state_dict(shard, num_layers, pp_size, virtual_size, pp_rank, chunk)
-                )
-                for chunk in range(virtual_size)
-            ]
-            files[rank_file("", tp_rank, pp_rank, pp_size)] = {
-                **metadata,
-                **model_entries(chunks),
-                "train_state": dict(dense.train_state),
-            }
+        whole = shard_state_dict(state, tp_size, tp_rank, padded, splits)
+        for ep_rank in range(ep_size):
+            shard = _expert_block(whole, ep_size, ep_rank)
+            for pp_rank in range(pp_size):
+                chunks = [
+                    nest_model_state(
+                        chunk_state_dict(shard, num_layers, pp_size, virtual_size, pp_rank, chunk)
+                    )
+                    for chunk in range(virtual_size)
+                ]
+                name = rank_file("", tp_rank, pp_rank, pp_size, ep_rank if ep_size > 1 else None)
+                files[name] = {
+                    **metadata,
+                    **model_entries(chunks),
+                    "train_state": dict(dense.train_state),
+                }
     release = dense.iteration == 0
     directory = "release" if release else f"iter_{dense.iteration:07d}"
     tracker = "release" if release else str(dense.iteration)

@@ -1,16 +1,23 @@
-"""The run's one named device mesh, and the process groups sliced from it by name.
+"""The run's named device meshes, and the process groups sliced from them by name.
 
 `initialize_model_parallel(tp, pp, sp, cp, ep)` builds one torch `DeviceMesh` with the
-dimensions `MESH_DIM_NAMES` (pp, edp, ep, cp, tp: Megatron-LM's rank order, tensor-parallel
-ranks adjacent, pipeline stages outermost, the expert dimensions folded into data parallelism
-as megatron-core folds them) and the flattened ones `FLATTENED_DIMS` (dp, dp_cp, edp_cp,
-model, stage). Every group is a slice of it by name, and FSDP2 and torch.distributed.checkpoint
-take their meshes from it (`mesh_slice("dp_cp")`), so a checkpoint's `mp_rank_XX_YYY`
-names and a launcher's node layout mean what they mean in Megatron-LM, and a new parallel
-dimension is a new name here. (Megatron's embedding group, the first and last stage of each
-pipeline, is the one group that is not a slice.) The query functions mirror Megatron's
-names; `deepspeed_mpu()` bundles the ones DeepSpeed calls (`deepspeed.initialize(mpu=...)`,
-`deepspeed.checkpointing.configure(mpu, ...)`).
+dimensions `MESH_DIM_NAMES` (pp, dp, cp, tp: Megatron-LM's rank order, tensor-parallel ranks
+adjacent, pipeline stages outermost) and the flattened ones `FLATTENED_DIMS` (dp_cp, tp_cp,
+model, stage). Every dense group is a slice of it by name, and FSDP2 and
+torch.distributed.checkpoint take their meshes from it (`mesh_slice("dp_cp")`), so a
+checkpoint's `mp_rank_XX_YYY` names and a launcher's node layout mean what they mean in
+Megatron-LM, and a new parallel dimension is a new name here. (Megatron's embedding group, the
+first and last stage of each pipeline, is the one group that is not a slice.)
+
+Megatron-LM's MoE layers (`--expert-model-parallel-size` EP above 1) take their experts' groups
+from a second mesh over the same ranks, `EXPERT_MESH_DIM_NAMES` (pp, edp, ep), megatron-core's
+expert layout with expert tensor parallelism 1 ("MoE parallel folding"): the ranks of each
+pipeline stage, tensor x context x data-parallel, counted as in the first mesh, form blocks
+of EP consecutive ranks that split each layer's experts (`ep`), and the ranks holding the same
+experts (`edp`) are where their gradients are reduced. One torch mesh cannot hold both
+factorizations of a stage's ranks; both are named and sliced alike (`mesh_slice("ep")`).
+The query functions mirror Megatron's names; `deepspeed_mpu()` bundles the ones DeepSpeed
+calls (`deepspeed.initialize(mpu=...)`, `deepspeed.checkpointing.configure(mpu, ...)`).
 
 DeepSpeed-Ulysses (`--ds-sequence-parallel-size S`, Megatron-DeepSpeed's layout, TP = PP = 1):
 S adjacent ranks form a sequence-parallel group that splits each sample's tokens; the
@@ -73,41 +80,50 @@ class ParallelState:
     expert_ranks: list[int] = field(default_factory=list)
     expert_data_ranks: list[int] = field(default_factory=list)
     stage_group: dist.ProcessGroup | None = None
+    tensor_sequence_group: dist.ProcessGroup | None = None
+    tensor_sequence_ranks: list[int] = field(default_factory=list)
     mesh: DeviceMesh | None = None
     flattened_meshes: dict[str, DeviceMesh] = field(default_factory=dict)
+    expert_mesh: DeviceMesh | None = None
 
 
 _STATE: ParallelState | None = None
 
 
-MESH_DIM_NAMES = ("pp", "edp", "ep", "cp", "tp")
-"""The device mesh's dimensions, outermost first (Megatron-LM's rank order tp-cp-ep-dp-pp read
-from the right): pipeline stage; `edp`, which block of EP data-parallel ranks (the
-data-parallel index // EP); `ep`, the position in that block (which experts a rank holds);
-`cp`, the sequence split (context parallelism or DeepSpeed-Ulysses, never both); `tp`, the
-tensor-parallel rank, fastest."""
+MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
+"""The device mesh's dimensions, outermost first (Megatron-LM's rank order tp-cp-dp-pp read
+from the right): pipeline stage; data-parallel replica; `cp`, the sequence split (context
+parallelism or DeepSpeed-Ulysses, never both); `tp`, the tensor-parallel rank, fastest."""
 
 FLATTENED_DIMS = {
-    "dp": ("edp", "ep"),  # data parallel: the ranks holding identical dense weights
-    "dp_cp": ("edp", "ep", "cp"),  # where dense gradients are summed and ZeRO state split
-    "edp_cp": ("edp", "cp"),  # the ranks holding the same experts (expert data parallel)
+    "dp_cp": ("dp", "cp"),  # where dense gradients are summed and ZeRO state split
+    "tp_cp": ("cp", "tp"),  # the ranks sharing one replica's tokens (MoE aux-loss counts)
     "model": ("pp", "tp"),  # one model replica
-    "stage": ("edp", "ep", "cp", "tp"),  # every rank of one pipeline stage
+    "stage": ("dp", "cp", "tp"),  # every rank of one pipeline stage
 }
-"""Named groups of several mesh dimensions, flattened into one (`mesh["dp_cp"]`)."""
+"""Named groups of several mesh dimensions, flattened into one (`mesh_slice("dp_cp")`)."""
+
+EXPERT_MESH_DIM_NAMES = ("pp", "edp", "ep")
+"""The expert mesh's dimensions (Megatron-LM's MoE with EP above 1), outermost first: the
+pipeline stage; `edp`, the ranks holding the same experts (expert data parallel); `ep`, EP
+consecutive ranks of the stage (tensor fastest, then context, then data parallel) that split
+each MoE layer's experts. megatron-core's expert layout (order tp-ep-dp-pp) at expert tensor
+parallelism 1: the experts folded over TP x CP x DP."""
 
 # Each kind of group: the mesh dimensions its ranks span, and the order in which the groups
 # are listed (outermost first), as megatron-core's RankGenerator lists them.
 _KINDS = {
-    "tensor": (("tp",), ("pp", "edp", "ep", "cp")),
-    "data": (("edp", "ep"), ("pp", "cp", "tp")),
-    "pipeline": (("pp",), ("edp", "ep", "cp", "tp")),
-    "model": (("pp", "tp"), ("edp", "ep", "cp")),
-    "sequence": (("cp",), ("pp", "edp", "ep", "tp")),
-    "sequence_data": (("edp", "ep", "cp"), ("pp", "tp")),
-    "stage": (("edp", "ep", "cp", "tp"), ("pp",)),
-    "expert": (("ep",), ("pp", "cp", "edp", "tp")),
-    "expert_data": (("edp", "cp"), ("pp", "ep", "tp")),
+    "tensor": (("tp",), ("pp", "dp", "cp")),
+    "data": (("dp",), ("pp", "cp", "tp")),
+    "pipeline": (("pp",), ("dp", "cp", "tp")),
+    "model": (("pp", "tp"), ("dp", "cp")),
+    "sequence": (("cp",), ("pp", "dp", "tp")),
+    "sequence_data": (("dp", "cp"), ("pp", "tp")),
+    "stage": (("dp", "cp", "tp"), ("pp",)),
+}
+_EXPERT_KINDS = {
+    "expert": (("ep",), ("pp", "edp")),
+    "expert_data": (("edp",), ("pp", "ep")),
 }
 
 
@@ -120,7 +136,7 @@ def mesh_shape(
     expert_parallel_size: int = 1,
 ) -> dict[str, int]:
     """The size of each of `MESH_DIM_NAMES` for these flags; raises `ParallelConfigError`
-    (naming the flags) when they do not fit the world."""
+    (naming the flags) when they do not fit the world, the expert-parallel size included."""
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     sp, cp = sequence_parallel_size, context_parallel_size
     if tp < 1 or pp < 1 or sp < 1 or cp < 1:
@@ -148,22 +164,37 @@ def mesh_shape(
             f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
             f"x --pipeline-model-parallel-size ({pp}){sizes} = {tp * pp * split}"
         )
-    dp, ep = world_size // (tp * pp * split), expert_parallel_size
-    if dp % ep != 0:
+    shape = {"pp": pp, "dp": world_size // (tp * pp * split), "cp": split, "tp": tp}
+    expert_mesh_shape(shape, expert_parallel_size)  # raises if EP does not fit
+    return shape
+
+
+def expert_mesh_shape(shape: dict[str, int], expert_parallel_size: int) -> dict[str, int]:
+    """The size of each of `EXPERT_MESH_DIM_NAMES` for the dense mesh `shape` (`mesh_shape`)
+    and EP; raises `ParallelConfigError` when EP does not divide a stage's ranks."""
+    ep = expert_parallel_size
+    stage = shape["tp"] * shape["cp"] * shape["dp"]
+    if ep < 1 or stage % ep != 0:
         raise ParallelConfigError(
-            f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp}): "
-            "the experts are split over data-parallel ranks"
+            f"--expert-model-parallel-size ({ep}) must divide the ranks of a pipeline stage, "
+            f"tensor x context x data-parallel size ({shape['tp']} x {shape['cp']} x "
+            f"{shape['dp']} = {stage}): the experts are spread over them"
         )
-    return {"pp": pp, "edp": dp // ep, "ep": ep, "cp": split, "tp": tp}
+    return {"pp": shape["pp"], "edp": stage // ep, "ep": ep}
 
 
-def _groups_along(ranks: torch.Tensor, spans: tuple[str, ...], outer: tuple[str, ...]):
-    """The groups of `ranks` (a tensor with `MESH_DIM_NAMES` dims) spanning `spans`, listed
-    in `outer`'s order: each group's ranks in mesh order."""
-    order = [MESH_DIM_NAMES.index(name) for name in (*outer, *spans)]
+def _groups_along(
+    ranks: torch.Tensor,
+    spans: tuple[str, ...],
+    outer: tuple[str, ...],
+    names: tuple[str, ...] = MESH_DIM_NAMES,
+):
+    """The groups of `ranks` (a tensor with dims `names`) spanning `spans`, listed in
+    `outer`'s order: each group's ranks in mesh order."""
+    order = [names.index(name) for name in (*outer, *spans)]
     size = 1
     for name in spans:
-        size *= ranks.size(MESH_DIM_NAMES.index(name))
+        size *= ranks.size(names.index(name))
     return ranks.permute(order).reshape(-1, size).tolist()
 
 
@@ -186,10 +217,10 @@ def generate_rank_groups(
     parallel").
 
     With expert parallelism (Megatron-LM's MoE, `--expert-model-parallel-size` EP above 1)
-    there are also `expert` groups, EP consecutive data-parallel ranks that split each MoE
-    layer's experts between them, and `expert_data` groups, the ranks that hold the same
-    experts (the same position in their expert group, over the data-parallel and sequence
-    ranks): where expert gradients are averaged.
+    there are also `expert` groups, EP consecutive ranks of a pipeline stage that split each
+    MoE layer's experts between them (folded over tensor, context and data parallelism), and
+    `expert_data` groups, the ranks that hold the same experts: where expert gradients are
+    reduced (megatron-core's expert "ep" and "dp" groups at expert tensor parallelism 1).
     """
     shape = mesh_shape(
         world_size,
@@ -203,19 +234,23 @@ def generate_rank_groups(
     kinds = ["tensor", "data", "pipeline", "model"]
     kinds += ["sequence", "sequence_data"] if shape["cp"] > 1 else []
     kinds += ["stage"] if shape["pp"] > 1 else []
-    kinds += ["expert", "expert_data"] if shape["ep"] > 1 else []
     groups = {kind: _groups_along(ranks, *_KINDS[kind]) for kind in kinds}
+    if expert_parallel_size > 1:
+        expert_shape = expert_mesh_shape(shape, expert_parallel_size)
+        expert_ranks = torch.arange(world_size).reshape(tuple(expert_shape.values()))
+        for kind, (spans, outer) in _EXPERT_KINDS.items():
+            groups[kind] = _groups_along(expert_ranks, spans, outer, EXPERT_MESH_DIM_NAMES)
     # The tied word embedding lives on the first and the last stage.
     groups["embedding"] = [sorted({group[0], group[-1]}) for group in groups["pipeline"]]
     return groups
 
 
 def build_device_mesh(
-    shape: dict[str, int], device_type: str
-) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
-    """The run's one named device mesh (`MESH_DIM_NAMES`) and its `FLATTENED_DIMS` flattened
-    (kept by name: torch deprecates slicing them back out of the root mesh); every rank must
-    call it."""
+    shape: dict[str, int], device_type: str, expert_parallel_size: int = 1
+) -> tuple[DeviceMesh, dict[str, DeviceMesh], DeviceMesh | None]:
+    """The run's named device mesh (`MESH_DIM_NAMES`), its `FLATTENED_DIMS` flattened (kept
+    by name: torch deprecates slicing them back out of the root mesh), and with EP above 1 the
+    expert mesh (`EXPERT_MESH_DIM_NAMES`); every rank must call it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     # Every dimension gets a group of its own, also one spanning the whole world (torch would
@@ -232,7 +267,15 @@ def build_device_mesh(
         name: mesh[dims]._flatten(name, backend_override=backend)
         for name, dims in FLATTENED_DIMS.items()
     }
-    return mesh, flattened
+    expert_mesh = None
+    if expert_parallel_size > 1:
+        expert_mesh = init_device_mesh(
+            device_type,
+            tuple(expert_mesh_shape(shape, expert_parallel_size).values()),
+            mesh_dim_names=EXPERT_MESH_DIM_NAMES,
+            backend_override=dict.fromkeys(EXPERT_MESH_DIM_NAMES, backend),
+        )
+    return mesh, flattened, expert_mesh
 
 
 _MESHES: dict[tuple, tuple] = {}
@@ -250,21 +293,21 @@ def _registered(mesh: DeviceMesh) -> bool:
     return True
 
 
-def _mesh_of_this_world(
-    shape: dict[str, int],
-) -> tuple[DeviceMesh, dict[str, DeviceMesh], dict[tuple[int, ...], dist.ProcessGroup]]:
-    """The device mesh of `shape`, its flattened dimensions, and the groups of each pipeline's
-    first and last stage (by their ranks), for the current default group (every rank must
-    call it); built on the first call for a shape, then the same again. (The default group
-    itself is not held: a run that destroys it at its end must be able to free it.)"""
-    key = (tuple(shape.items()), dist.get_backend(), dist.get_world_size())
+def _mesh_of_this_world(shape: dict[str, int], expert_parallel_size: int) -> tuple:
+    """The device mesh of `shape`, its flattened dimensions, the expert mesh (None at EP 1)
+    and the groups of each pipeline's first and last stage (by their ranks), for the current
+    default group (every rank must call it); built on the first call for a shape, then the
+    same again. (The default group itself is not held: a run that destroys it at its end must
+    be able to free it.)"""
+    key = (tuple(shape.items()), expert_parallel_size, dist.get_backend(), dist.get_world_size())
     cached = _MESHES.get(key)
     if cached is not None and _registered(cached[0]):
         return cached
     for stale in [key for key, entry in _MESHES.items() if not _registered(entry[0])]:
         del _MESHES[stale]  # of an earlier default group, destroyed since
     # NCCL carries CUDA tensors only: on GPUs the mesh (and FSDP2's, DCP's slices) is CUDA's.
-    mesh, flattened = build_device_mesh(shape, "cuda" if dist.get_backend() == "nccl" else "cpu")
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh, flattened, expert_mesh = build_device_mesh(shape, device_type, expert_parallel_size)
     # The first and last stage of each pipeline: new_group is collective over the whole
     # world, so every rank creates every such group (once per distinct set of ranks).
     ranks = torch.arange(dist.get_world_size()).reshape(tuple(shape.values()))
@@ -273,8 +316,8 @@ def _mesh_of_this_world(
         ends = tuple(sorted({pipeline[0], pipeline[-1]}))
         if ends not in made:
             made[ends] = dist.new_group(list(ends))
-    _MESHES[key] = (mesh, flattened, made)
-    return mesh, flattened, made
+    _MESHES[key] = (mesh, flattened, expert_mesh, made)
+    return _MESHES[key]
 
 
 def initialize_model_parallel(
@@ -284,8 +327,8 @@ def initialize_model_parallel(
     context_parallel_size: int = 1,
     expert_parallel_size: int = 1,
 ) -> ParallelState:
-    """Build the device mesh and take the TP, PP, DP, model, sequence-split (context-parallel
-    or Ulysses) and expert-parallel groups from it by name, plus Megatron's embedding group;
+    """Build the device meshes and take the TP, PP, DP, model, sequence-split (context-parallel
+    or Ulysses) and expert-parallel groups from them by name, plus Megatron's embedding group;
     every rank must call it."""
     global _STATE
     if not dist.is_initialized():
@@ -299,26 +342,29 @@ def initialize_model_parallel(
         context_parallel_size,
         expert_parallel_size,
     )
-    mesh, flattened, made = _mesh_of_this_world(shape)
+    mesh, flattened, expert_mesh, made = _mesh_of_this_world(shape, expert_parallel_size)
 
     def group(name: str) -> tuple[dist.ProcessGroup, list[int]]:
         sliced = flattened[name] if name in flattened else mesh[name]
         return sliced.get_group(), sliced.mesh.tolist()
 
+    def expert_group(name: str) -> tuple[dist.ProcessGroup, list[int]]:
+        return expert_mesh[name].get_group(), expert_mesh[name].mesh.tolist()
+
     embedding: tuple[dist.ProcessGroup | None, list[int]] = (None, [])
     for ends, ends_group in made.items():
         if rank in ends:
             embedding = (ends_group, list(ends))
-    split, ep = shape["cp"] > 1, shape["ep"] > 1
+    split, ep = shape["cp"] > 1, expert_mesh is not None
     # Without a sequence split a rank holds its whole sequence: no sequence group, and the
     # sequence-data-parallel group is the data-parallel one. Without expert parallelism every
     # rank holds every expert: their gradients are averaged with the dense ones.
     sequence_data = group("dp_cp") if split else group("dp")
-    expert_data = group("edp_cp") if ep else sequence_data
+    expert_data = expert_group("edp") if ep else sequence_data
     _STATE = ParallelState(
         tensor_model_parallel_size=shape["tp"],
         pipeline_model_parallel_size=shape["pp"],
-        data_parallel_size=shape["edp"] * shape["ep"],
+        data_parallel_size=shape["dp"],
         tensor_group=group("tp")[0],
         pipeline_group=group("pp")[0],
         data_group=group("dp")[0],
@@ -335,14 +381,17 @@ def initialize_model_parallel(
         sequence_data_group=sequence_data[0],
         sequence_ranks=group("cp")[1] if split else [rank],
         sequence_data_ranks=sequence_data[1],
-        expert_parallel_size=shape["ep"],
-        expert_group=group("ep")[0] if ep else None,
+        tensor_sequence_group=group("tp_cp")[0] if split or shape["tp"] > 1 else None,
+        tensor_sequence_ranks=group("tp_cp")[1],
+        expert_parallel_size=expert_parallel_size,
+        expert_group=expert_group("ep")[0] if ep else None,
         expert_data_group=expert_data[0],
-        expert_ranks=group("ep")[1] if ep else [rank],
+        expert_ranks=expert_group("ep")[1] if ep else [rank],
         expert_data_ranks=expert_data[1],
         stage_group=group("stage")[0] if shape["pp"] > 1 else None,
         mesh=mesh,
         flattened_meshes=flattened,
+        expert_mesh=expert_mesh,
     )
     return _STATE
 
@@ -372,9 +421,14 @@ def get_device_mesh() -> DeviceMesh:
 
 
 def mesh_slice(name: str) -> DeviceMesh:
-    """One named dimension of the run's device mesh (`MESH_DIM_NAMES`) or a flattened group
-    of them (`FLATTENED_DIMS`: FSDP2 shards over `mesh_slice("dp_cp")`)."""
+    """One named dimension of the run's device mesh (`MESH_DIM_NAMES`), a flattened group of
+    them (`FLATTENED_DIMS`: FSDP2 shards over `mesh_slice("dp_cp")`), or of the expert mesh
+    (`edp`, `ep`: Megatron-LM's MoE with EP above 1)."""
     state = get_parallel_state()
+    if name in ("edp", "ep"):
+        if state.expert_mesh is None:
+            raise KeyError(f"mesh dimension {name!r}: this run has no expert parallelism")
+        return state.expert_mesh[name]
     return state.flattened_meshes.get(name) or state.mesh[name]
 
 
@@ -550,6 +604,23 @@ def get_sequence_data_parallel_rank() -> int:
 def get_stage_group() -> dist.ProcessGroup | None:
     """Every rank of this rank's pipeline stage (None, the whole world, at PP = 1)."""
     return _STATE.stage_group if _STATE is not None else None
+
+
+def get_tensor_and_sequence_parallel_group() -> dist.ProcessGroup | None:
+    """The tensor-parallel x sequence-split ranks of one replica (megatron-core's tp-cp
+    group): together they hold its micro-batch's tokens under sequence parallelism and context
+    parallelism. None when both sizes are 1."""
+    return _STATE.tensor_sequence_group if _STATE is not None else None
+
+
+def get_tensor_and_sequence_parallel_world_size() -> int:
+    """Ranks in `get_tensor_and_sequence_parallel_group` (1 uninitialized)."""
+    return len(_STATE.tensor_sequence_ranks) if _STATE is not None else 1
+
+
+def get_tensor_and_sequence_parallel_rank() -> int:
+    """This rank's index in `get_tensor_and_sequence_parallel_group`."""
+    return 0 if _STATE is None else _rank_in("tensor_sequence_ranks")
 
 
 def get_expert_model_parallel_group() -> dist.ProcessGroup | None:

@@ -39,8 +39,12 @@ class ModelGroups:
     """Context parallelism (`--context-parallel-size`): ring attention over the split sequence."""
     ulysses: RankGroup = field(default_factory=RankGroup)
     """DeepSpeed-Ulysses (`--ds-sequence-parallel-size`): all-to-all attention."""
+    tensor_sequence: RankGroup = field(default_factory=RankGroup)
+    """The tensor x context-parallel (or Ulysses) ranks of one replica: under sequence
+    parallelism they hold the tokens of one micro-batch between them (megatron-core's tp-cp)."""
     expert: RankGroup = field(default_factory=RankGroup)
-    """Expert parallelism (`--expert-model-parallel-size`): which routed experts a rank holds."""
+    """Expert parallelism (`--expert-model-parallel-size`): which routed experts a rank holds,
+    EP consecutive ranks of a pipeline stage (folded over tensor, context and data parallel)."""
     expert_data_size: int = 1
     """How many ranks hold this rank's experts (where expert gradients are averaged)."""
     sequence_data_size: int = 1
@@ -88,6 +92,11 @@ def this_rank_groups() -> ModelGroups:
             ps.get_context_parallel_group(),
         ),
         ulysses=of(ps.get_ulysses_world_size(), ps.get_ulysses_rank(), ps.get_ulysses_group()),
+        tensor_sequence=of(
+            ps.get_tensor_and_sequence_parallel_world_size(),
+            ps.get_tensor_and_sequence_parallel_rank(),
+            ps.get_tensor_and_sequence_parallel_group(),
+        ),
         expert=of(
             ps.get_expert_model_parallel_world_size(),
             ps.get_expert_model_parallel_rank(),

@@ -90,7 +90,9 @@ def embed(
     embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
     rng = contextlib.nullcontext()
     if config.sequence_parallel:
-        embeddings = scatter_to_sequence_parallel_region(embeddings)
+        # The scatter returns a view of this rank's part: a copy lets the whole sequence's
+        # embeddings go (the first norm keeps its input), as Megatron-LM clones it.
+        embeddings = scatter_to_sequence_parallel_region(embeddings).clone()
     if sequence_split:  # independent dropout on each rank's part
         rng = get_cuda_rng_tracker().fork() if training else rng
     with rng:

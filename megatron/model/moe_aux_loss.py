@@ -97,6 +97,13 @@ class AuxLossTracker:
         self._metrics: dict[tuple[str, int], torch.Tensor] = {}
         self._losses: dict[str, torch.Tensor] = {}
         self._layers = (1, False)  # the model's MoE layers, per-layer logging
+        self._parts_of: object = None  # a process group: see `sum_parts_over`
+
+    def sum_parts_over(self, group: object) -> None:
+        """The MoE layers' recorded losses are this rank's parts of values it shares with the
+        ranks of `group` (each holding some of a micro-batch's tokens: sequence and context
+        parallelism, as megatron-core's tp-cp group): `pop` adds the parts up."""
+        self._parts_of = group
 
     def set_backward_scale(self, scale: torch.Tensor | float) -> None:
         """Set the gradient the aux losses get in the backward passes that follow."""
@@ -144,6 +151,8 @@ class AuxLossTracker:
         when no MoE layer ran."""
         total, self._total, self._open = self._total, None, False
         metrics, self._metrics = self._metrics, {}
+        if self._parts_of is not None:
+            total, metrics = _sum_parts(total, metrics, self._parts_of)
         reported = {} if total is None else {MOE_LOSS: total}
         reported.update(self._losses)
         self._losses = {}
@@ -154,6 +163,23 @@ class AuxLossTracker:
             if per_layer:
                 reported[f"{PER_LAYER_PREFIX}{name}_layer_{layer - 1}"] = value
         return reported
+
+
+def _sum_parts(
+    total: torch.Tensor | None, metrics: dict[tuple[str, int], torch.Tensor], group: object
+) -> tuple[torch.Tensor | None, dict[tuple[str, int], torch.Tensor]]:
+    """`total` and each metric summed over `group` (one all-reduce)."""
+    import torch.distributed as dist
+
+    values = ([] if total is None else [total]) + list(metrics.values())
+    if not values:
+        return total, metrics
+    summed = torch.stack(values)
+    dist.all_reduce(summed, group=group)
+    parts = list(summed.unbind())
+    if total is not None:
+        total = parts.pop(0)
+    return total, dict(zip(metrics, parts, strict=True))
 
 
 def attach_aux_loss(

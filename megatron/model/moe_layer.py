@@ -11,6 +11,13 @@ holding E / EP experts):
 At EP = 1 both run the local experts only. Dropless by default: an expert takes every token
 routed to it (`--moe-expert-capacity-factor` bounds it).
 
+Expert parallelism is folded over tensor, context and data parallelism (megatron-core's
+"MoE parallel folding" with `--expert-tensor-parallel-size 1`): the EP ranks are consecutive
+ranks of a pipeline stage, each routing its own tokens (sequence parallelism splits them over
+the tensor-parallel ranks, context parallelism over the context-parallel ranks), and the
+experts stay whole. At EP = 1 the experts are replicated like the router: under sequence
+parallelism their gradients are summed over the tensor-parallel ranks.
+
 Parameter names: `mlp.router.weight` ([E, h]), `mlp.experts.weight1/weight2` (and biases;
 stacked over this rank's experts, `moe_experts.py`), `mlp.shared_experts.*` (Megatron-LM's
 shared expert, our MLP with `--moe-shared-expert-intermediate-size`). With expert parallelism
@@ -26,7 +33,8 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.core.process_groups import ModelGroups
+from megatron.core.process_groups import ModelGroups, RankGroup
+from megatron.core.tensor_parallel import mark_sequence_parallel
 from megatron.core.tensor_parallel.expert_mappings import (
     all_to_all_over_expert_parallel,
     exchange_counts_over_expert_parallel,
@@ -68,12 +76,20 @@ class RoutedMoE(nn.Module):
         self.num_local_experts = moe.num_experts // ep
         self.first_expert = groups.expert.rank * self.num_local_experts
         self.dispatcher = moe.dispatcher
-        self.router = TopKRouter(config, layer_number, moe_losses)
+        token_group = tokens_shared_with(config, groups)
+        if token_group.size > 1:  # the logged losses are summed over its ranks' parts
+            moe_losses.sum_parts_over(token_group.group)
+        self.router = TopKRouter(config, layer_number, moe_losses, token_group)
         self.experts = GroupedExperts(config, self.num_local_experts, self.first_expert)
-        if ep > 1:  # each rank holds other experts: DeepSpeed's mark, read by the grad norm
-            for param in self.experts.parameters():
+        for param in self.experts.parameters():
+            if ep > 1:  # each rank holds other experts: DeepSpeed's mark, read by the grad norm
                 param.allreduce = False
                 param.group_name = EXPERT_GROUP_NAME
+                # Whole on each rank of an EP group that spans tensor-parallel ranks: not a
+                # tensor-parallel duplicate (the gradient norm counts it there too).
+                param.expert_folded_over_tensor_ranks = True
+            elif config.sequence_parallel:  # replicated, each TP rank's tokens
+                mark_sequence_parallel(param)
         if moe.shared_expert_ffn_hidden_size:
             shared = dataclasses.replace(config, ffn_hidden_size=moe.shared_expert_ffn_hidden_size)
             self.shared_experts = ParallelMLP(shared)
@@ -131,6 +147,15 @@ class RoutedMoE(nn.Module):
         outputs = self.experts(everyone[token_ids], all_map[:, mine].sum(dim=0).tolist())
         combined = _combine(outputs, weights, token_ids, everyone.shape[0])  # [EP x T, h]
         return reduce_scatter_to_expert_parallel_region(combined)
+
+
+def tokens_shared_with(config: ModelConfig, groups: ModelGroups) -> RankGroup:
+    """The ranks holding the other tokens of this rank's micro-batch: tensor x context
+    parallel under sequence parallelism, else the sequence split (context parallelism or
+    Ulysses); one rank when the micro-batch is whole here."""
+    if config.sequence_parallel and groups.tensor.size > 1:
+        return groups.tensor_sequence
+    return groups.context if groups.context.size > 1 else groups.ulysses
 
 
 def _by_expert_then_source(counts: torch.Tensor) -> torch.Tensor:

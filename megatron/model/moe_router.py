@@ -12,6 +12,12 @@ experts among them; `--moe-router-force-load-balancing` (Megatron-LM's benchmark
 replaces the logits by normal noise whose gradient passes straight through. The losses reach the
 backward through autograd (`megatron.model.moe_aux_loss`): the z-loss through the logits,
 the load-balancing loss through the routing weights.
+
+Under sequence parallelism and context parallelism each rank routes its own tokens of the
+micro-batch, and the losses are megatron-core's over the whole micro-batch: the experts' loads
+are summed over the ranks sharing it (`token_group`, the tensor x context-parallel ranks), each
+rank's loss is its tokens' part of the whole (the parts add up in the logged value), and the
+router's weight, replicated over tensor-parallel ranks, has its gradient summed over them.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig, RoutedMoEConfig
-from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.process_groups import RankGroup
+from megatron.core.tensor_parallel import get_cuda_rng_tracker, mark_sequence_parallel
 from megatron.core.tensor_parallel.meta_init import initialize, new_parameter
 from megatron.model.moe_aux_loss import AuxLossTracker, attach_aux_loss
 from megatron.model.utils import init_method_normal
@@ -37,7 +44,13 @@ LOGGED_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_bal
 class TopKRouter(nn.Module):
     """hidden [T, h] -> (routing weights [T, E], routing map [T, E] bool), E = all experts."""
 
-    def __init__(self, config: ModelConfig, layer_number: int, moe_losses: AuxLossTracker) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_number: int,
+        moe_losses: AuxLossTracker,
+        token_group: RankGroup | None = None,
+    ) -> None:
         super().__init__()
         moe = config.routed_moe
         assert moe is not None
@@ -45,8 +58,15 @@ class TopKRouter(nn.Module):
         self.layer_number = layer_number
         """The layer's number in the model (from 1), for the logged losses."""
         self.moe_losses = moe_losses  # the model's tracker (megatron.model.moe_aux_loss)
+        self.token_group = token_group or RankGroup()
+        """The ranks holding the other tokens of this rank's micro-batch (tensor x context
+        parallel under sequence parallelism): the losses are over all of them."""
+        # Each split rank's part of the losses is scaled as its part of the LM loss is.
+        self.gradient_scale = config.sequence_split_gradient_scale
         self.weight = new_parameter((moe.num_experts, config.hidden_size), config.torch_dtype)
         initialize(self.weight, init_method_normal(config.init_method_std))
+        if config.sequence_parallel:  # each tensor-parallel rank routes its own tokens
+            mark_sequence_parallel(self.weight)
         if moe.expert_bias:
             # fp32 buffers: saved with the model, identical on every rank of a stage.
             self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
@@ -65,14 +85,15 @@ class TopKRouter(nn.Module):
         training = self.training
         backward = training and torch.is_grad_enabled()
         if training and self.moe.z_loss_coeff:
-            z_loss = torch.logsumexp(logits.float(), dim=-1).square().mean()
+            # This rank's part of the mean over the micro-batch's tokens.
+            z_loss = torch.logsumexp(logits.float(), dim=-1).square().mean() / self.token_group.size
             self.moe_losses.record_metric("z_loss", self.layer_number, z_loss)
             logits = self._with_loss(logits, z_loss * self.moe.z_loss_coeff, backward)
         probs, routing_map = topk_routing(logits, self.moe, self.expert_bias)
         if self.moe.capacity_factor is not None:
             probs, routing_map = drop_over_capacity(probs, routing_map, self.moe)
         if training and self.moe.load_balancing != "none" and self.moe.aux_loss_coeff > 0:
-            loss = load_balancing_loss(logits, self.moe, seq_length)
+            loss = load_balancing_loss(logits, self.moe, seq_length, self.token_group)
             self.moe_losses.record_metric(
                 LOGGED_NAMES[self.moe.load_balancing], self.layer_number, loss
             )
@@ -85,7 +106,7 @@ class TopKRouter(nn.Module):
         """`output` carrying the weighted `loss` into the backward where there is one; the
         loss is recorded for the log line either way."""
         if backward:
-            return attach_aux_loss(output, loss, 1.0, self.moe_losses)
+            return attach_aux_loss(output, loss, self.gradient_scale, self.moe_losses)
         self.moe_losses.record(loss)
         return output
 
@@ -210,10 +231,18 @@ def drop_over_capacity(
 
 
 def load_balancing_loss(
-    logits: torch.Tensor, moe: RoutedMoEConfig, seq_length: int
+    logits: torch.Tensor,
+    moe: RoutedMoEConfig,
+    seq_length: int,
+    token_group: RankGroup | None = None,
 ) -> torch.Tensor:
     """The Switch-Transformer loss E x sum_i f_i x P_i over the micro-batch (aux_loss), or per
-    sequence and averaged over the sequences (seq_aux_loss), from scores over all experts."""
+    sequence and averaged over the sequences (seq_aux_loss), from scores over all experts.
+
+    With `token_group` (ranks holding the rest of the micro-batch: sequence, context
+    parallelism) the loads f_i are counted over all of them and this rank's scores give its
+    part of P_i: the parts add up to the loss of the whole micro-batch (megatron-core's
+    `switch_load_balancing_loss_func` with its tp-cp token counts)."""
     experts, k = moe.num_experts, moe.top_k
     if moe.score_function == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -230,5 +259,10 @@ def load_balancing_loss(
         tokens = seq_length
     else:
         batch, tokens = 1, scores.shape[0]
-    loss = (scores.sum(dim=0) * routed.sum(dim=0)).sum() * experts / (k * tokens * tokens)
+    loads = routed.sum(dim=0)
+    group = token_group or RankGroup()
+    if group.size > 1:  # every rank's tokens count toward the loads
+        dist.all_reduce(loads, group=group.group)
+        tokens *= group.size
+    loss = (scores.sum(dim=0) * loads).sum() * experts / (k * tokens * tokens)
     return loss / batch

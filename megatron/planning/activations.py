@@ -324,23 +324,30 @@ def autocast_copy_bytes(
     h, proj = config.hidden_size, config.projection_size
     ffn = config.ffn_hidden_size
     mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
-    attention = h * (proj + 2 * config.kv_projection_size) + proj * h
+    # Under sequence parallelism a column-parallel layer (QKV, the MLP's first, the output
+    # layer) casts inside its gather-and-matmul function, which keeps the fp32 weight and
+    # casts it again in the backward: no copy of those is kept.
+    gathered = config.sequence_parallel and tp > 1
+    qkv = h * (proj + 2 * config.kv_projection_size)
+    attention = (0 if gathered else qkv) + proj * h
     if config.mla is not None:
         attention = mla_weight_elements(config)
     numbers = list(layer_numbers or range(1, layers + 1))
     # A recomputed MLP or MoE layer casts without a graph: autograd keeps none of its copies.
-    mlp = 0 if recomputes(config, "mlp") else h * mlp_in + ffn * h
+    mlp = 0 if recomputes(config, "mlp") else (0 if gathered else h * mlp_in) + ffn * h
 
     def layer_copies(number: int) -> int:
         # An FP8 layer's linear layers hand their weights to torchao's matmul uncast.
         fp8 = runs_in_fp8(config, number)
-        if is_routed_layer(config, number):  # at TP 1
-            routed = 0 if recomputes(config, "moe") else routed_weight_copy_elements(config, fp8)
-            return (0 if fp8 else attention) + routed
+        if is_routed_layer(config, number):
+            routed = 0
+            if not recomputes(config, "moe"):
+                routed = routed_weight_copy_elements(config, fp8, tp, gathered)
+            return (0 if fp8 else attention // tp) + routed
         return 0 if fp8 else (attention + mlp) // tp
 
     total = sum(layer_copies(number) for number in numbers[recomputed:])
-    if last:
+    if last and not gathered:
         total += config.vocab_size // tp * h
         if config.mtp is not None:  # each module's projection and layer (the last's kind)
             module = mtp_weight_elements(config) // tp + layer_copies(config.num_layers)

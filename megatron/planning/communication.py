@@ -41,7 +41,11 @@ from megatron.planning.model_states import (
     weight_bytes,
     zero3_tensors,
 )
-from megatron.planning.routed_moe import dispatch_bytes, is_routed_layer
+from megatron.planning.routed_moe import (
+    dispatch_bytes,
+    is_routed_layer,
+    routed_expert_parameters,
+)
 
 _FP32 = 4
 _DDP_BUCKET = 25 * 2**20  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb=25
@@ -73,10 +77,17 @@ def tensor_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
         per_layer, forward = 2 * c + 2 * r, 2 * c
     recomputed = role.num_layers if config.recompute_granularity == "full" else 0
     total = role.num_layers * per_layer + recomputed * forward
+    # A routed MoE layer's experts communicate over the expert-parallel group (the dispatcher),
+    # not the tensor-parallel one: only a shared expert is a tensor-parallel MLP.
+    numbers = [n for chunk in role.layers for n in chunk]
+    moe = config.routed_moe
+    if moe is not None and not moe.shared_expert_ffn_hidden_size:
+        routed = sum(is_routed_layer(config, n) for n in numbers)
+        mlp, mlp_forward = ((2 * c + r) + 2 * c, 2 * c) if config.sequence_parallel else (c + r, c)
+        total -= routed * mlp + (routed if recomputed else 0) * mlp_forward
     if config.sequence_parallel:
         # An FP8 layer's column-parallel layers keep their gathered input (no gather again in
         # the backward) and reduce-scatter its gradient in the compute dtype: 2c, not 2c + r.
-        numbers = [n for chunk in role.layers for n in chunk]
         total -= sum(runs_in_fp8(config, n) for n in numbers) * 2 * r
     if role.first:  # the vocabulary-parallel embedding's sum, forward (and with sequence
         total += 2 * r if config.sequence_parallel else r  # parallelism its scatter's gather)
@@ -87,6 +98,12 @@ def tensor_parallel_bytes(inputs: PlanInputs, role: RankRole) -> int:
         norm = h if config.normalization == "rmsnorm" else 2 * h
         replicated = role.num_layers * (2 * norm + (2 * h if config.add_bias_linear else 0))
         replicated += norm if role.last else 0
+        if moe is not None:  # each rank routes its own tokens: the router's weight, and at
+            # EP 1 the experts (replicated then), are summed alike
+            per_moe_layer = moe.num_experts * h
+            if moe.expert_parallel_size == 1:
+                per_moe_layer += routed_expert_parameters(config)
+            replicated += sum(is_routed_layer(config, n) for n in numbers) * per_moe_layer
         total += replicated * size.residual
     if config.qk_layernorm:  # the QK norms' gradients, each rank's from its heads, summed alike
         width = config.kv_channels * (1 if config.normalization == "rmsnorm" else 2)

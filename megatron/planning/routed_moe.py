@@ -1,12 +1,14 @@
 """Megatron-LM's routed MoE layers (`megatron/model/moe_layer.py`) in the plan: what one
 layer keeps for backward and what its token dispatcher sends, per micro-batch on one rank.
 
-Routed MoE runs at TP 1 without a sequence split, so a rank routes the T = s x b tokens of its
-own micro-batch. Rows: the (token, expert) copies a rank's experts process, R = T x k when the
-load is balanced (T x k / EP from each of the EP ranks), or with a capacity factor at most
-E x ceil(T x k / E x factor) (`drop_over_capacity`; exact when every expert overflows). At
-EP = 1 without a capacity factor R = T x k exactly; at EP > 1 each rank's R depends on the
-routing, and the plan (its activations and dispatch bytes alike) is for a balanced load.
+A rank routes the T tokens of its own part of the micro-batch: T = s x b / (C x TP), C the sequence
+split (context parallelism) and TP the tensor-parallel size under sequence parallelism (required
+with TP > 1; the experts are whole, the expert-parallel group folded over the tensor x context x
+data-parallel ranks). Rows: the (token, expert) copies a rank's experts process, R = T x k when the
+load is balanced (T x k / EP from each of the EP ranks), or with a capacity factor at most E x
+ceil(T x k / E x factor) (`drop_over_capacity`; exact when every expert overflows). At EP = 1
+without a capacity factor R = T x k exactly; at EP > 1 each rank's R depends on the routing, and the
+plan (its activations and dispatch bytes alike) is for a balanced load.
 
 Activations (checked against saved-tensor hooks in tests/planning/test_routed_moe_plan.py),
 with c the compute dtype's bytes, L the router logits' (the compute dtype, or
@@ -27,7 +29,8 @@ with c the compute dtype's bytes, L the router logits' (the compute dtype, or
   runtime's own rule, `moe_experts.grouped_mm_runs`, asked with the plan's device, compute
   dtype and GPU);
 - the combine: the experts' output and the weighted output [R, h] and the weights [R], in c;
-- the shared expert: a dense MLP of `--moe-shared-expert-intermediate-size`.
+- the shared expert: a tensor-parallel MLP of `--moe-shared-expert-intermediate-size` over
+  the gathered sequence (s x b / C tokens, widths / TP), as a dense layer's.
 """
 
 from __future__ import annotations
@@ -63,8 +66,10 @@ def is_routed_layer(config: ModelConfig, layer_number: int | None) -> bool:
 
 
 def routed_tokens(inputs: PlanInputs) -> int:
-    """T: the tokens one rank routes per micro-batch (s x b: TP 1, no sequence split)."""
-    return inputs.local_seq_length * inputs.micro_batch
+    """T: the tokens one rank routes per micro-batch: its part of s x b under a sequence
+    split and under sequence parallelism (see the module docstring)."""
+    tokens = inputs.local_seq_length * inputs.micro_batch
+    return tokens // inputs.tp if inputs.model.sequence_parallel else tokens
 
 
 def routed_rows(inputs: PlanInputs) -> int:
@@ -181,7 +186,8 @@ def _shared_expert_bytes(inputs: PlanInputs, size: Dtypes) -> int:
     ffn = config.routed_moe.shared_expert_ffn_hidden_size
     if not ffn or recomputes(config, "shared_experts"):  # recomputed: its input alone
         return 0
-    tokens = routed_tokens(inputs)
+    tokens = inputs.local_seq_length * inputs.micro_batch  # gathered under sequence parallel
+    ffn //= inputs.tp
     mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
     total = tokens * mlp_in * size.activation_input + tokens * ffn * size.compute
     if config.activation == "swiglu":
@@ -217,17 +223,29 @@ def routed_output_mask_bytes(inputs: PlanInputs, size: Dtypes) -> int:
     return min(size.mask, size.compute)
 
 
-def routed_weight_copy_elements(config: ModelConfig, fp8: bool = False) -> int:
+def routed_expert_parameters(config: ModelConfig) -> int:
+    """Parameters of all E routed experts of one MoE layer (weights and biases)."""
+    moe, h = config.routed_moe, config.hidden_size
+    ffn = moe.ffn_hidden_size or config.ffn_hidden_size
+    width = 2 * ffn if config.activation == "swiglu" else ffn
+    biases = width + h if config.add_bias_linear else 0
+    return moe.num_experts * (h * width + ffn * h + biases)
+
+
+def routed_weight_copy_elements(
+    config: ModelConfig, fp8: bool = False, tp: int = 1, gathered: bool = False
+) -> int:
     """Weights of a routed MoE layer's MLP part that torch.autocast casts once per region
-    (the router's, unless `--moe-router-dtype` computes it outside autocast; the shared
-    expert's, unless `fp8`: its matmuls cast to FP8 themselves); the experts' own copies are
-    per forward (`routed_mlp_bytes`)."""
+    (the router's, unless `--moe-router-dtype` computes it outside autocast; this rank's
+    `tp`-th of the shared expert's, unless `fp8`: its matmuls cast to FP8 themselves, and but
+    for its first linear's where that casts inside its sequence-parallel gather, `gathered`);
+    the experts' own copies are per forward (`routed_mlp_bytes`)."""
     moe, h = config.routed_moe, config.hidden_size
     total = 0 if moe.router_dtype is not None else moe.num_experts * h
     ffn = moe.shared_expert_ffn_hidden_size
     if ffn and not fp8 and not recomputes(config, "shared_experts"):
         mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
-        total += h * mlp_in + ffn * h
+        total += ((0 if gathered else h * mlp_in) + ffn * h) // tp
     return total
 
 

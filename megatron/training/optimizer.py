@@ -265,9 +265,14 @@ def counted_once(param: torch.nn.Parameter, tp_rank_0: bool) -> bool:
     A replicated param (norm, row-parallel bias) is the same on every tensor-parallel rank:
     counted on rank 0 only. A second copy of a tied weight is not counted: Megatron marks it
     `shared`, DeepSpeed's pipeline marks the later stages' tied module `ds_pipe_replicated`.
+    Megatron-LM's experts under expert parallelism (`expert_folded_over_tensor_ranks`) are
+    whole on each rank of an expert-parallel group spanning tensor-parallel ranks: counted on
+    every rank (`model_wide_sum` adds their group's sum once per stage).
     """
     if getattr(param, "shared", False) or getattr(param, "ds_pipe_replicated", False):
         return False
+    if getattr(param, "expert_folded_over_tensor_ranks", False):
+        return True
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank_0
 
 
@@ -300,7 +305,9 @@ def model_wide_sum(
     the sums are added over it. MoE experts count once each: without shards their sums are
     also added over the expert-parallel group that `expert_parallel_group(param.group_name)`
     names (the group spreading that layer's experts; their data-parallel replicas hold the same
-    gradients). Then everything is added over `model_parallel_group`. A collective of them all.
+    gradients), and that sum joins the total on tensor-parallel rank 0 only (Megatron-LM's
+    expert-parallel group may span tensor-parallel ranks). Then everything is added over
+    `model_parallel_group`. A collective of them all.
     """
     tp_rank_0 = parallel_state.get_tensor_model_parallel_rank() == 0
     counted = [(param, value) for param, value in values if counted_once(param, tp_rank_0)]
@@ -318,7 +325,8 @@ def model_wide_sum(
         own = [v for p, v in counted if is_expert_param(p) and p.group_name == name]
         experts = _stacked_sum(own, device, dtype)
         all_reduce_if_distributed(experts, dist.ReduceOp.SUM, expert_parallel_group(name))
-        total = total + experts
+        if tp_rank_0:
+            total = total + experts
     if shard_group is not None:
         all_reduce_if_distributed(total, dist.ReduceOp.SUM, shard_group)
     if model_parallel_group is not None:

@@ -104,10 +104,25 @@ def test_num_experts_alone_stays_deepspeed_moe() -> None:
         ("--moe-router-topk 2", 2, ["--moe-router-topk", "without --num-experts"]),
         ("--num-experts 4 --moe-router-topk 5", 2, ["--moe-router-topk 5", "1 to 4"]),
         ("--num-experts 6 --expert-model-parallel-size 4", 4, ["--expert-model-parallel-size 4"]),
-        ("--num-experts 4 --expert-model-parallel-size 4", 2, ["data-parallel size 2"]),
+        ("--num-experts 4 --expert-model-parallel-size 4", 2, ["1 x 1 x 2 = 2"]),
         ("--num-experts 4 --moe-layer-freq [1,0]", 2, ["--moe-layer-freq", "--num-layers is 4"]),
         ("--num-experts 4 --moe-router-load-balancing-type sinkhorn", 2, ["sinkhorn", "not built"]),
-        ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2", 2, ["TP 1"]),
+        (
+            "--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2",
+            2,
+            ["--expert-tensor-parallel-size 1", "default"],
+        ),
+        (
+            "--num-experts 4 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1",
+            2,
+            ["--tensor-model-parallel-size 2 needs --sequence-parallel"],
+        ),
+        (
+            "--num-experts 4 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 2 "
+            "--sequence-parallel",
+            2,
+            ["--expert-tensor-parallel-size 2", "not built"],
+        ),
         ("--num-experts 4 --moe-router-num-groups 2", 2, ["--moe-router-group-topk", "both"]),
         (
             "--num-experts 6 --moe-router-num-groups 4 --moe-router-group-topk 2",

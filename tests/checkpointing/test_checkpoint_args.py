@@ -188,3 +188,29 @@ def test_no_checkpoint_to_read_is_refused_in_one_line(
     error = capsys.readouterr().err.strip()
     assert error.startswith("error: ") and "\n" not in error, error
     assert all(word in error for word in words), error
+
+
+def test_a_megatron_lm_moe_checkpoint_keeps_its_family_and_layers(tmp_path) -> None:
+    """An imported Mixtral (top-2: the parser's default; every layer MoE) and a DeepSeek-style
+    model (dense first layer, group-limited routing) resume from the checkpoint's MoE flags
+    alone: Megatron-LM's MoE with its layer pattern, not DeepSpeed-MoE's every-other layer."""
+    from megatron.checkpointing.checks import check_checkpoint_args
+    from megatron.checkpointing.huggingface_routed import routed_moe_args
+
+    shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16)
+    mixtral = dict(shape, **routed_moe_args(4, 2), expert_interval=2)
+    deepseek = dict(
+        shape,
+        **routed_moe_args(
+            8, 4, moe_layer_freq=[0, 1, 1, 1], moe_router_num_groups=4, moe_router_group_topk=2
+        ),
+    )
+    for saved in (mixtral, deepseek):
+        root = tmp_path / str(len(os.listdir(tmp_path)))
+        _write_checkpoint(root, saved)
+        args = _parse(f"--load {root} --use-checkpoint-args")
+        assert args.routed_moe and args.num_experts == saved["num_experts"]
+        assert args.moe_layer_freq == saved["moe_layer_freq"]
+        assert args.moe_router_topk == saved["moe_router_topk"]
+        assert args.moe_router_num_groups == saved["moe_router_num_groups"]
+        check_checkpoint_args(saved, args, str(root), False)  # raises on another MoE shape

@@ -75,7 +75,7 @@ def test_at_its_own_8_ranks_the_layout_is_refused_in_one_line() -> None:
     with pytest.raises(ArgumentError) as refused:
         _validate(script.argv + ["--dry-run"], script.world_size)
     message = str(refused.value)
-    assert "--expert-model-parallel-size 8" in message and "data-parallel size 2" in message
+    assert "--expert-model-parallel-size 8" in message and "1 x 1 x 2 = 2" in message
     assert "\n" not in message
 
 

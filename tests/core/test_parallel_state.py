@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -123,25 +124,31 @@ def test_context_parallel_groups_equal_megatron_core(tmp_path):
 
 
 def test_expert_parallel_groups_equal_megatron_core(tmp_path):
-    """With --expert-model-parallel-size (expert TP = TP, no context parallelism): our expert
-    and expert-data groups are megatron-core's expert "ep" and "dp" groups."""
+    """With --expert-model-parallel-size and --expert-tensor-parallel-size 1 (MoE parallel
+    folding: experts spread over tensor x context x data-parallel ranks): our expert and
+    expert-data groups are megatron-core's expert "ep" and "dp" groups, the dense ones still
+    its dense groups."""
     cases = [
-        [world, tp, pp, 1, ep]
+        [world, tp, pp, cp, ep]
         for world in (4, 8, 16)
-        for tp in (1, 2)
+        for tp in (1, 2, 4)
         for pp in (1, 2)
-        for ep in (2, 4)
-        if world % (tp * pp * ep) == 0
+        for cp in (1, 2)
+        for ep in (2, 4, 8)
+        if world % (tp * pp * cp) == 0 and (world // pp) % ep == 0
     ]
     cases_file, out_file = tmp_path / "cases.json", tmp_path / "groups.json"
     cases_file.write_text(json.dumps(cases))
     run_oracle(ORACLE_SCRIPT, str(cases_file), str(out_file))
     expected = json.loads(out_file.read_text())
-    for world, tp, pp, _, ep in cases:
-        ours = generate_rank_groups(world, tp, pp, expert_parallel_size=ep)
-        theirs = expected[f"{world},{tp},{pp},1,{ep}"]
-        for kind in ("expert", "expert_data", *KINDS):
-            assert ours[kind] == theirs[kind], (world, tp, pp, ep, kind)
+    for world, tp, pp, cp, ep in cases:
+        ours = generate_rank_groups(
+            world, tp, pp, context_parallel_size=cp, expert_parallel_size=ep
+        )
+        theirs = expected[f"{world},{tp},{pp},{cp},{ep}"]
+        for kind in theirs:
+            assert ours[kind] == theirs[kind], (world, tp, pp, cp, ep, kind)
+        assert "expert" in theirs and "expert_data" in theirs
 
 
 @pytest.mark.parametrize("world, tp, pp", [(8, 2, 2), (12, 3, 2), (16, 1, 4), (6, 6, 1)])
@@ -322,13 +329,21 @@ def _check_bad_sizes_leave_no_state(rank: int, world: int) -> None:
     assert not ps.model_parallel_is_initialized()
 
 
-MESH_CONFIGS = [(1, 1, 2, 2), (2, 1, 1, 2), (1, 2, 2, 1), (2, 2, 1, 1), (1, 1, 1, 4)]
+MESH_CONFIGS = [
+    (1, 1, 2, 2),
+    (2, 1, 1, 2),
+    (1, 2, 2, 1),
+    (2, 2, 1, 1),
+    (1, 1, 1, 4),
+    (2, 1, 1, 4),
+    (2, 1, 2, 2),
+]
 """(TP, PP, CP, EP) layouts of 4 ranks whose device mesh is checked against the groups."""
 
 # The group kind each mesh name is, when that kind exists.
 MESH_NAME_KINDS = {"tp": "tensor", "pp": "pipeline", "dp": "data", "model": "model",
                    "cp": "sequence", "dp_cp": "sequence_data", "stage": "stage",
-                   "ep": "expert", "edp_cp": "expert_data"}  # fmt: skip
+                   "ep": "expert", "edp": "expert_data"}  # fmt: skip
 
 
 def _check_mesh(rank: int, world: int, tp: int, pp: int, cp: int, ep: int) -> None:
@@ -339,6 +354,8 @@ def _check_mesh(rank: int, world: int, tp: int, pp: int, cp: int, ep: int) -> No
     assert mesh.mesh_dim_names == ps.MESH_DIM_NAMES
     groups = generate_rank_groups(world, tp, pp, context_parallel_size=cp, expert_parallel_size=ep)
     for name, kind in MESH_NAME_KINDS.items():
+        if name in ("ep", "edp") and ep == 1:
+            continue  # no expert mesh
         ranks = ps.mesh_slice(name).mesh.tolist()
         if kind in groups:
             assert ranks == _my_group(groups, kind, rank), (name, kind)
@@ -348,13 +365,42 @@ def _check_mesh(rank: int, world: int, tp: int, pp: int, cp: int, ep: int) -> No
         ps.get_sequence_data_parallel_group()
         is ps.mesh_slice("dp_cp" if cp > 1 else "dp").get_group()
     )
+    # The tensor x context ranks of a replica: TP x CP consecutive ranks (megatron-core's tp-cp).
+    first = rank - rank % (tp * cp)
+    assert ps.mesh_slice("tp_cp").mesh.tolist() == list(range(first, first + tp * cp))
+    assert ps.get_tensor_and_sequence_parallel_world_size() == tp * cp
     if ep > 1:
-        assert ps.get_expert_model_parallel_group() is mesh["ep"].get_group()
-        assert ps.get_expert_data_parallel_group() is ps.mesh_slice("edp_cp").get_group()
+        assert ps.get_expert_model_parallel_group() is ps.mesh_slice("ep").get_group()
+        assert ps.get_expert_data_parallel_group() is ps.mesh_slice("edp").get_group()
         assert _sum_over(ps.get_expert_data_parallel_group(), rank) == sum(
             _my_group(groups, "expert_data", rank)
         )
     ps.destroy_model_parallel()
+
+
+def _group_timeout(group: dist.ProcessGroup) -> timedelta:
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
+def _check_groups_take_the_run_timeout(rank: int, world: int) -> None:
+    """Every group the layout builds, the MoE's expert groups among them, waits the run's
+    --distributed-timeout-minutes (as `initialize_distributed` sets it), not torch's default."""
+    from torch.distributed import distributed_c10d
+
+    from megatron.initialize import timeout_new_groups_after
+
+    before = distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout
+    timeout_new_groups_after(timedelta(minutes=7))
+    try:
+        # A layout no other check builds (the meshes are kept per layout).
+        ps.initialize_model_parallel(2, 2, expert_parallel_size=2)
+        names = ["tp", "pp", "dp", "cp", "dp_cp", "tp_cp", "model", "stage", "ep", "edp"]
+        for name in names:
+            assert _group_timeout(ps.mesh_slice(name).get_group()) == timedelta(minutes=7), name
+        assert _group_timeout(ps.get_embedding_group()) == timedelta(minutes=7)
+        ps.destroy_model_parallel()
+    finally:
+        distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout = before
 
 
 SPAWN_WORLD_SIZES = [4]
@@ -367,6 +413,7 @@ def spawn_body(checks, rank: int, world: int) -> None:
     for sizes in MESH_CONFIGS:
         checks.run(f"mesh {sizes}", _check_mesh, rank, world, *sizes)
     checks.run("bad sizes", _check_bad_sizes_leave_no_state, rank, world)
+    checks.run("timeouts", _check_groups_take_the_run_timeout, rank, world)
 
 
 @pytest.fixture(scope="module")
@@ -383,7 +430,7 @@ def test_queries_match_generated_groups_on_four_ranks(spawned, tp, pp):
 
 @pytest.mark.parametrize("sizes", MESH_CONFIGS)
 def test_device_mesh_slices_are_the_groups_on_four_ranks(spawned, sizes):
-    """The one device mesh: every named slice is its kind of group, the accessors' groups."""
+    """The device meshes: every named slice is its kind of group, the accessors' groups."""
     spawned.assert_ok(f"mesh {sizes}")
 
 
@@ -392,8 +439,14 @@ def test_bad_sizes_on_four_ranks_leave_no_state(spawned):
     spawned.assert_ok("bad sizes")
 
 
+def test_every_group_takes_the_run_timeout_on_four_ranks(spawned):
+    """The dense and expert groups wait --distributed-timeout-minutes (issue 58)."""
+    spawned.assert_ok("timeouts")
+
+
 def test_spawned_body_ran_every_check(spawned):
     """Nothing escaped the checks, and no check ran that no test looks at."""
     expected = {f"queries tp={tp} pp={pp}" for tp, pp in SPAWNED_CONFIGS} | {"bad sizes"}
+    expected |= {"timeouts"}
     expected |= {f"mesh {sizes}" for sizes in MESH_CONFIGS}
     assert spawned.names() == expected, spawned.per_rank[0].get(BODY)

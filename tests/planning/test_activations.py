@@ -73,12 +73,22 @@ def test_one_process_prediction_matches_saved_tensors(path, dropout, recompute, 
     assert _predicted(config, path) == pytest.approx(measured, rel=0.01)
 
 
+TP_AUTOCAST = {
+    # Under sequence parallelism the column-parallel layers cast inside their gather (no
+    # weight copy kept); without dropout the embeddings' scattered part is its own tensor.
+    "sp-autocast-swiglu": _config(sequence_parallel=True, activation="swiglu"),
+    "autocast-dropout": _config(hidden_dropout=0.1, attention_dropout=0.1),
+}
+
+
 def _tensor_parallel_body(rank: int, world_size: int) -> dict:
     parallel_state.initialize_model_parallel(world_size, 1)
     results = {}
     for sequence_parallel in (False, True):
         config = _config(sequence_parallel=sequence_parallel, hidden_dropout=0.1)
         results[sequence_parallel] = saved_bytes(config, MICRO_BATCH, SEQ, autocast=False)
+    for name, config in TP_AUTOCAST.items():
+        results[name] = saved_bytes(config, MICRO_BATCH, SEQ, autocast=True)
     from megatron.model import GPTModel
 
     model = GPTModel(_config())
@@ -87,14 +97,18 @@ def _tensor_parallel_body(rank: int, world_size: int) -> dict:
 
 
 def test_tensor_parallel_prediction_matches_saved_tensors_and_parameters():
-    """TP=2, with and without sequence parallelism: each rank's saved bytes and its
-    parameter count are the plan's."""
+    """TP=2, with and without sequence parallelism, in fp32 and under bf16 autocast: each
+    rank's saved bytes and its parameter count are the plan's."""
     world = spawn_collect(_tensor_parallel_body, 2)
     for sequence_parallel in (False, True):
         config = _config(sequence_parallel=sequence_parallel, hidden_dropout=0.1)
         predicted = _predicted(config, "fp32", tp=2, world_size=2)
         for rank in world:
             assert predicted == pytest.approx(rank[sequence_parallel], rel=0.01)
+    for name, config in TP_AUTOCAST.items():
+        predicted = _predicted(config, "autocast", tp=2, world_size=2)
+        for rank in world:
+            assert predicted == pytest.approx(rank[name], rel=0.01), name
     parts = stage_parameters_per_rank(_config(), 2, range(1, LAYERS + 1), True, True)
     assert [rank["parameters"] for rank in world] == [sum(parts.values())] * 2
 

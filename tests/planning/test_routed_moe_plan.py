@@ -332,6 +332,58 @@ def test_expert_parallel_prediction_matches_saved_tensors_and_collectives():
             assert comm["expert_parallel"] == sent and comm["all_to_all"] == 0
 
 
+# ---------------------------------------------------------------------------------------------
+# EP 2 folded over TP 2 (sequence parallel) or CP 2, on two processes
+# ---------------------------------------------------------------------------------------------
+
+FOLDED_CASES = {
+    # name: (path, routed MoE fields); every expert overflows its capacity (exact rows per
+    # rank), or dropless (the ranks' mean is the plan's balanced share)
+    "capacity-fp32": ("fp32", dict(capacity_factor=0.25, aux_loss_coeff=0.01)),
+    "dropless-autocast-shared": ("autocast", dict(shared_expert_ffn_hidden_size=128)),
+}
+FOLDED_LAYOUTS = {"tp2-sp": dict(tp=2), "cp2": dict(cp=2)}
+
+
+def _folded_config(name: str, layout: str) -> ModelConfig:
+    _, moe = FOLDED_CASES[name]
+    config = _ep_config("alltoall-dropless-fp32")
+    routed = dataclasses.replace(config.routed_moe, expert_parallel_size=2, **moe)
+    return dataclasses.replace(config, routed_moe=routed, sequence_parallel=layout == "tp2-sp")
+
+
+def _folded_body(rank: int, world_size: int) -> dict:
+    results = {}
+    for layout in FOLDED_LAYOUTS:
+        if layout == "tp2-sp":
+            parallel_state.initialize_model_parallel(2, 1, expert_parallel_size=2)
+        else:
+            parallel_state.initialize_model_parallel(1, 1, 1, 2, expert_parallel_size=2)
+        seq = SEQ // 2 if layout == "cp2" else SEQ  # a context-parallel rank's part
+        for name, (path, _) in FOLDED_CASES.items():
+            config = _folded_config(name, layout)
+            saved = saved_bytes(config, MICRO_BATCH, seq, path == "autocast")
+            results[f"{layout}-{name}"] = saved
+        parallel_state.destroy_model_parallel()
+    return results
+
+
+def test_expert_parallel_folded_over_tp_or_cp_matches_saved_tensors():
+    """EP 2 over the 2 tensor-parallel ranks (sequence parallel: each routes its half of the
+    tokens; the shared expert a tensor-parallel MLP) or the 2 context-parallel ranks: each
+    rank's saved bytes are the plan's, or their mean where the rows depend on the routing."""
+    world = spawn_collect(_folded_body, 2)
+    for layout, sizes in FOLDED_LAYOUTS.items():
+        for name, (path, moe) in FOLDED_CASES.items():
+            config = _folded_config(name, layout)
+            predicted = _predicted(config, path, ep=2, world_size=2, **sizes)
+            saved = [rank[f"{layout}-{name}"] for rank in world]
+            if "capacity_factor" not in moe:
+                saved = [sum(saved) / 2]
+            for measured in saved:
+                assert predicted == pytest.approx(measured, rel=0.01), (layout, name)
+
+
 def test_dispatch_bytes_by_hand():
     """T = 256 tokens, h = 128, E = 4, k = 2, EP 2, fp32 (r = c = 4 bytes):
     all-to-all: forward E x 8 (counts) + T k h r (tokens out) + T k h c (outputs back) =

@@ -4,6 +4,8 @@
         --target-tensor-parallel-size 4 --target-pipeline-parallel-size 1
     python tools/checkpoint/reshard.py --load checkpoints/gpt2 --save checkpoints/gpt2_vpp \\
         --target-pipeline-parallel-size 2 --target-virtual-pipeline-parallel-size 2
+    python tools/checkpoint/reshard.py --load checkpoints/moe_tp2_ep2 --save checkpoints/moe_ep4 \\
+        --target-tensor-parallel-size 1 --target-expert-model-parallel-size 4
 
 Reads either layout (Megatron's `iter_*/mp_rank_*`, or DeepSpeed's `global_step*` from
 `--deepspeed` runs, pipeline engine and ZeRO-3 included), merges every shard, and writes
@@ -14,10 +16,13 @@ Megatron-LM does. A Mixture-of-Experts checkpoint (DeepSpeed-MoE's expert files)
 with every expert of a layer in each rank file, under its global number: the expert-parallel
 size is then chosen by the run that loads it (`--moe-expert-parallel-size`); experts are split
 over tensor-parallel ranks only if it was trained with `--enable-expert-tensor-parallelism`,
-and it stays at pipeline-parallel size 1. Model weights and training progress (iteration,
-consumed samples) are carried; optimizer and RNG state are not: `pretrain_gpt.py --load NEW`
-continues from the weights and counters with a fresh optimizer (DeepSpeed's universal
-checkpoint is the way to reshard optimizer state too).
+and it stays at pipeline-parallel size 1. Megatron-LM's MoE (`--num-experts` with
+`--moe-router-topk`) is written for `--target-expert-model-parallel-size` ranks, each file
+`mp_rank_TT[_PPP]_EEE` holding its block of every layer's experts. Model weights and
+training progress (iteration, consumed samples) are carried; optimizer and RNG state are
+not: `pretrain_gpt.py --load NEW` continues from the weights and counters with a fresh
+optimizer (DeepSpeed's universal checkpoint, or the torch_dist format, reshards optimizer
+state too).
 """
 
 from __future__ import annotations
@@ -57,6 +62,13 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="Model chunks per pipeline rank (Megatron's interleaved schedule; files hold "
         "model0, model1, ...). Default: the source's when the pipeline size stays, else 1.",
+    )
+    parser.add_argument(
+        "--target-expert-model-parallel-size",
+        type=int,
+        default=None,
+        help="Expert-parallel ranks of Megatron-LM's MoE (files mp_rank_TT[_PPP]_EEE, each "
+        "holding a block of every layer's experts). Default: the source's.",
     )
     parser.add_argument(
         "--iteration", type=int, default=None, help="Checkpoint to read; default: the latest."
@@ -136,9 +148,14 @@ def reshard(args: argparse.Namespace) -> None:
         args.make_vocab_size_divisible_by,
         overwrite=args.force,
         virtual_size=virtual,
+        expert_size=args.target_expert_model_parallel_size,
     )
+    files = len([n for n in os.listdir(directory) if n.startswith("mp_rank_")])
+    ep = args.target_expert_model_parallel_size or dense.args.get("expert_model_parallel_size")
+    experts = f" x expert-parallel {ep}" if dense.args.get("routed_moe") and (ep or 1) > 1 else ""
     print(
-        f"wrote Megatron checkpoint {directory}: {_describe(tp, pp, virtual)} ({tp * pp} files)",
+        f"wrote Megatron checkpoint {directory}: {_describe(tp, pp, virtual)}{experts} "
+        f"({files} files)",
         flush=True,
     )
     divisible = args.make_vocab_size_divisible_by or dense.args.get(

@@ -65,6 +65,7 @@ _PARAMETER_ATTRIBUTES = (
     "shared",
     "allreduce",
     "group_name",
+    "expert_folded_over_tensor_ranks",
 )
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -92,11 +93,11 @@ def shard_model(
     # The parameters' names, by the tensors a meta-device build recorded.
     names = {id(param): name for name, param in model.named_parameters()}
     # Dense weights are sharded over the data-parallel and sequence-split ranks, experts over
-    # the ranks holding the same experts: two slices of the run's device mesh.
+    # the ranks holding the same experts: slices of the run's device mesh and expert mesh.
     mesh = parallel_state.mesh_slice("dp_cp")
     expert_mesh = None
     if parallel_state.get_expert_model_parallel_world_size() > 1:
-        expert_mesh = parallel_state.mesh_slice("edp_cp")
+        expert_mesh = parallel_state.mesh_slice("edp")
     attributes = {
         name: {key: getattr(param, key) for key in _PARAMETER_ATTRIBUTES if hasattr(param, key)}
         for name, param in model.named_parameters()
