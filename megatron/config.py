@@ -166,6 +166,9 @@ class RoutedMoEConfig:
     """Each routed expert's hidden size (`--moe-ffn-hidden-size`; the model's by default)."""
     shared_expert_ffn_hidden_size: int | None = None
     """A dense MLP every token also goes through (`--moe-shared-expert-intermediate-size`)."""
+    shared_expert_gate: bool = False
+    """The shared expert's output times sigmoid(x . w), w a learned [1, h] weight
+    (`--moe-shared-expert-gate`, Qwen2-MoE's `shared_expert_gate`)."""
     score_function: str = "softmax"
     """softmax or sigmoid (DeepSeek-V3) of the router logits (`--moe-router-score-function`)."""
     pre_softmax: bool = False
@@ -527,6 +530,7 @@ def routed_moe_config_from_args(args: Namespace) -> RoutedMoEConfig | None:
         top_k=args.moe_router_topk,
         ffn_hidden_size=args.moe_ffn_hidden_size,
         shared_expert_ffn_hidden_size=args.moe_shared_expert_intermediate_size,
+        shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         score_function=args.moe_router_score_function,
         pre_softmax=args.moe_router_pre_softmax,
         topk_scaling_factor=args.moe_router_topk_scaling_factor,

@@ -63,6 +63,7 @@ _MODEL_ARGS: tuple[tuple[str, str, bool], ...] = (
     ("moe_router_pre_softmax", "moe_router_pre_softmax", True),
     ("moe_grouped_gemm", "moe_grouped_gemm", True),
     ("moe_shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", True),
+    ("moe_shared_expert_gate", "moe_shared_expert_gate", True),
     ("moe_router_score_function", "moe_router_score_function", True),
     ("moe_router_enable_expert_bias", "moe_router_enable_expert_bias", True),
     ("moe_router_topk_scaling_factor", "moe_router_topk_scaling_factor", True),

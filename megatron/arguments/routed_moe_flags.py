@@ -99,6 +99,12 @@ def add_routed_moe_flags(parser: argparse.ArgumentParser) -> None:
         help="Hidden size of the shared expert every token also goes through (none: no shared "
         "expert).",
     )
+    add(
+        "--moe-shared-expert-gate",
+        action="store_true",
+        help="Scale the shared expert's output by sigmoid(x . w), a learned [1, h] gate per "
+        "layer (Qwen2-MoE's shared_expert_gate).",
+    )
     add("--moe-router-topk", type=int, default=2, help="Experts per token.")
     add(
         "--moe-router-load-balancing-type",
@@ -227,6 +233,7 @@ ROUTED_DEFAULTS = {
     "moe_layer_freq": 1,
     "moe_ffn_hidden_size": None,
     "moe_shared_expert_intermediate_size": None,
+    "moe_shared_expert_gate": False,
     "moe_router_topk": 2,
     "moe_router_load_balancing_type": ["aux_loss"],
     "moe_aux_loss_coeff": [0.0],
@@ -320,6 +327,11 @@ def settle_routed_moe(args: argparse.Namespace) -> None:
     if args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor <= 0:
         raise ArgumentError(
             f"--moe-expert-capacity-factor {args.moe_expert_capacity_factor}: must be above 0"
+        )
+    if args.moe_shared_expert_gate and not args.moe_shared_expert_intermediate_size:
+        raise ArgumentError(
+            "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size (the gate "
+            "scales the shared expert's output)"
         )
     moe_layers(args)  # checks the pattern's length
     _group_limited(args, experts)

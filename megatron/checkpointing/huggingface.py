@@ -7,7 +7,8 @@ for LLaMA with q/k/v biases alone, QK norm or a sliding window, `Qwen2ForCausalL
 for a dense model, `MixtralForCausalLM` for a Mixture-of-Experts one (`huggingface_mixtral.py`)
 or, for Megatron-LM's MoE with DeepSeek-V3's router (sigmoid, expert bias, shared expert,
 first layers dense), `Glm4MoeForCausalLM` (`huggingface_glm4_moe.py`), for it with Qwen3's
-attention `Qwen3MoeForCausalLM` (`huggingface_qwen3_moe.py`); with multi-latent
+attention `Qwen3MoeForCausalLM`, with Qwen2's and a gated shared expert `Qwen2MoeForCausalLM`
+(`huggingface_qwen3_moe.py`); with multi-latent
 attention `DeepseekV3ForCausalLM` or `DeepseekV2ForCausalLM` (`huggingface_deepseek.py`, the
 former with multi-token prediction); and refuses, in one
 line naming what differs, a model none computes exactly. `UNSUPPORTED_MODEL_TYPES` says why
@@ -66,6 +67,8 @@ from megatron.checkpointing.huggingface_mixtral import (
 )
 from megatron.checkpointing.huggingface_qwen3_moe import ARCHITECTURE as QWEN3_MOE
 from megatron.checkpointing.huggingface_qwen3_moe import (
+    QWEN2_MOE,
+    qwen2_moe_differences,
     qwen3_moe_config_json,
     qwen3_moe_differences,
     to_qwen3_moe_state_dict,
@@ -78,8 +81,8 @@ from megatron.config import ModelConfig
 
 GPT2 = "GPT2LMHeadModel"
 UNSUPPORTED_MODEL_TYPES = {
-    "qwen2_moe": "Qwen2-MoE scales its shared expert by a sigmoid gate (shared_expert_gate) and "
-    "puts biases on q, k and v only; our model computes neither",
+    "gpt_oss": "gpt-oss's learnable attention sinks, alternating sliding-window layers and "
+    "clamped GLU experts with biases are not built here",
 }
 """Mixture-of-Experts model types an import refuses, and why (one line each)."""
 
@@ -144,9 +147,10 @@ def gpt2_differences(config: ModelConfig) -> list[str]:
 
 def hf_architecture(config: ModelConfig) -> str:
     """`GPT2LMHeadModel`, `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
-    `MistralForCausalLM` or (Mixture-of-Experts) `MixtralForCausalLM`, `Glm4MoeForCausalLM` or
-    `Qwen3MoeForCausalLM` or (multi-latent attention) `DeepseekV3ForCausalLM` or
-    `DeepseekV2ForCausalLM`: the Hugging Face class computing `config`'s model.
+    `MistralForCausalLM` or (Mixture-of-Experts) `MixtralForCausalLM`, `Glm4MoeForCausalLM`,
+    `Qwen3MoeForCausalLM` or `Qwen2MoeForCausalLM` or (multi-latent attention)
+    `DeepseekV3ForCausalLM` or `DeepseekV2ForCausalLM`: the Hugging Face class computing
+    `config`'s model.
 
     Raises, naming what differs from the closest, when none does exactly.
     """
@@ -166,6 +170,7 @@ def hf_architecture(config: ModelConfig) -> str:
             MIXTRAL: mixtral_differences(config),
             GLM4_MOE: glm4_moe_differences(config),
             QWEN3_MOE: qwen3_moe_differences(config),
+            QWEN2_MOE: qwen2_moe_differences(config),
         }
     elif config.moe is not None:
         candidates = {MIXTRAL: mixtral_differences(config)}
@@ -240,9 +245,9 @@ def hf_config_json(
         )
     elif architecture == GLM4_MOE:
         keys = glm4_moe_config_json(config, true_vocab_size, bos_token_id, eos_token_id)
-    elif architecture == QWEN3_MOE:
+    elif architecture in (QWEN3_MOE, QWEN2_MOE):
         keys = qwen3_moe_config_json(
-            config, true_vocab_size, bos_token_id, eos_token_id, moe_loss_coeff
+            config, true_vocab_size, bos_token_id, eos_token_id, moe_loss_coeff, architecture
         )
     elif architecture in (DEEPSEEK_V3, DEEPSEEK_V2):
         keys = deepseek_config_json(
@@ -276,6 +281,7 @@ def to_hf_weights(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
         MIXTRAL: to_mixtral_state_dict,
         GLM4_MOE: to_glm4_moe_state_dict,
         QWEN3_MOE: to_qwen3_moe_state_dict,
+        QWEN2_MOE: to_qwen3_moe_state_dict,
     }
     return convert.get(architecture, to_llama_state_dict)(state, config)
 

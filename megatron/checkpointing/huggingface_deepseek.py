@@ -125,6 +125,10 @@ def _router_differences(config: ModelConfig, architecture: str) -> list[str]:
             f"n_shared_experts >= 1 x the routed experts' width {ffn})",
         ),
         (
+            moe.shared_expert_gate,
+            f"--moe-shared-expert-gate ({family}: the shared expert ungated)",
+        ),
+        (
             moe.capacity_factor is not None,
             f"token dropping (--moe-expert-capacity-factor; {family} computes every token)",
         ),

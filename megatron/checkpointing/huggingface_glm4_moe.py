@@ -132,6 +132,10 @@ def glm4_moe_differences(config: ModelConfig) -> list[str]:
             f"experts' {ffn} ({family}: n_shared_experts x moe_intermediate_size)",
         ),
         (
+            moe.shared_expert_gate,
+            f"--moe-shared-expert-gate ({family}: the shared expert ungated)",
+        ),
+        (
             moe.capacity_factor is not None,
             f"token dropping (--moe-expert-capacity-factor; {family} computes every token)",
         ),

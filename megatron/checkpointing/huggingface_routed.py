@@ -33,7 +33,8 @@ from megatron.config import ModelConfig, RoutedMoEConfig
 _ROUTED = re.compile(
     r"language_model\.encoder\.layers\.(\d+)\.mlp\."
     r"(router\.weight|router\.expert_bias|router\.local_tokens_per_expert|experts\.\w+"
-    r"|shared_experts\.dense_h_to_4h\.\w+|shared_experts\.dense_4h_to_h\.\w+)"
+    r"|shared_experts\.dense_h_to_4h\.\w+|shared_experts\.dense_4h_to_h\.\w+"
+    r"|shared_experts\.gate_weight)"
 )
 _OURS = "language_model.encoder.layers.{}.mlp."
 
@@ -54,6 +55,8 @@ class RoutedLayer:
     """[2 s, h]: the shared expert's gate rows, then its up rows; None without one."""
     shared_down: torch.Tensor | None = None
     """[h, s]."""
+    shared_gate: torch.Tensor | None = None
+    """[1, h]: the shared expert's output gate (`--moe-shared-expert-gate`); None without."""
 
 
 def split_routed_layers(
@@ -79,6 +82,7 @@ def split_routed_layers(
             "experts.weight2",
             "shared_experts.dense_h_to_4h.weight",
             "shared_experts.dense_4h_to_h.weight",
+            "shared_experts.gate_weight",
         }
         if unknown:
             name = _OURS.format(number) + sorted(unknown)[0]
@@ -90,6 +94,7 @@ def split_routed_layers(
             expert_bias=_cloned(weights.get("router.expert_bias")),
             shared_gate_up=_cloned(weights.get("shared_experts.dense_h_to_4h.weight")),
             shared_down=_cloned(weights.get("shared_experts.dense_4h_to_h.weight")),
+            shared_gate=_cloned(weights.get("shared_experts.gate_weight")),
         )
     return rest, layers
 
@@ -115,6 +120,8 @@ def routed_layer_state(number: int, layer: RoutedLayer) -> dict[str, torch.Tenso
     if layer.shared_gate_up is not None:
         out[f"{ours}shared_experts.dense_h_to_4h.weight"] = layer.shared_gate_up.clone()
         out[f"{ours}shared_experts.dense_4h_to_h.weight"] = layer.shared_down.clone()
+    if layer.shared_gate is not None:
+        out[f"{ours}shared_experts.gate_weight"] = layer.shared_gate.clone()
     return out
 
 
@@ -170,6 +177,7 @@ def routed_moe_args(num_experts: int, top_k: int, **settings: Any) -> dict[str, 
         moe_layer_freq=1,
         moe_ffn_hidden_size=None,
         moe_shared_expert_intermediate_size=None,
+        moe_shared_expert_gate=False,
         moe_router_load_balancing_type=["aux_loss"],
         moe_aux_loss_coeff=[0.0],
         moe_z_loss_coeff=None,

@@ -62,6 +62,9 @@ def _moe_layer(config: ModelConfig, experts: int, active: bool) -> tuple[int, in
             shared = dataclasses.replace(config, ffn_hidden_size=moe.shared_expert_ffn_hidden_size)
             params += _mlp_parameters(shared)
             flops += _mlp_flops(shared)
+            if moe.shared_expert_gate:  # [1, h]
+                params += h
+                flops += 2 * h
         return params, flops
     h, moe = config.hidden_size, config.moe
     used = min(moe.top_k, experts) if active else experts

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
@@ -43,11 +44,12 @@ from megatron.core.tensor_parallel.expert_mappings import (
     reduce_expert_gradient,
     reduce_scatter_to_expert_parallel_region,
 )
+from megatron.core.tensor_parallel.meta_init import initialize, new_parameter
 from megatron.model.mlp import ParallelMLP
 from megatron.model.moe_aux_loss import AuxLossTracker
 from megatron.model.moe_experts import GroupedExperts
 from megatron.model.moe_router import TopKRouter
-from megatron.model.utils import checkpointed_pair, recomputes
+from megatron.model.utils import checkpointed_pair, init_method_normal, recomputes
 
 EXPERT_GROUP_NAME = "expert_model_parallel"
 """`group_name` of the routed experts' parameters (DeepSpeed-MoE's are named by their EP)."""
@@ -93,6 +95,12 @@ class RoutedMoE(nn.Module):
         if moe.shared_expert_ffn_hidden_size:
             shared = dataclasses.replace(config, ffn_hidden_size=moe.shared_expert_ffn_hidden_size)
             self.shared_experts = ParallelMLP(shared)
+            if moe.shared_expert_gate:  # megatron-core's name: mlp.shared_experts.gate_weight
+                gate = new_parameter((1, config.hidden_size), config.torch_dtype)
+                initialize(gate, init_method_normal(config.init_method_std))
+                self.shared_experts.gate_weight = gate
+                if config.sequence_parallel:  # each tensor-parallel rank gates its own tokens
+                    mark_sequence_parallel(gate)
         else:
             self.shared_experts = None
         # --recompute-modules shared_experts (not when the whole layer is recomputed: moe).
@@ -115,7 +123,11 @@ class RoutedMoE(nn.Module):
                 shared, bias = checkpointed_pair(self.shared_experts, hidden)
             else:
                 shared, bias = self.shared_experts(hidden)
-            output = output + (shared if bias is None else shared + bias)
+            shared = shared if bias is None else shared + bias
+            gate = getattr(self.shared_experts, "gate_weight", None)
+            if gate is not None:
+                shared = shared * torch.sigmoid(F.linear(hidden, gate))
+            output = output + shared
         return output, None
 
     def _all_to_all(

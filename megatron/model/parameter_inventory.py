@@ -161,7 +161,7 @@ def _mlp_or_experts(config: ModelConfig, experts: int) -> list[ParameterSpec]:
 
 def routed_moe_parameters(config: ModelConfig) -> list[ParameterSpec]:
     """A Megatron-LM MoE layer's MLP (`megatron.model.moe_layer`): the router, the stacked
-    experts (weights [E, in, out], biases [E, out]), the shared expert."""
+    experts (weights [E, in, out], biases [E, out]), the shared expert (and its gate)."""
     moe = config.routed_moe
     h, experts = config.hidden_size, moe.num_experts
     ffn = moe.ffn_hidden_size or config.ffn_hidden_size
@@ -176,6 +176,8 @@ def routed_moe_parameters(config: ModelConfig) -> list[ParameterSpec]:
         specs.append(ParameterSpec("mlp.experts.bias2", (experts, h), None, expert_split=0))
     if moe.shared_expert_ffn_hidden_size:
         shared = dataclasses.replace(config, ffn_hidden_size=moe.shared_expert_ffn_hidden_size)
+        if moe.shared_expert_gate:  # the module's own parameter: before its linear layers'
+            specs.append(ParameterSpec("mlp.shared_experts.gate_weight", (1, h), None))
         specs += mlp_parameters(shared, "mlp.shared_experts.")
     return specs
 

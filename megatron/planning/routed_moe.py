@@ -30,7 +30,9 @@ with c the compute dtype's bytes, L the router logits' (the compute dtype, or
   dtype and GPU);
 - the combine: the experts' output and the weighted output [R, h] and the weights [R], in c;
 - the shared expert: a tensor-parallel MLP of `--moe-shared-expert-intermediate-size` over
-  the gathered sequence (s x b / C tokens, widths / TP), as a dense layer's.
+  the gathered sequence (s x b / C tokens, widths / TP), as a dense layer's; with
+  `--moe-shared-expert-gate` its output [T, h] and gate [T, 1] for their product, and under
+  autocast the gate's half copy of the input [T, h].
 """
 
 from __future__ import annotations
@@ -195,6 +197,21 @@ def _shared_expert_bytes(inputs: PlanInputs, size: Dtypes) -> int:
     return total
 
 
+def _shared_gate_bytes(inputs: PlanInputs, size: Dtypes) -> int:
+    """`--moe-shared-expert-gate`: the product keeps the shared expert's output [T, h] (with
+    its bias, in the residual dtype under autocast) and the gate sigmoid(x . w) [T, 1]; under
+    autocast the gate's matmul keeps its own half copy of x."""
+    config = inputs.model
+    if not config.routed_moe.shared_expert_gate:
+        return 0
+    tokens, h = routed_tokens(inputs), config.hidden_size
+    autocast = size.compute < size.residual
+    output = size.residual if config.add_bias_linear and autocast else size.compute
+    return (
+        tokens * h * output + tokens * size.compute + (tokens * h * size.compute if autocast else 0)
+    )
+
+
 def routed_mlp_bytes(inputs: PlanInputs, size: Dtypes) -> int:
     """What a routed MoE layer's MLP part keeps for backward per micro-batch on one rank, its
     input (the post-attention norm output, or copies of it) included (module docstring)."""
@@ -211,6 +228,7 @@ def routed_mlp_bytes(inputs: PlanInputs, size: Dtypes) -> int:
         + _experts_bytes(inputs, size, rows)
         + combine
         + _shared_expert_bytes(inputs, size)
+        + _shared_gate_bytes(inputs, size)
     )
 
 
@@ -246,6 +264,8 @@ def routed_weight_copy_elements(
     if ffn and not fp8 and not recomputes(config, "shared_experts"):
         mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
         total += ((0 if gathered else h * mlp_in) + ffn * h) // tp
+    if ffn and moe.shared_expert_gate:  # [1, h], outside the shared expert's recomputation
+        total += h
     return total
 
 

@@ -36,6 +36,18 @@ OPTIONS = {
             shared_expert_ffn_hidden_size=40,
         ),
     ),
+    "qwen2-moe (gated shared expert, qkv bias)": dict(
+        activation="swiglu",
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        routed_moe=RoutedMoEConfig(
+            num_experts=4,
+            moe_layers=(True, True),
+            ffn_hidden_size=24,
+            shared_expert_ffn_hidden_size=40,
+            shared_expert_gate=True,
+        ),
+    ),
     "megatron-lm moe, no biases": dict(
         add_bias_linear=False,
         routed_moe=RoutedMoEConfig(num_experts=2, moe_layers=(True, True)),

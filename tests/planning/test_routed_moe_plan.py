@@ -88,6 +88,7 @@ VARIANTS = [
             expert_bias=True,
             router_dtype="fp32",
             shared_expert_ffn_hidden_size=128,
+            shared_expert_gate=True,
         ),
         {},
         (True, True),

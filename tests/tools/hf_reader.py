@@ -3,12 +3,15 @@
     python tests/tools/hf_reader.py OUT.pt --text TEXT --new-tokens 8 DIR...
     python tests/tools/hf_reader.py OUT.pt --make-llama DIR
     python tests/tools/hf_reader.py OUT.pt --make-deepseek-v3 DIR
+    python tests/tools/hf_reader.py OUT.pt --make-qwen2-moe DIR --make-qwen3-moe DIR
 
 Imports only torch and transformers, so that a test can run it under transformers 4.x (a
 subprocess with `tests.conftest.ensure_transformers_4()` first on PYTHONPATH) and call `read`
 in-process under the installed 5.x. `--make-llama DIR` saves a random LLaMA (grouped-query
 attention, untied output layer, RoPE base 500000) to DIR with this release's `save_pretrained`,
-and its logits; `--make-deepseek-v3 DIR` likewise a random DeepSeek-V3 (MoE, MLA, YaRN).
+and its logits; `--make-deepseek-v3 DIR` likewise a random DeepSeek-V3 (MoE, MLA, YaRN),
+`--make-qwen2-moe DIR` a Qwen2-MoE (gated shared expert, q/k/v biases, every other layer
+dense), `--make-qwen3-moe DIR` a Qwen3-MoE.
 """
 
 from __future__ import annotations
@@ -98,6 +101,33 @@ def make_deepseek_v3(folder: str) -> dict:
     return dict(version=transformers.__version__, ids=ids[0].tolist(), logits=logits)
 
 
+def make_qwen_moe(folder: str, model_type: str) -> dict:
+    """Save a random Qwen2-MoE or Qwen3-MoE (`model_type`; every weight random, norms around 1;
+    top-3 of 8 renormalized, every other layer an MoE layer by decoder_sparse_step 2) with this
+    `save_pretrained`; its logits [s, v]."""
+    shape = dict(
+        vocab_size=300, max_position_embeddings=32, hidden_size=64, intermediate_size=96,
+        moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=3, norm_topk_prob=True,
+        decoder_sparse_step=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    if model_type == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**shape, shared_expert_intermediate_size=48)
+        model_class = transformers.Qwen2MoeForCausalLM
+    else:
+        config = transformers.Qwen3MoeConfig(**shape, head_dim=16)
+        model_class = transformers.Qwen3MoeForCausalLM
+    torch.manual_seed(6)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(("norm" in name) + torch.randn_like(tensor) * 0.2)
+        ids = torch.randint(0, config.vocab_size, (1, 24))
+        logits = model(ids).logits[0]
+    model.save_pretrained(folder)
+    return dict(version=transformers.__version__, ids=ids[0].tolist(), logits=logits)
+
+
 def main() -> None:
     """Command-line entry point: results of every folder, by folder, into OUT (torch.save)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -107,12 +137,18 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=0)
     parser.add_argument("--make-llama", default=None)
     parser.add_argument("--make-deepseek-v3", default=None)
+    parser.add_argument("--make-qwen2-moe", default=None)
+    parser.add_argument("--make-qwen3-moe", default=None)
     args = parser.parse_intermixed_args()
     results = {folder: read(folder, args.text, args.new_tokens) for folder in args.folders}
     if args.make_llama:
         results[args.make_llama] = make_llama(args.make_llama)
     if args.make_deepseek_v3:
         results[args.make_deepseek_v3] = make_deepseek_v3(args.make_deepseek_v3)
+    for model_type in ("qwen2_moe", "qwen3_moe"):
+        folder = getattr(args, f"make_{model_type}")
+        if folder:
+            results[folder] = make_qwen_moe(folder, model_type)
     torch.save(results, args.out)
 
 

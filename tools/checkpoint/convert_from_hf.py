@@ -6,22 +6,20 @@ DeepSeek-V3 folder as a Megatron-layout `release` checkpoint.
     python pretrain_gpt.py --load checkpoints/gpt2_tp2 --finetune --tensor-model-parallel-size 2 \\
         --num-layers 12 --hidden-size 768 --num-attention-heads 12 ...   # the flags printed
 
-Reads `config.json` and the weights (safetensors or pytorch_model.bin) with
-`GPT2LMHeadModel` / `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
-`MistralForCausalLM` / `MixtralForCausalLM` / `Glm4MoeForCausalLM` /
-`DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM .from_pretrained` (by the
-config's `model_type`), refuses what our GPT cannot compute (GPT-2:
-other activations, an untied output layer, cross-attention, unscaled or layer-scaled attention;
-LLaMA, Mixtral and GLM-4-MoE: RoPE scaling, activations other than silu, attention and MLP
-biases that differ; LLaMA and Mixtral: partial RoPE; Mixtral: a sliding window shorter than the
-positions; GLM-4-MoE: QK norm, q/k/v biases, groups ranked otherwise than ours; Qwen3-MoE
-(`huggingface_qwen3_moe.py`): attention biases, a sliding window; Qwen2-MoE is refused naming
-why), and writes the checkpoint with args complete enough for
+Reads `config.json` and the weights (safetensors or pytorch_model.bin) with `GPT2LMHeadModel` /
+`LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` / `MistralForCausalLM` /
+`MixtralForCausalLM` / `Glm4MoeForCausalLM` / `DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM
+.from_pretrained` (by the config's `model_type`), refuses what our GPT cannot compute (GPT-2: other
+activations, an untied output layer, cross-attention, unscaled or layer-scaled attention; LLaMA,
+Mixtral and GLM-4-MoE: RoPE scaling, activations other than silu, attention and MLP biases that
+differ; LLaMA and Mixtral: partial RoPE; Mixtral: a sliding window shorter than the positions;
+GLM-4-MoE: QK norm, q/k/v biases, groups ranked otherwise than ours; Qwen3-MoE and Qwen2-MoE
+(`huggingface_qwen3_moe.py`): attention biases other than Qwen2-MoE's q/k/v ones, a sliding window;
+gpt-oss is refused naming why), and writes the checkpoint with args complete enough for
 `pretrain_gpt.py --load` to build the same model (LLaMA: RMSNorm, SwiGLU, RoPE theta, key/value
 heads, untied output layer, no linear biases; Qwen2: `--add-qkv-bias`; Qwen3: `--qk-layernorm`;
-Mistral: `--window-size`, see `megatron/checkpointing/huggingface_qwen_mistral.py`, which also
-says what of theirs is refused: the Qwens' sliding window, Qwen3's `attention_bias`) and
-tokenizer.
+Mistral: `--window-size`, see `megatron/checkpointing/huggingface_qwen_mistral.py`, which also says
+what of theirs is refused: the Qwens' sliding window, Qwen3's `attention_bias`) and tokenizer.
 
 Mixture-of-Experts models become Megatron-LM's MoE (`--moe-family megatron`, the default: the
 printed flags carry `--moe-router-topk`, which picks it, and train on any engine at TP 1, with
@@ -156,7 +154,8 @@ LLAMA_SHAPE = (
 SHAPE_FIELDS = {
     "gpt2": "n_layer, n_embd, n_head, n_positions and vocab_size",
     **dict.fromkeys(
-        ("llama", "qwen2", "qwen3", "mistral", "mixtral", "glm4_moe", "qwen3_moe"), LLAMA_SHAPE
+        ("llama", "qwen2", "qwen3", "mistral", "mixtral", "glm4_moe", "qwen3_moe", "qwen2_moe"),
+        LLAMA_SHAPE,
     ),
     **dict.fromkeys(
         DEEPSEEK_TYPES,
@@ -174,10 +173,11 @@ ARGS_FROM_HF = {
     "mixtral": megatron_args_from_mixtral,
     "glm4_moe": megatron_args_from_glm4_moe,
     "qwen3_moe": megatron_args_from_qwen3_moe,
+    "qwen2_moe": megatron_args_from_qwen3_moe,  # by its model_type
     **dict.fromkeys(DEEPSEEK_TYPES, megatron_args_from_deepseek),
 }
 """Each family's Megatron args from its config.json (GPT-2's also refuses other types)."""
-MOE_MODEL_TYPES = ("mixtral", "glm4_moe", "qwen3_moe", *DEEPSEEK_TYPES)
+MOE_MODEL_TYPES = ("mixtral", "glm4_moe", "qwen3_moe", "qwen2_moe", *DEEPSEEK_TYPES)
 """The families whose args take `--moe-family`."""
 FROM_HF = {
     "llama": from_llama_state_dict,
@@ -187,6 +187,7 @@ FROM_HF = {
     "mixtral": from_mixtral_state_dict,
     "glm4_moe": from_glm4_moe_state_dict,
     "qwen3_moe": from_qwen3_moe_state_dict,
+    "qwen2_moe": from_qwen3_moe_state_dict,
     "deepseek_v3": from_deepseek_state_dict,
     "deepseek_v2": lambda state, config: from_deepseek_state_dict(state, config, v3=False),
 }
@@ -195,7 +196,7 @@ FROM_HF = {
 
 def read_hf_model(folder: str, model_type: str) -> tuple[dict, dict]:
     """(config dict, state dict) of the GPT-2, LLaMA, Qwen2, Qwen3, Mistral, Mixtral,
-    GLM-4-MoE or DeepSeek-V2/V3 in `folder`, loaded offline."""
+    GLM-4-MoE, Qwen3-MoE, Qwen2-MoE or DeepSeek-V2/V3 in `folder`, loaded offline."""
     import transformers
 
     names = {
@@ -206,6 +207,7 @@ def read_hf_model(folder: str, model_type: str) -> tuple[dict, dict]:
         "mixtral": "MixtralForCausalLM",
         "glm4_moe": "Glm4MoeForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM",
+        "qwen2_moe": "Qwen2MoeForCausalLM",
         **DEEPSEEK_TYPES,
     }
     name = names.get(model_type, "GPT2LMHeadModel")
