@@ -281,6 +281,12 @@ REFUSED: list[CompatFlag] = [
         "--fp8-multi-head-attention",
     ),
     *_refused(
+        "Megatron-LM's combined 1F1B, which hides the expert all-to-all of one micro-batch "
+        "behind another's compute, is not built here (the dispatch runs in line)",
+        "--overlap-moe-expert-parallel-comm",
+        "--delay-wgrad-compute",
+    ),
+    *_refused(
         "gpt-oss's architecture (attention sinks, alternating sliding-window layers, the "
         "clamped GeGLU) is not built here (--window-size on every layer is)",
         "--enable-gpt-oss",
