@@ -211,11 +211,13 @@ def routed_moe_args(num_experts: int, top_k: int, **settings: Any) -> dict[str, 
 
 
 def check_routed_import(tp_size: int) -> None:
-    """Refuse tensor parallelism for an import as Megatron-LM's MoE (built at TP 1 here)."""
+    """Refuse tensor parallelism for an import as Megatron-LM's MoE (written at TP 1; its
+    experts are whole on every tensor-parallel rank, so reshard.py splits the rest)."""
     if tp_size != 1:
         raise CheckpointConversionError(
-            f"--target-tensor-parallel-size {tp_size}: Megatron-LM's MoE runs at tensor-parallel "
-            "size 1 here (expert tensor parallelism is not built); use 1"
+            f"--target-tensor-parallel-size {tp_size}: Megatron-LM's MoE imports at 1; then "
+            f"tools/checkpoint/reshard.py --target-tensor-parallel-size {tp_size} (it trains "
+            "there with --sequence-parallel --expert-tensor-parallel-size 1)"
         )
 
 

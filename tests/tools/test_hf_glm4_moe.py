@@ -12,7 +12,7 @@ output layer). Imported back: our weights bit for bit (the import adds zero expe
 where we had none), args building the same model. A random `Glm4MoeForCausalLM` saved by
 transformers 5 (top-4 within the best 2 of 4 groups, a non-zero `e_score_correction_bias`,
 partial RoPE by GLM's default) imports with its logits. Whatever GLM-4-MoE or our model cannot
-compute is refused in one line naming it, and so are Qwen2-MoE imports and a Qwen3-MoE's sliding
+compute is refused in one line naming it, and so are gpt-oss imports and a Qwen3-MoE's sliding
 window.
 
 End to end (the real command lines): 3 `pretrain_gpt.py` iterations of the DeepSeek-V3 shape
@@ -298,7 +298,7 @@ NOT_IMPORTED = {
         [],
         "use_sliding_window=true",
     ),
-    "qwen2_moe": (dict(model_type="qwen2_moe"), [], "shared_expert_gate"),
+    "gpt_oss": (dict(model_type="gpt_oss"), [], "attention sinks"),
     "deepseek_v3 without its attention keys": (
         dict(model_type="deepseek_v3", num_key_value_heads=8),
         [],

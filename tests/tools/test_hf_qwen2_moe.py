@@ -168,6 +168,9 @@ def test_import_of_a_qwen2_moe_saved_by_transformers(tmp_path):
     args = _assert_imports_with_its_logits(str(tmp_path / "hf"), tokens, expected, tmp_path)
     assert args["add_qkv_bias"] and args["moe_shared_expert_gate"]
     assert args["moe_shared_expert_intermediate_size"] == 48
+    printed = convert_from_hf.model_flags(args)  # what the tool tells the user to train with
+    assert "--moe-shared-expert-intermediate-size 48 " in printed
+    assert "--moe-shared-expert-gate" in printed and "--add-qkv-bias" in printed
 
 
 def test_transformers_4_reads_both_qwen_moe_families_and_saves_what_we_import(exports, tmp_path):

@@ -403,6 +403,8 @@ def routed_moe_flags(args: dict) -> list[str]:
         flags.append("--moe-router-enable-expert-bias")
     if args.get("moe_router_pre_softmax"):
         flags.append("--moe-router-pre-softmax")
+    if args.get("moe_shared_expert_gate"):
+        flags.append("--moe-shared-expert-gate")
     if args.get("moe_router_num_groups"):
         flags.append(
             f"--moe-router-num-groups {args['moe_router_num_groups']} "
