@@ -166,6 +166,9 @@ class RoutedMoEConfig:
     """Each routed expert's hidden size (`--moe-ffn-hidden-size`; the model's by default)."""
     shared_expert_ffn_hidden_size: int | None = None
     """A dense MLP every token also goes through (`--moe-shared-expert-intermediate-size`)."""
+    shared_expert_overlap: bool = False
+    """Compute the shared expert while the all-to-all dispatcher's tokens are in flight
+    (`--moe-shared-expert-overlap`): the same results, the dispatch hidden behind it."""
     shared_expert_gate: bool = False
     """The shared expert's output times sigmoid(x . w), w a learned [1, h] weight
     (`--moe-shared-expert-gate`, Qwen2-MoE's `shared_expert_gate`)."""
@@ -531,6 +534,7 @@ def routed_moe_config_from_args(args: Namespace) -> RoutedMoEConfig | None:
         ffn_hidden_size=args.moe_ffn_hidden_size,
         shared_expert_ffn_hidden_size=args.moe_shared_expert_intermediate_size,
         shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
+        shared_expert_overlap=bool(getattr(args, "moe_shared_expert_overlap", False)),
         score_function=args.moe_router_score_function,
         pre_softmax=args.moe_router_pre_softmax,
         topk_scaling_factor=args.moe_router_topk_scaling_factor,

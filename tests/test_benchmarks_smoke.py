@@ -291,3 +291,28 @@ def test_gpu_throughput_cpu_smoke_runs_the_three_engines() -> None:
     ]
     assert [m.group(1) for m in ratios if m] == ["nopipe", "pipe"], result.stdout
     assert all(float(m.group(2)) > 0 for m in ratios if m)
+
+
+@pytest.mark.slow
+def test_moe_overlap_quick_prints_both_sizes_bit_identical() -> None:
+    """`benchmarks/moe_overlap.py --quick`: a row per EP (2, 4) that parses, the overlapped
+    forward's output the plain one's bit for bit on every rank, the hidden share a percentage."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "moe_overlap.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {}
+    for line in result.stdout.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] in ("2", "4"):
+            rows[cells[0]] = cells
+    assert set(rows) == {"2", "4"}, result.stdout
+    for cells in rows.values():
+        assert cells[-1] == "yes", cells
+        assert 0.0 <= _percent(cells[6]) <= 1.0 and 0.0 <= _percent(cells[7]) <= 1.0, cells

@@ -38,7 +38,6 @@ DEEPSPEED_MOE_DESTS = (
 INERT = {
     "moe_permute_fusion": ("--moe-permute-fusion", "a kernel choice"),
     "moe_router_fusion": ("--moe-router-fusion", "a kernel choice"),
-    "moe_shared_expert_overlap": ("--moe-shared-expert-overlap", "a kernel choice"),
     "moe_pad_expert_input_to_capacity": (
         "--moe-pad-expert-input-to-capacity",
         "Megatron-LM pads each expert's rows to the capacity for static shapes; the padded "
@@ -215,6 +214,12 @@ def add_routed_moe_flags(parser: argparse.ArgumentParser) -> None:
         help="One grouped matmul for the local experts (torch's grouped_mm).",
     )
     add("--moe-per-layer-logging", action="store_true", help="Log each MoE layer's losses.")
+    add(
+        "--moe-shared-expert-overlap",
+        action="store_true",
+        help="Compute the shared expert while the all-to-all dispatcher's tokens are in flight "
+        "(forward; the same results).",
+    )
     for flag, reason in INERT.values():
         add(
             flag, action="store_true", help=f"Accepted without effect (said at start-up): {reason}."
@@ -253,6 +258,7 @@ ROUTED_DEFAULTS = {
     "moe_token_drop_policy": "probs",
     "moe_grouped_gemm": False,
     "moe_per_layer_logging": False,
+    "moe_shared_expert_overlap": False,
     **{dest: False for dest in INERT},
 }
 _DEEPSPEED_DEFAULTS = {
@@ -332,6 +338,11 @@ def settle_routed_moe(args: argparse.Namespace) -> None:
         raise ArgumentError(
             "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size (the gate "
             "scales the shared expert's output)"
+        )
+    if args.moe_shared_expert_overlap and not args.moe_shared_expert_intermediate_size:
+        raise ArgumentError(
+            "--moe-shared-expert-overlap needs --moe-shared-expert-intermediate-size (the "
+            "shared expert is what runs while the tokens travel)"
         )
     moe_layers(args)  # checks the pattern's length
     _group_limited(args, experts)

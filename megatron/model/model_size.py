@@ -40,6 +40,11 @@ def _mlp_flops(config: ModelConfig) -> int:
     return 2 * h * mlp_in + 2 * ffn * h  # dense_h_to_4h, dense_4h_to_h
 
 
+def mlp_forward_flops(config: ModelConfig) -> int:
+    """Forward FLOPs per token of the dense MLP of `config` (its two matmuls, whole)."""
+    return _mlp_flops(config)
+
+
 def _routed_expert(config: ModelConfig) -> tuple[int, int]:
     """(parameters, forward FLOPs per token) of one Megatron-LM routed expert."""
     moe = config.routed_moe

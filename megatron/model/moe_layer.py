@@ -8,8 +8,10 @@ holding E / EP experts):
   results back with the reverse all-to-all; only routed copies travel.
 - `allgather`: every rank gathers all EP ranks' tokens, runs its own experts on the ones routed
   to them, and a reduce-scatter sums the results back to the tokens' ranks.
-At EP = 1 both run the local experts only. Dropless by default: an expert takes every token
-routed to it (`--moe-expert-capacity-factor` bounds it).
+At EP = 1 both run the local experts only. With `--moe-shared-expert-overlap` the all-to-all
+dispatcher launches the tokens' transfer, computes the shared expert, then waits (the same
+values; the transfer hidden behind the shared expert's forward). Dropless by default: an
+expert takes every token routed to it (`--moe-expert-capacity-factor` bounds it).
 
 Expert parallelism is folded over tensor, context and data parallelism (megatron-core's
 "MoE parallel folding" with `--expert-tensor-parallel-size 1`): the EP ranks are consecutive
@@ -28,6 +30,7 @@ holding the same experts (`reduce_expert_gradients`), not over all data-parallel
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +41,7 @@ from megatron.core.process_groups import ModelGroups, RankGroup
 from megatron.core.tensor_parallel import mark_sequence_parallel
 from megatron.core.tensor_parallel.expert_mappings import (
     all_to_all_over_expert_parallel,
+    all_to_all_over_expert_parallel_while,
     exchange_counts_over_expert_parallel,
     gather_from_expert_parallel_region,
     gather_indices_from_expert_parallel_region,
@@ -103,6 +107,7 @@ class RoutedMoE(nn.Module):
                     mark_sequence_parallel(gate)
         else:
             self.shared_experts = None
+        self.overlap_shared = moe.shared_expert_overlap and self.shared_experts is not None
         # --recompute-modules shared_experts (not when the whole layer is recomputed: moe).
         self.recompute_shared = recomputes(config, "shared_experts") and not recomputes(
             config, "moe"
@@ -113,26 +118,39 @@ class RoutedMoE(nn.Module):
         seq_length, batch, width = hidden.shape
         tokens = hidden.reshape(-1, width)  # [T, h], T = s x b
         probs, routing_map = self.router(tokens, seq_length)  # [T, E] each
+        shared = None
         if self.dispatcher == "alltoall":
-            output = self._all_to_all(tokens, probs, routing_map)
+            # --moe-shared-expert-overlap: the shared expert runs while the tokens travel.
+            during = (lambda: self._shared(hidden)) if self.overlap_shared else None
+            output, shared = self._all_to_all(tokens, probs, routing_map, during)
         else:
             output = self._all_gather(tokens, probs, routing_map)
         output = output.view(seq_length, batch, width)
         if self.shared_experts is not None:
-            if self.recompute_shared and self.training and torch.is_grad_enabled():
-                shared, bias = checkpointed_pair(self.shared_experts, hidden)
-            else:
-                shared, bias = self.shared_experts(hidden)
-            shared = shared if bias is None else shared + bias
-            gate = getattr(self.shared_experts, "gate_weight", None)
-            if gate is not None:
-                shared = shared * torch.sigmoid(F.linear(hidden, gate))
-            output = output + shared
+            output = output + (self._shared(hidden) if shared is None else shared)
         return output, None
 
+    def _shared(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output (gated, with `--moe-shared-expert-gate`): [s, b, h]."""
+        if self.recompute_shared and self.training and torch.is_grad_enabled():
+            shared, bias = checkpointed_pair(self.shared_experts, hidden)
+        else:
+            shared, bias = self.shared_experts(hidden)
+        shared = shared if bias is None else shared + bias
+        gate = getattr(self.shared_experts, "gate_weight", None)
+        if gate is not None:
+            shared = shared * torch.sigmoid(F.linear(hidden, gate))
+        return shared
+
     def _all_to_all(
-        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
-    ) -> torch.Tensor:
+        self,
+        tokens: torch.Tensor,
+        probs: torch.Tensor,
+        routing_map: torch.Tensor,
+        during: Callable[[], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The routed experts' output [T, h] through the all-to-all dispatcher, and what
+        `during()` computes while the dispatched tokens travel (None without it)."""
         # (expert, token) pairs in expert order: the row order of every expert's input.
         expert_ids, token_ids = routing_map.t().nonzero(as_tuple=True)  # [N] each
         weights = probs.t()[expert_ids, token_ids]  # [N]
@@ -141,11 +159,17 @@ class RoutedMoE(nn.Module):
         counts = routing_map.sum(dim=0).view(ep, local)  # [EP, local]: to each rank's experts
         received_counts = exchange_counts_over_expert_parallel(counts)  # [EP, local]: from each
         sent, received = counts.sum(dim=1).tolist(), received_counts.sum(dim=1).tolist()
-        arrived = all_to_all_over_expert_parallel(permuted, received, sent)  # by (source, expert)
+        computed = None
+        if during is None:  # by (source, expert)
+            arrived = all_to_all_over_expert_parallel(permuted, received, sent)
+        else:
+            arrived, computed = all_to_all_over_expert_parallel_while(
+                permuted, received, sent, during
+            )
         order = _by_expert_then_source(received_counts)
         outputs = self.experts(arrived[order], received_counts.sum(dim=0).tolist())
         returned = all_to_all_over_expert_parallel(outputs[_inverse(order)], sent, received)
-        return _combine(returned, weights, token_ids, tokens.shape[0])
+        return _combine(returned, weights, token_ids, tokens.shape[0]), computed
 
     def _all_gather(
         self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor

@@ -10,7 +10,9 @@ device table's link bandwidths, the pipeline bubble on top.
                reduce-scatter) / link, then overlapped as the engines overlap it (below)
     pp comm  = pipeline bytes / link
     a2a      = Ulysses' and the experts' all-to-alls x (G-1)/G / their group's link, with
-               Megatron-LM MoE's all-gather dispatcher's all-gathers and reduce-scatters
+               Megatron-LM MoE's all-gather dispatcher's all-gathers and reduce-scatters,
+               less what `--moe-shared-expert-overlap` hides: each MoE layer's forward
+               dispatch travels while the shared expert computes (min of the two)
     cp comm  = context parallelism's exposed time (below)
     step     = (compute + tp comm) / (1 - bubble) + exposed dp comm + pp comm + a2a + cp comm
     MFU      = model FLOPs of the rank / (step x peak) (the bf16 or fp32 peak, also with FP8
@@ -39,10 +41,11 @@ the matmuls, what large GPT layers reach on H100s with bf16) is a parameter, not
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron.core.pipeline_parallel.layout import bubble_fraction
-from megatron.model.model_size import flops_per_token
+from megatron.model.model_size import flops_per_token, mlp_forward_flops
 from megatron.planning.communication import (
     Collective,
     all_to_all_parts,
@@ -55,9 +58,11 @@ from megatron.planning.communication import (
     tensor_parallel_bytes,
 )
 from megatron.planning.devices import Device
+from megatron.planning.dtypes import dtypes
 from megatron.planning.fp8 import fp8_flops
 from megatron.planning.inputs import PlanInputs
 from megatron.planning.layout import RankRole
+from megatron.planning.routed_moe import is_routed_layer, routed_rows
 
 MATMUL_EFFICIENCY = 0.55
 
@@ -150,15 +155,39 @@ def all_to_all_seconds(inputs: PlanInputs, role: RankRole, device: Device) -> fl
     # (deepspeed/utils/groups.py _create_expert_and_data_parallel, TP-strided).
     seconds = a2a["ulysses"] * _ring("all_to_all", inputs.sp) / _link(device, inputs.sp, 1)
     experts = min(inputs.ep, max(inputs.model.moe.experts_per_layer)) if inputs.model.moe else 1
-    if inputs.model.routed_moe is not None:  # EP consecutive data-parallel ranks, TP apart
-        experts = inputs.ep
+    stride = inputs.tp
+    if inputs.model.routed_moe is not None:  # EP consecutive ranks (folded over TP x CP x DP)
+        experts, stride = inputs.ep, 1
     if experts > 1:
-        link = _link(device, experts, inputs.tp)
+        link = _link(device, experts, stride)
         seconds += a2a["experts"] * _ring("all_to_all", experts) / link
         for op, count in routed_dispatch_bytes(inputs, role).items():
             if op != "all_to_all":
                 seconds += count * _ring(op, experts) / link
     return seconds
+
+
+def shared_expert_overlap_seconds(
+    inputs: PlanInputs, role: RankRole, device: Device, efficiency: float = MATMUL_EFFICIENCY
+) -> float:
+    """The all-to-all time `--moe-shared-expert-overlap` hides per iteration: in each MoE
+    layer's forward (again under full recomputation) the tokens' dispatch travels while the
+    shared expert computes, so min(dispatch, shared expert forward) of it is hidden."""
+    moe = inputs.model.routed_moe
+    if moe is None or not moe.shared_expert_overlap or moe.dispatcher != "alltoall":
+        return 0.0
+    if inputs.ep == 1 or not moe.shared_expert_ffn_hidden_size:
+        return 0.0
+    config = inputs.model
+    tokens = inputs.local_seq_length * inputs.micro_batch  # the shared expert's, gathered
+    dispatch = routed_rows(inputs) * config.hidden_size * dtypes(inputs).residual
+    dispatch_s = dispatch * _ring("all_to_all", inputs.ep) / _link(device, inputs.ep, 1)
+    shared = dataclasses.replace(config, ffn_hidden_size=moe.shared_expert_ffn_hidden_size)
+    peak = device.fp32_flops if inputs.precision == "fp32" else device.bf16_flops
+    shared_s = tokens * mlp_forward_flops(shared) / inputs.tp / (peak * efficiency)
+    passes = 2 if config.recompute_granularity == "full" else 1
+    layers = sum(is_routed_layer(config, n) for chunk in role.layers for n in chunk)
+    return layers * passes * min(dispatch_s, shared_s) * inputs.micro_batches
 
 
 def ring_exposed_seconds(
@@ -252,6 +281,7 @@ def estimate_step(
     pp_stride = tp * inputs.dp * inputs.split
     pp_comm = pipeline_bytes(inputs, role) / _link(device, inputs.pp, pp_stride)
     a2a_comm = all_to_all_seconds(inputs, role, device)
+    a2a_comm -= shared_expert_overlap_seconds(inputs, role, device, efficiency)
     cp_comm, cp_total = context_parallel_seconds(inputs, role, device, efficiency)
     bubble = 0.0
     if inputs.pp > 1:

@@ -5,7 +5,9 @@
   loop over experts; the load-balancing losses equal Megatron-LM's formulas; capacity
   dropping keeps the highest-weight (or earliest) tokens; aux-loss-free routing moves the
   expert biases toward balance: on skewed input the spread of the experts' loads shrinks.
-- Two ranks: dropless top-k (1, 2, 4) at EP=2, both dispatchers (all-to-all, all-gather), and
+- Two ranks: `--moe-shared-expert-overlap` (a gated shared expert computed while the tokens
+  travel) gives the outputs and gradients of computing it after, bit for bit; dropless top-k
+  (1, 2, 4) at EP=2, both dispatchers (all-to-all, all-gather), and
   top-2 under bf16 and fp16 autocast (within the half precision's bound),
   equals EP=1 from the same initial weights in outputs and in the gradients the optimizer
   sees (the router's averaged over the data-parallel ranks, each expert's over every token
@@ -256,6 +258,33 @@ def _check_expert_parallel_equals_ep1(
         assert_close_reordered(grads2[name], grad, terms=GRADIENT_TERMS, dtype=half, msg=name)
 
 
+def _check_shared_expert_overlap_is_bit_identical() -> None:
+    """--moe-shared-expert-overlap at EP=2: the shared expert (gated) computed while the
+    tokens travel gives the outputs and gradients of computing it after, bit for bit."""
+    rank = dist.get_rank()
+    _reinitialize(dist.get_world_size())
+    results = []
+    for overlap in (False, True):
+        config = _config(
+            2,
+            dispatcher="alltoall",
+            shared_expert_ffn_hidden_size=48,
+            shared_expert_gate=True,
+            shared_expert_overlap=overlap,
+        )
+        layer, x = _layer(config), _tokens(20 + rank)
+        assert layer.overlap_shared == overlap
+        out, _ = layer(x)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), _grads(layer, x)))
+    _reinitialize(1)
+    (plain, plain_grads), (overlapped, overlapped_grads) = results
+    assert torch.equal(plain, overlapped)
+    assert plain_grads.keys() == overlapped_grads.keys()
+    for name, grad in plain_grads.items():
+        assert torch.equal(grad, overlapped_grads[name]), name
+
+
 SPAWN_WORLD_SIZES = [1, 2]
 CHECKS = {
     1: {
@@ -299,6 +328,11 @@ CHECKS = {
             half,
         )
         for name, half in (("bf16", torch.bfloat16), ("fp16", torch.float16))
+    }
+    | {
+        "the shared expert overlapped with the dispatch is bit-identical": (
+            _check_shared_expert_overlap_is_bit_identical,
+        )
     },
 }
 

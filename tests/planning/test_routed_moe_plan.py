@@ -459,3 +459,38 @@ def test_mixtral_plan_counts_moe_activations_and_all_to_all():
         assert " 68719.5" in text
     # Stage 0 holds 4 micro-batches in flight, each 8 MoE layers' worth at least.
     assert plan.roles[0].memory.activations > 4 * 8 * 1_174_978_604
+
+
+def test_shared_expert_overlap_hides_the_forward_dispatch_in_the_roofline():
+    """`--moe-shared-expert-overlap` at EP 2: the roofline's all-to-all time drops by each MoE
+    layer's forward dispatch (R h r over the link, (G-1)/G of it) or the shared expert's
+    forward, whichever is shorter; nothing without it, at EP 1, or with the all-gather
+    dispatcher."""
+    from megatron.planning.devices import DEVICES
+    from megatron.planning.roofline import all_to_all_seconds, estimate_step
+
+    device = DEVICES["H100"]
+    moe = dict(dispatcher="alltoall", shared_expert_ffn_hidden_size=128)
+    base = _ep_config("alltoall-dropless-fp32")
+
+    def plan(overlap: bool, ep: int = 2, **changes: object):
+        routed = dataclasses.replace(
+            base.routed_moe, shared_expert_overlap=overlap, expert_parallel_size=ep, **moe
+        )
+        config = dataclasses.replace(base, routed_moe=dataclasses.replace(routed, **changes))
+        inputs = plan_inputs(config, "autocast", MICRO_BATCH, SEQ, ep=ep, dp=2, world_size=2)
+        return inputs, stage_roles(inputs)[0]
+
+    inputs, role = plan(True)
+    rows, h = routed_rows(inputs), HIDDEN
+    dispatch = rows * h * 4 * 0.5 / device.intra_node_bytes_per_s  # fp32 residual, (2-1)/2
+    shared_flops = MICRO_BATCH * SEQ * (2 * h * 256 + 2 * 128 * h)  # SwiGLU 128 wide
+    shared = shared_flops / (device.bf16_flops * 0.55)
+    hidden = LAYERS * min(dispatch, shared)
+    off, on = estimate_step(*plan(False), device), estimate_step(inputs, role, device)
+    assert off.communication_s - on.communication_s == pytest.approx(hidden, rel=1e-9)
+    assert all_to_all_seconds(inputs, role, device) > hidden > 0
+    for changes in (dict(ep=1), dict(dispatcher="allgather")):
+        with_flag = estimate_step(*plan(True, **changes), device)
+        without = estimate_step(*plan(False, **changes), device)
+        assert with_flag.communication_s == without.communication_s, changes

@@ -21,6 +21,9 @@ one-process run on the same global batch:
   resumed from the one-process run's iteration-3 checkpoint (a pipeline stage draws its
   initial weights from its own seed, as in Megatron): iterations 4-6.
 
+With `--moe-shared-expert-overlap` (a gated shared expert computed while the dispatched tokens
+travel) an EP=2 run logs the digits of the same run without it.
+
 `--adam-eps 1e-4`: Adam moves an element whose gradient is rounding noise by about the
 learning rate whatever the noise's size (m / sqrt(v) is about +-1); the layouts' fp32
 reordering would then become learning-rate-sized weight differences that flip near-tied top-2
@@ -168,3 +171,17 @@ def test_interleaved_pp2_ep2_resumes_the_one_process_checkpoint(
         save_interval=100,
     )
     assert_same_moe(resumed, logged[3:])
+
+
+@pytest.mark.slow
+def test_shared_expert_overlap_logs_the_same_digits(stdlib_dataset: str) -> None:
+    shared = dict(
+        moe_shared_expert_intermediate_size=96, moe_shared_expert_gate=True, train_iters=3
+    )
+    layout = dict(expert_model_parallel_size=2, **shared)
+    plain = _moe_run(stdlib_dataset, 2, **layout)
+    overlapped = _moe_run(stdlib_dataset, 2, moe_shared_expert_overlap=True, **layout)
+    keys = ("lm loss", "moe loss", "grad norm")
+    assert [[log[k] for k in keys] for log in overlapped] == [
+        [log[k] for k in keys] for log in plain
+    ]

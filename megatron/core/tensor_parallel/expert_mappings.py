@@ -8,6 +8,8 @@ With one expert-parallel rank every function is the identity.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -54,6 +56,67 @@ def all_to_all_over_expert_parallel(
     if _ep_size() == 1:
         return tensor
     return _AllToAll.apply(tensor, output_splits, input_splits)
+
+
+class _StartAllToAll(torch.autograd.Function):
+    """Launch the all-to-all without waiting; `_WaitAllToAll` waits. Backward: the reverse
+    all-to-all (synchronous)."""
+
+    @staticmethod
+    def forward(ctx, tensor, output_splits, input_splits, in_flight):  # noqa: ANN001, ANN205
+        ctx.splits = (output_splits, input_splits)
+        tensor = tensor.contiguous()
+        output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
+        work = dist.all_to_all_single(
+            output,
+            tensor,
+            output_split_sizes=output_splits,
+            input_split_sizes=input_splits,
+            group=parallel_state.get_expert_model_parallel_group(),
+            async_op=True,
+        )
+        in_flight.append((work, tensor))  # the input stays alive until the wait
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits), None, None, None
+
+
+class _WaitAllToAll(torch.autograd.Function):
+    """The received rows once the all-to-all `_StartAllToAll` launched is done."""
+
+    @staticmethod
+    def forward(ctx, output, in_flight):  # noqa: ANN001, ANN205
+        work, _ = in_flight.pop()
+        work.wait()
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return grad, None
+
+
+def all_to_all_over_expert_parallel_while(
+    tensor: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    compute: Callable[[], object],
+) -> tuple[torch.Tensor, object]:
+    """`all_to_all_over_expert_parallel`, with `compute()` run while the rows travel (its
+    result returned beside them): the same values, the transfer hidden behind the compute
+    (forward; the backward's reverse all-to-all is synchronous)."""
+    if _ep_size() == 1:
+        return tensor, compute()
+    in_flight: list = []
+    output = _StartAllToAll.apply(tensor, output_splits, input_splits, in_flight)
+    try:
+        result = compute()
+    except BaseException:
+        in_flight[0][0].wait()  # never leave a collective in flight
+        raise
+    return _WaitAllToAll.apply(output, in_flight), result
 
 
 def exchange_counts_over_expert_parallel(counts: torch.Tensor) -> torch.Tensor:
