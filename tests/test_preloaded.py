@@ -134,11 +134,18 @@ def test_the_legacy_launcher_passes_local_rank(tmp_path) -> None:
     ]
 
 
-_WHICH = """import os, sys
+_WHICH = """import os, sys, time
 # One write per line: both ranks share the unbuffered pipe, and print's separate writes interleave.
 how = "forked" if "deepspeed" in sys.modules else "started"
-sys.stdout.write(f"{how} {os.environ.get('RANK', '0')}\\n")
-sys.exit(int(sys.argv[-1]) if sys.argv[-1].isdigit() and os.environ.get("RANK") == "1" else 0)
+rank, port = os.environ.get("RANK", "0"), os.environ.get("MASTER_PORT", "")
+sys.stdout.write(f"{how} {rank}\\n")
+open(f"written.{port}.{rank}", "w").close()
+failing = sys.argv[-1].isdigit() and rank == "1"
+# A launcher stops the other ranks once one fails: rank 1 fails only after rank 0 has written
+# its line (bounded by the launch's timeout).
+while failing and not os.path.exists(f"written.{port}.0"):
+    time.sleep(0.01)
+sys.exit(int(sys.argv[-1]) if failing else 0)
 """
 
 
