@@ -190,19 +190,6 @@ def qwen3_moe_config_json(
     return dict(keys, attention_bias=False)
 
 
-def qwen2_moe_config_json(
-    config: ModelConfig,
-    true_vocab_size: int,
-    bos_token_id: int | None,
-    eos_token_id: int | None,
-    moe_loss_coeff: float | None = None,
-) -> dict[str, Any]:
-    """config.json (less the dtype) of the `Qwen2MoeForCausalLM` computing `config`'s model."""
-    return qwen3_moe_config_json(
-        config, true_vocab_size, bos_token_id, eos_token_id, moe_loss_coeff, QWEN2_MOE
-    )
-
-
 DIFFERENCES = {ARCHITECTURE: qwen3_moe_differences, QWEN2_MOE: qwen2_moe_differences}
 """Each Qwen MoE architecture's check of a model."""
 
@@ -226,9 +213,6 @@ def to_qwen3_moe_state_dict(
             out[f"{hf}shared_expert.down_proj.weight"] = layer.shared_down.clone()
             out[f"{hf}shared_expert_gate.weight"] = layer.shared_gate.clone()
     return {**to_llama_state_dict(rest, config), **out}
-
-
-to_qwen2_moe_state_dict = to_qwen3_moe_state_dict
 
 
 def from_qwen3_moe_state_dict(
@@ -260,9 +244,6 @@ def from_qwen3_moe_state_dict(
             layer.shared_down, layer.shared_gate = down_proj, gate_weight
         out.update(routed_layer_state(number, layer))
     return {**from_llama_state_dict(remaining, config), **out}
-
-
-from_qwen2_moe_state_dict = from_qwen3_moe_state_dict
 
 
 def _moe_layers(hf_config: dict[str, Any]) -> list[int]:
@@ -341,6 +322,3 @@ def megatron_args_from_qwen3_moe(
         **shared,
     )
     return dict(args, **routed)
-
-
-megatron_args_from_qwen2_moe = megatron_args_from_qwen3_moe
