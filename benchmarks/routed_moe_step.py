@@ -21,7 +21,8 @@ schedule). For every top-k, four setups are built from the same seed:
 - moe-topK-allgather: the grouped setup with `--moe-token-dispatcher-type allgather` (every
   rank gathers all tokens, runs its experts, a reduce-scatter returns the sums);
 - dense-topK:         no experts and `--ffn-hidden-size` K x 4h: the MLP parameters one token
-  passes through match, but for the router (E x h) and the K - 1 more output biases (h).
+  passes through match, but for the router (E x h and its E biases) and the K - 1 more output
+  biases (h).
 
 fp32, dropout 0, no activation recomputation, AdamW (wd 0.1, clip 1.0), fixed synthetic
 batches (uniform random token ids, vocabulary 1024 so that the output layer does not dominate

@@ -14,6 +14,7 @@ from megatron.deepseek_config import (
     mla_config_from_args,
     mtp_config_from_args,
 )
+from megatron.yarn_config import YarnConfig, yarn_config_from_args
 
 
 def model_params_dtype(args: Namespace) -> str:
@@ -292,8 +293,15 @@ class ModelConfig:
     init_method_std: float = 0.02
     """Std of the normal init; output layers use std / sqrt(2 L) (`--init-method-std`)."""
     activation: str = "gelu_tanh"
-    """`gelu_tanh` (Megatron's fused bias-GeLU and `--openai-gelu`), `gelu` (exact erf) or
-    `swiglu` (`--swiglu`: silu(gate) * up, both halves of `dense_h_to_4h`)."""
+    """`gelu_tanh` (Megatron's fused bias-GeLU and `--openai-gelu`), `gelu` (exact erf),
+    `swiglu` (`--swiglu`: silu(gate) * up, both halves of `dense_h_to_4h`) or `quick_geglu`
+    (`--quick-geglu`, gpt-oss's: gate * sigmoid(1.702 gate) * up)."""
+    glu_linear_offset: float = 0.0
+    """Added to the linear half of a gated activation: act(gate) * (up + offset)
+    (`--glu-linear-offset`; gpt-oss: 1)."""
+    activation_clamp_value: float | None = None
+    """A gated activation's gate clamped to at most v and its linear half to [-v, v] first
+    (`--activation-func-clamp-value`; gpt-oss: 7)."""
     normalization: str = "layernorm"
     """`layernorm` or `rmsnorm` (`--normalization`; RMSNorm has a weight and no bias)."""
     apply_layernorm_1p: bool = False
@@ -314,9 +322,17 @@ class ModelConfig:
     window_size: tuple[int, int] | None = None
     """Sliding-window attention (`--window-size`, Mistral's): a query at position q sees the keys
     q - left .. q + right of (left, right); right is 0 for causal attention. None: no window."""
+    window_attn_skip_freq: int | tuple[int, ...] | None = None
+    """Which layers keep the whole sequence despite `window_size` (`--window-attn-skip-freq`):
+    with N, layer numbers divisible by N; or per layer, 1 windowed, 0 whole (`layer_window`)."""
+    softmax_type: str = "vanilla"
+    """`vanilla`, `off-by-one` (a zero logit beside every query's scores) or `learnable` (a
+    learned logit per head: gpt-oss's attention sinks) (`--softmax-type`)."""
     position_embedding_type: str = "learned_absolute"
-    """`learned_absolute` (GPT-2), `rope` (`--use-rotary-position-embeddings`) or `none`
-    (`--no-position-embedding` alone)."""
+    """`learned_absolute` (GPT-2), `rope` (`--use-rotary-position-embeddings`), `yarn` (rope
+    with YaRN's scaling, `yarn`) or `none` (`--no-position-embedding` alone)."""
+    yarn: YarnConfig | None = None
+    """YaRN's settings with `position_embedding_type` yarn (`--position-embedding-type yarn`)."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that rotary embeddings rotate (`--rotary-percent`)."""
     rotary_base: float = 10000.0
@@ -397,9 +413,10 @@ class ModelConfig:
                 f"--num-key-value-heads ({self.num_key_value_heads})"
             )
         choices = {
-            "activation": ("gelu_tanh", "gelu", "swiglu"),
+            "activation": ("gelu_tanh", "gelu", "swiglu", "quick_geglu"),
+            "softmax_type": ("vanilla", "off-by-one", "learnable"),
             "normalization": ("layernorm", "rmsnorm"),
-            "position_embedding_type": ("learned_absolute", "rope", "none"),
+            "position_embedding_type": ("learned_absolute", "rope", "yarn", "none"),
             "attention_backend": ("sdpa", "flash", "unfused"),
             "params_dtype": ("float32", "bfloat16", "float16"),
             "recompute_granularity": (None, "full", "selective"),
@@ -415,6 +432,33 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig.{name} must be one of {allowed}, not {getattr(self, name)!r}"
                 )
+
+    @property
+    def gated(self) -> bool:
+        """Whether the MLP's activation is gated (`dense_h_to_4h` twice as wide: gate | up)."""
+        return self.activation in ("swiglu", "quick_geglu")
+
+    @property
+    def glu_keeps_input_only(self) -> bool:
+        """Whether the gated activation is `gated_activation.gated_activation` (quick-GeGLU, or
+        any clamp or offset), which keeps only its input; plain SwiGLU also keeps silu(gate)."""
+        plain = self.glu_linear_offset == 0.0 and self.activation_clamp_value is None
+        return self.activation == "quick_geglu" or (self.activation == "swiglu" and not plain)
+
+    @property
+    def rotary(self) -> bool:
+        """Whether attention rotates queries and keys (rope or yarn)."""
+        return self.position_embedding_type in ("rope", "yarn")
+
+    def layer_window(self, layer_number: int) -> tuple[int, int] | None:
+        """Layer `layer_number`'s (from 1) sliding window, or None where it sees the whole
+        sequence (megatron-core's `is_layer_window_attention`)."""
+        skip = self.window_attn_skip_freq
+        if self.window_size is None or skip is None:
+            return self.window_size
+        if isinstance(skip, int):
+            return self.window_size if layer_number % skip != 0 else None
+        return self.window_size if skip[(layer_number - 1) % len(skip)] else None
 
     @property
     def projection_size(self) -> int:
@@ -468,8 +512,14 @@ class ModelConfig:
             add_bias_linear=bool(get("add_bias_linear", True)),
             add_qkv_bias=bool(get("add_qkv_bias")),
             qk_layernorm=bool(get("qk_layernorm")),
-            window_size=get("window_size"),
+            # (Saved args hold it as a list.)
+            window_size=None if get("window_size") is None else tuple(get("window_size")),
+            window_attn_skip_freq=_window_attn_skip_freq(args),
+            softmax_type=get("softmax_type") or "vanilla",
+            glu_linear_offset=float(get("glu_linear_offset") or 0.0),
+            activation_clamp_value=get("activation_func_clamp_value"),
             position_embedding_type=_position_embedding_type(args),
+            yarn=yarn_config_from_args(args),
             rotary_percent=get("rotary_percent", 1.0),
             rotary_base=float(get("rope_theta", 10000)),
             attention_backend=backend,
@@ -566,12 +616,22 @@ def _cp_comm_types(args: Namespace) -> tuple[str, ...]:
 def _activation(args: Namespace) -> str:
     if getattr(args, "swiglu", False):
         return "swiglu"
+    if getattr(args, "quick_geglu", False):
+        return "quick_geglu"
     if getattr(args, "openai_gelu", False) or getattr(args, "bias_gelu_fusion", True):
         return "gelu_tanh"
     return "gelu"
 
 
+def _window_attn_skip_freq(args: Namespace) -> int | tuple[int, ...] | None:
+    """`--window-attn-skip-freq`: N, or the per-layer 0/1 pattern."""
+    skip = getattr(args, "window_attn_skip_freq", None)
+    return tuple(skip) if isinstance(skip, list) else skip
+
+
 def _position_embedding_type(args: Namespace) -> str:
+    if getattr(args, "position_embedding_type", None) == "yarn":
+        return "yarn"
     if getattr(args, "use_rotary_position_embeddings", False):
         return "rope"
     return "learned_absolute" if getattr(args, "add_position_embedding", True) else "none"

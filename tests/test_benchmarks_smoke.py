@@ -219,10 +219,11 @@ def test_routed_moe_step_quick_prints_every_setup() -> None:
     assert (
         float(rows["moe-top2-grouped"]["vs loop (per round; medians)"].split("x")[0].strip("*")) > 0
     )
-    # Same active parameters but for the router (experts x h) and the second expert's output
-    # bias (h), in each of the 2 layers (h 64, 4 experts).
+    # Same active parameters but for the router (experts x h, and its bias: megatron-core's
+    # with the linear biases) and the second expert's output bias (h), in each of the 2
+    # layers (h 64, 4 experts).
     active = [int(rows[name]["active per token"].replace(",", "")) for name in ROUTED_MOE_SETUPS]
-    assert [value - active[0] for value in active] == [0] + [2 * (64 * 4 + 64)] * 3, active
+    assert [value - active[0] for value in active] == [0] + [2 * (64 * 4 + 4 + 64)] * 3, active
 
 
 @pytest.mark.slow

@@ -44,6 +44,19 @@ _MODEL_ARGS: tuple[tuple[str, str, bool], ...] = (
     ("add_qkv_bias", "add_qkv_bias", True),
     ("qk_layernorm", "qk_layernorm", True),  # not in Megatron-LM's list; the weights need it
     ("window_size", "window_size", True),  # not in Megatron-LM's list; the attention needs it
+    # gpt-oss's (not in Megatron-LM's list either; the model computes with them)
+    ("window_attn_skip_freq", "window_attn_skip_freq", True),
+    ("softmax_type", "softmax_type", True),
+    ("quick_geglu", "quick_geglu", True),
+    ("glu_linear_offset", "glu_linear_offset", True),
+    ("activation_func_clamp_value", "activation_func_clamp_value", True),
+    ("rotary_scaling_factor", "rotary_scaling_factor", True),
+    ("yarn_original_max_position_embeddings", "yarn_original_max_position_embeddings", True),
+    ("yarn_beta_fast", "yarn_beta_fast", True),
+    ("yarn_beta_slow", "yarn_beta_slow", True),
+    ("yarn_correction_range_round_to_int", "yarn_correction_range_round_to_int", True),
+    ("mscale", "mscale", True),
+    ("mscale_all_dim", "mscale_all_dim", True),
     ("squared_relu", "squared_relu", True),
     ("swiglu", "swiglu", True),
     ("untie_embeddings_and_output_weights", "untie_embeddings_and_output_weights", True),

@@ -214,6 +214,11 @@ INERT: list[CompatFlag] = [
         "kernels on GPUs (--use-flash-attn asks for flash attention explicitly)",
         "--attention-backend:str",
     ),
+    *_inert(
+        "ModelOpt's export choice of megatron-core's local attention over Transformer Engine's: "
+        "one attention implementation here",
+        "--export-force-local-attention",
+    ),
 ]
 
 REFUSED: list[CompatFlag] = [
@@ -287,20 +292,8 @@ REFUSED: list[CompatFlag] = [
         "--delay-wgrad-compute",
     ),
     *_refused(
-        "gpt-oss's architecture (attention sinks, alternating sliding-window layers, the "
-        "clamped GeGLU) is not built here (--window-size on every layer is)",
-        "--enable-gpt-oss",
-        "--softmax-type:str",
-        "--window-attn-skip-freq:str",
-        "--quick-geglu",
-        "--glu-linear-offset:float",
-        "--activation-func-clamp-value:float",
-        "--export-force-local-attention",
-        accepts=_equals("vanilla", None, False),
-    ),
-    *_refused(
-        "YaRN positions are built for multi-latent attention only (--rope-type yarn with "
-        "--multi-latent-attention); other layers take --rope-type rope",
+        "--rope-type is multi-latent attention's spelling (with --multi-latent-attention); "
+        "standard attention takes YaRN as --position-embedding-type yarn",
         "--rope-type:str",
         accepts=lambda value, args: (
             value in (None, "rope")

@@ -52,7 +52,8 @@ def add_mla_flags(parser: argparse.ArgumentParser) -> None:
         "--rotary-scaling-factor",
         type=float,
         default=1.0,
-        help="YaRN's context extension factor for MLA's rotary positions (1: plain rope).",
+        help="YaRN's context extension factor (--position-embedding-type yarn, MLA's "
+        "--rope-type yarn; 1: plain rope).",
     )
     group.add_argument(
         "--mscale",

@@ -113,7 +113,7 @@ def add_model_size_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--position-embedding-type",
-        choices=["learned_absolute", "rope", "none"],
+        choices=["learned_absolute", "rope", "yarn", "none"],
         default=None,
         help="Megatron-LM's spelling: rope is --use-rotary-position-embeddings, none is "
         "--no-position-embedding.",

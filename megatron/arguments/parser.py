@@ -21,6 +21,7 @@ from megatron.arguments import (
     checkpoint_format_flags,
     compat_flags,
     fp8_flags,
+    gpt_oss_flags,
     housekeeping_flags,
     mla_flags,
     model_flags,
@@ -44,6 +45,7 @@ __all__ = ["ArgumentError", "build_parser", "parse_args", "typed_flags", "valida
 FLAG_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     model_flags.add_model_size_flags,
     mla_flags.add_mla_flags,
+    gpt_oss_flags.add_gpt_oss_flags,
     mtp_flags.add_mtp_flags,
     model_flags.add_regularization_flags,
     muon_flags.add_muon_flags,

@@ -38,6 +38,7 @@ from megatron.arguments.engine_notes import note_what_the_engine_ignores
 from megatron.arguments.engine_refusals import refuse_what_the_engine_cannot_run
 from megatron.arguments.errors import ArgumentError, flag_name
 from megatron.arguments.fp8_flags import settle_fp8
+from megatron.arguments.gpt_oss_flags import check_gpt_oss, settle_gpt_oss
 from megatron.arguments.housekeeping_flags import check_housekeeping
 from megatron.arguments.mla_flags import check_mla
 from megatron.arguments.moe_flags import settle_moe
@@ -124,8 +125,10 @@ def _model_shape(args: argparse.Namespace) -> None:
             f"--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads "
             f"({args.num_attention_heads}); set --kv-channels"
         )
+    settle_gpt_oss(args)
     _architecture(args, tp)
     check_mla(args)
+    check_gpt_oss(args)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -143,7 +146,7 @@ def _model_shape(args: argparse.Namespace) -> None:
 def _architecture(args: argparse.Namespace, tp: int) -> None:
     """LLaMA-style options: position embeddings, key/value heads, SwiGLU's MLP width."""
     kind = getattr(args, "position_embedding_type", None)
-    if kind == "rope":
+    if kind in ("rope", "yarn"):  # yarn: rope with YaRN's frequencies (`yarn_config.py`)
         args.use_rotary_position_embeddings = True
     elif kind is not None and args.use_rotary_position_embeddings:
         raise ArgumentError(

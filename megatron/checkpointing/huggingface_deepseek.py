@@ -59,7 +59,7 @@ from megatron.checkpointing.huggingface_llama import (
 from megatron.checkpointing.huggingface_routed import first_moe_layer, group_ranking_differences
 from megatron.checkpointing.layouts import CheckpointConversionError
 from megatron.config import ModelConfig
-from megatron.model.multi_latent_attention import yarn_mscale
+from megatron.yarn_config import yarn_mscale
 
 V3 = "DeepseekV3ForCausalLM"
 V2 = "DeepseekV2ForCausalLM"

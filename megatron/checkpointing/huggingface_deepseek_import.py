@@ -35,7 +35,7 @@ from megatron.checkpointing.huggingface_routed import (
 )
 from megatron.checkpointing.layouts import CheckpointConversionError
 from megatron.config import ModelConfig
-from megatron.model.multi_latent_attention import yarn_mscale
+from megatron.yarn_config import yarn_mscale
 
 DEFAULTS = dict(
     q_lora_rank=None, n_group=1, topk_group=1, first_k_dense_replace=0, n_shared_experts=1,

@@ -15,6 +15,7 @@ different heads, so it draws from the model-parallel RNG stream (see `random.py`
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import math
 
@@ -24,9 +25,15 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker
+from megatron.core.tensor_parallel.layers import new_split_parameter
 from megatron.core.tensor_parallel.mappings import (
     inverse_order,
     sequence_order_of_context_parallel_parts,
+)
+from megatron.model.attention_sinks import (
+    cpu_flash_sink_attention,
+    dense_sink_attention,
+    flex_sink_attention,
 )
 from megatron.model.document_mask import (
     DocumentMask,
@@ -34,7 +41,8 @@ from megatron.model.document_mask import (
     kernel_for,
     varlen_attention,
 )
-from megatron.model.utils import run_eagerly_when_compiled
+from megatron.model.utils import init_method_normal, run_eagerly_when_compiled
+from megatron.yarn_config import YarnConfig
 
 
 def flash_attn_2_version() -> str | None:
@@ -75,7 +83,10 @@ class CoreAttention(nn.Module):
     key/value head i // (np / nkv); SDPA and flash_attn do that without copying them.
     """
 
-    def __init__(self, config: ModelConfig, layer_number: int) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_number: int, heads_per_partition: int | None = None
+    ) -> None:
+        """`heads_per_partition`: this rank's query heads (what attention sinks need)."""
         super().__init__()
         self.backend = config.attention_backend
         self.dropout_p = config.attention_dropout
@@ -88,6 +99,21 @@ class CoreAttention(nn.Module):
             if not available:
                 raise RuntimeError(f"--use-flash-attn: {detail}")
             self.use_flash_attn_package = detail == "flash_attn package"
+        # --softmax-type: a logit per head beside the scores (`attention_sinks.py`), learned
+        # (megatron-core's `softmax_offset`, split over TP ranks by head) or 0 (off-by-one).
+        if config.softmax_type == "vanilla":
+            self.softmax_offset = None
+        elif config.softmax_type == "learnable":
+            self.softmax_offset = new_split_parameter(
+                (config.num_attention_heads,),
+                0,
+                init_method_normal(config.init_method_std),
+                config.torch_dtype,
+                config.use_cpu_initialization,
+            )
+        elif config.softmax_type == "off-by-one":
+            zeros = torch.zeros(heads_per_partition, dtype=config.torch_dtype)
+            self.register_buffer("softmax_offset", zeros, persistent=False)
 
     def _dropout_rng(self) -> contextlib.AbstractContextManager:
         # Under sequence parallelism the whole layer already runs on the model-parallel stream.
@@ -110,6 +136,10 @@ class CoreAttention(nn.Module):
         `causal=False` lets every query see every key (one new token over a key/value cache).
         """
         dropout_p = self.dropout_p if self.training else 0.0
+        if self.softmax_offset is not None:
+            with self._dropout_rng():
+                context = self._with_sinks(query, key, value, mask, dropout_p, causal)
+            return _to_sequence_first(context)
         if isinstance(mask, DocumentMask):
             kernel = kernel_for(self.backend, query.device, dropout_p)
             if kernel == "dense":
@@ -125,8 +155,24 @@ class CoreAttention(nn.Module):
                 context = self._flash_attn_package(query, key, value, dropout_p)
             else:
                 context = self._sdpa(query, key, value, mask, dropout_p, causal)
-        b, np_, s, hn = context.shape
-        return context.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)  # [s, b, np * hn]
+        return _to_sequence_first(context)
+
+    def _with_sinks(self, query, key, value, mask, dropout_p, causal):
+        """The attention with sinks, on the kernel `sink_kernel_for` picks."""
+        sinks, scale = self.softmax_offset, self.scale
+        kernel = sink_kernel_for(self.backend, query.device, dropout_p)
+        if kernel == "flex" and (mask is None and causal or isinstance(mask, DocumentMask)):
+            documents = mask if isinstance(mask, DocumentMask) else DocumentMask(None)
+            return flex_sink_attention(documents, query, key, value, sinks, scale)
+        if kernel == "cpu_flash" and isinstance(mask, DocumentMask):
+            attend = functools.partial(_cpu_flash_band, sinks=sinks)
+            return varlen_attention(mask, query, key, value, scale, 0.0, attend)
+        if kernel == "cpu_flash":
+            allowed = None if mask is None else ~mask
+            return cpu_flash_sink_attention(query, key, value, sinks, scale, allowed, causal)
+        if isinstance(mask, DocumentMask):
+            mask = mask.dense(query.size(2), key.size(2), query.device)
+        return dense_sink_attention(query, key, value, sinks, scale, mask, causal, dropout_p)
 
     def _sdpa(self, query, key, value, mask, dropout_p, causal):
         kwargs = dict(dropout_p=dropout_p, scale=self.scale)
@@ -183,6 +229,27 @@ class CoreAttention(nn.Module):
         probs = torch.softmax(scores, dim=-1).to(query.dtype)
         probs = F.dropout(probs, dropout_p, training=dropout_p > 0)
         return torch.matmul(probs, value)  # [b, np, s, hn]
+
+
+def _to_sequence_first(context: torch.Tensor) -> torch.Tensor:
+    """[b, np, s, hn] -> [s, b, np * hn]."""
+    b, np_, s, hn = context.shape
+    return context.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
+
+
+def sink_kernel_for(backend: str, device: torch.device, dropout_p: float) -> str:
+    """`dense`, `cpu_flash` or `flex`: the kernel of attention with sinks (`attention_sinks.py`)
+    for the core's backend, device and dropout. Dropout and the `unfused` backend take the
+    explicit math, which alone drops probabilities; else torch's CPU flash kernel on CPUs,
+    FlexAttention on GPUs."""
+    if backend == "unfused" or dropout_p > 0.0:
+        return "dense"
+    return "cpu_flash" if device.type == "cpu" else "flex"
+
+
+def _cpu_flash_band(query, key, value, band, sinks, scale):  # noqa: ANN001, ANN202
+    """One document's attention with sinks (`varlen_attention`'s `attend`)."""
+    return cpu_flash_sink_attention(query, key, value, sinks, scale, band, band is None)
 
 
 class UlyssesAttention(nn.Module):
@@ -247,9 +314,16 @@ class _HeadSplitCore(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position angles for the first `rotary_percent` of each head's channels."""
+    """Rotary position angles for the first `rotary_percent` of each head's channels; with
+    `yarn`, YaRN's frequencies and the `factor` its cos and sin are scaled by."""
 
-    def __init__(self, kv_channels: int, rotary_percent: float, base: float = 10000.0) -> None:
+    def __init__(
+        self,
+        kv_channels: int,
+        rotary_percent: float,
+        base: float = 10000.0,
+        yarn: YarnConfig | None = None,
+    ) -> None:
         super().__init__()
         self.dim = int(kv_channels * rotary_percent)
         if self.dim % 2 != 0 or self.dim == 0:
@@ -257,7 +331,12 @@ class RotaryEmbedding(nn.Module):
                 f"--rotary-percent {rotary_percent} of --kv-channels {kv_channels} gives "
                 f"{self.dim} rotary channels; it must be a positive even number"
             )
-        inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+        if yarn is None:
+            exponents = torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim
+            inv_freq, self.factor = 1.0 / (base**exponents), 1.0
+        else:
+            inv_freq = yarn.inverse_frequencies(self.dim, base)
+            self.factor = yarn.attention_factor()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, seq_length: int, offset: int = 0) -> torch.Tensor:
@@ -271,11 +350,17 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
 
-def apply_rotary_pos_emb(tensor: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate the first `angles.size(-1)` channels of [s, b, np, hn] by the angles."""
+def apply_rotary_pos_emb(
+    tensor: torch.Tensor, angles: torch.Tensor, factor: float = 1.0
+) -> torch.Tensor:
+    """Rotate the first `angles.size(-1)` channels of [s, b, np, hn] by the angles, cos and sin
+    times `factor` (YaRN's attention factor)."""
     dim = angles.size(-1)
     rotated, passed = tensor[..., :dim], tensor[..., dim:]
     first, second = rotated.chunk(2, dim=-1)
     half_turned = torch.cat((-second, first), dim=-1)
-    cos, sin = angles.cos().to(tensor.dtype), angles.sin().to(tensor.dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    cos, sin = cos.to(tensor.dtype), sin.to(tensor.dtype)
     return torch.cat((rotated * cos + half_turned * sin, passed), dim=-1)

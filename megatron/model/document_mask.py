@@ -20,6 +20,7 @@ attention computes it with one of three kernels (`kernel_for`):
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -171,19 +172,25 @@ def flex_attention_with(
     value: torch.Tensor,
     scale: float,
     compiled: bool | None = None,
-) -> torch.Tensor:
-    """[b, np, s, hn] q, [b, nkv, s, hn] k/v -> [b, np, s, hn] through FlexAttention.
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """[b, np, s, hn] q, [b, nkv, s, hn] k/v -> [b, np, s, hn] through FlexAttention, and with
+    `return_lse` each row's log-sum-exp [b, np, s] (differentiable: attention sinks use it).
 
     `compiled` (default: on GPUs) runs torch's fused kernel; eager FlexAttention computes the
     whole score matrix (the block mask's reference, on CPU).
     """
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     block_mask = mask.block_mask(query.size(2), query.device)
     gqa = key.size(1) != query.size(1)
     compiled = query.device.type != "cpu" if compiled is None else compiled
     kernel = compiled_flex_attention() if compiled else flex_attention
-    return kernel(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    if not return_lse:
+        return kernel(query, key, value, **kwargs)
+    out, aux = kernel(query, key, value, **kwargs, return_aux=AuxRequest(lse=True))
+    return out, aux.lse
 
 
 @functools.cache
@@ -201,11 +208,14 @@ def varlen_attention(
     value: torch.Tensor,
     scale: float,
     dropout_p: float,
+    attend: Callable | None = None,
 ) -> torch.Tensor:
     """[b, np, s, hn] q, [b, nkv, s, hn] k/v -> [b, np, s, hn], one SDPA call per document.
 
     Causal documents without a window use SDPA's causal kernel; with a window each document
     gets its own band mask ([len, len]: quadratic in the document, not the sample).
+    `attend(q, k, v, band, scale=)` (band: bool, True = may attend, or None: causal) replaces
+    SDPA (attention sinks' CPU kernel).
     """
     gqa = key.size(1) != query.size(1)
     rows = []
@@ -217,6 +227,9 @@ def varlen_attention(
             band = None
             if mask.window is not None:
                 band = DocumentMask(None, mask.window).allowed(end - start, end - start, q.device)
+            if attend is not None:
+                parts.append(attend(q, k, v, band, scale=scale))
+                continue
             parts.append(
                 F.scaled_dot_product_attention(
                     q, k, v, attn_mask=band, dropout_p=dropout_p, is_causal=band is None,

@@ -1,4 +1,5 @@
-"""The transformer block's MLP: h -> ffn -> GeLU or SwiGLU -> h, split over tensor-parallel ranks.
+"""The transformer block's MLP: h -> ffn -> GeLU or a gated activation (SwiGLU, quick-GeGLU)
+-> h, split over tensor-parallel ranks.
 
 Also the expert of DeepSpeed-MoE layers (`megatron.model.moe`), whole on every TP rank unless
 experts are tensor-parallel.
@@ -12,6 +13,7 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.model.fused_ops import bias_gelu, bias_swiglu, fuse_eagerly, fused
+from megatron.model.gated_activation import activation_of
 from megatron.model.utils import init_method_normal, scaled_init_method_normal
 
 
@@ -39,7 +41,8 @@ class ParallelMLP(nn.Module):
         kwargs = linear_kwargs(config)
         if not tensor_parallel:
             kwargs.update(sequence_parallel=False, tensor_parallel=False)
-        self.swiglu = config.activation == "swiglu"
+        self.swiglu = config.gated  # [gate | up] halves, as SwiGLU's
+        self.activation = activation_of(config)
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
         self.bias_gelu_fusion = config.bias_gelu_fusion
         self.dense_h_to_4h = ColumnParallelLinear(
@@ -67,7 +70,9 @@ class ParallelMLP(nn.Module):
         """[s, b, h] -> ([s, b, h], bias to add after dropout's input)."""
         intermediate, bias = self.dense_h_to_4h(hidden)  # [s, b, (2 x) ffn / tp]
         fuse = fuse_eagerly(hidden, self.bias_gelu_fusion)
-        if self.swiglu:
+        if self.activation is not None:
+            activated = self.activation(intermediate, bias)
+        elif self.swiglu:
             activated = (fused(bias_swiglu) if fuse else bias_swiglu)(intermediate, bias)
         else:
             activated = (fused(bias_gelu) if fuse else bias_gelu)(

@@ -36,7 +36,7 @@ def _mlp_parameters(config: ModelConfig) -> int:
 
 def _mlp_flops(config: ModelConfig) -> int:
     h, ffn = config.hidden_size, config.ffn_hidden_size
-    mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
+    mlp_in = 2 * ffn if config.gated else ffn
     return 2 * h * mlp_in + 2 * ffn * h  # dense_h_to_4h, dense_4h_to_h
 
 

@@ -18,6 +18,7 @@ from megatron.config import ModelConfig
 from megatron.core.tensor_parallel.meta_init import initialize, new_parameter
 from megatron.core.tensor_parallel.output_discarding import OutputDiscardingCheckpoint
 from megatron.model.fused_ops import bias_swiglu
+from megatron.model.gated_activation import activation_of
 from megatron.model.utils import init_method_normal, recomputes, scaled_init_method_normal
 
 
@@ -34,7 +35,8 @@ class GroupedExperts(nn.Module):
         moe = config.routed_moe
         assert moe is not None
         ffn = moe.ffn_hidden_size or config.ffn_hidden_size
-        self.swiglu = config.activation == "swiglu"
+        self.swiglu = config.gated  # [gate | up] halves
+        self.gated_activation = activation_of(config)
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
         self.grouped_gemm = moe.grouped_gemm
         # Its output freed after the second matmul saved it, recomputed in the backward.
@@ -82,7 +84,9 @@ class GroupedExperts(nn.Module):
         return _add_bias(output, self.bias2, counts)
 
     def _activation(self, intermediate: torch.Tensor) -> torch.Tensor:
-        """SwiGLU or GeLU of the first matmul's output."""
+        """The gated activation or GeLU of the first matmul's output."""
+        if self.gated_activation is not None:
+            return self.gated_activation(intermediate, None)
         if self.swiglu:
             return bias_swiglu(intermediate, None)
         return F.gelu(intermediate, approximate=self.approximate)
@@ -155,7 +159,7 @@ def grouped_gemm_fallback_note(
     if moe is None or not moe.grouped_gemm:
         return None
     ffn = moe.ffn_hidden_size or config.ffn_hidden_size
-    width = ffn * (2 if config.activation == "swiglu" else 1)
+    width = ffn * (2 if config.gated else 1)
     shapes = ((config.hidden_size, width), (ffn, config.hidden_size))
     looping = [
         f"[{rows} x {cols}]"

@@ -65,8 +65,15 @@ class TopKRouter(nn.Module):
         self.gradient_scale = config.sequence_split_gradient_scale
         self.weight = new_parameter((moe.num_experts, config.hidden_size), config.torch_dtype)
         initialize(self.weight, init_method_normal(config.init_method_std))
+        # A bias on the logits with the linear layers' (megatron-core's; gpt-oss's router).
+        self.bias = None
+        if config.add_bias_linear:
+            self.bias = new_parameter((moe.num_experts,), config.torch_dtype)
+            initialize(self.bias, init_method_normal(config.init_method_std))
         if config.sequence_parallel:  # each tensor-parallel rank routes its own tokens
-            mark_sequence_parallel(self.weight)
+            for param in (self.weight, self.bias):
+                if param is not None:
+                    mark_sequence_parallel(param)
         if moe.expert_bias:
             # fp32 buffers: saved with the model, identical on every rank of a stage.
             self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
@@ -113,10 +120,11 @@ class TopKRouter(nn.Module):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         dtype = ROUTER_DTYPES[self.moe.router_dtype]
         if dtype is None:
-            return F.linear(hidden, self.weight)
+            return F.linear(hidden, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.to(dtype)
         # Outside autocast, which would compute the product in half precision.
         with torch.autocast(hidden.device.type, enabled=False):
-            return F.linear(hidden.to(dtype), self.weight.to(dtype))
+            return F.linear(hidden.to(dtype), self.weight.to(dtype), bias)
 
     @torch.no_grad()
     def update_expert_bias(self, group: dist.ProcessGroup | None) -> None:

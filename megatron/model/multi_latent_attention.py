@@ -48,32 +48,19 @@ from megatron.model.utils import (
     recomputes,
     scaled_init_method_normal,
 )
+from megatron.yarn_config import YarnConfig, yarn_mscale
 
 
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's attention factor for a context `scale`-times the original (1 at scale <= 1)."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def yarn_inverse_frequencies(dim: int, base: float, mla: MLAConfig) -> torch.Tensor:
-    """YaRN's rotary frequencies [dim / 2]: the original ones for the fast-turning channels,
-    divided by the scaling factor for the slow ones, a linear ramp between (megatron-core's
-    YarnRotaryEmbedding; the original frequencies at factor 1)."""
-    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
-    extrapolated = 1.0 / base**exponents
-    interpolated = 1.0 / (mla.rotary_scaling_factor * base**exponents)
-
-    def correction_dim(rotations: float) -> float:
-        turns = mla.original_max_position_embeddings / (rotations * 2 * math.pi)
-        return dim * math.log(turns) / (2 * math.log(base))
-
-    low = max(math.floor(correction_dim(mla.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(mla.beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001  # as megatron-core: no division by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = 1.0 - ramp  # 1: the original frequency
-    return interpolated * (1 - keep) + extrapolated * keep
+def mla_yarn(mla: MLAConfig) -> YarnConfig:
+    """Multi-latent attention's YaRN settings (`--rope-type yarn`; its ramp rounded)."""
+    return YarnConfig(
+        scaling_factor=mla.rotary_scaling_factor,
+        original_max_position_embeddings=mla.original_max_position_embeddings,
+        beta_fast=mla.beta_fast,
+        beta_slow=mla.beta_slow,
+        mscale=mla.mscale,
+        mscale_all_dim=mla.mscale_all_dim,
+    )
 
 
 class MLARotary(nn.Module):
@@ -84,10 +71,9 @@ class MLARotary(nn.Module):
         mla = config.mla
         dim = mla.qk_pos_emb_head_dim
         if mla.rope_type == "yarn":
-            inv_freq = yarn_inverse_frequencies(dim, config.rotary_base, mla)
-            self.factor = yarn_mscale(mla.rotary_scaling_factor, mla.mscale) / yarn_mscale(
-                mla.rotary_scaling_factor, mla.mscale_all_dim
-            )
+            yarn = mla_yarn(mla)
+            inv_freq = yarn.inverse_frequencies(dim, config.rotary_base)
+            self.factor = yarn.attention_factor()
         else:
             inv_freq = 1.0 / config.rotary_base ** (
                 torch.arange(0, dim, 2, dtype=torch.float32) / dim

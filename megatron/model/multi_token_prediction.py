@@ -144,7 +144,9 @@ class MultiTokenPredictionBlock(nn.Module):
         if loss_mask is None:
             loss_mask = torch.ones_like(labels, dtype=torch.float32)
         loss_mask = loss_mask.float()
-        attention_mask = layer_attention_mask(attention_mask, self.config.window_size)
+        # Its layers are the last decoder layer's kind, window included.
+        window = self.config.layer_window(self.config.num_layers)
+        attention_mask = layer_attention_mask(attention_mask, window)
         mtp = self.config.mtp
         weight = mtp.loss_scaling_factor / mtp.num_layers
         weighted = []

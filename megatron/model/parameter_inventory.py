@@ -74,7 +74,7 @@ def mlp_parameters(
     """One MLP under `prefix` (the dense `mlp.`, an expert's, PR-MoE's `mlp.mlp.`): with SwiGLU
     `dense_h_to_4h` holds the gate rows, then the up rows ([2 ffn, h])."""
     h, ffn = config.hidden_size, config.ffn_hidden_size
-    h_to_4h = 2 * ffn if config.activation == "swiglu" else ffn
+    h_to_4h = 2 * ffn if config.gated else ffn
     specs = [
         ParameterSpec(f"{prefix}dense_h_to_4h.weight", (h_to_4h, h), 0, expert),
         ParameterSpec(f"{prefix}dense_4h_to_h.weight", (h, ffn), 1, expert),
@@ -104,6 +104,9 @@ def layer_parameters(config: ModelConfig, experts: int = 1) -> list[ParameterSpe
     if config.qk_layernorm:
         specs += _norm("self_attention.q_layernorm", config, config.kv_channels)
         specs += _norm("self_attention.k_layernorm", config, config.kv_channels)
+    if config.softmax_type == "learnable":  # attention sinks: a logit per head
+        heads = (config.num_attention_heads,)
+        specs.append(ParameterSpec("self_attention.core_attention.softmax_offset", heads, 0))
     specs.append(ParameterSpec("self_attention.dense.weight", (h, config.projection_size), 1))
     if config.add_bias_linear:
         specs.append(ParameterSpec("self_attention.dense.bias", (h,), None))
@@ -165,13 +168,14 @@ def routed_moe_parameters(config: ModelConfig) -> list[ParameterSpec]:
     moe = config.routed_moe
     h, experts = config.hidden_size, moe.num_experts
     ffn = moe.ffn_hidden_size or config.ffn_hidden_size
-    width = 2 * ffn if config.activation == "swiglu" else ffn
+    width = 2 * ffn if config.gated else ffn
     specs = [
         ParameterSpec("mlp.router.weight", (experts, h), None),
         ParameterSpec("mlp.experts.weight1", (experts, h, width), None, expert_split=0),
         ParameterSpec("mlp.experts.weight2", (experts, ffn, h), None, expert_split=0),
     ]
-    if config.add_bias_linear:
+    if config.add_bias_linear:  # the router's (megatron-core's), then the experts'
+        specs.insert(1, ParameterSpec("mlp.router.bias", (experts,), None))
         specs.append(ParameterSpec("mlp.experts.bias1", (experts, width), None, expert_split=0))
         specs.append(ParameterSpec("mlp.experts.bias2", (experts, h), None, expert_split=0))
     if moe.shared_expert_ffn_hidden_size:

@@ -80,7 +80,6 @@ class ParallelTransformerLayerPipe(ParallelTransformerLayer):
         moe_losses: AuxLossTracker,
     ) -> None:
         super().__init__(config, layer_number, groups, moe_losses)
-        self.window = config.window_size
 
     def forward(
         self, inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]

@@ -91,7 +91,7 @@ class ParallelAttention(nn.Module):
         self.queries_per_group = config.num_attention_heads // config.num_key_value_heads
         self.kv_channels = config.kv_channels
         self.layer_number = layer_number
-        self.window = config.window_size
+        self.window = config.layer_window(layer_number)  # the layer sets its `like_layer`'s
         self.recompute_core = recomputes(config, "core_attn")
         if config.torch_compile and self.recompute_core:
             # Eager even inside a compiled layer: the recomputation runs in the backward pass,
@@ -108,7 +108,7 @@ class ParallelAttention(nn.Module):
         if config.qk_layernorm:
             self.q_layernorm = build_norm(config, config.kv_channels, partial_grads=True)
             self.k_layernorm = build_norm(config, config.kv_channels, partial_grads=True)
-        self.core_attention = CoreAttention(config, layer_number)
+        self.core_attention = CoreAttention(config, layer_number, self.heads_per_partition)
         # Context parallelism: this rank holds 2 of 2C chunks; keys and values travel.
         self.context_parallel = None
         if groups.context.size > 1:
@@ -122,11 +122,11 @@ class ParallelAttention(nn.Module):
             self.ulysses = UlyssesAttention(
                 self.core_attention, groups.ulysses.group, self.recompute_core
             )
-        self.rotary = (
-            RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
-            if config.position_embedding_type == "rope"
-            else None
-        )
+        self.rotary = None
+        if config.rotary:
+            self.rotary = RotaryEmbedding(
+                config.kv_channels, config.rotary_percent, config.rotary_base, config.yarn
+            )
         self.dense = RowParallelLinear(
             config.projection_size,
             config.hidden_size,
@@ -150,7 +150,9 @@ class ParallelAttention(nn.Module):
         query, key, value = self._query_key_value(hidden)
         if self.rotary is not None:
             angles = self.rotary.at(self._positions(query.size(0), query.device, inference_params))
-            query, key = apply_rotary_pos_emb(query, angles), apply_rotary_pos_emb(key, angles)
+            factor = self.rotary.factor
+            query = apply_rotary_pos_emb(query, angles, factor)
+            key = apply_rotary_pos_emb(key, angles, factor)
         if inference_params is not None:
             return self.dense(self._attend_with_cache(query, key, value, inference_params))
         if self.context_parallel is not None:
@@ -239,6 +241,7 @@ class ParallelTransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         kind = like_layer or layer_number
+        self.window = config.layer_window(kind)  # its sliding window, or None
         self.moe_losses = moe_losses  # the model's tracker (megatron.model.moe_aux_loss)
         self.hidden_dropout = config.hidden_dropout
         self.sequence_split = sequence_is_split(config, groups)
@@ -247,6 +250,7 @@ class ParallelTransformerLayer(nn.Module):
         self.input_layernorm = build_norm(config)
         attention = MultiLatentAttention if config.mla is not None else ParallelAttention
         self.self_attention = attention(config, layer_number, groups)
+        self.self_attention.window = self.window  # for generation (a MTP layer's: the last's)
         self.post_attention_layernorm = build_norm(config)
         experts = config.moe.experts_per_layer[kind - 1] if config.moe else 1
         self.is_moe = experts > 1  # DeepSpeed-MoE
@@ -397,20 +401,27 @@ class ParallelTransformer(nn.Module):
         if post_layer_norm:
             self.final_layernorm = build_norm(config)
         self.has_moe = any(layer.is_moe or layer.is_routed_moe for layer in self.layers)
+        self.windows = {layer.window for layer in self.layers}
         # DeepSpeed-MoE layers record their raw losses, Megatron-LM's their weighted ones.
         self.moe_loss_coeff = config.moe.loss_coeff if config.moe else 1.0
         self.moe_metrics = moe_metrics_of(config)
 
-    def _recomputed_layers(self, hidden, attention_mask):
+    def _layer_masks(self, attention_mask, inference_params) -> dict:
+        """Each layer window's mask (`layer_attention_mask`) by window: one or, with
+        `--window-attn-skip-freq`, two, made once per forward. Generation applies the window
+        itself (`ParallelAttention._attend_with_cache`)."""
+        if inference_params is not None:
+            return dict.fromkeys(self.windows, attention_mask)
+        return {window: layer_attention_mask(attention_mask, window) for window in self.windows}
+
+    def _recomputed_layers(self, hidden, masks):
         config = self.config
         for start, stop, recompute in recompute_chunks(config, len(self.layers)):
-            run = _run_layers(self.layers[start:stop])
+            run = _run_layers(self.layers[start:stop], masks)
             if recompute:
-                hidden = checkpoint(
-                    run, config.distribute_saved_activations, hidden, attention_mask
-                )
+                hidden = checkpoint(run, config.distribute_saved_activations, hidden)
             else:
-                hidden = run(hidden, attention_mask)
+                hidden = run(hidden)
         return hidden
 
     def forward(
@@ -430,25 +441,25 @@ class ParallelTransformer(nn.Module):
         scope = None
         if self.has_moe:
             scope = self.moe_losses.forward(self.moe_loss_coeff, *self.moe_metrics)
-        if inference_params is None:  # generation applies the window itself
-            attention_mask = layer_attention_mask(attention_mask, self.config.window_size)
+        masks = self._layer_masks(attention_mask, inference_params)
         with scope or contextlib.nullcontext():
             if self.config.recompute_granularity == "full" and self.training:
-                hidden = self._recomputed_layers(hidden, attention_mask)
+                hidden = self._recomputed_layers(hidden, masks)
             else:
                 for layer in self.layers:
-                    hidden = layer(hidden, attention_mask, inference_params)
+                    hidden = layer(hidden, masks[layer.window], inference_params)
         if hasattr(self, "final_layernorm"):
             hidden = self.final_layernorm(hidden)
         return hidden
 
 
-def _run_layers(layers: nn.ModuleList):
-    """A function running `layers` (what a recomputed chunk replays)."""
+def _run_layers(layers: nn.ModuleList, masks: dict):
+    """A function running `layers`, each with its window's mask of `masks` (what a
+    recomputed chunk replays)."""
 
-    def run(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def run(hidden: torch.Tensor) -> torch.Tensor:
         for layer in layers:
-            hidden = layer(hidden, attention_mask)
+            hidden = layer(hidden, masks[layer.window])
         return hidden
 
     return run

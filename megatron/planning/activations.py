@@ -114,7 +114,7 @@ def _attention_core_bytes(inputs: PlanInputs, comm_type: str | None, math: bool)
     grouped = config.num_key_value_heads < config.num_attention_heads
     # With fewer key/value heads the query is a reshaped copy of the fused projection's slice
     # (with rotary positions the rotated copy is kept instead: `rotary_bytes`).
-    query = output if grouped and config.position_embedding_type != "rope" else 0
+    query = output if grouped and not config.rotary else 0
     if comm_type == "p2p":
         return query + output + b * heads * local * _FP32
     if comm_type == "allgather":
@@ -130,6 +130,51 @@ def _attention_core_bytes(inputs: PlanInputs, comm_type: str | None, math: bool)
     if math:
         return total + _math_attention_bytes(inputs, b, heads // split, s, s)
     return total + b * heads // split * s * _FP32  # softmax statistics
+
+
+def sink_math(inputs: PlanInputs) -> bool:
+    """Whether attention with sinks runs the explicit math (`attention.sink_kernel_for`)."""
+    config = inputs.model
+    return config.attention_backend == "unfused" or config.attention_dropout > 0.0
+
+
+def sink_attention_bytes(inputs: PlanInputs, layer_number: int | None = None) -> int:
+    """What attention with sinks (`megatron/model/attention_sinks.py`) keeps besides query,
+    key, value and the output projection's input, per micro-batch on one rank.
+
+    The explicit math (attention dropout, the `unfused` backend): the fp32 probabilities with
+    the sink column, the bool mask, with grouped-query attention the keys and values copied
+    per query head, and the probabilities the value product reads (dropped, or cast to a half
+    compute dtype) with their dropout mask. The fused kernels: the log-sum-exp and the
+    sigmoid(lse - sink) weight, both fp32 [b, np, s] (the rescaled output the CPU flash
+    kernel's backward reads is the output projection's input).
+    """
+    config, tp = inputs.model, inputs.tp
+    size = dtypes(inputs)
+    b, s = inputs.micro_batch, inputs.local_seq_length
+    heads = config.num_attention_heads // tp
+    output = s * b * (config.projection_size // tp) * size.compute
+    if not sink_math(inputs):
+        kept = 2 * b * heads * s * _FP32
+        if inputs.device_type == "cpu" and config.layer_window(layer_number or 1) is not None:
+            # One call per sample (`varlen_attention`): each keeps its own output and its
+            # window's additive mask [s, s].
+            kept += output + b * s * s * size.compute
+        return kept
+    scores = b * heads * s * s
+    total = b * heads * s * (s + 1) * _FP32 + s * s  # probabilities and the bool mask
+    # The products' contiguous copies of the query and of the keys and values (per query
+    # head with grouped-query attention).
+    grouped = config.num_key_value_heads < config.num_attention_heads
+    total += output + 2 * (
+        output if grouped else s * b * config.kv_projection_size // tp * size.compute
+    )
+    if config.attention_dropout > 0.0:  # the mask: bool on GPUs, the probabilities' dtype on CPUs
+        mask = 1 if inputs.device_type == "cuda" else size.compute
+        total += scores * (mask + size.compute)
+    elif size.compute < _FP32:
+        total += scores * size.compute
+    return total
 
 
 def layer_bytes(inputs: PlanInputs, kept: bool = True, layer_number: int | None = None) -> int:
@@ -165,6 +210,13 @@ def layer_bytes(inputs: PlanInputs, kept: bool = True, layer_number: int | None 
     if config.mla is not None:  # its widths differ: the math kernel on CPUs
         math = inputs.device_type == "cpu" or config.attention_dropout > 0.0
         total += mla_attention_bytes(inputs, size, math)
+    elif config.softmax_type != "vanilla":  # attention sinks (whole sequences only)
+        math = sink_math(inputs) and not selective
+        if not math:  # (the math keeps its own copies of them: `sink_attention_bytes`)
+            total += tokens * qkv * size.compute  # query, key, value
+        total += rotary_bytes(inputs, math)
+        total += tokens * (config.projection_size // tp) * size.compute  # the output's input
+        total += sink_attention_bytes(inputs, layer_number) if not selective else 0
     else:
         if not (math and (size.compute < _FP32 or comm_type == "allgather")):
             total += tokens * qkv * size.compute  # query, key, value
@@ -195,7 +247,7 @@ def rotary_bytes(inputs: PlanInputs, math: bool = False) -> int:
     its own scaled copies instead) and each rotation's cos and sin [s, 1, 1, rotated
     channels] in the compute dtype (two rotations)."""
     config = inputs.model
-    if config.position_embedding_type != "rope" or config.mla is not None:
+    if not config.rotary or config.mla is not None:
         return 0
     size = dtypes(inputs).compute
     tokens = inputs.local_seq_length * inputs.micro_batch
@@ -229,12 +281,12 @@ def _mlp_bytes(inputs: PlanInputs, layer_number: int | None) -> int:
         return routed_mlp_bytes(inputs, size)
     tokens = inputs.local_seq_length * inputs.micro_batch
     ffn = config.ffn_hidden_size // tp
-    mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
+    mlp_in = 2 * ffn if config.gated else ffn
     total = 0
     if not _norm_output_freed(inputs):
         total += _matmul_input_tokens(inputs, layer_number) * config.hidden_size * size.compute
     total += tokens * mlp_in * size.activation_input + tokens * ffn * size.compute
-    if config.activation == "swiglu":
+    if config.activation == "swiglu" and not config.glu_keeps_input_only:
         total += tokens * ffn * size.activation_input  # silu(gate), kept for the product
     return total
 
@@ -323,7 +375,7 @@ def autocast_copy_bytes(
     config, tp = inputs.model, inputs.tp
     h, proj = config.hidden_size, config.projection_size
     ffn = config.ffn_hidden_size
-    mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
+    mlp_in = 2 * ffn if config.gated else ffn
     # Under sequence parallelism a column-parallel layer (QKV, the MLP's first, the output
     # layer) casts inside its gather-and-matmul function, which keeps the fp32 weight and
     # casts it again in the backward: no copy of those is kept.

@@ -158,11 +158,17 @@ def data_parallel_collectives(inputs: PlanInputs, role: RankRole) -> list[Collec
     group = inputs.zero_group  # data x sequence-split ranks (Ulysses' or context parallel)
     experts = role.expert_parameters
     if experts:  # the experts' share, over the expert-data-parallel group (EP ranks apart)
-        expert_inputs = dataclasses.replace(inputs, dp=inputs.dp // inputs.ep, sp=1)
+        if inputs.model.routed_moe is not None:
+            # Megatron-LM's MoE folds EP over the tensor, context and data ranks of a stage:
+            # its expert-data-parallel group is TP x CP x DP / EP ranks, EP apart.
+            edp = inputs.tp * inputs.split * inputs.dp // inputs.ep
+            expert_inputs = dataclasses.replace(inputs, tp=1, dp=edp, sp=1, cp=1)
+        else:
+            expert_inputs = dataclasses.replace(inputs, dp=inputs.dp // inputs.ep, sp=1)
         dense = _with_parameters(role, role.num_parameters - experts)
         expert_share = data_parallel_collectives(expert_inputs, _with_parameters(role, experts))
-        # An expert-data-parallel group's ranks are EP x TP apart (deepspeed/utils/groups.py
-        # _create_expert_and_data_parallel, TP-strided).
+        # A DeepSpeed-MoE expert-data-parallel group's ranks are EP x TP apart
+        # (deepspeed/utils/groups.py _create_expert_and_data_parallel, TP-strided).
         spread = [dataclasses.replace(c, stride=c.stride * inputs.ep) for c in expert_share]
         return data_parallel_collectives(inputs, dense) + spread
     if group == 1:

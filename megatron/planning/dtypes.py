@@ -42,7 +42,7 @@ def dtypes(inputs: PlanInputs) -> Dtypes:
         return Dtypes(2, 2, 2, mask, mask)
     # fp32 parameters under torch.autocast: adding an fp32 bias makes an fp32 tensor.
     bias = inputs.model.add_bias_linear
-    fused_gelu = gpu and inputs.model.bias_gelu_fusion and inputs.model.activation != "swiglu"
+    fused_gelu = gpu and inputs.model.bias_gelu_fusion and not inputs.model.gated
     activation_input = _FP32 if bias and not fused_gelu else 2
     mask = 1 if gpu else _FP32
     return Dtypes(_FP32, 2, activation_input, mask, mask if bias or gpu else 2)

@@ -130,7 +130,7 @@ def layer_matmuls(inputs: PlanInputs, layer_number: int) -> list[Fp8Matmul]:
 def _mlp_held(inputs: PlanInputs, rows: int, ffn: int) -> int:
     """`Fp8Matmul.held` of an MLP's second matmul over `rows` x `ffn` (`mlp.ParallelMLP`)."""
     size = dtypes(inputs)
-    first = (2 * ffn if inputs.model.activation == "swiglu" else ffn) * rows * size.compute
+    first = (2 * ffn if inputs.model.gated else ffn) * rows * size.compute
     cast = size.activation_input != size.compute
     return first + (rows * ffn * size.activation_input if cast else 0)
 

@@ -165,12 +165,12 @@ def _experts_bytes(inputs: PlanInputs, size: Dtypes, rows: int) -> int:
     config = inputs.model
     moe, h, c = config.routed_moe, config.hidden_size, size.compute
     ffn = moe.ffn_hidden_size or config.ffn_hidden_size
-    width = 2 * ffn if config.activation == "swiglu" else ffn
+    width = 2 * ffn if config.gated else ffn
     local = moe.num_experts // inputs.ep
     total = rows * h * c + rows * width * c  # input, first product
     if not recomputes(config, "moe_act"):  # else run without a graph, its output freed
         total += rows * ffn * c  # the activation's output
-        if config.activation == "swiglu":
+        if config.activation == "swiglu" and not config.glu_keeps_input_only:
             total += rows * ffn * c  # silu(gate)
     if config.add_bias_linear:
         total += 2 * rows * _INDEX  # each bias's row-to-expert index
@@ -190,9 +190,9 @@ def _shared_expert_bytes(inputs: PlanInputs, size: Dtypes) -> int:
         return 0
     tokens = inputs.local_seq_length * inputs.micro_batch  # gathered under sequence parallel
     ffn //= inputs.tp
-    mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
+    mlp_in = 2 * ffn if config.gated else ffn
     total = tokens * mlp_in * size.activation_input + tokens * ffn * size.compute
-    if config.activation == "swiglu":
+    if config.activation == "swiglu" and not config.glu_keeps_input_only:
         total += tokens * ffn * size.activation_input
     return total
 
@@ -245,7 +245,7 @@ def routed_expert_parameters(config: ModelConfig) -> int:
     """Parameters of all E routed experts of one MoE layer (weights and biases)."""
     moe, h = config.routed_moe, config.hidden_size
     ffn = moe.ffn_hidden_size or config.ffn_hidden_size
-    width = 2 * ffn if config.activation == "swiglu" else ffn
+    width = 2 * ffn if config.gated else ffn
     biases = width + h if config.add_bias_linear else 0
     return moe.num_experts * (h * width + ffn * h + biases)
 
@@ -262,7 +262,7 @@ def routed_weight_copy_elements(
     total = 0 if moe.router_dtype is not None else moe.num_experts * h
     ffn = moe.shared_expert_ffn_hidden_size
     if ffn and not fp8 and not recomputes(config, "shared_experts"):
-        mlp_in = 2 * ffn if config.activation == "swiglu" else ffn
+        mlp_in = 2 * ffn if config.gated else ffn
         total += ((0 if gathered else h * mlp_in) + ffn * h) // tp
     if ffn and moe.shared_expert_gate:  # [1, h], outside the shared expert's recomputation
         total += h

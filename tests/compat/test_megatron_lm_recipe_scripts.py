@@ -2,7 +2,8 @@
 path and commit) as a user runs them: each validates with `--dry-run` at the smallest world
 that holds its layout, or stops in one line naming a feature not built here.
 
-(The Llama-3 recipe and the Mixtral recipe have their own modules: they validate and train.)
+(The Llama-3, Mixtral, DeepSeek-V3 and gpt-oss recipes have their own modules: they validate
+and train.)
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ REFUSED = [
         128,
         ["--step-batch-size-schedule 0:16 2.4B:320", "Cannot specify both", "not built here"],
     ),
-    # Their mock data (--mock-data, NullTokenizer --vocab-size 128256) and FP8 are built;
-    # gpt-oss's attention sinks and Megatron-FSDP's own checkpoint format are not.
-    ("gptoss__02_train.json", 8, ["--enable-gpt-oss", "not built here"]),
     (
         "megatron_fsdp__train_llama3_8b_fsdp_h100_fp8.json",
         8,

@@ -67,6 +67,8 @@ def _by_hand(layer: RoutedMoE, x: torch.Tensor) -> torch.Tensor:
     moe, experts = layer.router.moe, layer.experts
     tokens = x.reshape(-1, HIDDEN)
     logits = tokens @ layer.router.weight.t()
+    if layer.router.bias is not None:  # with the linear layers' biases (megatron-core's)
+        logits = logits + layer.router.bias
     if moe.score_function == "sigmoid":
         values, chosen = torch.sigmoid(logits).topk(moe.top_k, dim=1)
         weights = values / values.sum(1, keepdim=True) if moe.top_k > 1 else values

@@ -3,8 +3,9 @@
 A model run over a whole sequence and the same model fed the sequence in pieces (one token
 at a time, a prompt then single tokens, or several multi-token chunks on a non-empty cache)
 must give the same logits at every position, for each attention backend and both kinds of
-position embedding, grouped-query attention (whose cache holds only the key/value heads) and
-multi-latent attention (keys wider than values; its cache holds the compressed latent).
+position embedding, grouped-query attention (whose cache holds only the key/value heads),
+multi-latent attention (keys wider than values; its cache holds the compressed latent) and
+gpt-oss's layers (attention sinks, a sliding window on every other layer, YaRN).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from megatron.config import MLAConfig
 from megatron.model.inference_params import InferenceParams
+from megatron.yarn_config import YarnConfig
 from tests.model.helpers import build_model, random_batch, tiny_config
 from tests.tolerances import assert_close_reordered, forward_terms
 
@@ -52,6 +54,21 @@ VARIANTS = {
         ),
     ),
 }
+# gpt-oss: learned attention sinks, a window on layer 1 only, YaRN, the clamped quick-GeGLU.
+GPT_OSS = dict(
+    position_embedding_type="yarn",
+    yarn=YarnConfig(scaling_factor=4.0, original_max_position_embeddings=4, round_to_int=False),
+    normalization="rmsnorm",
+    activation="quick_geglu",
+    glu_linear_offset=1.0,
+    activation_clamp_value=0.5,
+    softmax_type="learnable",
+    window_size=(3, 0),
+    window_attn_skip_freq=2,
+    num_key_value_heads=2,
+)
+VARIANTS["sdpa-gpt-oss"] = GPT_OSS
+VARIANTS["unfused-gpt-oss"] = dict(GPT_OSS, attention_backend="unfused")
 SPLITS = {
     "token-by-token": [1] * SEQ,
     "prefill-then-tokens": [5] + [1] * (SEQ - 5),

@@ -22,11 +22,8 @@ from megatron.config import MLAConfig, ModelConfig
 from megatron.core.process_groups import this_rank_groups
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.model.model_size import num_parameters
-from megatron.model.multi_latent_attention import (
-    MultiLatentAttention,
-    yarn_inverse_frequencies,
-    yarn_mscale,
-)
+from megatron.model.multi_latent_attention import MultiLatentAttention, mla_yarn
+from megatron.yarn_config import yarn_mscale
 from tests.model.helpers import (
     build_model,
     full_grads,
@@ -191,7 +188,7 @@ def test_attention_matches_the_written_out_reference(variant: str, backend: str)
 def test_yarn_frequencies_and_factors_are_transformers() -> None:
     """The kept/interpolated frequency ramp, the cos/sin factor and the softmax factor."""
     inv_freq, factor = reference_frequencies(YARN, 10000.0)
-    ours = yarn_inverse_frequencies(YARN.qk_pos_emb_head_dim, 10000.0, YARN)
+    ours = mla_yarn(YARN).inverse_frequencies(YARN.qk_pos_emb_head_dim, 10000.0)
     torch.testing.assert_close(ours, inv_freq, rtol=1e-6, atol=0)
     assert not torch.allclose(ours, reference_frequencies(LITE, 10000.0))  # the ramp acts
     assert yarn_mscale(4.0, 0.707) / yarn_mscale(4.0, 1.0) == pytest.approx(factor, rel=1e-6)

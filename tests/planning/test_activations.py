@@ -19,6 +19,7 @@ from megatron.planning.activations import (
     logits_bytes,
     stage_activation_bytes,
 )
+from megatron.yarn_config import YarnConfig
 from tests.model.helpers import spawn_collect
 from tests.planning.plan_inputs import plan_inputs
 from tests.planning.saved_tensors import saved_bytes
@@ -73,11 +74,51 @@ def test_one_process_prediction_matches_saved_tensors(path, dropout, recompute, 
     assert _predicted(config, path) == pytest.approx(measured, rel=0.01)
 
 
+# gpt-oss's layers (issue 58): attention sinks, sliding windows on every other layer, YaRN
+# rotary positions, the clamped quick-GeGLU with its offset, grouped-query attention.
+GPT_OSS = dict(
+    activation="quick_geglu",
+    glu_linear_offset=1.0,
+    activation_clamp_value=7.0,
+    softmax_type="learnable",
+    window_size=(31, 0),
+    window_attn_skip_freq=2,
+    position_embedding_type="yarn",
+    yarn=YarnConfig(scaling_factor=4.0, round_to_int=False),
+    num_key_value_heads=2,
+)
+# Without dropout the sinks' fused kernel (CPU flash), with attention dropout their math.
+GPT_OSS_CASES = [
+    (path, dropout, recompute)
+    for path in ("fp32", "autocast", "ds-bf16")
+    for dropout, recompute in ((0.0, None), (0.0, "selective"), (0.0, "full"), (0.1, None))
+]
+
+
+@pytest.mark.parametrize(
+    "path,dropout,recompute",
+    GPT_OSS_CASES,
+    ids=[f"{p}-drop{d}-{r}" for p, d, r in GPT_OSS_CASES],
+)
+def test_gpt_oss_layers_prediction_matches_saved_tensors(path, dropout, recompute):
+    config = _config(
+        params_dtype="bfloat16" if path == "ds-bf16" else "float32",
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        recompute_granularity=recompute,
+        **GPT_OSS,
+    )
+    measured = saved_bytes(config, MICRO_BATCH, SEQ, autocast=path == "autocast")
+    assert _predicted(config, path) == pytest.approx(measured, rel=0.01)
+
+
 TP_AUTOCAST = {
     # Under sequence parallelism the column-parallel layers cast inside their gather (no
     # weight copy kept); without dropout the embeddings' scattered part is its own tensor.
     "sp-autocast-swiglu": _config(sequence_parallel=True, activation="swiglu"),
     "autocast-dropout": _config(hidden_dropout=0.1, attention_dropout=0.1),
+    # Each rank's heads with their sinks.
+    "sp-autocast-gpt-oss": _config(sequence_parallel=True, attention_dropout=0.0, **GPT_OSS),
 }
 
 

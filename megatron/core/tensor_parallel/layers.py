@@ -123,6 +123,24 @@ def _initialize_weight(
     initialize(weight, fill)
 
 
+def new_split_parameter(
+    full_shape: tuple[int, ...],
+    partition_dim: int,
+    init_method: InitMethod,
+    dtype: torch.dtype,
+    use_cpu_initialization: bool,
+) -> nn.Parameter:
+    """A parameter split over the tensor-parallel ranks along `partition_dim`, marked and drawn
+    as a parallel linear layer's weight (e.g. attention sinks: one logit per head)."""
+    world, _ = _split_over(True)
+    shape = list(full_shape)
+    shape[partition_dim] = divide(shape[partition_dim], world, "the split parameter")
+    param = new_parameter(tuple(shape), dtype)
+    set_tensor_model_parallel_attributes(param, partition_dim, 1)
+    _initialize_weight(param, full_shape, partition_dim, init_method, 1, use_cpu_initialization)
+    return param
+
+
 def _zero_bias(size: int, dtype: torch.dtype) -> nn.Parameter:
     bias = new_parameter((size,), dtype)
     initialize(bias, nn.init.zeros_)
