@@ -8,12 +8,13 @@ for a dense model, `MixtralForCausalLM` for a Mixture-of-Experts one (`huggingfa
 or, for Megatron-LM's MoE with DeepSeek-V3's router (sigmoid, expert bias, shared expert,
 first layers dense), `Glm4MoeForCausalLM` (`huggingface_glm4_moe.py`), for it with Qwen3's
 attention `Qwen3MoeForCausalLM`, with Qwen2's and a gated shared expert `Qwen2MoeForCausalLM`
-(`huggingface_qwen3_moe.py`); with multi-latent
-attention `DeepseekV3ForCausalLM` or `DeepseekV2ForCausalLM` (`huggingface_deepseek.py`, the
-former with multi-token prediction); and refuses, in one
-line naming what differs, a model none computes exactly. `UNSUPPORTED_MODEL_TYPES` says why
-other Mixture-of-Experts families do not import. `hf_config_json`
-and `to_hf_weights` write the chosen class's config.json and weights.
+(`huggingface_qwen3_moe.py`), with gpt-oss's attention sinks, sliding windows, YaRN, biases
+and clamped quick-GeGLU experts `GptOssForCausalLM` (`huggingface_gpt_oss.py`); with
+multi-latent attention `DeepseekV3ForCausalLM` or `DeepseekV2ForCausalLM`
+(`huggingface_deepseek.py`, the former with multi-token prediction); and refuses, in one line
+naming what differs, a model none computes exactly (gpt-oss's options, which only
+`GptOssForCausalLM` computes, named for the others too). `hf_config_json` and `to_hf_weights`
+write the chosen class's config.json and weights.
 
 GPT-2 conversion, pure torch and plain dicts (the tools in tools/checkpoint/ import
 `transformers`):
@@ -52,6 +53,13 @@ from megatron.checkpointing.huggingface_glm4_moe import (
     glm4_moe_differences,
     to_glm4_moe_state_dict,
 )
+from megatron.checkpointing.huggingface_gpt_oss import ARCHITECTURE as GPT_OSS
+from megatron.checkpointing.huggingface_gpt_oss import (
+    gpt_oss_config_json,
+    gpt_oss_differences,
+    gpt_oss_feature_differences,
+    to_gpt_oss_state_dict,
+)
 from megatron.checkpointing.huggingface_llama import ARCHITECTURE as LLAMA
 from megatron.checkpointing.huggingface_llama import (
     attention_differences,
@@ -80,11 +88,6 @@ from megatron.checkpointing.shapes import model_config  # noqa: F401 - the tools
 from megatron.config import ModelConfig
 
 GPT2 = "GPT2LMHeadModel"
-UNSUPPORTED_MODEL_TYPES = {
-    "gpt_oss": "gpt-oss's learnable attention sinks, alternating sliding-window layers and "
-    "clamped GLU experts with biases are not built here",
-}
-"""Mixture-of-Experts model types an import refuses, and why (one line each)."""
 
 TO_HF_ACTIVATION = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 FROM_HF_ACTIVATION = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -148,9 +151,9 @@ def gpt2_differences(config: ModelConfig) -> list[str]:
 def hf_architecture(config: ModelConfig) -> str:
     """`GPT2LMHeadModel`, `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
     `MistralForCausalLM` or (Mixture-of-Experts) `MixtralForCausalLM`, `Glm4MoeForCausalLM`,
-    `Qwen3MoeForCausalLM` or `Qwen2MoeForCausalLM` or (multi-latent attention)
-    `DeepseekV3ForCausalLM` or `DeepseekV2ForCausalLM`: the Hugging Face class computing
-    `config`'s model.
+    `Qwen3MoeForCausalLM`, `Qwen2MoeForCausalLM` or `GptOssForCausalLM` or (multi-latent
+    attention) `DeepseekV3ForCausalLM` or `DeepseekV2ForCausalLM`: the Hugging Face class
+    computing `config`'s model.
 
     Raises, naming what differs from the closest, when none does exactly.
     """
@@ -159,7 +162,7 @@ def hf_architecture(config: ModelConfig) -> str:
             DEEPSEEK_V3: deepseek_differences(config, DEEPSEEK_V3),
             DEEPSEEK_V2: deepseek_differences(config, DEEPSEEK_V2),
         }
-        return _closest(candidates)
+        return _closest(candidates, config)
     if config.mtp is not None:
         raise CheckpointConversionError(
             "multi-token prediction (--mtp-num-layers) without multi-latent attention has no "
@@ -171,17 +174,22 @@ def hf_architecture(config: ModelConfig) -> str:
             GLM4_MOE: glm4_moe_differences(config),
             QWEN3_MOE: qwen3_moe_differences(config),
             QWEN2_MOE: qwen2_moe_differences(config),
+            GPT_OSS: gpt_oss_differences(config),
         }
     elif config.moe is not None:
         candidates = {MIXTRAL: mixtral_differences(config)}
     else:
         candidates = {GPT2: gpt2_differences(config), LLAMA: llama_differences(config)}
         candidates.update({name: check(config) for name, check in QWEN_MISTRAL.items()})
-    return _closest(candidates)
+    return _closest(candidates, config)
 
 
-def _closest(candidates: dict[str, list[str]]) -> str:
-    """The first architecture with no differences, or a refusal naming the closest's."""
+def _closest(candidates: dict[str, list[str]], config: ModelConfig) -> str:
+    """The first architecture with no differences, or a refusal naming the closest's; the
+    options only gpt-oss has count as differences of every other."""
+    for name in candidates:
+        if name != GPT_OSS:
+            candidates[name] = candidates[name] + gpt_oss_feature_differences(config, name)
     for name, differences in candidates.items():
         if not differences:
             return name
@@ -245,6 +253,10 @@ def hf_config_json(
         )
     elif architecture == GLM4_MOE:
         keys = glm4_moe_config_json(config, true_vocab_size, bos_token_id, eos_token_id)
+    elif architecture == GPT_OSS:
+        keys = gpt_oss_config_json(
+            config, true_vocab_size, bos_token_id, eos_token_id, moe_loss_coeff
+        )
     elif architecture in (QWEN3_MOE, QWEN2_MOE):
         keys = qwen3_moe_config_json(
             config, true_vocab_size, bos_token_id, eos_token_id, moe_loss_coeff, architecture
@@ -282,6 +294,7 @@ def to_hf_weights(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
         GLM4_MOE: to_glm4_moe_state_dict,
         QWEN3_MOE: to_qwen3_moe_state_dict,
         QWEN2_MOE: to_qwen3_moe_state_dict,
+        GPT_OSS: to_gpt_oss_state_dict,
     }
     return convert.get(architecture, to_llama_state_dict)(state, config)
 
@@ -369,7 +382,7 @@ def megatron_args_from_hf(
         raise CheckpointConversionError(
             f"config.json has model_type={hf_config.get('model_type')!r}; only 'gpt2', "
             "'llama', 'qwen2', 'qwen3', 'mistral', 'mixtral', 'glm4_moe', 'qwen3_moe', "
-            "'deepseek_v2' and 'deepseek_v3' convert"
+            "'qwen2_moe', 'gpt_oss', 'deepseek_v2' and 'deepseek_v3' convert"
         )
     problems = {
         "scale_attn_weights": (hf_config.get("scale_attn_weights", True), True),

@@ -4,6 +4,7 @@
     python tests/tools/hf_reader.py OUT.pt --make-llama DIR
     python tests/tools/hf_reader.py OUT.pt --make-deepseek-v3 DIR
     python tests/tools/hf_reader.py OUT.pt --make-qwen2-moe DIR --make-qwen3-moe DIR
+    python tests/tools/hf_reader.py OUT.pt --make-gpt-oss DIR
 
 Imports only torch and transformers, so that a test can run it under transformers 4.x (a
 subprocess with `tests.conftest.ensure_transformers_4()` first on PYTHONPATH) and call `read`
@@ -11,7 +12,8 @@ in-process under the installed 5.x. `--make-llama DIR` saves a random LLaMA (gro
 attention, untied output layer, RoPE base 500000) to DIR with this release's `save_pretrained`,
 and its logits; `--make-deepseek-v3 DIR` likewise a random DeepSeek-V3 (MoE, MLA, YaRN),
 `--make-qwen2-moe DIR` a Qwen2-MoE (gated shared expert, q/k/v biases, every other layer
-dense), `--make-qwen3-moe DIR` a Qwen3-MoE.
+dense), `--make-qwen3-moe DIR` a Qwen3-MoE, `--make-gpt-oss DIR` a gpt-oss (`GPT_OSS_SHAPE`:
+sinks, windows on every other layer shorter than the ids, YaRN, clamped experts, biases).
 """
 
 from __future__ import annotations
@@ -128,6 +130,40 @@ def make_qwen_moe(folder: str, model_type: str) -> dict:
     return dict(version=transformers.__version__, ids=ids[0].tolist(), logits=logits)
 
 
+GPT_OSS_YARN = dict(
+    rope_type="yarn", factor=4.0, original_max_position_embeddings=256, beta_fast=8.0,
+    beta_slow=1.0, truncate=False,
+)  # fmt: skip
+"""YaRN whose ramp (between channels 1.4 and 3.2 of head_dim 16's 8) the truncation would move."""
+GPT_OSS_SHAPE = dict(
+    vocab_size=300, max_position_embeddings=1024, hidden_size=64, intermediate_size=32,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_local_experts=4, num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False,
+)  # fmt: skip
+"""A tiny gpt-oss: the default layer_types (windowed, full, windowed, full), 8-key windows."""
+
+
+def make_gpt_oss(folder: str, seed: int = 7) -> dict:
+    """Save a random gpt-oss (`GPT_OSS_SHAPE`, `GPT_OSS_YARN` at RoPE base 10000; every weight,
+    sink and bias random, norms around 1, the experts' gate_up wide enough that the clamp
+    acts) with this `save_pretrained`, eager attention; its logits [s, v] on 24 random ids."""
+    if transformers.__version__.startswith("4."):
+        rope = dict(rope_theta=10000.0, rope_scaling=dict(GPT_OSS_YARN))
+    else:
+        rope = dict(rope_parameters=dict(GPT_OSS_YARN, rope_theta=10000.0))
+    config = transformers.GptOssConfig(**GPT_OSS_SHAPE, **rope, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            scale = 0.6 if name.endswith("gate_up_proj") else 0.1
+            tensor.copy_(("norm" in name) + torch.randn_like(tensor) * scale)
+        ids = torch.randint(0, config.vocab_size, (1, 24))
+        logits = model(ids).logits[0]
+    model.save_pretrained(folder)
+    return dict(version=transformers.__version__, ids=ids[0].tolist(), logits=logits)
+
+
 def main() -> None:
     """Command-line entry point: results of every folder, by folder, into OUT (torch.save)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -139,6 +175,7 @@ def main() -> None:
     parser.add_argument("--make-deepseek-v3", default=None)
     parser.add_argument("--make-qwen2-moe", default=None)
     parser.add_argument("--make-qwen3-moe", default=None)
+    parser.add_argument("--make-gpt-oss", default=None)
     args = parser.parse_intermixed_args()
     results = {folder: read(folder, args.text, args.new_tokens) for folder in args.folders}
     if args.make_llama:
@@ -149,6 +186,8 @@ def main() -> None:
         folder = getattr(args, f"make_{model_type}")
         if folder:
             results[folder] = make_qwen_moe(folder, model_type)
+    if args.make_gpt_oss:
+        results[args.make_gpt_oss] = make_gpt_oss(args.make_gpt_oss)
     torch.save(results, args.out)
 
 

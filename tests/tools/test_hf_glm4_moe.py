@@ -12,8 +12,7 @@ output layer). Imported back: our weights bit for bit (the import adds zero expe
 where we had none), args building the same model. A random `Glm4MoeForCausalLM` saved by
 transformers 5 (top-4 within the best 2 of 4 groups, a non-zero `e_score_correction_bias`,
 partial RoPE by GLM's default) imports with its logits. Whatever GLM-4-MoE or our model cannot
-compute is refused in one line naming it, and so are gpt-oss imports and a Qwen3-MoE's sliding
-window.
+compute is refused in one line naming it, and so is a Qwen3-MoE's sliding window.
 
 End to end (the real command lines): 3 `pretrain_gpt.py` iterations of the DeepSeek-V3 shape
 with aux-loss-free balancing (the expert biases move), `convert_to_hf.py` exports it (our
@@ -298,7 +297,6 @@ NOT_IMPORTED = {
         [],
         "use_sliding_window=true",
     ),
-    "gpt_oss": (dict(model_type="gpt_oss"), [], "attention sinks"),
     "deepseek_v3 without its attention keys": (
         dict(model_type="deepseek_v3", num_key_value_heads=8),
         [],

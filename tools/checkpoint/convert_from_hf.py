@@ -1,5 +1,5 @@
-"""Import a Hugging Face GPT-2, LLaMA, Qwen2, Qwen3, Mistral, Mixtral, GLM-4-MoE, DeepSeek-V2 or
-DeepSeek-V3 folder as a Megatron-layout `release` checkpoint.
+"""Import a Hugging Face GPT-2, LLaMA, Qwen2, Qwen3, Mistral, Mixtral, GLM-4-MoE, Qwen3-MoE,
+Qwen2-MoE, gpt-oss, DeepSeek-V2 or DeepSeek-V3 folder as a Megatron-layout `release` checkpoint.
 
     python tools/checkpoint/convert_from_hf.py --load hf/gpt2 --save checkpoints/gpt2_tp2 \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1
@@ -8,14 +8,17 @@ DeepSeek-V3 folder as a Megatron-layout `release` checkpoint.
 
 Reads `config.json` and the weights (safetensors or pytorch_model.bin) with `GPT2LMHeadModel` /
 `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` / `MistralForCausalLM` /
-`MixtralForCausalLM` / `Glm4MoeForCausalLM` / `DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM
-.from_pretrained` (by the config's `model_type`), refuses what our GPT cannot compute (GPT-2: other
+`MixtralForCausalLM` / `Glm4MoeForCausalLM` / `Qwen3MoeForCausalLM` / `Qwen2MoeForCausalLM` /
+`GptOssForCausalLM` / `DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM.from_pretrained` (by the
+config's `model_type`), refuses what our GPT cannot compute (GPT-2: other
 activations, an untied output layer, cross-attention, unscaled or layer-scaled attention; LLaMA,
 Mixtral and GLM-4-MoE: RoPE scaling, activations other than silu, attention and MLP biases that
 differ; LLaMA and Mixtral: partial RoPE; Mixtral: a sliding window shorter than the positions;
 GLM-4-MoE: QK norm, q/k/v biases, groups ranked otherwise than ours; Qwen3-MoE and Qwen2-MoE
 (`huggingface_qwen3_moe.py`): attention biases other than Qwen2-MoE's q/k/v ones, a sliding window;
-gpt-oss is refused naming why), and writes the checkpoint with args complete enough for
+gpt-oss (`huggingface_gpt_oss_import.py`): another `swiglu_alpha`, a YaRN `attention_factor`
+other than 0.1 ln(factor) + 1, rotary types but YaRN and plain RoPE), and writes the checkpoint
+with args complete enough for
 `pretrain_gpt.py --load` to build the same model (LLaMA: RMSNorm, SwiGLU, RoPE theta, key/value
 heads, untied output layer, no linear biases; Qwen2: `--add-qkv-bias`; Qwen3: `--qk-layernorm`;
 Mistral: `--window-size`, see `megatron/checkpointing/huggingface_qwen_mistral.py`, which also says
@@ -33,12 +36,16 @@ DeepSeek-V3 / V2 (`huggingface_deepseek.py`): `--multi-latent-attention` with it
 YaRN, the V3 router as GLM's, V2's softmax over all experts (`--moe-router-pre-softmax`);
 DeepSeek-V3's multi-token prediction modules (layers num_hidden_layers and on, read from the
 safetensors files) become `--mtp-num-layers`.
+gpt-oss: Megatron-LM's MoE with biases, `--softmax-type learnable` (attention sinks),
+`--window-size` on the `layer_types` windowed (`--window-attn-skip-freq`), YaRN
+(`--position-embedding-type yarn` and its flags), `--quick-geglu --glu-linear-offset 1
+--activation-func-clamp-value` (the experts' clamped activation).
 A config.json may come from transformers 4 (top-level `rope_theta`, `partial_rotary_factor`,
 `rope_scaling`) or 5 (`rope_parameters`); one whose values disagree between the places is
 refused.
 The vocabulary is padded to a multiple of `--make-vocab-size-divisible-by` x TP.
 Needs `pip install transformers safetensors` (GLM-4-MoE: transformers 4.54 or later;
-DeepSeek-V2/V3: 4.57).
+gpt-oss: 4.55; DeepSeek-V2/V3: 4.57).
 """
 
 from __future__ import annotations
@@ -46,13 +53,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.path.pardir] * 2)))
 
 from megatron.checkpointing.huggingface import (  # noqa: E402
-    UNSUPPORTED_MODEL_TYPES,
     from_hf_state_dict,
     megatron_args_from_hf,
     model_config,
@@ -68,6 +73,10 @@ from megatron.checkpointing.huggingface_deepseek_import import (  # noqa: E402
 from megatron.checkpointing.huggingface_glm4_moe import (  # noqa: E402
     from_glm4_moe_state_dict,
     megatron_args_from_glm4_moe,
+)
+from megatron.checkpointing.huggingface_gpt_oss import from_gpt_oss_state_dict  # noqa: E402
+from megatron.checkpointing.huggingface_gpt_oss_import import (  # noqa: E402
+    megatron_args_from_gpt_oss,
 )
 from megatron.checkpointing.huggingface_llama import (  # noqa: E402
     from_llama_state_dict,
@@ -94,6 +103,7 @@ from megatron.checkpointing.shards import (  # noqa: E402
     save_megatron_checkpoint,
 )
 from tools.checkpoint import CONVERSION_ERRORS, require_hf_packages  # noqa: E402
+from tools.checkpoint.hf_import_flags import model_flags  # noqa: E402
 from tools.checkpoint.hf_tokenizer import imported_tokenizer_args  # noqa: E402
 from tools.cli_errors import ToolArgumentParser, check_output_path, run_tool  # noqa: E402
 
@@ -104,8 +114,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--load",
         required=True,
-        help="Hugging Face GPT-2, LLaMA, Qwen2, Qwen3, Mistral, Mixtral, GLM-4-MoE, DeepSeek-V2 "
-        "or DeepSeek-V3 folder.",
+        help="Hugging Face GPT-2, LLaMA, Qwen2, Qwen3, Mistral, Mixtral, GLM-4-MoE, Qwen3-MoE, "
+        "Qwen2-MoE, gpt-oss, DeepSeek-V2 or DeepSeek-V3 folder.",
     )
     parser.add_argument("--save", required=True, help="Checkpoint directory to write.")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
@@ -154,7 +164,17 @@ LLAMA_SHAPE = (
 SHAPE_FIELDS = {
     "gpt2": "n_layer, n_embd, n_head, n_positions and vocab_size",
     **dict.fromkeys(
-        ("llama", "qwen2", "qwen3", "mistral", "mixtral", "glm4_moe", "qwen3_moe", "qwen2_moe"),
+        (
+            "llama",
+            "qwen2",
+            "qwen3",
+            "mistral",
+            "mixtral",
+            "glm4_moe",
+            "qwen3_moe",
+            "qwen2_moe",
+            "gpt_oss",
+        ),
         LLAMA_SHAPE,
     ),
     **dict.fromkeys(
@@ -174,10 +194,11 @@ ARGS_FROM_HF = {
     "glm4_moe": megatron_args_from_glm4_moe,
     "qwen3_moe": megatron_args_from_qwen3_moe,
     "qwen2_moe": megatron_args_from_qwen3_moe,  # by its model_type
+    "gpt_oss": megatron_args_from_gpt_oss,
     **dict.fromkeys(DEEPSEEK_TYPES, megatron_args_from_deepseek),
 }
 """Each family's Megatron args from its config.json (GPT-2's also refuses other types)."""
-MOE_MODEL_TYPES = ("mixtral", "glm4_moe", "qwen3_moe", "qwen2_moe", *DEEPSEEK_TYPES)
+MOE_MODEL_TYPES = ("mixtral", "glm4_moe", "qwen3_moe", "qwen2_moe", "gpt_oss", *DEEPSEEK_TYPES)
 """The families whose args take `--moe-family`."""
 FROM_HF = {
     "llama": from_llama_state_dict,
@@ -188,6 +209,7 @@ FROM_HF = {
     "glm4_moe": from_glm4_moe_state_dict,
     "qwen3_moe": from_qwen3_moe_state_dict,
     "qwen2_moe": from_qwen3_moe_state_dict,
+    "gpt_oss": from_gpt_oss_state_dict,
     "deepseek_v3": from_deepseek_state_dict,
     "deepseek_v2": lambda state, config: from_deepseek_state_dict(state, config, v3=False),
 }
@@ -196,7 +218,7 @@ FROM_HF = {
 
 def read_hf_model(folder: str, model_type: str) -> tuple[dict, dict]:
     """(config dict, state dict) of the GPT-2, LLaMA, Qwen2, Qwen3, Mistral, Mixtral,
-    GLM-4-MoE, Qwen3-MoE, Qwen2-MoE or DeepSeek-V2/V3 in `folder`, loaded offline."""
+    GLM-4-MoE, Qwen3-MoE, Qwen2-MoE, gpt-oss or DeepSeek-V2/V3 in `folder`, loaded offline."""
     import transformers
 
     names = {
@@ -208,13 +230,14 @@ def read_hf_model(folder: str, model_type: str) -> tuple[dict, dict]:
         "glm4_moe": "Glm4MoeForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM",
         "qwen2_moe": "Qwen2MoeForCausalLM",
+        "gpt_oss": "GptOssForCausalLM",
         **DEEPSEEK_TYPES,
     }
     name = names.get(model_type, "GPT2LMHeadModel")
     if not hasattr(transformers, name):
         raise CheckpointConversionError(
             f"--load {folder}: {model_type} needs transformers with {name} (4.51 or later for "
-            f"Qwen3, 4.54 for GLM-4-MoE, 4.57 for DeepSeek-V2/V3); this is "
+            f"Qwen3, 4.54 for GLM-4-MoE, 4.55 for gpt-oss, 4.57 for DeepSeek-V2/V3); this is "
             f"{transformers.__version__}"
         )
     model_class = getattr(transformers, name)
@@ -272,11 +295,6 @@ def mtp_depth(args: argparse.Namespace, hf_config: dict) -> int:
 def checkpoint_args(args: argparse.Namespace, hf_config: dict) -> dict:
     """The Megatron args of the model `hf_config` describes; raises naming what is missing."""
     model_type = hf_config.get("model_type")
-    if model_type in UNSUPPORTED_MODEL_TYPES:
-        raise CheckpointConversionError(
-            f"--load {args.load}: config.json has model_type={model_type!r}: "
-            f"{UNSUPPORTED_MODEL_TYPES[model_type]}"
-        )
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     build = ARGS_FROM_HF.get(model_type, megatron_args_from_hf)
     family = {"moe_family": args.moe_family} if model_type in MOE_MODEL_TYPES else {}
@@ -292,127 +310,6 @@ def checkpoint_args(args: argparse.Namespace, hf_config: dict) -> dict:
             f"--load {args.load}: config.json has no {missing} (a {model_type} config lists "
             f"{fields})"
         ) from None
-
-
-def model_flags(args: dict) -> str:
-    """The pretrain_gpt.py flags that build the imported model."""
-    flags = [
-        f"--num-layers {args['num_layers']}",
-        f"--hidden-size {args['hidden_size']}",
-        f"--num-attention-heads {args['num_attention_heads']}",
-        f"--ffn-hidden-size {args['ffn_hidden_size']}",
-        f"--max-position-embeddings {args['max_position_embeddings']}",
-        f"--seq-length {args['seq_length']}",
-        f"--layernorm-epsilon {args['layernorm_epsilon']}",
-        f"--make-vocab-size-divisible-by {args['make_vocab_size_divisible_by']}",
-        f"--tensor-model-parallel-size {args['tensor_model_parallel_size']}",
-        f"--pipeline-model-parallel-size {args['pipeline_model_parallel_size']}",
-    ]
-    if args.get("swiglu"):
-        flags += [
-            f"--kv-channels {args['kv_channels']}",
-            f"--num-key-value-heads {args['num_key_value_heads']}",
-            "--normalization rmsnorm --swiglu --use-rotary-position-embeddings",
-            f"--rotary-position-embeddings-theta {args['rope_theta']:g}",
-            "--no-position-embedding",
-        ]
-        if args.get("rotary_percent", 1.0) != 1.0:
-            flags.append(f"--rotary-percent {args['rotary_percent']:g}")
-        if args["untie_embeddings_and_output_weights"]:
-            flags.append("--untie-embeddings-and-output-weights")
-        if not args["add_bias_linear"]:
-            flags.append("--disable-bias-linear")
-        if args.get("add_qkv_bias"):
-            flags.append("--add-qkv-bias")
-        if args.get("qk_layernorm"):
-            flags.append("--qk-layernorm")
-        if args.get("window_size") is not None:
-            flags.append(f"--window-size {args['window_size'][0]},{args['window_size'][1]}")
-    elif not args["bias_gelu_fusion"]:
-        flags.append("--no-bias-gelu-fusion")
-    if args.get("multi_latent_attention"):
-        flags += mla_flags(args)
-    if args.get("routed_moe"):
-        flags += routed_moe_flags(args)
-    elif args.get("num_experts"):
-        flags += [
-            f"--num-experts {' '.join(map(str, args['num_experts']))}",
-            f"--expert-interval {args['expert_interval']} --topk {args['topk']}",
-            "--disable-moe-token-dropping --disable-moe-top2-2nd-expert-sampling",
-            f"--moe-loss-coeff {args['moe_loss_coeff']:g}",
-            "--deepspeed --deepspeed_config FILE --no-pipeline-parallel",
-        ]
-    if args.get("tokenizer_model"):
-        flags.append(f"--tokenizer-type {args['tokenizer_type']}")
-        flags.append(f"--tokenizer-model {args['tokenizer_model']}")
-    return " ".join(flags)
-
-
-def mla_flags(args: dict) -> list[str]:
-    """The multi-latent attention and multi-token prediction flags of imported args."""
-    flags = ["--multi-latent-attention"]
-    if args["q_lora_rank"] is not None:
-        flags.append(f"--q-lora-rank {args['q_lora_rank']}")
-    flags += [
-        f"--kv-lora-rank {args['kv_lora_rank']} --qk-head-dim {args['qk_head_dim']}",
-        f"--qk-pos-emb-head-dim {args['qk_pos_emb_head_dim']} --v-head-dim {args['v_head_dim']}",
-        f"--rope-type {args['rope_type']}",
-    ]
-    if args["rope_type"] == "yarn":
-        flags.append(
-            f"--rotary-scaling-factor {args['rotary_scaling_factor']!r} --mscale "
-            f"{args['mscale']!r} --mscale-all-dim {args['mscale_all_dim']!r}"
-        )
-    if args.get("mtp_num_layers"):
-        flags.append(f"--mtp-num-layers {args['mtp_num_layers']}")
-    return flags
-
-
-def layer_pattern(pattern: list[int]) -> str:
-    """`--moe-layer-freq`'s list form, as Megatron-LM's recipes write it: "([0]*1+[1]*3)"."""
-    runs: list[list[int]] = []
-    for value in pattern:
-        if runs and runs[-1][0] == value:
-            runs[-1][1] += 1
-        else:
-            runs.append([value, 1])
-    return "(" + "+".join(f"[{value}]*{count}" for value, count in runs) + ")"
-
-
-def routed_moe_flags(args: dict) -> list[str]:
-    """The Megatron-LM MoE flags (`--moe-router-topk` picks that family) of imported args."""
-    flags = [f"--num-experts {args['num_experts'][0]} --moe-router-topk {args['moe_router_topk']}"]
-    freq = args["moe_layer_freq"]
-    if freq != 1:
-        text = str(freq) if isinstance(freq, int) else layer_pattern(freq)
-        flags.append(f"--moe-layer-freq {shlex.quote(text)}")
-    valued = {
-        "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
-        "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
-        "moe_router_topk_scaling_factor": "--moe-router-topk-scaling-factor",
-        "moe_router_dtype": "--moe-router-dtype",
-    }
-    flags += [
-        f"{flag} {args[name]:g}" if isinstance(args[name], float) else f"{flag} {args[name]}"
-        for name, flag in valued.items()
-        if args.get(name) is not None
-    ]
-    if args["moe_router_score_function"] != "softmax":
-        flags.append(f"--moe-router-score-function {args['moe_router_score_function']}")
-    if args["moe_router_enable_expert_bias"]:
-        flags.append("--moe-router-enable-expert-bias")
-    if args.get("moe_router_pre_softmax"):
-        flags.append("--moe-router-pre-softmax")
-    if args.get("moe_shared_expert_gate"):
-        flags.append("--moe-shared-expert-gate")
-    if args.get("moe_router_num_groups"):
-        flags.append(
-            f"--moe-router-num-groups {args['moe_router_num_groups']} "
-            f"--moe-router-group-topk {args['moe_router_group_topk']}"
-        )
-    if args["moe_aux_loss_coeff"][0]:
-        flags.append(f"--moe-aux-loss-coeff {args['moe_aux_loss_coeff'][0]:g}")
-    return flags
 
 
 def read_hf_folder(args: argparse.Namespace) -> DenseCheckpoint:

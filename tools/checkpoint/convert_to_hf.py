@@ -1,5 +1,5 @@
 """Export a GPT checkpoint (either layout, any TP x PP) as a Hugging Face GPT-2, LLaMA, Qwen2,
-Qwen3, Mistral, Mixtral, GLM-4-MoE, DeepSeek-V2 or DeepSeek-V3.
+Qwen3, Mistral, Mixtral, GLM-4-MoE, Qwen3-MoE, Qwen2-MoE, gpt-oss, DeepSeek-V2 or DeepSeek-V3.
 
     python tools/checkpoint/convert_to_hf.py --load checkpoints/gpt2 --save hf/gpt2
     python tools/checkpoint/convert_to_hf.py --load checkpoints/moe --save hf/moe \
@@ -14,7 +14,11 @@ RMSNorm + SwiGLU + RoPE ones, grouped-query attention and an untied output layer
 Megatron-LM's softmax-routed MoE in every layer; `Glm4MoeForCausalLM` for Megatron-LM's MoE
 with DeepSeek-V3's router: sigmoid scores, expert bias, scaling factor, a shared expert, the
 first layers dense, see `megatron/checkpointing/huggingface_glm4_moe.py`; it loads in
-transformers 4.54+ or 5.x; `DeepseekV3ForCausalLM` / `DeepseekV2ForCausalLM` for
+transformers 4.54+ or 5.x; `Qwen3MoeForCausalLM` / `Qwen2MoeForCausalLM` (see
+`megatron/checkpointing/huggingface_qwen3_moe.py`); `GptOssForCausalLM` for Megatron-LM's MoE
+in every layer with gpt-oss's biases, attention sinks, sliding windows, YaRN and clamped
+quick-GeGLU experts (`megatron/checkpointing/huggingface_gpt_oss.py`; transformers 4.55+);
+`DeepseekV3ForCausalLM` / `DeepseekV2ForCausalLM` for
 `--multi-latent-attention` models with the V3 (sigmoid) or V2 (softmax over all experts)
 router, or dense, V3 with its `--mtp-num-layers` modules in DeepSeek's layer-L layout, see
 `megatron/checkpointing/huggingface_deepseek.py`),
