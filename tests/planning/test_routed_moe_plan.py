@@ -3,7 +3,8 @@
 - Activations against what autograd really keeps (saved-tensor hooks, CPU), to 1% like the
   dense model's (test_activations.py): top-k 1, 2 and 4, softmax and sigmoid scores (with
   pre-softmax, scaling, z-loss, aux and sequence aux losses, the expert bias, fp32 and fp64
-  router dtypes), SwiGLU and GeLU experts with and without biases, grouped GEMM and the loop,
+  router dtypes), SwiGLU, GeLU and gpt-oss's clamped quick-GeGLU experts with and without
+  biases, grouped GEMM and the loop,
   a shared expert, capacity factors, both dispatchers and `--moe-layer-freq` patterns, each on
   the fp32, autocast and DeepSpeed-bf16 paths with recomputation none, selective and full
   (selective recomputes only the attention core; full keeps nothing of an MoE layer but its
@@ -117,6 +118,18 @@ VARIANTS = [
             grouped_gemm=True,
         ),
         dict(activation="swiglu"),
+        (True, True),
+    ),
+    # gpt-oss's experts: the clamped quick-GeGLU with its offset (keeping only its input),
+    # biases on the router and the experts, attention sinks.
+    (
+        dict(num_experts=4, top_k=2, aux_loss_coeff=0.01, grouped_gemm=True),
+        dict(
+            activation="quick_geglu",
+            glu_linear_offset=1.0,
+            activation_clamp_value=7.0,
+            softmax_type="learnable",
+        ),
         (True, True),
     ),
 ]
