@@ -55,13 +55,19 @@ from megatron.planning.routed_moe import (
 _FP32 = 4
 
 
-def _math_attention(inputs: PlanInputs, comm_type: str | None = None) -> bool:
+def _math_attention(
+    inputs: PlanInputs, comm_type: str | None = None, layer_number: int | None = None
+) -> bool:
     """Whether attention materializes s x s probabilities (no fused kernel covers it)."""
     config = inputs.model
     if comm_type == "p2p":
         return False  # ring attention's blocks keep only their log-sum-exp (any dropout)
     if config.attention_backend == "unfused":
         return True
+    if comm_type is None and config.layer_window(layer_number or 1) is not None:
+        # A sliding window on CPUs: each sample's SDPA call takes its band mask, which sends
+        # it to the math kernel (`document_mask.varlen_attention`).
+        return inputs.device_type == "cpu"
     # On CPUs torch's fused SDPA kernel has no dropout: with attention dropout it runs the
     # math kernel. On GPUs flash / memory-efficient attention handle dropout themselves.
     return inputs.device_type == "cpu" and config.attention_dropout > 0.0
@@ -81,7 +87,9 @@ def _math_attention_bytes(
     tokens = inputs.local_seq_length * b
     if keys_width:
         return kept * probabilities + (tokens * width + 2 * b * keys * keys_width) * _FP32
-    copies = 2 if dtypes(inputs).compute == _FP32 else 3
+    # The scaled query and the key; the value too where it is upcast or expanded per head.
+    grouped = inputs.model.num_key_value_heads < inputs.model.num_attention_heads
+    copies = 2 if dtypes(inputs).compute == _FP32 and not grouped else 3
     return kept * probabilities + copies * tokens * width * _FP32
 
 
@@ -204,7 +212,7 @@ def layer_bytes(inputs: PlanInputs, kept: bool = True, layer_number: int | None 
         total += _matmul_input_tokens(inputs, layer_number) * h * size.compute
     selective = config.recompute_granularity == "selective"
     comm_type = _comm_type(inputs, layer_number)
-    math = _math_attention(inputs, comm_type) and not selective
+    math = _math_attention(inputs, comm_type, layer_number) and not selective
     # (The upcasting math kernel keeps fp32 copies; over gathered keys and values, also of
     # the value.)
     if config.mla is not None:  # its widths differ: the math kernel on CPUs
@@ -218,7 +226,10 @@ def layer_bytes(inputs: PlanInputs, kept: bool = True, layer_number: int | None 
         total += tokens * (config.projection_size // tp) * size.compute  # the output's input
         total += sink_attention_bytes(inputs, layer_number) if not selective else 0
     else:
-        if not (math and (size.compute < _FP32 or comm_type == "allgather")):
+        # (The math kernel's copies replace them where it upcasts, expands grouped keys
+        # and values per query head, or attends over gathered ones.)
+        grouped = config.num_key_value_heads < config.num_attention_heads
+        if not (math and (size.compute < _FP32 or comm_type == "allgather" or grouped)):
             total += tokens * qkv * size.compute  # query, key, value
         total += rotary_bytes(inputs, math)
         total += tokens * (config.projection_size // tp) * size.compute  # the output's input
