@@ -113,27 +113,21 @@ def test_gpt_oss_layers_prediction_matches_saved_tensors(path, dropout, recomput
 
 
 # Sliding windows on CPUs (Mistral's --window-size): each sample's SDPA call with its band
-# mask runs the math kernel; grouped-query attention expands the keys and values for it.
-WINDOW_CASES = [
-    (path, name)
-    for path in ("fp32", "autocast", "ds-bf16")
-    for name in ("every layer", "grouped", "every other layer")
-]
+# mask runs the math kernel; grouped-query attention expands the keys and values for it (as
+# it does for attention dropout's math kernel).
 WINDOWS = {
     "every layer": dict(window_size=(31, 0)),
     "grouped": dict(window_size=(31, 0), num_key_value_heads=2),
     "every other layer": dict(window_size=(31, 0), window_attn_skip_freq=2),
+    "grouped, no window, attention dropout": dict(num_key_value_heads=2, attention_dropout=0.1),
 }
+WINDOW_CASES = [(path, name) for path in ("fp32", "autocast", "ds-bf16") for name in WINDOWS]
 
 
 @pytest.mark.parametrize("path,name", WINDOW_CASES, ids=[f"{p}-{n}" for p, n in WINDOW_CASES])
 def test_sliding_window_prediction_matches_saved_tensors(path, name):
-    config = _config(
-        params_dtype="bfloat16" if path == "ds-bf16" else "float32",
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        **WINDOWS[name],
-    )
+    fields = {"hidden_dropout": 0.0, "attention_dropout": 0.0, **WINDOWS[name]}
+    config = _config(params_dtype="bfloat16" if path == "ds-bf16" else "float32", **fields)
     measured = saved_bytes(config, MICRO_BATCH, SEQ, autocast=path == "autocast")
     assert _predicted(config, path) == pytest.approx(measured, rel=0.01)
 
