@@ -22,8 +22,8 @@ own package, or any package of a lower layer; nothing else:
 - core: `megatron.core.*`.
 - base: `megatron` itself, `config`, `layout`, `settled_args`, `utils`, `atomic_files`,
   `extensions`, `deepspeed_facts`: import nothing of megatron but the config parts.
-- config parts: `deepseek_config` and `yarn_config` (the typed DeepSeek and YaRN options
-  `config` holds): nothing.
+- config parts: `deepseek_config`, `moe_config` and `yarn_config` (the typed DeepSeek, MoE
+  and YaRN options `config` holds): nothing.
 
 Parts that share a layer (model and data; the entry points; the base modules) do not import
 each other.
@@ -68,7 +68,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "megatron.extensions",
         ),
     ),
-    ("config parts", ("megatron.deepseek_config", "megatron.yarn_config")),
+    ("config parts", ("megatron.deepseek_config", "megatron.moe_config", "megatron.yarn_config")),
 )
 # The package namespaces that only re-export: `megatron` holds the version, and
 # `megatron.training` resolves `pretrain` and its siblings from megatron.training.training.
