@@ -14,12 +14,10 @@ from megatron.deepseek_config import (
     mla_config_from_args,
     mtp_config_from_args,
 )
-from megatron.moe_config import (  # noqa: F401 - MoE names importable from here too
+from megatron.moe_config import (
     MoEConfig,
     RoutedMoEConfig,
-    experts_per_layer,
     moe_config_from_args,
-    moe_layer_flags,
     routed_moe_config_from_args,
 )
 from megatron.yarn_config import YarnConfig, yarn_config_from_args

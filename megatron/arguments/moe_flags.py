@@ -14,7 +14,7 @@ import argparse
 
 from megatron.arguments.errors import ArgumentError
 from megatron.arguments.parallel_flags import job_backend
-from megatron.config import experts_per_layer
+from megatron.moe_config import experts_per_layer
 
 
 def add_moe_flags(parser: argparse.ArgumentParser) -> None:

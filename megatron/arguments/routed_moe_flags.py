@@ -17,7 +17,7 @@ import argparse
 import ast
 
 from megatron.arguments.errors import ArgumentError
-from megatron.config import moe_layer_flags
+from megatron.moe_config import moe_layer_flags
 
 # Megatron-DeepSpeed's MoE flags (dest names) that Megatron-LM does not have.
 DEEPSPEED_MOE_DESTS = (

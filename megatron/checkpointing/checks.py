@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.config import experts_per_layer
 from megatron.deepspeed_facts import optimizer_state_partitioned, optimizer_wrapper
+from megatron.moe_config import experts_per_layer
 from megatron.utils import print_rank_0
 
 RESHARD_TOOL = "tools/checkpoint/reshard.py"

@@ -50,7 +50,7 @@ from megatron.checkpointing.file_format import (
     nest_model_state,
     rank_file,
 )
-from megatron.config import experts_per_layer
+from megatron.moe_config import experts_per_layer
 
 
 class CheckpointConversionError(ValueError):
