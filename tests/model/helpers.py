@@ -129,6 +129,21 @@ def gather_across_tensor_group(tensor: torch.Tensor) -> list[torch.Tensor]:
     return parts
 
 
+def loss_grads_and_logits(
+    model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, rng_seed: int | None = None
+) -> dict[str, object]:
+    """`model`'s per-token loss, its whole gradients (`full_grads`) and its whole eval-mode
+    logits (the vocabulary shards of every TP rank): what a TP=2 run is compared with TP=1 by."""
+    loss, grads = loss_and_grads(model, tokens, labels, rng_seed=rng_seed)
+    with torch.no_grad():
+        logits = model.eval()(tokens)
+    return {
+        "loss": loss,
+        "grads": full_grads(model, grads),
+        "logits": torch.cat(gather_across_tensor_group(logits), dim=-1),  # vocab shards
+    }
+
+
 def _collect_entry(rank: int, world_size: int, body: Callable, out_dir: str, args: tuple) -> None:
     """Spawned per rank: run `body` on one thread and save what it returns."""
     torch.set_num_threads(1)  # the ranks share the machine's few cores

@@ -30,9 +30,7 @@ from megatron.model.gated_activation import QUICK_GELU_ALPHA, gated_activation
 from megatron.yarn_config import YarnConfig, gpt_oss_yarn
 from tests.model.helpers import (
     build_model,
-    full_grads,
-    gather_across_tensor_group,
-    loss_and_grads,
+    loss_grads_and_logits,
     random_batch,
     spawn_collect,
 )
@@ -232,14 +230,7 @@ def test_window_attn_skip_freq_picks_the_windowed_layers():
 def _measure(tokens, labels, **overrides) -> dict[str, object]:
     model = build_model(ModelConfig(**{**GPT_OSS, **overrides}))
     randomize(model)
-    loss, grads = loss_and_grads(model, tokens, labels)
-    with torch.no_grad():
-        logits = model.eval()(tokens)
-    return {
-        "loss": loss,
-        "grads": full_grads(model, grads),
-        "logits": torch.cat(gather_across_tensor_group(logits), dim=-1),
-    }
+    return loss_grads_and_logits(model, tokens, labels)
 
 
 def tensor_parallel_body(rank: int, world: int) -> dict[str, object]:

@@ -23,9 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from tests.model.helpers import (
     build_model,
-    full_grads,
-    gather_across_tensor_group,
-    loss_and_grads,
+    loss_grads_and_logits,
     random_batch,
     spawn_collect,
 )
@@ -62,14 +60,7 @@ def config(**overrides: object) -> ModelConfig:
 def measure(tokens, labels, rng_seed=None, **overrides) -> dict[str, object]:
     """Per-token loss, full gradients and full eval-mode logits of a fresh model."""
     model = build_model(config(**overrides))
-    loss, grads = loss_and_grads(model, tokens, labels, rng_seed=rng_seed)
-    with torch.no_grad():
-        logits = model.eval()(tokens)
-    return {
-        "loss": loss,
-        "grads": full_grads(model, grads),
-        "logits": torch.cat(gather_across_tensor_group(logits), dim=-1),  # vocab shards
-    }
+    return loss_grads_and_logits(model, tokens, labels, rng_seed)
 
 
 def record_outputs(module: torch.nn.Module, store: dict, key: str) -> None:

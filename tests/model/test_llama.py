@@ -22,9 +22,7 @@ from megatron.model.transformer import ParallelAttention, ParallelMLP
 from megatron.model.utils import RMSNorm
 from tests.model.helpers import (
     build_model,
-    full_grads,
-    gather_across_tensor_group,
-    loss_and_grads,
+    loss_grads_and_logits,
     random_batch,
     spawn_collect,
 )
@@ -208,14 +206,7 @@ def test_num_parameters_and_flops_count_the_built_model(single_rank):
 def measure(tokens, labels, **overrides) -> dict[str, object]:
     """Per-token loss, full gradients and full eval logits of a fresh LLaMA-style model."""
     model = build_model(config(**overrides))
-    loss, grads = loss_and_grads(model, tokens, labels)
-    with torch.no_grad():
-        logits = model.eval()(tokens)
-    return {
-        "loss": loss,
-        "grads": full_grads(model, grads),
-        "logits": torch.cat(gather_across_tensor_group(logits), dim=-1),
-    }
+    return loss_grads_and_logits(model, tokens, labels)
 
 
 def tensor_parallel_body(rank: int, world: int) -> dict[str, object]:

@@ -22,9 +22,7 @@ from megatron.model.attention import RotaryEmbedding, apply_rotary_pos_emb
 from megatron.model.transformer import ParallelAttention
 from tests.model.helpers import (
     build_model,
-    full_grads,
-    gather_across_tensor_group,
-    loss_and_grads,
+    loss_grads_and_logits,
     random_batch,
     spawn_collect,
 )
@@ -158,14 +156,7 @@ def measure(tokens, labels, variant: str, **overrides) -> dict[str, object]:
     """Per-token loss, full gradients and full eval logits of the variant's random model."""
     model = build_model(ModelConfig(**{**QWEN, **VARIANTS[variant], **overrides}))
     randomize(model)
-    loss, grads = loss_and_grads(model, tokens, labels)
-    with torch.no_grad():
-        logits = model.eval()(tokens)
-    return {
-        "loss": loss,
-        "grads": full_grads(model, grads),
-        "logits": torch.cat(gather_across_tensor_group(logits), dim=-1),
-    }
+    return loss_grads_and_logits(model, tokens, labels)
 
 
 def tensor_parallel_body(rank: int, world: int) -> dict[str, object]:
