@@ -79,6 +79,8 @@ class RunFeatures:
     muon_flags_for_deepspeed: tuple[str, ...] = ()
     """The flags Megatron-LM's Muon needs to update as DeepSpeed's Muon does (empty: it
     already does)."""
+    combined_1f1b: bool = False
+    """`--overlap-moe-expert-parallel-comm`: Megatron-LM's combined 1F1B."""
 
 
 @dataclass(frozen=True)
@@ -458,6 +460,23 @@ FEATURES: tuple[Feature, ...] = (
         engines=_NOT_DEEPSPEED,
         refusals={engine: _MUON_FLAGS_ON_DEEPSPEED for engine in _DEEPSPEED},
         step=Step.OPTIMIZER,
+    ),
+    Feature(
+        name="Megatron-LM's combined 1F1B (expert all-to-all hidden behind compute)",
+        flag="--overlap-moe-expert-parallel-comm",
+        used=lambda layout, run: run.combined_1f1b,
+        engines=frozenset({Engine.PLAIN}),
+        refusals={
+            Engine.MEGATRON_SCHEDULES: (
+                "{flag} with --pipeline-model-parallel-size {pp}: the combined 1F1B is built "
+                "for PP = 1 here (Megatron-LM's interleaves it into the pipeline schedule)"
+            ),
+            **dict.fromkeys(
+                _DEEPSPEED,
+                "{flag} with --deepspeed: the combined 1F1B runs each micro-batch's backward "
+                "beside the next forward, which DeepSpeed's engine does not; drop --deepspeed",
+            ),
+        },
     ),
     Feature(
         name="torch_dist checkpoints",

@@ -78,6 +78,13 @@ class RoutedMoEConfig:
     shared_expert_gate: bool = False
     """The shared expert's output times sigmoid(x . w), w a learned [1, h] weight
     (`--moe-shared-expert-gate`, Qwen2-MoE's `shared_expert_gate`)."""
+    overlap_expert_comm: bool = False
+    """Megatron-LM's combined 1F1B (`--overlap-moe-expert-parallel-comm`): each micro-batch's
+    backward runs beside the next one's forward, the expert collectives of one hidden behind
+    the other's compute (`megatron.core.pipeline_parallel.combined_1f1b`)."""
+    delay_wgrad: bool = False
+    """With it, the experts' weight gradients run while the backward's next collective travels
+    (`--delay-wgrad-compute`)."""
     score_function: str = "softmax"
     """softmax or sigmoid (DeepSeek-V3) of the router logits (`--moe-router-score-function`)."""
     pre_softmax: bool = False
@@ -146,6 +153,8 @@ def routed_moe_config_from_args(args: Namespace) -> RoutedMoEConfig | None:
         shared_expert_ffn_hidden_size=args.moe_shared_expert_intermediate_size,
         shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         shared_expert_overlap=bool(getattr(args, "moe_shared_expert_overlap", False)),
+        overlap_expert_comm=bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
+        delay_wgrad=bool(getattr(args, "delay_wgrad_compute", False)),
         score_function=args.moe_router_score_function,
         pre_softmax=args.moe_router_pre_softmax,
         topk_scaling_factor=args.moe_router_topk_scaling_factor,

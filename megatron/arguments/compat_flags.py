@@ -286,12 +286,6 @@ REFUSED: list[CompatFlag] = [
         "--fp8-multi-head-attention",
     ),
     *_refused(
-        "Megatron-LM's combined 1F1B, which hides the expert all-to-all of one micro-batch "
-        "behind another's compute, is not built here (the dispatch runs in line)",
-        "--overlap-moe-expert-parallel-comm",
-        "--delay-wgrad-compute",
-    ),
-    *_refused(
         "--rope-type is multi-latent attention's spelling (with --multi-latent-attention); "
         "standard attention takes YaRN as --position-embedding-type yarn",
         "--rope-type:str",

@@ -67,6 +67,7 @@ def run_features(args: argparse.Namespace) -> RunFeatures:
         zero3_reduce_scatter=bool(zero.get("reduce_scatter", True)),
         mtp_layers=getattr(args, "mtp_num_layers", None),
         muon_flags_for_deepspeed=_muon_flags_for_deepspeed(args),
+        combined_1f1b=bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
     )
 
 

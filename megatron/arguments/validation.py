@@ -42,6 +42,7 @@ from megatron.arguments.gpt_oss_flags import check_gpt_oss, settle_gpt_oss
 from megatron.arguments.housekeeping_flags import check_housekeeping
 from megatron.arguments.mla_flags import check_mla
 from megatron.arguments.moe_flags import settle_moe
+from megatron.arguments.moe_overlap_flags import settle_moe_overlap
 from megatron.arguments.mtp_flags import settle_mtp
 from megatron.arguments.muon_flags import settle_muon
 from megatron.arguments.parallel_flags import job_backend
@@ -538,6 +539,7 @@ def validate_args(
     note_what_the_engine_ignores(args)
     settle_moe(args)
     settle_routed_moe(args)
+    settle_moe_overlap(args)
     settle_mtp(args)
     check_housekeeping(args)
     settle_ulysses(args)

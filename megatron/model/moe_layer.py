@@ -10,7 +10,10 @@ holding E / EP experts):
   to them, and a reduce-scatter sums the results back to the tokens' ranks.
 At EP = 1 both run the local experts only. With `--moe-shared-expert-overlap` the all-to-all
 dispatcher launches the tokens' transfer, computes the shared expert, then waits (the same
-values; the transfer hidden behind the shared expert's forward). Dropless by default: an
+values; the transfer hidden behind the shared expert's forward). Under Megatron-LM's combined
+1F1B (`comm_overlap`, set by the engine) both dispatchers' collectives, forward and backward,
+are launched without waiting and travel while another micro-batch computes
+(`megatron.core.pipeline_parallel.combined_1f1b`). Dropless by default: an
 expert takes every token routed to it (`--moe-expert-capacity-factor` bounds it).
 
 Expert parallelism is folded over tensor, context and data parallelism (megatron-core's
@@ -37,15 +40,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.core.pipeline_parallel.combined_1f1b import (
+    Combined1F1B,
+    with_deferred_weight_grads,
+)
 from megatron.core.process_groups import ModelGroups, RankGroup
 from megatron.core.tensor_parallel import mark_sequence_parallel
 from megatron.core.tensor_parallel.expert_mappings import (
+    all_to_all_hidden,
     all_to_all_over_expert_parallel,
     all_to_all_over_expert_parallel_while,
     exchange_counts_over_expert_parallel,
     gather_from_expert_parallel_region,
+    gather_hidden,
     gather_indices_from_expert_parallel_region,
     reduce_expert_gradient,
+    reduce_scatter_hidden,
     reduce_scatter_to_expert_parallel_region,
 )
 from megatron.core.tensor_parallel.meta_init import initialize, new_parameter
@@ -112,6 +122,8 @@ class RoutedMoE(nn.Module):
         self.recompute_shared = recomputes(config, "shared_experts") and not recomputes(
             config, "moe"
         )
+        # Megatron-LM's combined 1F1B, set by the engine (`attach_combined_1f1b`).
+        self.comm_overlap: Combined1F1B | None = None
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
         """[s, b, h] -> ([s, b, h], no separate bias)."""
@@ -159,30 +171,63 @@ class RoutedMoE(nn.Module):
         counts = routing_map.sum(dim=0).view(ep, local)  # [EP, local]: to each rank's experts
         received_counts = exchange_counts_over_expert_parallel(counts)  # [EP, local]: from each
         sent, received = counts.sum(dim=1).tolist(), received_counts.sum(dim=1).tolist()
-        computed = None
-        if during is None:  # by (source, expert)
+        computed, overlap = None, self._overlap()
+        if overlap is not None:  # by (source, expert), the other micro-batch computing
+            arrived = all_to_all_hidden(permuted, received, sent, overlap)
+        elif during is None:
             arrived = all_to_all_over_expert_parallel(permuted, received, sent)
         else:
             arrived, computed = all_to_all_over_expert_parallel_while(
                 permuted, received, sent, during
             )
         order = _by_expert_then_source(received_counts)
-        outputs = self.experts(arrived[order], received_counts.sum(dim=0).tolist())
-        returned = all_to_all_over_expert_parallel(outputs[_inverse(order)], sent, received)
+        outputs = self._experts(arrived[order], received_counts.sum(dim=0).tolist())
+        outputs = outputs[_inverse(order)]
+        if overlap is not None:
+            returned = all_to_all_hidden(outputs, sent, received, overlap)
+        else:
+            returned = all_to_all_over_expert_parallel(outputs, sent, received)
         return _combine(returned, weights, token_ids, tokens.shape[0]), computed
 
     def _all_gather(
         self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
     ) -> torch.Tensor:
-        everyone = gather_from_expert_parallel_region(tokens)  # [EP x T, h]
-        all_probs = gather_from_expert_parallel_region(probs)  # [EP x T, E]
-        all_map = gather_indices_from_expert_parallel_region(routing_map.to(torch.uint8)).bool()
+        overlap = self._overlap()
+        if overlap is not None:  # [EP x T, h], [EP x T, E], [EP x T, E]
+            everyone, all_probs, all_map = gather_hidden(
+                overlap, tokens, probs, routing_map.to(torch.uint8)
+            )
+        else:
+            everyone = gather_from_expert_parallel_region(tokens)
+            all_probs = gather_from_expert_parallel_region(probs)
+            all_map = gather_indices_from_expert_parallel_region(routing_map.to(torch.uint8))
+        all_map = all_map.bool()
         mine = slice(self.first_expert, self.first_expert + self.num_local_experts)
         expert_ids, token_ids = all_map[:, mine].t().nonzero(as_tuple=True)
         weights = all_probs[:, mine].t()[expert_ids, token_ids]
-        outputs = self.experts(everyone[token_ids], all_map[:, mine].sum(dim=0).tolist())
+        outputs = self._experts(everyone[token_ids], all_map[:, mine].sum(dim=0).tolist())
         combined = _combine(outputs, weights, token_ids, everyone.shape[0])  # [EP x T, h]
+        if overlap is not None:
+            return reduce_scatter_hidden(combined, overlap)
         return reduce_scatter_to_expert_parallel_region(combined)
+
+    def _overlap(self) -> Combined1F1B | None:
+        """The combined 1F1B hiding this layer's collectives: in training forwards with
+        expert parallelism (evaluation and generation run them in line)."""
+        if self.comm_overlap is None or self.groups.expert.size == 1:
+            return None
+        return self.comm_overlap if self.training and torch.is_grad_enabled() else None
+
+    def _experts(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The local experts on `tokens` grouped by expert; under `--delay-wgrad-compute`
+        their weight gradients wait for the backward's next collective."""
+        overlap = self._overlap()
+        if overlap is None or not overlap.delay_weight_grads:
+            return self.experts(tokens, counts)
+        params = list(self.experts.parameters())
+        return with_deferred_weight_grads(
+            overlap, lambda rows: self.experts(rows, counts), params, tokens
+        )
 
 
 def tokens_shared_with(config: ModelConfig, groups: ModelGroups) -> RankGroup:
@@ -228,6 +273,13 @@ def _combine(
 def routed_moe_layers(model: nn.Module) -> list[RoutedMoE]:
     """The model's Megatron-LM MoE layers."""
     return [module for module in model.modules() if isinstance(module, RoutedMoE)]
+
+
+def attach_combined_1f1b(model: nn.Module, overlap: Combined1F1B) -> None:
+    """Let `overlap` hide the expert-parallel collectives of `model`'s MoE layers
+    (`--overlap-moe-expert-parallel-comm`)."""
+    for layer in routed_moe_layers(model):
+        layer.comm_overlap = overlap
 
 
 def reduce_expert_gradients(model: nn.Module) -> None:

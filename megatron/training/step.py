@@ -19,12 +19,13 @@ import argparse
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.combined_1f1b import Combined1F1B
 from megatron.core.tensor_parallel.layers import sum_sharded_sequence_parallel_grads
 from megatron.model.moe_aux_loss import moe_losses_of, scale_aux_losses_like
 from megatron.model.moe_layer import finish_moe_backward, update_expert_biases
@@ -226,6 +227,9 @@ class PlainTrainer:
     loss_scaler: object | None
     autocast_dtype: torch.dtype | None
     gradient_accumulation_steps: int
+    comm_overlap: Combined1F1B | None = field(default=None, kw_only=True)
+    """Megatron-LM's combined 1F1B (`--overlap-moe-expert-parallel-comm`): each micro-batch's
+    backward runs beside the next one's forward (`train_step_plain`)."""
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision for --fp16/--bf16: half-precision compute over the fp32 parameters.
@@ -236,6 +240,19 @@ class PlainTrainer:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(current_device().type, dtype=self.autocast_dtype)
+
+    def expect_synced_backward(self) -> None:
+        """What DDP's forward does when it syncs gradients, done after a forward it ran under
+        `no_sync`: its reducer then averages the gradients in the next backward, as it would
+        have. The combined 1F1B's last micro-batch needs it: its forward ran beside the
+        previous micro-batch's backward, which DDP's reducer must not count."""
+        model = self.model
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return
+        model.require_forward_param_sync = True  # buffers broadcast at the next forward
+        model.logger.set_runtime_stats_and_log()
+        model.reducer.prepare_for_forward()
+        model.reducer.prepare_for_backward([])  # find_unused_parameters is off
 
     def no_sync(self, last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """Skip DDP's gradient all-reduce (FSDP2's reduce-scatter) on all but the last
@@ -258,7 +275,9 @@ def train_step_plain(
 ) -> StepResult:
     """Accumulate micro-batch gradients, unscale, then clip and step unless non-finite.
 
-    `timers` gets Megatron's level-1 'forward-backward' and 'optimizer' timers.
+    With `trainer.comm_overlap` (Megatron-LM's combined 1F1B) each micro-batch's backward runs
+    beside the next one's forward; DDP averages in the last one's, as without it. `timers`
+    gets Megatron's level-1 'forward-backward' and 'optimizer' timers.
     """
     timers = timers or _NO_TIMERS
     sums: dict[str, torch.Tensor] = {}
@@ -271,15 +290,33 @@ def train_step_plain(
     timers("forward-backward", 1).start()
     moe_losses = moe_losses_of(trainer.model)
     moe_losses.start()
-    for index in range(micro_batches):
-        with trainer.no_sync(index == micro_batches - 1):
-            with trainer.autocast():
-                output, loss_func = forward_step_func(data_iterator, trainer.model, args)
-                loss, num_tokens, reported = split_loss_outputs(loss_func(output), per_token)
-            scale_aux_losses_like(loss, moe_losses, aux_loss_factor(args) if per_token else 1.0)
-            (loss.float() * (scale / divisor)).backward()
-        tokens.add(num_tokens)
-        accumulate_reported(sums, reported)
+    overlap = trainer.comm_overlap
+    try:
+        for index in range(micro_batches):
+            # Under the combined 1F1B every forward skips DDP's set-up for its gradient sync:
+            # the previous backward still runs beside it (`expect_synced_backward`).
+            with trainer.no_sync(index == micro_batches - 1 and overlap is None):
+                with trainer.autocast():
+                    output, loss_func = forward_step_func(data_iterator, trainer.model, args)
+                    loss, num_tokens, reported = split_loss_outputs(loss_func(output), per_token)
+                factor = aux_loss_factor(args) if per_token else 1.0
+                scale_aux_losses_like(loss, moe_losses, factor)
+                scaled = loss.float() * (scale / divisor)
+                if overlap is None:
+                    scaled.backward()
+                else:  # the previous micro-batch's backward ran beside this forward
+                    overlap.finish_backward()
+                    if index == micro_batches - 1:
+                        trainer.expect_synced_backward()
+                    overlap.start_backward(scaled.backward)
+            tokens.add(num_tokens)
+            accumulate_reported(sums, reported)
+        if overlap is not None:
+            overlap.finish_backward()
+    except BaseException:
+        if overlap is not None:  # nothing may wait for a turn this thread will not give
+            overlap.abandon_backward()
+        raise
     accumulate_reported(sums, moe_losses.pop())
     # Queued now, read after the step: no device sync of its own (PendingAverages).
     losses = PendingAverages(sums, micro_batches)

@@ -4,6 +4,10 @@ functions (the companion of `mappings.py`, which holds the tensor-parallel and s
 Each forward collective has its transpose as the backward: the tokens' all-to-all goes back
 with the splits swapped, an all-gather's backward is a reduce-scatter and the other way round.
 With one expert-parallel rank every function is the identity.
+
+The `*_hidden` functions are the same collectives launched without waiting, for Megatron-LM's
+combined 1F1B (`megatron.core.pipeline_parallel.combined_1f1b`): once launched, forward or
+backward, `overlap.hide` lets the other micro-batch's pass compute while they travel.
 """
 
 from __future__ import annotations
@@ -193,3 +197,133 @@ def reduce_expert_gradient(grad: torch.Tensor) -> None:
     grad.div_(parallel_state.get_sequence_data_parallel_world_size())
     if parallel_state.get_expert_data_parallel_world_size() > 1:
         dist.all_reduce(grad, group=parallel_state.get_expert_data_parallel_group())
+
+
+class _Launched:
+    """An asynchronous collective and the tensors it reads or writes until it is waited for."""
+
+    def __init__(self, work: dist.Work, *tensors: torch.Tensor) -> None:
+        self.work, self.tensors = work, tensors
+
+    def wait(self) -> None:
+        """Block (on CPUs) or order the current stream (on GPUs) until it is done."""
+        self.work.wait()
+        self.tensors = ()
+
+
+def _launch_all_to_all(
+    tensor: torch.Tensor, output_splits: list[int], input_splits: list[int]
+) -> tuple[torch.Tensor, _Launched]:
+    tensor = tensor.contiguous()
+    output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
+    work = dist.all_to_all_single(
+        output,
+        tensor,
+        output_split_sizes=output_splits,
+        input_split_sizes=input_splits,
+        group=parallel_state.get_expert_model_parallel_group(),
+        async_op=True,
+    )
+    return output, _Launched(work, tensor)
+
+
+def _launch_gather(tensor: torch.Tensor) -> tuple[torch.Tensor, _Launched]:
+    tensor = tensor.contiguous()
+    output = tensor.new_empty((tensor.size(0) * _ep_size(), *tensor.shape[1:]))
+    group = parallel_state.get_expert_model_parallel_group()
+    work = dist.all_gather_into_tensor(output, tensor, group=group, async_op=True)
+    return output, _Launched(work, tensor)
+
+
+def _launch_reduce_scatter(tensor: torch.Tensor) -> tuple[torch.Tensor, _Launched]:
+    tensor = tensor.contiguous()
+    output = tensor.new_empty((tensor.size(0) // _ep_size(), *tensor.shape[1:]))
+    group = parallel_state.get_expert_model_parallel_group()
+    work = dist.reduce_scatter_tensor(output, tensor, group=group, async_op=True)
+    return output, _Launched(work, tensor)
+
+
+Launch = Callable[[tuple], tuple[tuple, list]]
+"""Launches collectives on a tuple of tensors (None for absent gradients): their outputs and
+the `_Launched` handles to wait for."""
+
+
+class _HiddenCollective(torch.autograd.Function):
+    """`launch(tensors)` with the other pass computing while it travels (`overlap.hide`); the
+    backward does the same with `transpose` on the gradients."""
+
+    @staticmethod
+    def forward(ctx, overlap, launch, transpose, *tensors):  # noqa: ANN001, ANN205
+        ctx.overlap, ctx.transpose = overlap, transpose
+        outputs, launched = launch(tensors)
+        overlap.hide(launched, backward=False)
+        ctx.mark_non_differentiable(*(out for out in outputs if not out.is_floating_point()))
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):  # noqa: ANN001, ANN205
+        grads, launched = ctx.transpose(grads)
+        ctx.overlap.hide(launched, backward=True)
+        return (None, None, None, *grads)
+
+
+def all_to_all_hidden(
+    tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], overlap: object
+) -> torch.Tensor:
+    """`all_to_all_over_expert_parallel` with `overlap` (a `Combined1F1B`) hiding it, and its
+    transpose in the backward, behind the other micro-batch's compute."""
+    if _ep_size() == 1:
+        return tensor
+
+    def launch(tensors: tuple) -> tuple[tuple, list]:
+        output, launched = _launch_all_to_all(tensors[0], output_splits, input_splits)
+        return (output,), [launched]
+
+    def transpose(grads: tuple) -> tuple[tuple, list]:
+        grad, launched = _launch_all_to_all(grads[0], input_splits, output_splits)
+        return (grad,), [launched]
+
+    (output,) = _HiddenCollective.apply(overlap, launch, transpose, tensor)
+    return output
+
+
+def gather_hidden(overlap: object, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`gather_from_expert_parallel_region` of each of `tensors` (integer ones without a
+    gradient), hidden by `overlap` as `all_to_all_hidden`; the backward's reduce-scatters too."""
+    if _ep_size() == 1:
+        return tensors
+
+    def launch(inputs: tuple) -> tuple[tuple, list]:
+        pairs = [_launch_gather(tensor) for tensor in inputs]
+        return tuple(out for out, _ in pairs), [launched for _, launched in pairs]
+
+    def transpose(grads: tuple) -> tuple[tuple, list]:
+        outputs, handles = [], []
+        for tensor, grad in zip(tensors, grads, strict=True):
+            if not tensor.is_floating_point() or grad is None:
+                outputs.append(None)
+                continue
+            out, launched = _launch_reduce_scatter(grad)
+            outputs.append(out)
+            handles.append(launched)
+        return tuple(outputs), handles
+
+    return _HiddenCollective.apply(overlap, launch, transpose, *tensors)
+
+
+def reduce_scatter_hidden(tensor: torch.Tensor, overlap: object) -> torch.Tensor:
+    """`reduce_scatter_to_expert_parallel_region` hidden by `overlap` (its backward's
+    all-gather too)."""
+    if _ep_size() == 1:
+        return tensor
+
+    def launch(inputs: tuple) -> tuple[tuple, list]:
+        output, launched = _launch_reduce_scatter(inputs[0])
+        return (output,), [launched]
+
+    def transpose(grads: tuple) -> tuple[tuple, list]:
+        grad, launched = _launch_gather(grads[0])
+        return (grad,), [launched]
+
+    (output,) = _HiddenCollective.apply(overlap, launch, transpose, tensor)
+    return output

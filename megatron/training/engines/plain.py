@@ -18,12 +18,13 @@ import torch
 from megatron.checkpointing.save_load import CheckpointTarget
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.combined_1f1b import Combined1F1B
 from megatron.core.process_groups import this_rank_groups
 from megatron.core.tensor_parallel.meta_init import meta_device_build
 from megatron.layout import Engine, ParallelLayout
 from megatron.model import GPTModel
 from megatron.model.moe import set_up_expert_groups
-from megatron.model.moe_layer import names_outside_data_parallel
+from megatron.model.moe_layer import attach_combined_1f1b, names_outside_data_parallel
 from megatron.training.engines.base import (
     PipelineBatch,
     TrainingEngine,
@@ -96,7 +97,12 @@ class PlainEngine(TrainingEngine):
                 device_ids=[torch.cuda.current_device()] if torch.cuda.is_available() else None,
                 process_group=parallel_state.get_sequence_data_parallel_group(),
             )
+        overlap = None
+        if args.overlap_moe_expert_parallel_comm:  # Megatron-LM's combined 1F1B
+            overlap = Combined1F1B(delay_weight_grads=args.delay_wgrad_compute)
+            attach_combined_1f1b(model, overlap)
         trainer = PlainTrainer(
+            comm_overlap=overlap,
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
