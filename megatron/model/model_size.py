@@ -107,19 +107,37 @@ def num_parameters(
     return total
 
 
-def flops_per_token(config: ModelConfig, seq_length: int) -> int:
-    """Training (forward + backward) FLOPs per token at `seq_length`, recompute excluded."""
+def attention_forward_flops(config: ModelConfig, seq_length: int) -> int:
+    """Forward FLOPs per token of one layer's attention at `seq_length` (whole, causal
+    masking not subtracted)."""
     h, proj = config.hidden_size, config.projection_size
-    attention = (
-        2 * h * (proj + 2 * config.kv_projection_size)  # query_key_value
-        + 2 * 2 * seq_length * proj  # q k^T and probs v
-        + 2 * proj * h  # attention dense
-    )
     if config.mla is not None:  # its projections' matmuls, then q k^T and probs v
         mla, n = config.mla, config.num_attention_heads
         weights = sum(spec.numel for spec in mla_parameters(config) if len(spec.shape) == 2)
         head_widths = mla.qk_head_dim + mla.qk_pos_emb_head_dim + mla.v_head_dim
-        attention = 2 * weights + 2 * seq_length * n * head_widths
+        return 2 * weights + 2 * seq_length * n * head_widths
+    return (
+        2 * h * (proj + 2 * config.kv_projection_size)  # query_key_value
+        + 2 * 2 * seq_length * proj  # q k^T and probs v
+        + 2 * proj * h  # attention dense
+    )
+
+
+def routed_expert_forward_flops(config: ModelConfig) -> int:
+    """Forward FLOPs of one Megatron-LM routed expert on one (token, expert) row."""
+    return _routed_expert(config)[1]
+
+
+def moe_layer_forward_flops(config: ModelConfig) -> int:
+    """Forward FLOPs per token of one Megatron-LM MoE layer's MLP: the router, the top-k
+    experts, the shared expert."""
+    return _moe_layer(config, config.routed_moe.num_experts, True)[1]
+
+
+def flops_per_token(config: ModelConfig, seq_length: int) -> int:
+    """Training (forward + backward) FLOPs per token at `seq_length`, recompute excluded."""
+    h = config.hidden_size
+    attention = attention_forward_flops(config, seq_length)
     experts = _experts(config)
     layers = sum(attention + _moe_layer(config, e, True)[1] for e in experts)
     forward = layers + 2 * h * config.vocab_size  # + logits

@@ -154,6 +154,8 @@ class Plan:
             if fp8 is not None:
                 result["device"]["fp8_flops_per_iteration"] = estimate.fp8_flops
                 result["device"]["fp8_peak_flops"] = self.device.fp8_flops
+            if inputs.model.routed_moe is not None and inputs.model.routed_moe.overlap_expert_comm:
+                result["device"]["expert_comm_hidden"] = estimate.expert_comm_hidden
             if inputs.cp > 1:
                 result["device"]["context_parallel_exposed_seconds"] = estimate.context_parallel_s
                 result["device"]["context_parallel_hidden"] = estimate.context_parallel_hidden
@@ -323,7 +325,18 @@ def _routed_moe_line(plan: Plan) -> str:
         f"layer and micro-batch on a rank: {routed_rows(inputs):,} expert rows ({kept}), "
         f"activations {routed_mlp_bytes(inputs, size) / _GIB:.2f} GiB (in 'activ'), "
         + (f"dispatch {sent} MB" if sent else "no dispatch (EP 1)")
+        + _combined_1f1b_note(plan)
     )
+
+
+def _combined_1f1b_note(plan: Plan) -> str:
+    """With `--overlap-moe-expert-parallel-comm`, how much of the dispatcher's time it hides."""
+    if not plan.inputs.model.routed_moe.overlap_expert_comm or plan.inputs.ep == 1:
+        return ""
+    if plan.estimate is None:
+        return "; combined 1F1B (name a device with --dry-run-device for its overlap)"
+    hidden = plan.estimate.expert_comm_hidden
+    return f"; combined 1F1B hides {hidden:.0%} of its time behind the other micro-batch"
 
 
 def format_plan(plan: Plan) -> str:

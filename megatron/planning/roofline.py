@@ -45,7 +45,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron.core.pipeline_parallel.layout import bubble_fraction
-from megatron.model.model_size import flops_per_token, mlp_forward_flops
+from megatron.model.model_size import (
+    attention_forward_flops,
+    flops_per_token,
+    mlp_forward_flops,
+    moe_layer_forward_flops,
+    routed_expert_forward_flops,
+)
 from megatron.planning.communication import (
     Collective,
     all_to_all_parts,
@@ -88,6 +94,9 @@ class StepEstimate:
     """The fraction of context parallelism's communication time hidden behind attention."""
     fp8_flops: float = 0.0
     """Of `executed_flops`, the FP8 matmuls' (at the FP8 peak, or the bf16 one without)."""
+    expert_comm_hidden: float = 0.0
+    """The fraction of the routed MoE dispatcher's collective time the combined 1F1B hides
+    (`--overlap-moe-expert-parallel-comm`; 0 without it)."""
 
 
 def _recompute_factor(inputs: PlanInputs) -> float:
@@ -190,6 +199,42 @@ def shared_expert_overlap_seconds(
     return layers * passes * min(dispatch_s, shared_s) * inputs.micro_batches
 
 
+def combined_1f1b_seconds(
+    inputs: PlanInputs, role: RankRole, device: Device, efficiency: float = MATMUL_EFFICIENCY
+) -> tuple[float, float]:
+    """(hidden, total) seconds of the routed MoE layers' dispatcher collectives per iteration
+    under `--overlap-moe-expert-parallel-comm` (Megatron-LM's combined 1F1B,
+    `megatron.core.pipeline_parallel.combined_1f1b`); (0, 0) without it.
+
+    Each layer's four collectives per micro-batch (dispatch and combine, forward and
+    backward) take c each. The backward of micro-batch i runs beside the forward of i+1, and
+    each collective travels while the other pass computes its next piece: the forward's
+    dispatch behind the experts' backward (2 X, X the experts' forward), its combine behind
+    the attention's backward (2 A, A the layer's forward but for the experts), the backward's
+    combine behind the forward's attention (A), its dispatch behind the forward's experts
+    (X; with `--delay-wgrad-compute` the experts' weight gradient too, moved there from the
+    dispatch's side). Hidden per layer and pair: min(c, A) + min(c, 2A) + min(c, X) + min(c,
+    2X), M - 1 pairs of micro-batches (the first forward and the last backward run alone)."""
+    moe = inputs.model.routed_moe
+    if moe is None or not moe.overlap_expert_comm or inputs.ep == 1:
+        return 0.0, 0.0
+    layers = sum(is_routed_layer(inputs.model, n) for chunk in role.layers for n in chunk)
+    total = all_to_all_seconds(inputs, role, device)
+    if not layers or total == 0.0:
+        return 0.0, 0.0
+    config, m = inputs.model, inputs.micro_batches
+    c = total / (4 * layers * m)
+    rate = (device.fp32_flops if inputs.precision == "fp32" else device.bf16_flops) * efficiency
+    tokens = inputs.local_seq_length * inputs.micro_batch
+    experts_s = routed_rows(inputs) * routed_expert_forward_flops(config) / rate
+    rest = attention_forward_flops(config, inputs.seq_length) + moe_layer_forward_flops(config)
+    rest -= moe.top_k * routed_expert_forward_flops(config)
+    attention_s = tokens * rest / inputs.tp / rate
+    per_pair = sum(min(c, piece) for piece in (attention_s, 2 * attention_s))
+    per_pair += sum(min(c, piece) for piece in (experts_s, 2 * experts_s))
+    return layers * (m - 1) * per_pair, total
+
+
 def ring_exposed_seconds(
     size: int, key_values_s: float, gradients_s: float, block_s: float
 ) -> tuple[float, float]:
@@ -282,6 +327,8 @@ def estimate_step(
     pp_comm = pipeline_bytes(inputs, role) / _link(device, inputs.pp, pp_stride)
     a2a_comm = all_to_all_seconds(inputs, role, device)
     a2a_comm -= shared_expert_overlap_seconds(inputs, role, device, efficiency)
+    hidden_a2a, total_a2a = combined_1f1b_seconds(inputs, role, device, efficiency)
+    a2a_comm -= hidden_a2a
     cp_comm, cp_total = context_parallel_seconds(inputs, role, device, efficiency)
     bubble = 0.0
     if inputs.pp > 1:
@@ -299,4 +346,5 @@ def estimate_step(
         context_parallel_s=cp_comm,
         context_parallel_hidden=1.0 - cp_comm / cp_total if cp_total else 0.0,
         fp8_flops=fp8,
+        expert_comm_hidden=hidden_a2a / total_a2a if total_a2a else 0.0,
     )
