@@ -317,3 +317,30 @@ def test_moe_overlap_quick_prints_both_sizes_bit_identical() -> None:
     for cells in rows.values():
         assert cells[-1] == "yes", cells
         assert 0.0 <= _percent(cells[6]) <= 1.0 and 0.0 <= _percent(cells[7]) <= 1.0, cells
+
+
+@pytest.mark.slow
+def test_moe_combined_1f1b_quick_prints_every_setup_bit_identical() -> None:
+    """`benchmarks/moe_combined_1f1b.py --quick --sizes 2`: a row per setup that parses, the
+    three setups' losses and final weights bit-identical, the planned share a percentage."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    script = os.path.join(REPO_ROOT, "benchmarks", "moe_combined_1f1b.py")
+    result = subprocess.run(
+        [sys.executable, script, "--quick", "--sizes", "2", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {}
+    for line in result.stdout.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| 2 |"):
+            rows[cells[1]] = cells
+    assert set(rows) == {"plain", "overlap", "overlap+delay"}, result.stdout
+    assert all(cells[-1] == "yes" for cells in rows.values()), rows
+    for name in ("overlap", "overlap+delay"):
+        planned = re.fullmatch(r"(\d+)%", rows[name][6])
+        assert planned and 0 < int(planned.group(1)) <= 100, rows[name]
