@@ -33,20 +33,26 @@ def _percent(cell: str) -> float:
     return float(match.group(1)) / 100
 
 
-@pytest.mark.slow
-def test_pipeline_schedules_quick_prints_every_layout() -> None:
-    """`benchmarks/pipeline_schedules.py --quick`: one table row per layout, all of it parses."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+def _run_benchmark(script: str, *flags: str) -> str:
+    """`benchmarks/<script> <flags>` on the CPU (CUDA hidden), within 5 minutes: its stdout,
+    after asserting it exited 0 (else the tail of its output is the message)."""
     result = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "pipeline_schedules.py"), "--quick"],
+        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", script), *flags],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
-        env=env,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_pipeline_schedules_quick_prints_every_layout() -> None:
+    """`benchmarks/pipeline_schedules.py --quick`: one table row per layout, all of it parses."""
+    stdout = _run_benchmark("pipeline_schedules.py", "--quick")
+    lines = stdout.splitlines()
     assert any(line.startswith("first-step loss, m=4:") and "-> OK" in line for line in lines)
     header = next(line for line in lines if line.startswith("| layout |"))
     columns = [cell.strip() for cell in header.strip("|").split("|")]
@@ -55,7 +61,7 @@ def test_pipeline_schedules_quick_prints_every_layout() -> None:
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         if line.startswith("| ") and cells[0] in PIPELINE_LAYOUTS:
             rows[cells[0]] = dict(zip(columns, cells))
-    assert set(rows) == set(PIPELINE_LAYOUTS), result.stdout
+    assert set(rows) == set(PIPELINE_LAYOUTS), stdout
     for title, row in rows.items():
         pp, virtual = PIPELINE_LAYOUTS[title]
         assert len(row) == len(columns), row
@@ -76,17 +82,8 @@ MOE_SETUPS = ("dense-top1", "moe-top1", "dense-top2", "moe-top2")
 def test_moe_step_quick_prints_every_setup() -> None:
     """`benchmarks/moe_step.py --quick`: a row per setup that parses; the MoE rows count the
     all-to-alls DeepSpeed-MoE makes and the dense rows none; active parameters match."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "moe_step.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    stdout = _run_benchmark("moe_step.py", "--quick")
+    lines = stdout.splitlines()
     header = next(line for line in lines if line.startswith("| setup |"))
     columns = [cell.strip() for cell in header.strip("|").split("|")]
     rows = {}
@@ -94,7 +91,7 @@ def test_moe_step_quick_prints_every_setup() -> None:
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         if line.startswith("| ") and cells[0] in MOE_SETUPS:
             rows[cells[0]] = dict(zip(columns, cells))
-    assert set(rows) == set(MOE_SETUPS), result.stdout
+    assert set(rows) == set(MOE_SETUPS), stdout
     for name, row in rows.items():
         assert len(row) == len(columns), row
         assert re.fullmatch(r"\d+ ms", row["step (median)"]), row
@@ -124,17 +121,8 @@ def test_ulysses_step_quick_prints_every_size() -> None:
     """`benchmarks/ulysses_step.py --quick`: a row per S that parses; the first-step losses agree
     with one process; the activations saved for backward shrink with S; the all-to-all is
     counted under Ulysses only, with the volume the shapes give."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "ulysses_step.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    stdout = _run_benchmark("ulysses_step.py", "--quick")
+    lines = stdout.splitlines()
     losses = [line for line in lines if line.startswith("first-step loss:")]
     assert len(losses) == 1 and losses[0].endswith("-> OK"), losses
     header = next(line for line in lines if line.startswith("| S |"))
@@ -144,7 +132,7 @@ def test_ulysses_step_quick_prints_every_size() -> None:
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         if line.startswith("| ") and cells[0] in ULYSSES_SIZES:
             rows[cells[0]] = dict(zip(columns, cells))
-    assert set(rows) == set(ULYSSES_SIZES), result.stdout
+    assert set(rows) == set(ULYSSES_SIZES), stdout
     for name, row in rows.items():
         size = int(name.removeprefix("S="))
         assert len(row) == len(columns), row
@@ -171,17 +159,8 @@ def test_routed_moe_step_quick_prints_every_setup() -> None:
     makes its own collectives (and the dense model none), the grouped setups call grouped_mm
     and the loop does not; the MoE setups agree on the first-step loss; active parameters
     match."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "routed_moe_step.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    stdout = _run_benchmark("routed_moe_step.py", "--quick")
+    lines = stdout.splitlines()
     losses = [line for line in lines if line.startswith("first-step lm loss, top-2:")]
     assert len(losses) == 1 and losses[0].endswith("-> OK"), losses
     header = next(line for line in lines if line.startswith("| setup |"))
@@ -191,7 +170,7 @@ def test_routed_moe_step_quick_prints_every_setup() -> None:
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         if line.startswith("| ") and cells[0] in ROUTED_MOE_SETUPS:
             rows[cells[0]] = dict(zip(columns, cells))
-    assert set(rows) == set(ROUTED_MOE_SETUPS), result.stdout
+    assert set(rows) == set(ROUTED_MOE_SETUPS), stdout
     # --quick: 2 MoE layers, 1 micro-batch. All-to-all: the count exchange and 2 token
     # all-to-alls forward, 2 backward. All-gather: tokens, weights, routing map and the
     # reduce-scatter forward, 3 transposes backward. grouped_mm: 2 per layer forward.
@@ -231,27 +210,13 @@ def test_fp8_throughput_smoke_compares_bf16_and_fp8_runs(tmp_path) -> None:
     """`benchmarks/fp8_throughput.py --smoke`: both pretrain_gpt.py runs finish, the second with
     FP8 matmuls in every transformer linear layer; a loss row per iteration, tokens/s per run
     and their ratio parse; the FP8 losses stay within 1% of bf16's (6 steps of a tiny LLaMA)."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO_ROOT, "benchmarks", "fp8_throughput.py"),
-            "--smoke",
-            "--work-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stdout = _run_benchmark("fp8_throughput.py", "--smoke", "--work-dir", str(tmp_path))
     with open(tmp_path / "fp8.log") as fp8_log, open(tmp_path / "bf16.log") as bf16_log:
         assert " > FP8 matmuls: 8 of this rank's 9 tensor-parallel linear layers" in fp8_log.read()
         assert "FP8 matmuls" not in bf16_log.read()
-    lines = result.stdout.splitlines()
+    lines = stdout.splitlines()
     losses = [line.split("|")[1:-1] for line in lines if re.match(r"\| \d+ \| ", line)]
-    assert [int(row[0]) for row in losses] == list(range(1, 7)), result.stdout
+    assert [int(row[0]) for row in losses] == list(range(1, 7)), stdout
     for _, bf16, fp8, difference, *_ in losses:
         assert abs(float(fp8) - float(bf16)) / float(bf16) < 0.01, losses
         assert float(difference.strip().rstrip("%")) < 1.0, losses
@@ -271,26 +236,20 @@ def test_gpu_throughput_cpu_smoke_runs_the_three_engines() -> None:
     """`benchmarks/gpu_throughput.py --device cpu`: the plain engine, DeepSpeed's engine and
     its pipeline engine each train through pretrain_gpt.py's code (the settled arguments
     included) and print a row, and both DeepSpeed engines' ratios to the plain one parse."""
-    command = [
-        sys.executable,
-        os.path.join(REPO_ROOT, "benchmarks", "gpu_throughput.py"),
+    stdout = _run_benchmark(
+        "gpu_throughput.py",
         *("--device", "cpu", "--model", "tiny", "--iters", "1", "--warmup", "1"),
         *("--modes", "eager", "--engines", "plain", "nopipe", "pipe", "--no-baseline"),
         *("--seq-length", "64", "--global-batch-size", "4", "--micro-batch-size", "2"),
-    ]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run(
-        command, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=300
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    lines = stdout.splitlines()
     rows = [line.split()[2] for line in lines if re.match(r"  ours eager \(\w+\) +\d", line)]
-    assert rows == ["(plain)", "(nopipe)", "(pipe)"], result.stdout
+    assert rows == ["(plain)", "(nopipe)", "(pipe)"], stdout
     ratios = [
         re.match(r"  ours eager \((\w+)\): (\d+\.\d{3})x the plain engine \(target >= ", line)
         for line in lines
     ]
-    assert [m.group(1) for m in ratios if m] == ["nopipe", "pipe"], result.stdout
+    assert [m.group(1) for m in ratios if m] == ["nopipe", "pipe"], stdout
     assert all(float(m.group(2)) > 0 for m in ratios if m)
 
 
@@ -298,22 +257,13 @@ def test_gpu_throughput_cpu_smoke_runs_the_three_engines() -> None:
 def test_moe_overlap_quick_prints_both_sizes_bit_identical() -> None:
     """`benchmarks/moe_overlap.py --quick`: a row per EP (2, 4) that parses, the overlapped
     forward's output the plain one's bit for bit on every rank, the hidden share a percentage."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "moe_overlap.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stdout = _run_benchmark("moe_overlap.py", "--quick")
     rows = {}
-    for line in result.stdout.splitlines():
+    for line in stdout.splitlines():
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         if line.startswith("| ") and cells[0] in ("2", "4"):
             rows[cells[0]] = cells
-    assert set(rows) == {"2", "4"}, result.stdout
+    assert set(rows) == {"2", "4"}, stdout
     for cells in rows.values():
         assert cells[-1] == "yes", cells
         assert 0.0 <= _percent(cells[6]) <= 1.0 and 0.0 <= _percent(cells[7]) <= 1.0, cells
@@ -323,23 +273,13 @@ def test_moe_overlap_quick_prints_both_sizes_bit_identical() -> None:
 def test_moe_combined_1f1b_quick_prints_every_setup_bit_identical() -> None:
     """`benchmarks/moe_combined_1f1b.py --quick --sizes 2`: a row per setup that parses, the
     three setups' losses and final weights bit-identical, the planned share a percentage."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    script = os.path.join(REPO_ROOT, "benchmarks", "moe_combined_1f1b.py")
-    result = subprocess.run(
-        [sys.executable, script, "--quick", "--sizes", "2", "--rounds", "1"],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stdout = _run_benchmark("moe_combined_1f1b.py", "--quick", "--sizes", "2", "--rounds", "1")
     rows = {}
-    for line in result.stdout.splitlines():
+    for line in stdout.splitlines():
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         if line.startswith("| 2 |"):
             rows[cells[1]] = cells
-    assert set(rows) == {"plain", "overlap", "overlap+delay"}, result.stdout
+    assert set(rows) == {"plain", "overlap", "overlap+delay"}, stdout
     assert all(cells[-1] == "yes" for cells in rows.values()), rows
     for name in ("overlap", "overlap+delay"):
         planned = re.fullmatch(r"(\d+)%", rows[name][6])
