@@ -62,6 +62,34 @@ def all_to_all_over_expert_parallel(
     return _AllToAll.apply(tensor, output_splits, input_splits)
 
 
+class _Launched:
+    """An asynchronous collective and the tensors it reads or writes until it is waited for."""
+
+    def __init__(self, work: dist.Work, *tensors: torch.Tensor) -> None:
+        self.work, self.tensors = work, tensors
+
+    def wait(self) -> None:
+        """Block (on CPUs) or order the current stream (on GPUs) until it is done."""
+        self.work.wait()
+        self.tensors = ()
+
+
+def _launch_all_to_all(
+    tensor: torch.Tensor, output_splits: list[int], input_splits: list[int]
+) -> tuple[torch.Tensor, _Launched]:
+    tensor = tensor.contiguous()
+    output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
+    work = dist.all_to_all_single(
+        output,
+        tensor,
+        output_split_sizes=output_splits,
+        input_split_sizes=input_splits,
+        group=parallel_state.get_expert_model_parallel_group(),
+        async_op=True,
+    )
+    return output, _Launched(work, tensor)
+
+
 class _StartAllToAll(torch.autograd.Function):
     """Launch the all-to-all without waiting; `_WaitAllToAll` waits. Backward: the reverse
     all-to-all (synchronous)."""
@@ -69,17 +97,8 @@ class _StartAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, output_splits, input_splits, in_flight):  # noqa: ANN001, ANN205
         ctx.splits = (output_splits, input_splits)
-        tensor = tensor.contiguous()
-        output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
-        work = dist.all_to_all_single(
-            output,
-            tensor,
-            output_split_sizes=output_splits,
-            input_split_sizes=input_splits,
-            group=parallel_state.get_expert_model_parallel_group(),
-            async_op=True,
-        )
-        in_flight.append((work, tensor))  # the input stays alive until the wait
+        output, launched = _launch_all_to_all(tensor, output_splits, input_splits)
+        in_flight.append(launched)  # the input stays alive until the wait
         return output
 
     @staticmethod
@@ -93,8 +112,7 @@ class _WaitAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, output, in_flight):  # noqa: ANN001, ANN205
-        work, _ = in_flight.pop()
-        work.wait()
+        in_flight.pop().wait()
         return output.view_as(output)
 
     @staticmethod
@@ -118,7 +136,7 @@ def all_to_all_over_expert_parallel_while(
     try:
         result = compute()
     except BaseException:
-        in_flight[0][0].wait()  # never leave a collective in flight
+        in_flight[0].wait()  # never leave a collective in flight
         raise
     return _WaitAllToAll.apply(output, in_flight), result
 
@@ -199,39 +217,11 @@ def reduce_expert_gradient(grad: torch.Tensor) -> None:
         dist.all_reduce(grad, group=parallel_state.get_expert_data_parallel_group())
 
 
-class _Launched:
-    """An asynchronous collective and the tensors it reads or writes until it is waited for."""
-
-    def __init__(self, work: dist.Work, *tensors: torch.Tensor) -> None:
-        self.work, self.tensors = work, tensors
-
-    def wait(self) -> None:
-        """Block (on CPUs) or order the current stream (on GPUs) until it is done."""
-        self.work.wait()
-        self.tensors = ()
-
-
-def _launch_all_to_all(
-    tensor: torch.Tensor, output_splits: list[int], input_splits: list[int]
-) -> tuple[torch.Tensor, _Launched]:
-    tensor = tensor.contiguous()
-    output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
-    work = dist.all_to_all_single(
-        output,
-        tensor,
-        output_split_sizes=output_splits,
-        input_split_sizes=input_splits,
-        group=parallel_state.get_expert_model_parallel_group(),
-        async_op=True,
-    )
-    return output, _Launched(work, tensor)
-
-
 def _launch_gather(tensor: torch.Tensor) -> tuple[torch.Tensor, _Launched]:
     tensor = tensor.contiguous()
     output = tensor.new_empty((tensor.size(0) * _ep_size(), *tensor.shape[1:]))
     group = parallel_state.get_expert_model_parallel_group()
-    work = dist.all_gather_into_tensor(output, tensor, group=group, async_op=True)
+    work = all_gather_single(output, tensor, group=group, async_op=True)
     return output, _Launched(work, tensor)
 
 
@@ -239,7 +229,7 @@ def _launch_reduce_scatter(tensor: torch.Tensor) -> tuple[torch.Tensor, _Launche
     tensor = tensor.contiguous()
     output = tensor.new_empty((tensor.size(0) // _ep_size(), *tensor.shape[1:]))
     group = parallel_state.get_expert_model_parallel_group()
-    work = dist.reduce_scatter_tensor(output, tensor, group=group, async_op=True)
+    work = reduce_scatter_single(output, tensor, group=group, async_op=True)
     return output, _Launched(work, tensor)
 
 

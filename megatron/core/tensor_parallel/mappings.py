@@ -23,16 +23,22 @@ from megatron.core import parallel_state
 # Looked up at each call, as every other collective here: a profiler or meter that wraps
 # torch.distributed's functions after this module was imported (benchmarks/run_meters.py) sees
 # these calls too.
-def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group: object) -> None:
-    """Gather `tensor` of every rank of `group` into `output`, concatenated along dim 0."""
+def all_gather_single(
+    output: torch.Tensor, tensor: torch.Tensor, group: object, async_op: bool = False
+) -> dist.Work | None:
+    """Gather `tensor` of every rank of `group` into `output`, concatenated along dim 0 (with
+    `async_op`, launched: the handle to wait for)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
+    return gather(output, tensor, group=group, async_op=async_op)
 
 
-def reduce_scatter_single(output: torch.Tensor, tensor: torch.Tensor, group: object) -> None:
-    """Sum `tensor` over `group` and keep this rank's dim-0 part in `output`."""
+def reduce_scatter_single(
+    output: torch.Tensor, tensor: torch.Tensor, group: object, async_op: bool = False
+) -> dist.Work | None:
+    """Sum `tensor` over `group` and keep this rank's dim-0 part in `output` (with `async_op`,
+    launched: the handle to wait for)."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(output, tensor, group=group)
+    return scatter(output, tensor, group=group, async_op=async_op)
 
 
 def _tp_size() -> int:
